@@ -1,0 +1,360 @@
+"""Random-weight checkpoints in HuggingFace layout, with a real byte-level BPE tokenizer.
+
+`make_model(arch, preset, out)` writes a directory that `transformers.AutoModelForCausalLM`
+and `AutoTokenizer` load offline: config.json, generation_config.json, model.safetensors
+(fp32), tokenizer.json and tokenizer_config.json. The weights are random (seeded, so the same
+arguments give byte-identical files); the tokenizer is trained on fastdecode/data/corpus.txt.
+
+The runtime never imports transformers, and neither does this module: tensors are built with
+torch and saved with safetensors, the tokenizer with the `tokenizers` library.
+
+Vocabulary: ids 0/1/2 are <s>/</s>/<pad>; encoding prepends <s> (every arch). The corpus yields
+about 3.5k BPE tokens, so tiny (2048) is all learned tokens while small (8192) is topped up with
+~4.7k `<|reserved_N|>` special tokens; a random model emits those often, and decoding with
+skip_special_tokens drops them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fastdecode.errors import InvalidInput, ModelLoadError
+
+ARCHS = ("llama", "mistral", "qwen2")
+PRESETS = ("tiny", "small")
+
+CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 (trained first, in this order)
+BOS_TOKEN_ID = 0
+EOS_TOKEN_ID = 1
+PAD_TOKEN_ID = 2
+RESERVED_TOKEN = "<|reserved_{}|>"
+
+DEFAULT_ARCH = "llama"
+DEFAULT_PRESET = "tiny"
+DEFAULT_MODEL_NAME = "tiny-llama"
+
+# Init scales, chosen so that every part of the network visibly moves the greedy outputs (an
+# implementation bug in attention, RoPE, a norm or a bias changes the tokens) while fp32 logits stay
+# far apart compared with rounding noise:
+# - linear weights: std LINEAR_GAIN / sqrt(fan_in), so activations keep a unit-ish scale through
+#   the stack (with a flat std 0.02 the tiny model's layers barely touch the residual stream and the
+#   next token hardly depends on the context);
+# - embedding: std 0.02 (also the tied LM head of qwen2; a wide embedding makes a tied model repeat
+#   its last token forever);
+# - RMSNorm weights: 1 + noise, so a missing or misplaced norm weight changes the outputs;
+# - qwen2's q/k/v biases: large enough to matter.
+LINEAR_GAIN = 1.5
+EMBED_STD = 0.02
+NORM_NOISE_STD = 0.1
+BIAS_STD = 0.5
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+_PRESETS = {
+    "tiny": Preset(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        intermediate_size=688,
+        vocab_size=2048,
+        max_position_embeddings=1024,
+    ),
+    "small": Preset(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+    ),
+}
+
+# kv heads = attention heads // divisor: llama MHA, mistral GQA 4:1, qwen2 GQA 2:1.
+_KV_DIVISOR = {"llama": 1, "mistral": 4, "qwen2": 2}
+_ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ROPE_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 1000000.0}
+
+
+def _check(arch: str, preset: str) -> Preset:
+    if arch not in ARCHS:
+        raise InvalidInput(f"unknown architecture {arch!r}; expected one of {ARCHS}")
+    if preset not in PRESETS:
+        raise InvalidInput(f"unknown preset {preset!r}; expected one of {PRESETS}")
+    return _PRESETS[preset]
+
+
+def build_config(arch: str, preset: str) -> dict:
+    """The config.json contents for (arch, preset), as transformers 5.x expects them.
+
+    rope_theta is written both at the top level (older readers, our own loader) and inside
+    rope_parameters (where transformers 5 keeps it).
+    """
+    p = _check(arch, preset)
+    kv_heads = p.num_attention_heads // _KV_DIVISOR[arch]
+    theta = _ROPE_THETA[arch]
+    cfg: dict = {
+        "architectures": [_ARCH_CLASS[arch]],
+        "model_type": arch,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "max_position_embeddings": p.max_position_embeddings,
+        "vocab_size": p.vocab_size,
+        "tie_word_embeddings": arch == "qwen2",
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
+        "initializer_range": EMBED_STD,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        cfg["attention_bias"] = False
+        cfg["mlp_bias"] = False
+    elif arch == "mistral":
+        cfg["sliding_window"] = None
+    else:  # qwen2: q/k/v biases are built into the architecture, no config switch
+        cfg["use_sliding_window"] = False
+        cfg["sliding_window"] = None
+        cfg["max_window_layers"] = p.num_hidden_layers
+    return cfg
+
+
+def _tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) for every tensor, in a fixed order; kind picks the init."""
+    h = cfg["hidden_size"]
+    inter = cfg["intermediate_size"]
+    hd = cfg["head_dim"]
+    q_out = cfg["num_attention_heads"] * hd
+    kv_out = cfg["num_key_value_heads"] * hd
+    qkv_bias = cfg["model_type"] == "qwen2"
+    out: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (cfg["vocab_size"], h), "embed")
+    ]
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        out.append((pre + "input_layernorm.weight", (h,), "norm"))
+        out.append((pre + "self_attn.q_proj.weight", (q_out, h), "linear"))
+        out.append((pre + "self_attn.k_proj.weight", (kv_out, h), "linear"))
+        out.append((pre + "self_attn.v_proj.weight", (kv_out, h), "linear"))
+        if qkv_bias:
+            out.append((pre + "self_attn.q_proj.bias", (q_out,), "bias"))
+            out.append((pre + "self_attn.k_proj.bias", (kv_out,), "bias"))
+            out.append((pre + "self_attn.v_proj.bias", (kv_out,), "bias"))
+        out.append((pre + "self_attn.o_proj.weight", (h, q_out), "linear"))
+        out.append((pre + "post_attention_layernorm.weight", (h,), "norm"))
+        out.append((pre + "mlp.gate_proj.weight", (inter, h), "linear"))
+        out.append((pre + "mlp.up_proj.weight", (inter, h), "linear"))
+        out.append((pre + "mlp.down_proj.weight", (h, inter), "linear"))
+    out.append(("model.norm.weight", (h,), "norm"))
+    if not cfg["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (cfg["vocab_size"], h), "linear"))
+    return out
+
+
+def _build_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape, kind in _tensor_shapes(cfg):
+        t = torch.empty(shape, dtype=torch.float32)
+        if kind == "embed":
+            t.normal_(0.0, EMBED_STD, generator=gen)
+        elif kind == "linear":
+            t.normal_(0.0, LINEAR_GAIN / math.sqrt(shape[1]), generator=gen)
+        elif kind == "bias":
+            t.normal_(0.0, BIAS_STD, generator=gen)
+        else:  # norm
+            t.normal_(1.0, NORM_NOISE_STD, generator=gen)
+        tensors[name] = t
+    return tensors
+
+
+# Same split regex as transformers' Qwen2Tokenizer (digits one by one, NFC first).
+_QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+@functools.lru_cache(maxsize=8)
+def train_tokenizer(vocab_size: int, style: str = "bytelevel") -> str:
+    """Train a byte-level BPE on the repo corpus; return tokenizer.json text with exactly vocab_size
+    entries (learned tokens topped up with `<|reserved_N|>` special tokens).
+
+    style "bytelevel": GPT-2 style ByteLevel pre-tokenizer (llama, mistral). style "qwen2": NFC
+    normalizer + Qwen2's split regex + ByteLevel without regex, exactly what transformers'
+    Qwen2Tokenizer rebuilds (transformers 5 forces that class for model_type qwen2, whatever
+    tokenizer_config.json says), so transformers and the plain `tokenizers` library agree.
+
+    Deterministic (checked: same bytes across processes and thread counts). Cached per argument.
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise InvalidInput(f"vocab_size {vocab_size} is below the byte alphabet plus special tokens")
+    text = CORPUS_PATH.read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    if style == "bytelevel":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif style == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        raise InvalidInput(f"unknown tokenizer style {style!r}")
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    for i, name in enumerate(SPECIAL_TOKENS):
+        if vocab.get(name) != i:
+            raise RuntimeError(f"special token {name!r} got id {vocab.get(name)}, expected {i}")
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if n < vocab_size:
+        tok.add_special_tokens(
+            [AddedToken(RESERVED_TOKEN.format(i), special=True) for i in range(vocab_size - n)]
+        )
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
+        got = tok.get_vocab_size(with_added_tokens=True)
+        raise RuntimeError(f"tokenizer has {got} entries, want {vocab_size}")
+    # Llama convention: encoding prepends <s>; no </s> is appended.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, BOS_TOKEN_ID)],
+    )
+    return tok.to_str(pretty=True)
+
+
+def _tokenizer_config(max_len: int) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def make_model(arch: str, preset: str, out: Path | str, seed: int = 0) -> Path:
+    """Write a random-weight checkpoint for (arch, preset) into directory `out`; return it."""
+    cfg = build_config(arch, preset)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _build_weights(cfg, seed)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    _write_json(out / "config.json", cfg)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
+            "pad_token_id": PAD_TOKEN_ID,
+            "do_sample": False,
+        },
+    )
+    style = "qwen2" if arch == "qwen2" else "bytelevel"
+    (out / "tokenizer.json").write_text(train_tokenizer(cfg["vocab_size"], style), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(cfg["max_position_embeddings"]))
+    return out
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default model (tiny llama) lives: $FASTDECODE_MODELS_DIR or ./.models."""
+    return (Path(os.environ.get("FASTDECODE_MODELS_DIR", ".models")) / DEFAULT_MODEL_NAME).resolve()
+
+
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def ensure_default_model() -> Path:
+    """Make the default model once if missing; idempotent and safe when processes race.
+
+    The model is written to a private temp dir next to the target and renamed into place, so a
+    reader never sees a half-written directory; the loser of a race discards its copy.
+    """
+    target = default_model_dir()
+    if all((target / f).is_file() for f in _REQUIRED_FILES):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        make_model(DEFAULT_ARCH, DEFAULT_PRESET, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError as e:
+            # Someone else won the race (target now exists and is non-empty) -- or a stale,
+            # incomplete directory is in the way.
+            if not all((target / f).is_file() for f in _REQUIRED_FILES):
+                raise ModelLoadError(f"{target} exists but is not a complete model; remove it") from e
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

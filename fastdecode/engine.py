@@ -1,0 +1,193 @@
+"""LocalEngine: the S-part and R-part composed in one process.
+
+It is the reference the fleet must equal token for token, and the baseline the fleet
+is measured against. Imports no gRPC.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastdecode.errors import InvalidInput
+from fastdecode.kv import KVStore
+from fastdecode.model import DenseModel
+from fastdecode.sampling import SamplingParams, sample
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Chunk:
+    """New tokens of one sequence in a step, at positions start_pos..start_pos+len-1."""
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+
+
+@dataclass
+class Generation:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def pack(chunks: Sequence[Chunk], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids [T], positions [T], index of each chunk's last token [N]) for a packed batch."""
+    ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+    pos = torch.tensor(
+        [p for c in chunks for p in range(c.start_pos, c.start_pos + len(c.token_ids))], dtype=torch.int64
+    )
+    last = torch.tensor(list(itertools.accumulate(len(c.token_ids) for c in chunks)), dtype=torch.int64) - 1
+    return ids.to(device), pos.to(device), last.to(device)
+
+
+def run_layers(
+    model: DenseModel, hidden: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+) -> torch.Tensor:
+    """All decoder layers on a packed batch, with the R-part behind `attend(layer, q, k, v)`."""
+    for layer in range(model.config.num_hidden_layers):
+        q, k, v = model.pre_attention(layer, hidden, positions)
+        hidden = model.post_attention(layer, hidden, attend(layer, q, k, v))
+    return hidden
+
+
+class LocalEngine:
+    def __init__(
+        self, model: DenseModel, kv_capacity_bytes: int | None = None, kv_dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.model = model
+        c = model.config
+        itemsize = torch.empty((), dtype=kv_dtype).element_size()
+        if kv_capacity_bytes is None:  # room for 64 full-context sequences
+            kv_capacity_bytes = 64 * c.max_position_embeddings * c.kv_bytes_per_token(itemsize)
+        self.kv = KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_capacity_bytes, kv_dtype)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_capacity_bytes: int | None = None,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> LocalEngine:
+        return cls(DenseModel.from_pretrained(path, device, dtype), kv_capacity_bytes, kv_dtype)
+
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """One step over a packed batch; fp32 logits of each chunk's last token [N, vocab]."""
+        ids, pos, last = pack(chunks, self.model.device)
+        seq_ids = [c.seq_id for c in chunks]
+        counts = [len(c.token_ids) for c in chunks]
+        starts = [c.start_pos for c in chunks]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            o = self.kv.attend(layer, seq_ids, counts, starts, q.cpu(), k.cpu(), v.cpu())
+            return o.to(self.model.device)
+
+        hidden = run_layers(self.model, self.model.embed(ids), pos, attend)
+        return self.model.logits(hidden.index_select(0, last))
+
+    def _validate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+        c = self.model.config
+        if max_tokens < 1:
+            raise InvalidInput("max_tokens must be >= 1")
+        for p in prompts:
+            if not p:
+                raise InvalidInput("empty prompt")
+            if len(p) + max_tokens > c.max_position_embeddings:
+                raise InvalidInput(
+                    f"prompt ({len(p)}) + max_tokens ({max_tokens}) exceeds the context "
+                    f"{c.max_position_embeddings}"
+                )
+            if min(p) < 0 or max(p) >= c.vocab_size:
+                raise InvalidInput(f"token id outside the vocabulary [0, {c.vocab_size})")
+
+    def generate_stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int = 16,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        prefill_chunk: int | None = None,
+    ) -> Iterator[list[tuple[int, int, float, str | None]]]:
+        """Continuous decode of a batch; yields per step [(prompt index, token, logprob, finish)]."""
+        self._validate(prompts, max_tokens)
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        for p in plist:
+            p.validate()
+        stops = set(stop_token_ids) | (set() if ignore_eos else set(self.model.config.eos_token_ids))
+        sids = [f"local-{next(self._ids)}" for _ in prompts]
+        for sid, p in zip(sids, prompts, strict=True):
+            self.kv.reserve(sid, len(p) + max_tokens)
+        try:
+            gen: list[list[int]] = [[] for _ in prompts]
+            # prefill, in chunks of prefill_chunk tokens per sequence when asked
+            chunk = prefill_chunk or max(len(p) for p in prompts)
+            done_prefill = [0] * len(prompts)
+            live = list(range(len(prompts)))
+            while True:
+                chunks, owners, sampled = [], [], []
+                for i in live:
+                    p = prompts[i]
+                    if done_prefill[i] < len(p):
+                        n = min(chunk, len(p) - done_prefill[i])
+                        chunks.append(
+                            Chunk(sids[i], list(p[done_prefill[i] : done_prefill[i] + n]), done_prefill[i])
+                        )
+                        done_prefill[i] += n
+                        owners.append(i)
+                        sampled.append(done_prefill[i] == len(p))
+                    else:
+                        pos = len(p) + len(gen[i]) - 1
+                        chunks.append(Chunk(sids[i], [gen[i][-1]], pos))
+                        owners.append(i)
+                        sampled.append(True)
+                if not chunks:
+                    return
+                logits = self.forward(chunks)
+                rows = [j for j, s in enumerate(sampled) if s]
+                if not rows:
+                    continue
+                toks, lps = sample(
+                    logits[rows], [plist[owners[j]] for j in rows], [len(gen[owners[j]]) for j in rows]
+                )
+                events = []
+                for j, tok, lp in zip(rows, toks.tolist(), lps.tolist(), strict=True):
+                    i = owners[j]
+                    gen[i].append(tok)
+                    finish = "stop" if tok in stops else "length" if len(gen[i]) >= max_tokens else None
+                    events.append((i, tok, lp, finish))
+                    if finish:
+                        live.remove(i)
+                        self.kv.release(sids[i])
+                yield events
+        finally:
+            for sid in sids:
+                self.kv.release(sid)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int = 16,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        prefill_chunk: int | None = None,
+    ) -> list[Generation]:
+        out = [Generation() for _ in prompts]
+        for events in self.generate_stream(
+            prompts, max_tokens, params, stop_token_ids, ignore_eos, prefill_chunk
+        ):
+            for i, tok, lp, finish in events:
+                out[i].token_ids.append(tok)
+                out[i].logprobs.append(lp)
+                out[i].finish_reason = finish
+        return out

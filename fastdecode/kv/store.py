@@ -1,0 +1,277 @@
+"""The R-part core: a byte-bounded, block-based KV pool and attention over it.
+
+Layout: one pool per K and V of shape [layers, num_blocks * block_size, kv_heads, head_dim].
+A sequence reserves ceil(max_tokens / block_size) blocks up front (so decode never runs
+out of memory mid-generation); the allocator prefers one contiguous run of blocks so
+attention reads the cache in place as a strided view, and falls back to scattered blocks
+(gathered per step) only when the pool is fragmented. Nothing is reallocated per step.
+Imports no gRPC.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, OutOfRange, ResourceExhausted
+
+
+@dataclass
+class _Seq:
+    blocks: list[int]
+    capacity: int
+    lengths: list[int]  # tokens held per layer
+    contiguous: bool
+    slots: torch.Tensor | None = field(default=None)  # token slot index when scattered
+
+
+class BlockAllocator:
+    """Free runs of blocks kept as sorted (start, length) intervals; first fit, then scatter."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._starts: list[int] = [0] if num_blocks else []
+        self._lens: list[int] = [num_blocks] if num_blocks else []
+        self.free = num_blocks
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > self.free:
+            return None
+        for i, length in enumerate(self._lens):
+            if length >= n:
+                start = self._starts[i]
+                if length == n:
+                    del self._starts[i], self._lens[i]
+                else:
+                    self._starts[i] += n
+                    self._lens[i] -= n
+                self.free -= n
+                return list(range(start, start + n))
+        blocks: list[int] = []  # fragmented: take whole runs until satisfied
+        while len(blocks) < n:
+            take = min(self._lens[0], n - len(blocks))
+            start = self._starts[0]
+            blocks.extend(range(start, start + take))
+            if take == self._lens[0]:
+                del self._starts[0], self._lens[0]
+            else:
+                self._starts[0] += take
+                self._lens[0] -= take
+        self.free -= n
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        for b in sorted(blocks):
+            i = bisect.bisect_left(self._starts, b)
+            self._starts.insert(i, b)
+            self._lens.insert(i, 1)
+            # merge with the right neighbour, then with the left one
+            if i + 1 < len(self._starts) and b + 1 == self._starts[i + 1]:
+                self._lens[i] += self._lens[i + 1]
+                del self._starts[i + 1], self._lens[i + 1]
+            if i > 0 and self._starts[i - 1] + self._lens[i - 1] == b:
+                self._lens[i - 1] += self._lens[i]
+                del self._starts[i], self._lens[i]
+        self.free += len(blocks)
+
+
+class KVStore:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_bytes: int,
+        dtype: torch.dtype = torch.float32,
+        block_size: int = 16,
+    ) -> None:
+        if min(num_layers, num_kv_heads, head_dim, block_size) < 1:
+            raise InvalidInput("KV geometry must be positive")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.block_size = block_size
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.itemsize
+        self.num_blocks = max(0, capacity_bytes // (self.bytes_per_token * block_size))
+        self.capacity_bytes = self.num_blocks * block_size * self.bytes_per_token
+        slots = self.num_blocks * block_size
+        # torch.empty does not touch the pages: memory is committed as sequences write.
+        self.k = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype)
+        self.v = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype)
+        self.alloc = BlockAllocator(self.num_blocks)
+        self.seqs: dict[str, _Seq] = {}
+        self.busy_seconds = 0.0
+        self.attend_calls = 0
+
+    # ---- capacity ---------------------------------------------------------------------------
+    @property
+    def free_tokens(self) -> int:
+        return self.alloc.free * self.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def tokens_held(self) -> int:
+        return sum(s.lengths[-1] for s in self.seqs.values())
+
+    @property
+    def tokens_reserved(self) -> int:
+        return sum(len(s.blocks) for s in self.seqs.values()) * self.block_size
+
+    @property
+    def bytes_used(self) -> int:
+        return self.tokens_held * self.bytes_per_token
+
+    def geometry_matches(self, num_layers: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (num_layers, num_kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def reserve_many(self, requests: list[tuple[str, int]]) -> None:
+        """Reserve all or nothing: on failure every block taken here is given back."""
+        done: list[str] = []
+        try:
+            for seq_id, max_tokens in requests:
+                self.reserve(seq_id, max_tokens)
+                done.append(seq_id)
+        except Exception:
+            for seq_id in done:
+                self.release(seq_id)
+            raise
+
+    def reserve(self, seq_id: str, max_tokens: int) -> None:
+        if not seq_id:
+            raise InvalidInput("empty sequence id")
+        if max_tokens < 1:
+            raise InvalidInput(f"max_tokens must be >= 1, got {max_tokens}")
+        if seq_id in self.seqs:
+            raise FailedPrecondition(f"sequence {seq_id!r} is already reserved on this shard")
+        n = math.ceil(max_tokens / self.block_size)
+        blocks = self.alloc.allocate(n)
+        if blocks is None:
+            raise ResourceExhausted(
+                f"KV pool full: {max_tokens} tokens requested, {self.free_tokens} free "
+                f"of {self.capacity_tokens}"
+            )
+        contiguous = blocks[-1] - blocks[0] == n - 1
+        slots = None
+        if not contiguous:
+            b = torch.tensor(blocks, dtype=torch.int64)
+            slots = (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+        self.seqs[seq_id] = _Seq(blocks, n * self.block_size, [0] * self.num_layers, contiguous, slots)
+
+    def release(self, seq_id: str) -> bool:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.alloc.release(seq.blocks)
+        return True
+
+    # ---- attention --------------------------------------------------------------------------
+    def _check(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise InvalidInput(f"layer {layer} outside [0, {self.num_layers})")
+        if not (len(seq_ids) == len(num_tokens) == len(start_pos)):
+            raise InvalidInput("seq_ids, num_tokens and start_pos differ in length")
+        if any(n < 1 for n in num_tokens):
+            raise InvalidInput("every sequence needs at least one new token")
+        total = sum(num_tokens)
+        kv_shape = (total, self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape:
+            raise InvalidInput(f"k/v must have shape {list(kv_shape)}, got {list(k.shape)} / {list(v.shape)}")
+        if (
+            q.dim() != 3
+            or q.shape[0] != total
+            or q.shape[2] != self.head_dim
+            or q.shape[1] % self.num_kv_heads
+        ):
+            raise InvalidInput(
+                f"q must have shape [{total}, a multiple of {self.num_kv_heads}, {self.head_dim}], "
+                f"got {list(q.shape)}"
+            )
+        for t in (q, k, v):
+            if not t.is_floating_point():
+                raise InvalidInput(f"q/k/v must be floating point, got {t.dtype}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidInput("a sequence appears twice in one attend call")
+        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
+            seq = self.seqs.get(sid)
+            if seq is None:
+                raise NotFound(f"sequence {sid!r} is not held by this shard")
+            if not 0 <= start <= seq.lengths[layer]:
+                raise InvalidInput(
+                    f"sequence {sid!r} layer {layer}: start_pos {start} leaves a gap "
+                    f"(holds {seq.lengths[layer]} tokens)"
+                )
+            if start + n > seq.capacity:
+                raise OutOfRange(f"sequence {sid!r} exceeds its reservation of {seq.capacity} tokens")
+
+    def attend(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """Append k, v at start_pos and attend q causally over each sequence's cache.
+
+        q [T, H, D], k/v [T, KVH, D], packed in seq order; returns o [T, H*D] in q's dtype.
+        """
+        self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
+        t0 = time.perf_counter()
+        total, heads, dim = q.shape
+        out = torch.empty(total, heads * dim, dtype=q.dtype)
+        kp, vp = self.k[layer], self.v[layer]
+        scale = 1.0 / math.sqrt(dim)
+        row = 0
+        with torch.inference_mode():
+            for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
+                seq = self.seqs[sid]
+                end = start + n
+                if seq.contiguous:
+                    base = seq.blocks[0] * self.block_size
+                    kp[base + start : base + end] = k[row : row + n]
+                    vp[base + start : base + end] = v[row : row + n]
+                    keys, values = kp[base : base + end], vp[base : base + end]
+                else:
+                    idx = seq.slots[:end]  # type: ignore[index]
+                    kp[idx[start:end]] = k[row : row + n].to(self.dtype)
+                    vp[idx[start:end]] = v[row : row + n].to(self.dtype)
+                    keys, values = kp[idx], vp[idx]
+                seq.lengths[layer] = max(seq.lengths[layer], end)
+                qs = q[row : row + n].to(self.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+                mask = None
+                if n > 1:  # causal within the chunk, full view of the cached prefix
+                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                o = F.scaled_dot_product_attention(
+                    qs,
+                    keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=heads != self.num_kv_heads,
+                )
+                out[row : row + n] = o[0].transpose(0, 1).reshape(n, heads * dim).to(q.dtype)
+                row += n
+        self.busy_seconds += time.perf_counter() - t0
+        self.attend_calls += 1
+        return out

@@ -1,0 +1,159 @@
+"""Model configuration read from a HuggingFace checkpoint directory (config.json).
+
+Supports the Llama family: model_type llama, mistral and qwen2, with RoPE given in
+the classic form (rope_theta + rope_scaling) or transformers 5's rope_parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdecode.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
+    def qkvo_bytes_per_token_layer(self, itemsize: int) -> int:
+        """Bytes crossing the network per token per layer: q, k, v out and o back (DESIGN.md 1)."""
+        return (2 * self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim * itemsize
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            if heads % kv_heads:
+                raise ModelLoadError(f"num_attention_heads {heads} not divisible by kv heads {kv_heads}")
+            attention_bias = bool(cfg.get("attention_bias", False))
+            eos = _ids(cfg.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
+            bos = cfg.get("bos_token_id", (generation or {}).get("bos_token_id"))
+            return cls(
+                model_type=model_type,
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=_rope(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                vocab_size=int(cfg["vocab_size"]),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v bias and no o bias; Llama's attention_bias covers all four.
+                qkv_bias=model_type == "qwen2" or attention_bias,
+                o_bias=model_type == "llama" and attention_bias,
+                mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+                bos_token_id=int(bos) if bos is not None else None,
+                eos_token_ids=tuple(dict.fromkeys(eos)),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"no config.json in {path}")
+        cfg = json.loads(cfg_file.read_text())
+        gen_file = path / "generation_config.json"
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+        return cls.from_dict(cfg, gen)
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _rope(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelLoadError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            merged.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (fp32)."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv

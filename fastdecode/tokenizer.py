@@ -1,0 +1,66 @@
+"""Tokenizer (tokenizer.json through the `tokenizers` library) and UTF-8-safe streaming detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from fastdecode.errors import InvalidInput, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, tok: _HFTokenizer) -> None:
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        file = Path(path) / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {path}")
+        return cls(_HFTokenizer.from_file(str(file)))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise InvalidInput(f"token id outside the vocabulary [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def stream(self) -> DetokenizeStream:
+        return DetokenizeStream(self)
+
+
+class DetokenizeStream:
+    """Incremental text: emits a delta only once it no longer ends in a partial UTF-8 sequence.
+
+    Decodes a short window (prefix_offset..) rather than everything, as vLLM and TGI do, so
+    byte-level tokens that split a character and merges that change spacing come out right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tok.decode(self.ids[self.prefix_offset :])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return text[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tok.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix) :] if len(text) > len(prefix) else ""

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs for fastdecode.v1 (see protos/)."""

@@ -1,0 +1,122 @@
+from fastdecode.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PlannedSequence(_message.Message):
+    __slots__ = ("seq_id", "shard", "mini_batch", "token_ids", "start_pos", "sampling", "sample", "sample_index")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    MINI_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    shard: int
+    mini_batch: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: int
+    sampling: SamplingParams
+    sample: bool
+    sample_index: int
+    def __init__(self, seq_id: _Optional[str] = ..., shard: _Optional[int] = ..., mini_batch: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., sample_index: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step", "sequences", "pipeline")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    sequences: _containers.RepeatedCompositeFieldContainer[PlannedSequence]
+    pipeline: bool
+    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PlannedSequence, _Mapping]]] = ..., pipeline: _Optional[bool] = ...) -> None: ...
+
+class SequenceResult(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprob", "error")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_id: int
+    logprob: float
+    error: _tensor_pb2.ItemError
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ...) -> None: ...
+
+class StepTimings(_message.Message):
+    __slots__ = ("s_part_seconds", "shard_wait_seconds", "step_seconds")
+    S_PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    s_part_seconds: float
+    shard_wait_seconds: float
+    step_seconds: float
+    def __init__(self, s_part_seconds: _Optional[float] = ..., shard_wait_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step", "results", "timings", "error")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
+    timings: StepTimings
+    error: _tensor_pb2.ItemError
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_type", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "dtype", "device", "num_shards", "shards")
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    model_type: str
+    model_path: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    dtype: str
+    device: str
+    num_shards: int
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_type: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_shards: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,114 @@
+from fastdecode.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVGeometry(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class AttendRequest(_message.Message):
+    __slots__ = ("request_id", "layer", "seq_ids", "num_tokens", "start_pos", "q", "k", "v")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    layer: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: _containers.RepeatedScalarFieldContainer[int]
+    q: _tensor_pb2.Tensor
+    k: _tensor_pb2.Tensor
+    v: _tensor_pb2.Tensor
+    def __init__(self, request_id: _Optional[int] = ..., layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class AttendResponse(_message.Message):
+    __slots__ = ("request_id", "o", "error", "attend_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    O_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ATTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    o: _tensor_pb2.Tensor
+    error: _tensor_pb2.ItemError
+    attend_seconds: float
+    def __init__(self, request_id: _Optional[int] = ..., o: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., attend_seconds: _Optional[float] = ...) -> None: ...
+
+class SequenceReservation(_message.Message):
+    __slots__ = ("seq_id", "max_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    max_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("geometry", "sequences")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    geometry: KVGeometry
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceReservation]
+    def __init__(self, geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[SequenceReservation, _Mapping]]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("free_tokens",)
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    free_tokens: int
+    def __init__(self, free_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardStats(_message.Message):
+    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEND_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    sequences: int
+    tokens_held: int
+    tokens_reserved: int
+    bytes_used: int
+    bytes_capacity: int
+    attention_busy_seconds: float
+    attend_items: int
+    free_tokens: int
+    kv_dtype: _tensor_pb2.DType
+    configured: bool
+    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ...) -> None: ...

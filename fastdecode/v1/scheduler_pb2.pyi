@@ -1,0 +1,98 @@
+from fastdecode.v1 import dense_pb2 as _dense_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "sampling", "stop_token_ids", "ignore_eos")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    sampling: _dense_pb2.SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_dense_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "step", "shard")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    step: int
+    shard: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class SchedulerStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardLoad(_message.Message):
+    __slots__ = ("shard", "address", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    address: str
+    healthy: bool
+    sequences: int
+    tokens: int
+    expected_tokens: int
+    capacity_tokens: int
+    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., expected_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    W_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    steps: int
+    finished: int
+    recoveries: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardLoad]
+    kv_load_tokens: float
+    w_limit: float
+    admission: str
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ...) -> None: ...
+
+class AddShardRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class AddShardResponse(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    def __init__(self, shard: _Optional[int] = ...) -> None: ...

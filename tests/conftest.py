@@ -1,0 +1,58 @@
+"""Shared fixtures: checkpoints made once per session, and transformers as the oracle."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdecode.checkpoint import make_model
+
+# Keep tests polite on small CI machines: servers started by tests inherit this too.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("models")
+
+    @functools.cache
+    def make(arch: str, preset: str = "tiny") -> Path:
+        return make_model(arch, preset, root / f"{preset}-{arch}", seed=1234)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_factory: Callable[[str], Path]) -> Path:
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[[Path, tuple[int, ...], int], list[int]]:
+    """transformers' greedy `generate` (fp32), cached: the oracle every layer is compared to."""
+    from transformers import AutoModelForCausalLM
+
+    @functools.cache
+    def load(path: Path) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @functools.cache
+    def generate(path: Path, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        model = load(path)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            )
+        return out[0, len(prompt) :].tolist()
+
+    generate.load = load  # type: ignore[attr-defined]
+    return generate

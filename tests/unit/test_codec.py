@@ -1,0 +1,78 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastdecode import codec
+from fastdecode.codec import TensorCodecError
+from fastdecode.errors import InvalidInput
+from fastdecode.v1 import tensor_pb2
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.uint8]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 6), min_size=0, max_size=4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_round_trip_is_exact(dtype: torch.dtype, shape: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        t = (torch.randn(shape, generator=g) * 100).to(dtype)
+    else:
+        info = torch.iinfo(dtype)
+        t = torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g).to(dtype)
+    msg = tensor_pb2.Tensor.FromString(codec.encode(t).SerializeToString())
+    back = codec.decode(msg)
+    assert back.dtype == dtype and tuple(back.shape) == tuple(shape)
+    assert torch.equal(back, t)
+    assert len(msg.data) == math.prod(shape) * t.element_size()
+
+
+def test_non_contiguous_and_bf16_bit_patterns() -> None:
+    t = torch.arange(24, dtype=torch.float32).view(4, 6).t()  # non-contiguous view
+    assert torch.equal(codec.decode(codec.encode(t)), t)
+    b = torch.tensor([1.0, -2.5, float("inf"), 3.1415], dtype=torch.bfloat16)
+    msg = codec.encode(b)
+    assert msg.dtype == tensor_pb2.BFLOAT16 and msg.data == b.view(torch.uint8).numpy().tobytes()
+    assert torch.equal(codec.decode(msg), b)
+
+
+def test_decode_aliases_message_bytes_unless_copied() -> None:
+    msg = codec.encode(torch.ones(1000))
+    view = codec.decode(msg)
+    copied = codec.decode(msg, copy=True)
+    copied += 1  # writable copy
+    assert torch.equal(view, torch.ones(1000))
+    assert view.data_ptr() != copied.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "msg, match",
+    [
+        (tensor_pb2.Tensor(dtype=99, shape=[1], data=b"\0" * 4), "unknown tensor dtype"),
+        (
+            tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UNSPECIFIED, shape=[1], data=b"\0" * 4),
+            "unknown tensor dtype",
+        ),
+        (tensor_pb2.Tensor(dtype=tensor_pb2.FLOAT32, shape=[-1, 4], data=b""), "negative dimension"),
+        (
+            tensor_pb2.Tensor(dtype=tensor_pb2.FLOAT32, shape=[2, 3], data=b"\0" * 23),
+            "needs 24 bytes, got 23",
+        ),
+        (tensor_pb2.Tensor(dtype=tensor_pb2.BFLOAT16, shape=[3], data=b"\0" * 4), "needs 6 bytes"),
+    ],
+)
+def test_malformed_tensors_raise_one_typed_error(msg: tensor_pb2.Tensor, match: str) -> None:
+    with pytest.raises(TensorCodecError, match=match) as info:
+        codec.decode(msg)
+    assert isinstance(info.value, InvalidInput)  # the services map it to INVALID_ARGUMENT
+
+
+def test_unsupported_dtype_cannot_be_encoded() -> None:
+    with pytest.raises(TensorCodecError):
+        codec.encode(torch.zeros(2, dtype=torch.complex64))

@@ -1,0 +1,133 @@
+"""KV store: allocation, attention against a naive reference, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.kv import BlockAllocator, KVStore
+
+
+def naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """q [n, H, D] at positions start.., keys/values [L, KVH, D] -> [n, H*D] (causal)."""
+    n, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1)
+    v = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) / math.sqrt(dim)
+    mask = torch.arange(keys.shape[0])[None, :] > torch.arange(start, start + n)[:, None]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).reshape(n, heads * dim).float()
+
+
+def make_store(kv_heads: int = 2, tokens: int = 4096, dtype: torch.dtype = torch.float32) -> KVStore:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return KVStore(3, kv_heads, 8, capacity_bytes=tokens * 2 * 3 * kv_heads * 8 * itemsize, dtype=dtype)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (4, 1)])  # MHA, GQA, MQA
+def test_chunked_prefill_then_decode_matches_naive(heads: int, kv_heads: int) -> None:
+    torch.manual_seed(0)
+    store = make_store(kv_heads)
+    lens = {"a": 9, "b": 4}
+    for sid in lens:
+        store.reserve(sid, 32)
+    history_k = {s: torch.randn(40, kv_heads, 8) for s in lens}
+    history_v = {s: torch.randn(40, kv_heads, 8) for s in lens}
+    # step 1: prefill chunks of both (a: 0..5, b: 0..4), step 2: rest of a + decode of b, step 3: decode both
+    plan = [[("a", 0, 5), ("b", 0, 4)], [("a", 5, 4), ("b", 4, 1)], [("a", 9, 1), ("b", 5, 1)]]
+    for step in plan:
+        q = torch.randn(sum(n for _, _, n in step), heads, 8)
+        k = torch.cat([history_k[s][p : p + n] for s, p, n in step])
+        v = torch.cat([history_v[s][p : p + n] for s, p, n in step])
+        for layer in range(3):
+            o = store.attend(
+                layer, [s for s, _, _ in step], [n for *_, n in step], [p for _, p, _ in step], q, k, v
+            )
+            row = 0
+            for s, p, n in step:
+                ref = naive_attention(q[row : row + n], history_k[s][: p + n], history_v[s][: p + n], p)
+                torch.testing.assert_close(o[row : row + n], ref, atol=1e-5, rtol=1e-4)
+                row += n
+    assert store.tokens_held == 10 + 6
+
+
+def test_fragmented_pool_gives_same_result_as_contiguous() -> None:
+    torch.manual_seed(1)
+    frag = make_store(tokens=16 * 8)
+    for i in range(8):
+        frag.reserve(f"f{i}", 16)
+    for i in (1, 3, 5):
+        frag.release(f"f{i}")  # free blocks 1, 3, 5: no run of 3
+    frag.reserve("x", 40)
+    assert not frag.seqs["x"].contiguous
+    flat = make_store()
+    flat.reserve("x", 40)
+    assert flat.seqs["x"].contiguous
+    q, k, v = torch.randn(40, 2, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    for store in (frag, flat):
+        store.attend(0, ["x"], [30], [0], q[:30], k[:30], v[:30])
+    torch.testing.assert_close(
+        frag.attend(0, ["x"], [10], [30], q[30:], k[30:], v[30:]),
+        flat.attend(0, ["x"], [10], [30], q[30:], k[30:], v[30:]),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_kv_is_close(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    store, ref = make_store(dtype=dtype), make_store()
+    q, k, v = torch.randn(12, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
+    for s in (store, ref):
+        s.reserve("a", 12)
+    out = store.attend(0, ["a"], [12], [0], q, k, v)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.attend(0, ["a"], [12], [0], q, k, v), atol=3e-2, rtol=3e-2)
+    assert store.bytes_per_token * 2 == ref.bytes_per_token
+
+
+def test_pool_exhaustion_and_release() -> None:
+    store = make_store(tokens=64)
+    store.reserve("a", 48)
+    with pytest.raises(ResourceExhausted, match="KV pool full"):
+        store.reserve("b", 17)
+    with pytest.raises(ResourceExhausted):  # all or nothing
+        store.reserve_many([("c", 16), ("d", 16)])
+    assert "c" not in store.seqs and store.free_tokens == 16
+    assert store.release("a") and not store.release("a")
+    store.reserve("b", 64)
+
+
+def test_errors_are_typed() -> None:
+    store = make_store()
+    store.reserve("a", 4)
+    q, k = torch.randn(1, 4, 8), torch.randn(1, 2, 8)
+    with pytest.raises(NotFound):
+        store.attend(0, ["zz"], [1], [0], q, k, k)
+    with pytest.raises(InvalidInput, match="k/v must have shape"):
+        store.attend(0, ["a"], [1], [0], q, torch.randn(1, 3, 8), k)
+    with pytest.raises(InvalidInput, match="q must have shape"):
+        store.attend(0, ["a"], [1], [0], torch.randn(1, 3, 8), k, k)
+    with pytest.raises(InvalidInput, match="gap"):
+        store.attend(0, ["a"], [1], [2], q, k, k)
+    with pytest.raises(InvalidInput, match="layer"):
+        store.attend(7, ["a"], [1], [0], q, k, k)
+    with pytest.raises(OutOfRange):  # 17 tokens into a 16-token reservation
+        store.attend(0, ["a"], [17], [0], torch.randn(17, 4, 8), torch.randn(17, 2, 8), torch.randn(17, 2, 8))
+    with pytest.raises(FailedPrecondition):
+        store.reserve("a", 4)
+
+
+def test_allocator_merges_free_runs() -> None:
+    alloc = BlockAllocator(10)
+    a, b, c = alloc.allocate(3), alloc.allocate(3), alloc.allocate(4)
+    assert a == [0, 1, 2] and b == [3, 4, 5] and c == [6, 7, 8, 9] and alloc.free == 0
+    alloc.release(a)
+    alloc.release(c)
+    assert alloc.allocate(5) == [0, 1, 2, 6, 7]  # scattered when no run fits
+    alloc.release([0, 1, 2, 6, 7])
+    alloc.release(b)
+    assert alloc.allocate(10) == list(range(10))

@@ -1,0 +1,219 @@
+"""Start and stop fleet services as separate OS processes on loopback (`fastdecode up`, tests, benches).
+
+Each service binds port 0 (or the port asked for) and announces what it bound through a
+ready file, written only once its health is SERVING, so there is no port race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastdecode.errors import Unavailable
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    address: str
+    metrics: str | None
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def state(self) -> dict[str, object]:
+        return {"pid": self.pid, "address": self.address, "metrics": self.metrics}
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def start_service(
+    name: str,
+    args: list[str],
+    workdir: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics: bool = False,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> ServiceProcess:
+    """Spawn `fastdecode serve ...` and wait until it reports SERVING through its ready file."""
+    ready = workdir / f"{name}.ready.json"
+    ready.unlink(missing_ok=True)
+    log_path = workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "fastdecode.cli", "serve", *args, "--host", host, "--port", str(port)]
+    cmd += ["--ready-file", str(ready)]
+    if metrics:
+        cmd += ["--metrics-port", "0"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout
+    svc = ServiceProcess(name, proc, "", None, log_path)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise Unavailable(f"{name} exited with code {proc.returncode} during start:\n{svc.log_tail()}")
+        if ready.exists():
+            info = json.loads(ready.read_text())
+            svc.address = f"{host}:{info['port']}"
+            if info.get("metrics_port"):
+                svc.metrics = f"{host}:{info['metrics_port']}"
+            return svc
+        time.sleep(0.05)
+    stop_processes([svc], grace=2.0)
+    raise Unavailable(f"{name} did not become healthy within {timeout:.0f}s:\n{svc.log_tail()}")
+
+
+def stop_processes(services: list[ServiceProcess], grace: float = 25.0) -> None:
+    """SIGTERM all, wait up to `grace`, then SIGKILL what is left."""
+    for s in services:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for s in services:
+        try:
+            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait(timeout=5)
+
+
+@dataclass
+class Fleet:
+    """The four services plus N shards, started in dependency order."""
+
+    model: Path
+    shards: int = 2
+    port: int = 0
+    device: str = "auto"
+    kv_capacity: int = 1 << 30
+    kv_dtype: str = "float32"
+    metrics: bool = True
+    auth_token: str | None = None
+    scheduler_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    dense_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: Path | None = None
+    kv: list[ServiceProcess] = field(default_factory=list)
+    dense: ServiceProcess | None = None
+    scheduler: ServiceProcess | None = None
+    gateway: ServiceProcess | None = None
+
+    @property
+    def services(self) -> list[ServiceProcess]:
+        return [s for s in (self.gateway, self.scheduler, self.dense) if s] + self.kv
+
+    def start(self, timeout: float = 180.0) -> Fleet:
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="fastdecode-fleet-"))
+        w, env = self.workdir, self.env
+        # Each process gets one torch thread per core it can sensibly use: they share the machine.
+        try:
+            for i in range(self.shards):
+                self.kv.append(
+                    start_service(
+                        f"kv_attention-{i}",
+                        [
+                            "kv-attention",
+                            "--shard-id",
+                            str(i),
+                            "--kv-capacity",
+                            str(self.kv_capacity),
+                            "--kv-dtype",
+                            self.kv_dtype,
+                        ],
+                        w,
+                        metrics=self.metrics,
+                        env=env,
+                        timeout=timeout,
+                    )
+                )
+            shard_list = ",".join(s.address for s in self.kv)
+            self.dense = start_service(
+                "gpu_dense",
+                [
+                    "gpu-dense",
+                    "--model",
+                    str(self.model),
+                    "--shards",
+                    shard_list,
+                    "--device",
+                    self.device,
+                    *self.dense_args,
+                ],
+                w,
+                metrics=self.metrics,
+                env=env,
+                timeout=timeout,
+            )
+            self.scheduler = start_service(
+                "scheduler",
+                ["scheduler", "--dense", self.dense.address, "--shards", shard_list, *self.scheduler_args],
+                w,
+                metrics=self.metrics,
+                env=env,
+                timeout=timeout,
+            )
+            gw_env = dict(env)
+            if self.auth_token:
+                gw_env["FASTDECODE_AUTH_TOKEN"] = self.auth_token  # env, not argv: keep it out of `ps`
+            self.gateway = start_service(
+                "gateway",
+                [
+                    "gateway",
+                    "--scheduler",
+                    self.scheduler.address,
+                    "--model",
+                    str(self.model),
+                    *self.gateway_args,
+                ],
+                w,
+                port=self.port,
+                metrics=self.metrics,
+                env=gw_env,
+                timeout=timeout,
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def state(self) -> dict[str, object]:
+        return {
+            "gateway": self.gateway.state() if self.gateway else None,
+            "scheduler": self.scheduler.state() if self.scheduler else None,
+            "gpu_dense": self.dense.state() if self.dense else None,
+            "kv_attention": [s.state() for s in self.kv],
+        }
+
+    def stop(self, grace: float = 25.0) -> None:
+        # Front to back: the gateway drains first, shards go last.
+        for group in ([self.gateway], [self.scheduler], [self.dense], self.kv):
+            stop_processes([s for s in group if s is not None], grace)
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,195 @@
+"""The dense step: S-part layer by layer, attention on the shards, two mini-batches pipelined.
+
+Each mini-batch is a coroutine that loops over layers: pre_attention (compute thread) ->
+attend on its shards (network) -> post_attention (compute thread). The two coroutines share
+one compute thread, so while mini-batch A waits on the shards, B's S-part runs: the
+paper's two-mini-batch pipeline falls out of asyncio scheduling. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from fastdecode.engine import Chunk, pack
+from fastdecode.errors import InvalidInput
+from fastdecode.model import DenseModel
+from fastdecode.sampling import SamplingParams, sample
+
+T = TypeVar("T")
+
+# attend(shard, layer, seq_ids, num_tokens, start_pos, q, k, v) -> o; raises on failure
+AttendCall = Callable[
+    [int, int, list[str], list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor],
+    Awaitable[torch.Tensor],
+]
+
+
+@dataclass
+class DenseSeq:
+    seq_id: str
+    shard: int
+    mini_batch: int
+    token_ids: list[int]
+    start_pos: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sample: bool = True
+    sample_index: int = 0
+
+
+@dataclass
+class Outcome:
+    token_id: int = -1
+    logprob: float = 0.0
+    error: BaseException | None = None
+
+
+@dataclass
+class Timings:
+    s_part_seconds: float = 0.0
+    shard_wait_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+@dataclass
+class _Group:
+    shard: int
+    rows: slice
+    seqs: list[DenseSeq]
+    error: BaseException | None = None
+
+
+class StepRunner:
+    def __init__(self, model: DenseModel, attend: AttendCall, num_shards: int) -> None:
+        self.model = model
+        self.attend = attend
+        self.num_shards = num_shards
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense")
+        self._busy = 0.0
+        self._failures: dict[str, BaseException] = {}
+        self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
+
+    async def _compute(self, fn: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+        finally:
+            self._busy += time.perf_counter() - t0
+
+    def validate(self, s: DenseSeq) -> None:
+        c = self.model.config
+        if not s.seq_id:
+            raise InvalidInput("empty sequence id")
+        if not 0 <= s.shard < self.num_shards:
+            raise InvalidInput(f"shard {s.shard} outside [0, {self.num_shards})")
+        if s.mini_batch not in (0, 1):
+            raise InvalidInput(f"mini_batch must be 0 or 1, got {s.mini_batch}")
+        if not s.token_ids:
+            raise InvalidInput("no new tokens")
+        if min(s.token_ids) < 0 or max(s.token_ids) >= c.vocab_size:
+            raise InvalidInput(f"token id outside the vocabulary [0, {c.vocab_size})")
+        if s.start_pos < 0 or s.start_pos + len(s.token_ids) > c.max_position_embeddings:
+            raise InvalidInput(f"positions outside [0, {c.max_position_embeddings})")
+        s.sampling.validate()
+
+    async def _mini_batch(self, seqs: list[DenseSeq]) -> torch.Tensor:
+        """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states."""
+        model = self.model
+        chunks = [Chunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs]
+        ids, pos, last = pack(chunks, model.device)
+        groups: list[_Group] = []
+        row = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            if groups and groups[-1].shard == s.shard:
+                g = groups[-1]
+                g.rows = slice(g.rows.start, row + n)
+                g.seqs.append(s)
+            else:
+                groups.append(_Group(s.shard, slice(row, row + n), [s]))
+            row += n
+        hidden = await self._compute(lambda: model.embed(ids))
+        for layer in range(model.config.num_hidden_layers):
+            q, k, v = await self._compute(lambda h=hidden, lyr=layer: model.pre_attention(lyr, h, pos))
+            live = [g for g in groups if g.error is None]
+            calls = [
+                self.attend(
+                    g.shard,
+                    layer,
+                    [s.seq_id for s in g.seqs],
+                    [len(s.token_ids) for s in g.seqs],
+                    [s.start_pos for s in g.seqs],
+                    q[g.rows],
+                    k[g.rows],
+                    v[g.rows],
+                )
+                for g in live
+            ]
+            outs = await asyncio.gather(*calls, return_exceptions=True)
+            parts: list[tuple[slice, torch.Tensor]] = []
+            for g, o in zip(live, outs, strict=True):
+                if isinstance(o, BaseException):
+                    g.error = o
+                else:
+                    parts.append((g.rows, o))
+
+            def post(h: torch.Tensor = hidden, lyr: int = layer, parts: list = parts) -> torch.Tensor:
+                attn = torch.zeros(h.shape[0], model.q_size, dtype=h.dtype, device=h.device)
+                for rows, o in parts:
+                    attn[rows] = o.to(device=h.device, dtype=h.dtype)
+                return model.post_attention(lyr, h, attn)
+
+            hidden = await self._compute(post)
+        self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
+        return hidden.index_select(0, last)
+
+    async def run(
+        self, seqs: Sequence[DenseSeq], pipeline: bool = True
+    ) -> tuple[dict[str, Outcome], Timings]:
+        async with self._lock:
+            return await self._run(seqs, pipeline)
+
+    async def _run(self, seqs: Sequence[DenseSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
+        t0 = time.perf_counter()
+        self._busy = 0.0
+        self._failures = {}
+        outcomes: dict[str, Outcome] = {}
+        valid: list[DenseSeq] = []
+        for s in seqs:
+            try:
+                if s.seq_id in outcomes:
+                    raise InvalidInput(f"sequence {s.seq_id!r} appears twice in one step")
+                self.validate(s)
+                valid.append(s)
+                outcomes[s.seq_id] = Outcome()
+            except InvalidInput as e:
+                outcomes[s.seq_id] = Outcome(error=e)
+        batches = [[s for s in valid if s.mini_batch == mb] for mb in (0, 1)] if pipeline else [valid]
+        batches = [sorted(b, key=lambda s: s.shard) for b in batches if b]
+        hiddens = await asyncio.gather(*(self._mini_batch(b) for b in batches))
+        ordered = [s for b in batches for s in b]
+        rows = [i for i, s in enumerate(ordered) if s.sample and s.seq_id not in self._failures]
+        if rows:
+            hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
+            idx = torch.tensor(rows, device=hidden.device)
+
+            def head() -> tuple[list[int], list[float]]:
+                logits = self.model.logits(hidden.index_select(0, idx))
+                toks, lps = sample(
+                    logits, [ordered[i].sampling for i in rows], [ordered[i].sample_index for i in rows]
+                )
+                return toks.tolist(), lps.tolist()
+
+            toks, lps = await self._compute(head)
+            for i, tok, lp in zip(rows, toks, lps, strict=True):
+                outcomes[ordered[i].seq_id] = Outcome(tok, lp)
+        for sid, err in self._failures.items():
+            outcomes[sid] = Outcome(error=err)
+        step = time.perf_counter() - t0
+        return outcomes, Timings(self._busy, max(0.0, step - self._busy), step)

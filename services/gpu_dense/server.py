@@ -1,0 +1,195 @@
+"""gpu_dense: the S-part service. A thin gRPC adapter around StepRunner and the shard links."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import torch
+from prometheus_client import Histogram
+from pydantic import Field
+
+from fastdecode import codec
+from fastdecode.errors import InvalidInput, Unavailable
+from fastdecode.metrics import start_metrics_server
+from fastdecode.model import DenseModel
+from fastdecode.rpc import Server, abort, code_from_int, item_error
+from fastdecode.rpc import error_from_status as from_status
+from fastdecode.sampling import SamplingParams
+from fastdecode.serving import write_ready_file
+from fastdecode.settings import ServiceSettings, split_addresses
+from fastdecode.v1 import dense_pb2 as pb
+from fastdecode.v1 import dense_pb2_grpc as pb_grpc
+from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from services.gpu_dense.runner import DenseSeq, StepRunner
+from services.gpu_dense.shards import ShardLink
+
+log = logging.getLogger("fastdecode.gpu_dense")
+
+STEP_SECONDS = Histogram(
+    "fastdecode_dense_step_seconds",
+    "Wall time of one dense step",
+    ["part"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+
+
+class Settings(ServiceSettings):
+    model: Path
+    shards: str = Field(
+        ..., description="comma-separated HOST:PORT of the kv_attention shards, in shard-id order"
+    )
+    device: str = "auto"
+    dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$")
+    shard_timeout: float = Field(60.0, gt=0)
+    ready_file: Path | None = None
+
+
+class DenseService(pb_grpc.DenseServicer):
+    def __init__(self, settings: Settings, links: list[ShardLink]) -> None:
+        self.settings = settings
+        self.links = links
+        self.model: DenseModel | None = None  # set by load(); calls before that get UNAVAILABLE
+        self.runner: StepRunner | None = None
+
+    async def load(self) -> None:
+        s = self.settings
+        self.model = await asyncio.to_thread(
+            DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype]
+        )
+        self.runner = StepRunner(self.model, self._attend, len(self.links))
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[DenseModel, StepRunner]:
+        if self.model is None or self.runner is None:
+            await abort(context, Unavailable("gpu_dense is still loading its weights"))
+        return self.model, self.runner  # type: ignore[return-value]
+
+    async def _attend(
+        self,
+        shard: int,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        req = kv_pb.AttendRequest(layer=layer, seq_ids=seq_ids, num_tokens=num_tokens, start_pos=start_pos)
+        codec.encode(q, req.q)
+        codec.encode(k, req.k)
+        codec.encode(v, req.v)
+        resp = await self.links[shard].attend(req)
+        if resp.error.code:
+            raise from_status(
+                code_from_int(resp.error.code), f"{self.links[shard].name}: {resp.error.message}"
+            )
+        return codec.decode(resp.o)
+
+    def model_info(self, model: DenseModel) -> pb.ModelInfo:
+        c = model.config
+        info = pb.ModelInfo(
+            model_type=c.model_type,
+            model_path=str(self.settings.model),
+            num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            max_position_embeddings=c.max_position_embeddings,
+            eos_token_ids=list(c.eos_token_ids),
+            dtype=self.settings.dtype,
+            device=str(model.device),
+            num_shards=len(self.links),
+            shards=[link.address for link in self.links],
+        )
+        if c.bos_token_id is not None:
+            info.bos_token_id = c.bos_token_id
+        return info
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        model, _ = await self._ready(context)
+        return self.model_info(model)
+
+    @staticmethod
+    def _seq(p: pb.PlannedSequence) -> DenseSeq:
+        sp = p.sampling
+        return DenseSeq(
+            seq_id=p.seq_id,
+            shard=p.shard,
+            mini_batch=p.mini_batch,
+            token_ids=list(p.token_ids),
+            start_pos=p.start_pos,
+            sampling=SamplingParams(
+                sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed if sp.HasField("seed") else None
+            ),
+            sample=p.sample,
+            sample_index=p.sample_index,
+        )
+
+    async def step(self, runner: StepRunner, plan: pb.StepPlan) -> pb.StepResult:
+        result = pb.StepResult(step=plan.step)
+        try:
+            outcomes, t = await runner.run([self._seq(p) for p in plan.sequences], plan.pipeline)
+        except Exception as e:  # noqa: BLE001 - a failed step is reported in-band
+            result.error.CopyFrom(item_error(e))
+            return result
+        for sid, o in outcomes.items():
+            r = result.results.add(seq_id=sid, token_id=o.token_id, logprob=o.logprob)
+            if o.error is not None:
+                r.error.CopyFrom(item_error(o.error))
+        result.timings.s_part_seconds = t.s_part_seconds
+        result.timings.shard_wait_seconds = t.shard_wait_seconds
+        result.timings.step_seconds = t.step_seconds
+        STEP_SECONDS.labels("s_part").observe(t.s_part_seconds)
+        STEP_SECONDS.labels("step").observe(t.step_seconds)
+        return result
+
+    async def Run(
+        self, request_iterator: AsyncIterator[pb.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StepResult]:
+        _, runner = await self._ready(context)
+        async for plan in request_iterator:
+            yield await self.step(runner, plan)
+
+
+async def serve(settings: Settings) -> None:
+    log = settings.configure_logging("gpu_dense")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    addresses = split_addresses(settings.shards)
+    if not addresses:
+        raise InvalidInput("gpu_dense needs at least one shard (--shards HOST:PORT,...)")
+    server = Server(
+        [pb.DESCRIPTOR.services_by_name["Dense"].full_name],
+        settings.host,
+        settings.port,
+        settings.tls,
+        settings.grace_seconds,
+    )
+    server.install_signal_handlers()
+    links = [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
+    service = DenseService(settings, links)
+    pb_grpc.add_DenseServicer_to_server(service, server.server)
+    await server.start()  # NOT_SERVING while the weights load
+    await service.load()
+    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    await server.set_serving(True)
+    write_ready_file(settings.ready_file, port=server.port, metrics_port=metrics_port)
+    log.info(
+        "serving %s on %s:%d, device %s, %d shards",
+        settings.model,
+        settings.host,
+        server.port,
+        service.model.device if service.model else "?",
+        len(links),
+    )
+    await server.stopping.wait()
+    log.info("stopping")
+    await server.stop()
+    for link in links:
+        await link.close()

@@ -1,0 +1,187 @@
+"""`fastdecode simulate` and `fastdecode plan` (the root group adds these with add_command)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from fastdecode.errors import FastDecodeError
+
+SIM_KEYS = (
+    "tokens_per_s",
+    "sustained_tokens_per_s",
+    "latency_p50_s",
+    "latency_p99_s",
+    "ttft_p50_s",
+    "peak_kv_load",
+    "mean_kv_load",
+    "imbalance_max_over_mean",
+    "mean_running",
+    "steps",
+)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+@click.command("simulate")
+@click.option(
+    "--admission", type=click.Choice(["naive", "stabilized"]), default="stabilized", show_default=True
+)
+@click.option("--compare", is_flag=True, help="Run naive and stabilized on the same workload, side by side.")
+@click.option("--workload", type=click.Path(exists=True, dir_okay=False), help="JSON list or JSON lines.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shards", "-P", type=int, default=4, show_default=True)
+@click.option("--batch", "-B", type=int, default=64, show_default=True, help="Max running sequences.")
+@click.option("--gen-len", "-S", type=int, default=256, show_default=True, help="Default workload.")
+@click.option("--prompt-len", type=int, default=16, show_default=True, help="Default workload (mean).")
+@click.option("--requests", type=int, default=None, help="Default workload size (default 8 x batch).")
+@click.option("--micro-batch", type=int, default=None, help="Stabilized: sequences per micro-batch.")
+@click.option("--w-limit", type=float, default=None, help="Stabilized: load limit in KV tokens.")
+@click.option("--prefill-budget", type=int, default=512, show_default=True)
+@click.option("--profile", type=click.Path(exists=True, dir_okay=False), help="Planner profile for T(B), R.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def simulate_cmd(
+    admission: str,
+    compare: bool,
+    workload: str | None,
+    seed: int,
+    shards: int,
+    batch: int,
+    gen_len: int,
+    prompt_len: int,
+    requests: int | None,
+    micro_batch: int | None,
+    w_limit: float | None,
+    prefill_budget: int,
+    profile: str | None,
+    as_json: bool,
+) -> None:
+    """Replay a workload against the real scheduler core with modelled S- and R-part costs."""
+    from fastdecode.sim import CostModel, SimConfig, load_workload, paper_workload, simulate
+
+    try:
+        if workload:
+            items = load_workload(workload)
+        else:
+            items = paper_workload(
+                seed, batch=batch, gen_len=gen_len, prompt_len=prompt_len, requests=requests
+            )
+        if profile:
+            from fastdecode.planner import Profile
+
+            cost = CostModel.from_profile(Profile.load(profile))
+        else:
+            cost = CostModel.affine(batch=batch, seq_len=gen_len, prompt_len=prompt_len, shards=shards)
+        results = {}
+        for adm in ("naive", "stabilized") if compare else (admission,):
+            cfg = SimConfig(
+                admission=adm,
+                shards=shards,
+                max_running=batch,
+                prefill_token_budget=prefill_budget,
+                micro_batch=micro_batch,
+                w_limit=w_limit,
+                cost=cost,
+            )
+            results[adm] = simulate(items, cfg, seed=seed).to_dict()
+    except FastDecodeError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        out = results if compare else results[admission]
+        click.echo(json.dumps(out, indent=2))
+        return
+    names = list(results)
+    click.echo(f"{'metric':<26}" + "".join(f"{n:>14}" for n in names))
+    for key in SIM_KEYS:
+        click.echo(f"{key:<26}" + "".join(f"{_fmt(results[n][key]):>14}" for n in names))
+    if compare:
+        nv, st = results["naive"], results["stabilized"]
+        if nv["peak_kv_load"] and nv["tokens_per_s"]:
+            click.echo(
+                f"stabilized/naive: peak load {st['peak_kv_load'] / nv['peak_kv_load']:.2f}x,"
+                f" throughput {st['tokens_per_s'] / nv['tokens_per_s']:.2f}x,"
+                f" p99 token latency {st['latency_p99_s'] / max(nv['latency_p99_s'], 1e-12):.2f}x"
+            )
+
+
+@click.command("plan")
+@click.option(
+    "--model", "model_dir", type=click.Path(exists=True, file_okay=False), help="HF model dir to measure."
+)
+@click.option(
+    "--profile", type=click.Path(exists=True, dir_okay=False), help="A saved profile (no measuring)."
+)
+@click.option("--save-profile", type=click.Path(dir_okay=False), help="Write the measured profile here.")
+@click.option("--device", default="cpu", show_default=True, help="Where to measure T(B).")
+@click.option("--batch-sizes", default="1,2,4,8,16,32,64,128,256", show_default=True)
+@click.option("--seq-len", "-S", type=int, default=1024, show_default=True, help="Expected sequence length.")
+@click.option("--latency-budget", type=float, default=None, help="Seconds to generate S tokens.")
+@click.option("--shard-memory", type=int, default=None, help="KV bytes one shard holds.")
+@click.option("--shards", "-P", type=int, default=None, help="Fix P instead of choosing it.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Draw throughput vs P and B to this PNG.")
+def plan_cmd(
+    model_dir: str | None,
+    profile: str | None,
+    save_profile: str | None,
+    device: str,
+    batch_sizes: str,
+    seq_len: int,
+    latency_budget: float | None,
+    shard_memory: int | None,
+    shards: int | None,
+    as_json: bool,
+    plot: str | None,
+) -> None:
+    """Choose batch size B and shard count P from measured T(B) and R (the paper's model)."""
+    from fastdecode import planner
+
+    try:
+        if profile and model_dir:
+            raise click.UsageError("give --model or --profile, not both")
+        if profile:
+            prof = planner.Profile.load(profile)
+        else:
+            if not model_dir:
+                try:
+                    from fastdecode.checkpoint import ensure_default_model
+                except ImportError as e:
+                    raise click.ClickException(f"no --model/--profile and no default model: {e}") from e
+                model_dir = str(ensure_default_model())
+            sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+            prof = planner.measure_profile(model_dir, sizes, device)
+        if save_profile:
+            prof.save(save_profile)
+        result = planner.plan(
+            prof,
+            seq_len,
+            latency_budget_s=latency_budget,
+            shard_memory_bytes=shard_memory,
+            shards=shards,
+        )
+        if plot:
+            planner.plot_plan(prof, result, plot)
+    except FastDecodeError as e:
+        raise click.ClickException(str(e)) from e
+    except ValueError as e:
+        raise click.ClickException(f"bad option: {e}") from e
+    d = result.to_dict()
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+        return
+    click.echo(f"batch size B      {result.batch_size}")
+    click.echo(f"shards P          {result.shards}  (set by {result.shards_set_by})")
+    click.echo(f"step              {result.predicted_step_ms:.3f} ms  = N x max(T(B), B*S*R/(2P))")
+    click.echo(f"  T(B) per layer  {result.t_dense_ms:.4f} ms, R-part per layer {result.r_part_ms:.4f} ms")
+    click.echo(f"tokens/s          {result.predicted_tokens_per_s:.1f}")
+    click.echo(f"limiting factor   {result.limiting_factor}")
+    click.echo(f"latency, S tokens {result.predicted_latency_s:.3f} s  (S={seq_len})")
+    click.echo(f"  paper's bound   2*N*S*T(B) = {result.paper_latency_s:.3f} s")
+    if plot:
+        click.echo(f"plot              {Path(plot)}")

@@ -1,0 +1,399 @@
+"""Capacity planner: the paper's performance model (DESIGN.md section 1, "Performance model").
+
+Inputs come from micro-benchmarks (a `Profile`): T(B), the S-part seconds of one layer at batch B, and
+R, the seconds one R-worker (shard) spends attending one new token against one cached token in one
+layer. With S the expected sequence length, N layers, L a latency budget, C the KV tokens one shard
+holds and P shards:
+  latency:  2 * N * S * T(B) <= L                 (the largest B that fits)
+  no bound: B where E(B) = B / T(B) stops improving (next measured B gains < 5%)
+  memory:   B * S / 2 <= C * P                     (mean sequence holds S/2 tokens)
+  balance:  P = B * S * R / (2 * T(B))             (R-part of the mean load = S-part)
+Predicted step (two mini-batches pipelined, per layer the slower of the two sides):
+  step = N * max(T(B), B * S * R / (2 * P)),  tokens/s = B / step.
+The latency rule is the paper's; it counts the two mini-batches' S-parts back to back, so it is
+stricter than S * step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastdecode.errors import InvalidInput
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+EFFICIENCY_GAIN = 0.05  # "stops improving": the next measured batch size gains less than this
+
+
+@dataclass
+class Profile:
+    """Measured costs of one model on one device (saved and loaded as JSON)."""
+
+    t_dense: dict[int, float]  # batch size -> S-part seconds per layer
+    r_attn: float  # seconds per new token per cached token, one shard, one layer
+    num_layers: int
+    kv_bytes_per_token: int  # KV bytes one token takes over all layers
+    device: str = "cpu"
+    model: str | None = None
+    notes: dict[str, float | int | str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.t_dense = {int(b): float(t) for b, t in self.t_dense.items()}
+        if not self.t_dense or any(b < 1 or t <= 0 for b, t in self.t_dense.items()):
+            raise InvalidInput("profile needs T(B) > 0 samples at batch sizes >= 1")
+        if self.r_attn <= 0 or self.num_layers < 1 or self.kv_bytes_per_token < 1:
+            raise InvalidInput("profile needs r_attn > 0, num_layers >= 1, kv_bytes_per_token >= 1")
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.t_dense)
+
+    def t_at(self, batch: int) -> float:
+        """T(B): piecewise linear between samples, linear beyond the last two, flat below the first."""
+        bs = self.batch_sizes
+        if batch in self.t_dense:
+            return self.t_dense[batch]
+        if batch <= bs[0]:
+            return self.t_dense[bs[0]]
+        if len(bs) == 1:  # one sample: assume time proportional to the batch (pessimistic)
+            return self.t_dense[bs[0]] * batch / bs[0]
+        for lo, hi in zip(bs, bs[1:], strict=False):
+            if lo <= batch <= hi:
+                f = (batch - lo) / (hi - lo)
+                return self.t_dense[lo] + f * (self.t_dense[hi] - self.t_dense[lo])
+        lo, hi = bs[-2], bs[-1]
+        slope = max(0.0, (self.t_dense[hi] - self.t_dense[lo]) / (hi - lo))
+        return self.t_dense[hi] + slope * (batch - hi)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["t_dense"] = {str(b): t for b, t in sorted(self.t_dense.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        try:
+            return cls(
+                t_dense={int(b): float(t) for b, t in d["t_dense"].items()},
+                r_attn=float(d["r_attn"]),
+                num_layers=int(d["num_layers"]),
+                kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+                device=str(d.get("device", "cpu")),
+                model=d.get("model"),
+                notes=dict(d.get("notes", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidInput(f"bad profile: {e!r}") from e
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"{path}: not JSON: {e}") from e
+
+
+@dataclass
+class Plan:
+    batch_size: int
+    shards: int
+    predicted_step_ms: float
+    predicted_tokens_per_s: float
+    limiting_factor: str  # latency | gpu-efficiency | memory | balance
+    shards_set_by: str  # balance | memory | given
+    seq_len: int
+    t_dense_ms: float  # T(B)
+    r_part_ms: float  # B * S * R / (2P) per layer
+    gpu_efficiency: float  # B / T(B), sequences per second per layer
+    p_balance: float  # B * S * R / (2 * T(B))
+    p_memory: float | None  # B * S / (2 * C)
+    predicted_latency_s: float  # S * step
+    paper_latency_s: float  # 2 * N * S * T(B)
+    kv_tokens_per_shard: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def r_part_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
+    """Per-layer R-part seconds of the busiest shard at the mean load B * S / 2 spread over P."""
+    return batch * seq_len * profile.r_attn / (2 * shards)
+
+
+def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
+    return profile.num_layers * max(profile.t_at(batch), r_part_s(profile, batch, shards, seq_len))
+
+
+def predicted_tokens_per_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
+    return batch / predicted_step_s(profile, batch, shards, seq_len)
+
+
+def p_balance(profile: Profile, batch: int, seq_len: int) -> float:
+    return batch * seq_len * profile.r_attn / (2 * profile.t_at(batch))
+
+
+def knee(profile: Profile, gain: float = EFFICIENCY_GAIN) -> int:
+    """The first measured B after which E(B) = B / T(B) improves by less than `gain`."""
+    bs = profile.batch_sizes
+    for lo, hi in zip(bs, bs[1:], strict=False):
+        if hi / profile.t_at(hi) < (1 + gain) * lo / profile.t_at(lo):
+            return lo
+    return bs[-1]
+
+
+def plan(
+    profile: Profile,
+    seq_len: int,
+    *,
+    latency_budget_s: float | None = None,
+    shard_memory_bytes: int | None = None,
+    shards: int | None = None,
+    gain: float = EFFICIENCY_GAIN,
+) -> Plan:
+    """Choose B and P from the profile (see the module docstring for the equations)."""
+    if seq_len < 1:
+        raise InvalidInput("seq_len must be >= 1")
+    if shards is not None and shards < 1:
+        raise InvalidInput("shards must be >= 1")
+    N, S = profile.num_layers, seq_len
+    bs = profile.batch_sizes
+    factor = "gpu-efficiency"
+    batch = knee(profile, gain)
+    if latency_budget_s is not None:
+        fits = [b for b in bs if 2 * N * S * profile.t_at(b) <= latency_budget_s]
+        if not fits:
+            need = 2 * N * S * profile.t_at(bs[0])
+            raise InvalidInput(f"no batch size meets the latency budget ({need:.3g} s needed at B={bs[0]})")
+        batch = max(fits)
+        if batch < bs[-1]:
+            factor = "latency"
+    cap = None
+    if shard_memory_bytes is not None:
+        if shard_memory_bytes < profile.kv_bytes_per_token:
+            raise InvalidInput("shard memory holds less than one token")
+        cap = shard_memory_bytes // profile.kv_bytes_per_token
+    if shards is not None:
+        P, by = shards, "given"
+        if cap is not None and batch * S / 2 > cap * P:
+            fits = [b for b in bs if b <= batch and b * S / 2 <= cap * P]
+            if not fits:
+                raise InvalidInput(f"{P} shards of {cap} tokens cannot hold B={bs[0]} sequences of {S}")
+            batch, factor = max(fits), "memory"
+        if factor != "memory" and r_part_s(profile, batch, P, S) > profile.t_at(batch):
+            factor = "balance"
+    else:
+        p_bal = p_balance(profile, batch, S)
+        p_mem = batch * S / (2 * cap) if cap is not None else 0.0
+        P = max(1, math.ceil(p_bal - 1e-9), math.ceil(p_mem - 1e-9))
+        by = "memory" if p_mem > p_bal and P > 1 else "balance"
+    step = predicted_step_s(profile, batch, P, S)
+    return Plan(
+        batch_size=batch,
+        shards=P,
+        predicted_step_ms=step * 1e3,
+        predicted_tokens_per_s=batch / step,
+        limiting_factor=factor,
+        shards_set_by=by,
+        seq_len=S,
+        t_dense_ms=profile.t_at(batch) * 1e3,
+        r_part_ms=r_part_s(profile, batch, P, S) * 1e3,
+        gpu_efficiency=batch / profile.t_at(batch),
+        p_balance=p_balance(profile, batch, S),
+        p_memory=batch * S / (2 * cap) if cap is not None else None,
+        predicted_latency_s=S * step,
+        paper_latency_s=2 * N * S * profile.t_at(batch),
+        kv_tokens_per_shard=cap,
+    )
+
+
+def plot_plan(profile: Profile, chosen: Plan, path: str | Path) -> None:
+    """Predicted tokens/s against P (for a few B) and against B (at the chosen P), chosen point marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    S = chosen.seq_len
+    fig, (ax_p, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ps = list(range(1, max(8, 2 * chosen.shards) + 1))
+    for b in profile.batch_sizes:
+        ax_p.plot(ps, [predicted_tokens_per_s(profile, b, p, S) for p in ps], label=f"B={b}", lw=1)
+    ax_p.plot([chosen.shards], [chosen.predicted_tokens_per_s], "r*", ms=14, label="chosen")
+    ax_p.set_xlabel("shards P")
+    ax_p.set_ylabel("predicted tokens/s")
+    ax_p.set_title(f"throughput vs P (S={S})")
+    ax_p.legend(fontsize=7, ncol=2)
+    bs = profile.batch_sizes
+    at_p = [predicted_tokens_per_s(profile, b, chosen.shards, S) for b in bs]
+    ax_b.plot(bs, at_p, "o-", label=f"P={chosen.shards}")
+    balanced = [b / (profile.num_layers * profile.t_at(b)) for b in bs]
+    ax_b.plot(bs, balanced, "--", color="gray", label="P balanced")
+    ax_b.plot([chosen.batch_size], [chosen.predicted_tokens_per_s], "r*", ms=14, label="chosen")
+    ax_b.set_xscale("log", base=2)
+    ax_b.set_xlabel("batch B")
+    ax_b.set_title(f"throughput vs B (limit: {chosen.limiting_factor})")
+    ax_b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ measurement
+
+
+def _median_time(
+    fn: Callable[[], None], repeats: int, warmup: int, sync: Callable[[], None] | None = None
+) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync_for(device: str) -> Callable[[], None] | None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.synchronize
+    return None
+
+
+def measure_dense(
+    model_dir: str | Path,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    device: str = "cpu",
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> dict[int, float]:
+    """T(B): seconds of one layer's dense step (pre_attention + post_attention) at batch B, median."""
+    import torch
+
+    from fastdecode.model import DenseModel
+
+    m = DenseModel.from_pretrained(model_dir, device=device, dtype=torch.float32)
+    return _dense_times(m, batch_sizes, device, repeats=repeats, warmup=warmup)
+
+
+def _dense_times(
+    m: Any, batch_sizes: Sequence[int], device: str, *, repeats: int = 5, warmup: int = 2, position: int = 64
+) -> dict[int, float]:
+    import torch
+
+    cfg = m.config
+    width = cfg.num_attention_heads * cfg.head_dim
+    vocab = int(getattr(cfg, "vocab_size", 2))
+    sync = _sync_for(device)
+    gen = torch.Generator().manual_seed(0)
+    out: dict[int, float] = {}
+    with torch.inference_mode():
+        for b in sorted(set(int(x) for x in batch_sizes)):
+            if b < 1:
+                raise InvalidInput("batch sizes must be >= 1")
+            ids = torch.randint(0, vocab, (b,), generator=gen).to(device)
+            pos = torch.full((b,), position, dtype=torch.long, device=device)
+            h = m.embed(ids)
+            attn = torch.randn(b, width, generator=gen).to(device=device, dtype=h.dtype)
+
+            def once(h: torch.Tensor = h, pos: torch.Tensor = pos, attn: torch.Tensor = attn) -> None:
+                m.pre_attention(0, h, pos)
+                m.post_attention(0, h, attn)
+
+            out[b] = _median_time(once, repeats, warmup, sync)
+    return out
+
+
+def measure_attention(
+    num_kv_heads: int,
+    num_heads: int,
+    head_dim: int,
+    context: int,
+    batch: int,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> float:
+    """R: seconds per new token per cached token for one KV store (one layer), from decode steps of
+    `batch` sequences holding `context` tokens each."""
+    import torch
+
+    from fastdecode.kv import KVStore
+
+    if min(num_kv_heads, num_heads, head_dim, context, batch) < 1:
+        raise InvalidInput("measure_attention needs positive sizes")
+    steps = repeats + warmup
+    per_token = 2 * num_kv_heads * head_dim * 4
+    capacity = int(per_token * batch * (context + steps + 1) * 2) + (1 << 20)
+    kv = KVStore(1, num_kv_heads, head_dim, capacity, dtype=torch.float32)
+    ids = [f"m{i}" for i in range(batch)]
+    for s in ids:
+        kv.reserve(s, context + steps + 1)
+    gen = torch.Generator().manual_seed(0)
+
+    def qkv(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            torch.randn(t, num_heads, head_dim, generator=gen),
+            torch.randn(t, num_kv_heads, head_dim, generator=gen),
+            torch.randn(t, num_kv_heads, head_dim, generator=gen),
+        )
+
+    with torch.inference_mode():
+        for s in ids:  # fill each cache with `context` tokens, one sequence at a time to bound memory
+            q, k, v = qkv(context)
+            kv.attend(0, [s], [context], [0], q, k, v)
+        pos = [context]
+        inputs = [qkv(batch) for _ in range(steps)]
+        it = iter(inputs)
+
+        def once() -> None:
+            q, k, v = next(it)
+            kv.attend(0, ids, [1] * batch, [pos[0]] * batch, q, k, v)
+            pos[0] += 1
+
+        t = _median_time(once, repeats, warmup)
+    return t / (batch * (context + warmup + repeats / 2))
+
+
+def measure_profile(
+    model_dir: str | Path,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    device: str = "cpu",
+    *,
+    context: int = 256,
+    attn_batch: int = 8,
+) -> Profile:
+    """Measure T(B) on `device` and R on this host's CPU for the model in model_dir."""
+    import torch
+
+    from fastdecode.model import DenseModel
+
+    m = DenseModel.from_pretrained(model_dir, device=device, dtype=torch.float32)
+    cfg = m.config
+    t = _dense_times(m, batch_sizes, device)
+    r = measure_attention(cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, context, attn_batch)
+    return Profile(
+        t_dense=t,
+        r_attn=r,
+        num_layers=int(cfg.num_hidden_layers),
+        kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4,
+        device=str(device),
+        model=str(model_dir),
+        notes={"dtype": "float32", "attn_context": context, "attn_batch": attn_batch},
+    )

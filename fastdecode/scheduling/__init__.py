@@ -1,0 +1,50 @@
+"""The scheduler's domain core: admission, placement, step planning. Imports no gRPC."""
+
+from fastdecode.scheduling.admission import (
+    AdmissionPolicy,
+    Candidate,
+    MicroBatch,
+    NaiveAdmission,
+    StabilizedAdmission,
+    earliest_start,
+    start_micro_batch,
+)
+from fastdecode.scheduling.core import SchedulerCore
+from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
+from fastdecode.scheduling.types import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    PlannedSeq,
+    Request,
+    Reservation,
+    Sampling,
+    ShardSpec,
+    Step,
+    TokenEvent,
+)
+
+__all__ = [
+    "FINISH_ERROR",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "AdmissionPolicy",
+    "Candidate",
+    "MicroBatch",
+    "NaiveAdmission",
+    "PlannedSeq",
+    "Request",
+    "Reservation",
+    "Sampling",
+    "SchedulerCore",
+    "ShardLoad",
+    "ShardSpec",
+    "StabilizedAdmission",
+    "Step",
+    "TokenEvent",
+    "attention_cost",
+    "choose_shard",
+    "earliest_start",
+    "split_mini_batches",
+    "start_micro_batch",
+]

@@ -1,0 +1,492 @@
+"""The scheduler's core: sequence state, admission, placement, step planning, stop rules.
+
+Pure Python, no gRPC. A driver (the scheduler service, or the simulator) loops:
+    step = core.next_step(); send step.release, step.reserve to the shards; run step.seqs on the dense
+    side; events = core.apply(step, results); stream events.
+One step is outstanding at a time in practice; sequences of an un-applied step are skipped by
+next_step, so a second outstanding step is allowed but never plans the same sequence twice. Every step
+with sequences must be applied (with error strings when the dense side failed), or its sequences stay
+in flight.
+
+Placement: a new sequence goes to the healthy shard with room for prompt + max_tokens whose load over
+the sequence's expected life is least, weighted by speed and capacity (placement.choose_shard). The
+expected life is max_tokens scaled by a running generated/max_tokens ratio, since sequences stop early.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fastdecode.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
+from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
+from fastdecode.scheduling.types import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    PlannedSeq,
+    Request,
+    Reservation,
+    ShardSpec,
+    Step,
+    TokenEvent,
+)
+
+# Steps a shard takes no new sequence after refusing a reservation (or until it frees something):
+# our count of its free room was wrong, so retrying at once would loop.
+RESERVATION_BACKOFF_STEPS = 8
+# Weight of one finished sequence in the running generated/max_tokens ratio.
+RATIO_SMOOTHING = 0.05
+
+
+@dataclass
+class _Seq:
+    req: Request
+    tokens: list[int]  # prompt + generated so far
+    shard: int | None = None
+    kv: int = 0  # tokens sent to the shard's KV (planned chunks count at planning time)
+    reserved_on: int | None = None  # shard holding a reservation we must release
+    epoch: int = 0  # bumped when the seq loses its shard: results of older steps are ignored
+    inflight: int | None = None  # step it is planned in, until applied
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.req.prompt)
+
+
+@dataclass
+class _Shard:
+    spec: ShardSpec
+    healthy: bool = True
+    reserved: int = 0
+    seqs: set[str] = field(default_factory=set)
+    blocked_until: int = 0
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    epoch: int
+    sample: bool
+
+
+class SchedulerCore:
+    """Owns every sequence: admits, places on shards, plans steps, applies sampled tokens."""
+
+    def __init__(
+        self,
+        shards: list[ShardSpec],
+        eos_token_ids: Sequence[int],
+        *,
+        max_running: int = 256,
+        max_waiting: int = 1024,
+        prefill_token_budget: int = 512,
+        admission: AdmissionPolicy | None = None,
+        max_context: int | None = None,
+    ) -> None:
+        if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
+            raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
+        if max_context is not None and max_context < 2:
+            raise InvalidInput("max_context must be >= 2")
+        self._shards: list[_Shard] = []
+        for spec in shards:
+            self.add_shard(spec)
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        self._max_running = max_running
+        self._max_waiting = max_waiting
+        self._budget = prefill_token_budget
+        self._admission: AdmissionPolicy = admission if admission is not None else NaiveAdmission()
+        self._max_context = max_context
+        self._waiting: OrderedDict[str, _Seq] = OrderedDict()
+        self._running: OrderedDict[str, _Seq] = OrderedDict()  # admission order
+        self._releases: list[tuple[str, int]] = []
+        self._inflight: dict[int, dict[str, _Inflight]] = {}
+        self._step = 0
+        self._ratio = 1.0  # running estimate of generated / max_tokens
+        self._finished = 0
+        self._recoveries = 0
+
+    # ---------------------------------------------------------------- requests in
+    def submit(self, req: Request) -> None:
+        """Queue a request. InvalidInput for a bad one, ResourceExhausted when the queue is full."""
+        self._validate(req)
+        if len(self._waiting) >= self._max_waiting:
+            raise ResourceExhausted(f"waiting queue full ({self._max_waiting})")
+        self._waiting[req.seq_id] = _Seq(req=req, tokens=[int(t) for t in req.prompt])
+
+    def _validate(self, req: Request) -> None:
+        if not isinstance(req.seq_id, str) or not req.seq_id:
+            raise InvalidInput("seq_id must be a non-empty string")
+        if req.seq_id in self._waiting or req.seq_id in self._running:
+            raise InvalidInput(f"duplicate seq_id {req.seq_id!r}")
+        if not req.prompt:
+            raise InvalidInput("empty prompt")
+        if any(int(t) < 0 for t in req.prompt):
+            raise InvalidInput("token ids must be >= 0")
+        if req.max_tokens < 1:
+            raise InvalidInput("max_tokens must be >= 1")
+        s = req.sampling
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+            raise InvalidInput("sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if self._max_context is not None and req.kv_tokens > self._max_context:
+            raise OutOfRange(
+                f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds the context"
+                f" ({self._max_context})"
+            )
+        if self._shards and req.kv_tokens > max(s.spec.capacity_tokens for s in self._shards):
+            raise OutOfRange(f"needs {req.kv_tokens} KV tokens, more than any shard holds")
+
+    def cancel(self, seq_id: str) -> None:
+        """Drop a waiting or running sequence; a held reservation is released in the next step."""
+        if self._waiting.pop(seq_id, None) is not None:
+            return
+        seq = self._running.get(seq_id)
+        if seq is None:
+            raise NotFound(f"unknown sequence {seq_id!r}")
+        self._leave(seq, finished=False)
+
+    # ---------------------------------------------------------------- shards
+    def add_shard(self, spec: ShardSpec) -> int:
+        """Add a shard; it takes its share of new sequences from now on."""
+        if spec.capacity_tokens < 1 or not spec.speed > 0:
+            raise InvalidInput("a shard needs capacity_tokens >= 1 and speed > 0")
+        self._shards.append(_Shard(spec=spec))
+        return len(self._shards) - 1
+
+    def _shard(self, shard: int) -> _Shard:
+        if not 0 <= shard < len(self._shards):
+            raise NotFound(f"unknown shard {shard}")
+        return self._shards[shard]
+
+    def shard_lost(self, shard: int) -> list[str]:
+        """Mark a shard unhealthy; its sequences will be re-placed and re-prefilled from their history.
+
+        Call it before apply() of a step that failed because of this shard: results of the moved
+        sequences are then ignored and their generated tokens kept, so the request only loses time.
+        """
+        sh = self._shard(shard)
+        if not sh.healthy:
+            return []
+        sh.healthy = False
+        moved = [sid for sid, s in self._running.items() if s.shard == shard]
+        for sid in moved:
+            self._unplace(self._running[sid])
+        sh.reserved, sh.seqs = 0, set()
+        self._releases = [(sid, i) for sid, i in self._releases if i != shard]
+        self._recoveries += len(moved)
+        return moved
+
+    def shard_recovered(self, shard: int) -> None:
+        """The shard is healthy again, and empty: it takes new sequences."""
+        sh = self._shard(shard)
+        sh.healthy, sh.reserved, sh.seqs, sh.blocked_until = True, 0, set(), 0
+
+    def reservation_failed(self, seq_id: str) -> None:
+        """The shard refused the reservation: un-place the sequence and put it back at the head.
+
+        A sequence with no generated token goes back to the waiting queue (admission sees it again);
+        one being recovered stays admitted and is re-placed first. Drop it from the step you are about
+        to run (`step.without([seq_id])`); a result for it would be ignored anyway.
+        """
+        seq = self._running.get(seq_id)
+        if seq is None:
+            raise NotFound(f"unknown running sequence {seq_id!r}")
+        if seq.shard is not None:
+            self._shards[seq.shard].blocked_until = self._step + RESERVATION_BACKOFF_STEPS
+        seq.reserved_on = None  # nothing to release: the shard holds nothing for it
+        self._unplace(seq)
+        if seq.generated == 0:
+            del self._running[seq_id]
+            self._admission.finished(self._step, seq_id)
+            self._waiting[seq_id] = seq
+            self._waiting.move_to_end(seq_id, last=False)
+
+    def _unplace(self, seq: _Seq) -> None:
+        if seq.shard is not None:
+            sh = self._shards[seq.shard]
+            sh.seqs.discard(seq.req.seq_id)
+            sh.reserved -= seq.req.kv_tokens
+        seq.shard, seq.reserved_on, seq.kv, seq.inflight = None, None, 0, None
+        seq.epoch += 1
+
+    # ---------------------------------------------------------------- planning
+    def next_step(self) -> Step | None:
+        """Admit, place, and plan the next step; None when there is nothing to run or send."""
+        step_no = self._step
+        reserve: list[Reservation] = []
+        self._place_unplaced(step_no, reserve)
+        self._admit(step_no, reserve)
+        idle = not reserve and not any(s.shard is not None for s in self._running.values())
+        if idle and any(sh.blocked_until > step_no for sh in self._shards):
+            # Nothing runs, so steps (and the back-off) would never advance: retry the shards now.
+            for sh in self._shards:
+                sh.blocked_until = 0
+            self._place_unplaced(step_no, reserve)
+            self._admit(step_no, reserve)
+        planned: list[PlannedSeq] = []
+        marks: dict[str, _Inflight] = {}
+        budget = self._budget
+        for sid, seq in self._running.items():
+            if seq.shard is None or seq.inflight is not None:
+                continue
+            pending = len(seq.tokens) - seq.kv
+            if pending <= 0:
+                continue
+            if seq.generated > 0 and pending == 1:
+                n = 1  # decode: always goes
+            else:
+                if budget <= 0:
+                    continue
+                n = min(pending, budget)
+                budget -= n
+            sample = seq.kv + n == len(seq.tokens)
+            planned.append(
+                PlannedSeq(
+                    seq_id=sid,
+                    shard=seq.shard,
+                    mini_batch=0,
+                    token_ids=seq.tokens[seq.kv : seq.kv + n],
+                    start_pos=seq.kv,
+                    sampling=seq.req.sampling,
+                    sample=sample,
+                    sample_index=seq.generated,
+                )
+            )
+            seq.kv += n
+            seq.inflight = step_no
+            marks[sid] = _Inflight(seq.epoch, sample)
+        if not planned and not reserve and not self._releases:
+            return None
+        costs = [(p.shard, attention_cost(len(p.token_ids), p.start_pos)) for p in planned]
+        split = split_mini_batches(costs)
+        for p, mb in zip(planned, split, strict=True):
+            p.mini_batch = mb
+        release, self._releases = self._releases, []
+        if marks:
+            self._inflight[step_no] = marks
+        self._step += 1
+        return Step(step=step_no, seqs=planned, reserve=reserve, release=release)
+
+    def _expected_gen(self, seq: _Seq) -> float:
+        mt = seq.req.max_tokens
+        return float(min(mt, max(seq.generated + 1, self._ratio * mt)))
+
+    def _future_load(self, seq: _Seq, horizon: float) -> float:
+        """Mean KV tokens the sequence holds over the next `horizon` steps (it grows by one a step and
+        is gone after its expected end)."""
+        now = len(seq.tokens)
+        h = min(max(0.0, len(seq.req.prompt) + self._expected_gen(seq) - now), horizon)
+        return h * (now + h / 2) / horizon
+
+    def _loads(self, step_no: int, horizon: float) -> list[ShardLoad]:
+        load = [0.0] * len(self._shards)
+        for seq in self._running.values():
+            if seq.shard is not None:
+                load[seq.shard] += self._future_load(seq, horizon)
+        return [
+            ShardLoad(
+                capacity=sh.spec.capacity_tokens,
+                speed=sh.spec.speed,
+                reserved=sh.reserved,
+                load=load[i],
+                available=sh.healthy and sh.blocked_until <= step_no,
+            )
+            for i, sh in enumerate(self._shards)
+        ]
+
+    def _place(self, seq: _Seq, step_no: int, reserve: list[Reservation]) -> bool | None:
+        """Place on the shard with the least load over the new sequence's expected life (what it will
+        share the shard with), weighted by speed and capacity. False: no room now; None: no healthy
+        shard could ever hold it."""
+        horizon = max(1.0, len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens))
+        loads = self._loads(step_no, horizon)
+        need = seq.req.kv_tokens
+        i = choose_shard(need, self._future_load(seq, horizon), loads)
+        if i is None:
+            return False if any(s.available and need <= s.capacity for s in loads) else None
+        sh = self._shards[i]
+        sh.reserved += need
+        sh.seqs.add(seq.req.seq_id)
+        seq.shard, seq.reserved_on, seq.kv = i, i, 0
+        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=need))
+        return True
+
+    def _place_unplaced(self, step_no: int, reserve: list[Reservation]) -> None:
+        for seq in [s for s in self._running.values() if s.shard is None]:  # the oldest recover first
+            if self._place(seq, step_no, reserve) is False:
+                break
+
+    def _admit(self, step_no: int, reserve: list[Reservation]) -> None:
+        room = self._max_running - len(self._running)
+        if room <= 0 or not self._waiting:
+            return
+        heads = [s for _, s in zip(range(room), self._waiting.values(), strict=False)]
+        cands = [Candidate(s.req.seq_id, len(s.req.prompt), self._expected_gen(s)) for s in heads]
+        n = self._admission.admissible(step_no, cands, len(self._running), self._max_running)
+        if n <= 0:
+            return
+        started: list[Candidate] = []
+        for seq, cand in zip(heads[:n], cands[:n], strict=True):
+            placed = self._place(seq, step_no, reserve)
+            if placed is False:
+                break  # FIFO: it fits once something is released; don't let others pass
+            if placed is None:
+                continue  # no healthy shard can hold it now: let the rest go
+            del self._waiting[seq.req.seq_id]
+            self._running[seq.req.seq_id] = seq
+            started.append(cand)
+        self._admission.started(step_no, started)
+
+    # ---------------------------------------------------------------- results in
+    def apply(self, step: Step, results: dict[str, tuple[int, float] | str]) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (or per-sequence error strings); returns the token events."""
+        marks = self._inflight.pop(step.step, None)
+        if marks is None:
+            if not step.seqs:
+                return []
+            raise InvalidInput(f"step {step.step} is not outstanding")
+        events: list[TokenEvent] = []
+        for sid, mark in marks.items():
+            seq = self._running.get(sid)
+            if seq is None or seq.epoch != mark.epoch:
+                continue  # cancelled, or moved off a lost shard: its history is re-prefilled instead
+            seq.inflight = None
+            res = results.get(sid)
+            if isinstance(res, str):
+                events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=res))
+                self._leave(seq)
+                continue
+            if not mark.sample:
+                continue  # a prefill chunk that is not the last: its KV is in, nothing to sample
+            if res is None:
+                err = "no result for a sampled sequence"
+                events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=err))
+                self._leave(seq)
+                continue
+            tok, logprob = int(res[0]), float(res[1])
+            seq.tokens.append(tok)
+            reason = self._stop_reason(seq, tok)
+            events.append(self._event(seq, [tok], [logprob], reason, step.step))
+            if reason is not None:
+                self._ratio += RATIO_SMOOTHING * (seq.generated / seq.req.max_tokens - self._ratio)
+                self._leave(seq)
+        return events
+
+    def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
+        if (tok in self._eos and not seq.req.ignore_eos) or tok in seq.req.stop_token_ids:
+            return FINISH_STOP
+        if seq.generated >= seq.req.max_tokens:
+            return FINISH_LENGTH
+        return None
+
+    def _event(
+        self,
+        seq: _Seq,
+        toks: list[int],
+        lps: list[float],
+        reason: str | None,
+        step_no: int,
+        error: str | None = None,
+    ) -> TokenEvent:
+        return TokenEvent(
+            seq_id=seq.req.seq_id,
+            token_ids=toks,
+            logprobs=lps,
+            finish_reason=reason,
+            prompt_tokens=len(seq.req.prompt),
+            completion_tokens=seq.generated,
+            step=step_no,
+            shard=seq.shard if seq.shard is not None else -1,
+            error=error,
+        )
+
+    def _leave(self, seq: _Seq, *, finished: bool = True) -> None:
+        """A running sequence is done (finished, failed, cancelled): free its shard room."""
+        sid = seq.req.seq_id
+        del self._running[sid]
+        if seq.shard is not None:
+            sh = self._shards[seq.shard]
+            sh.seqs.discard(sid)
+            sh.reserved -= seq.req.kv_tokens
+            sh.blocked_until = 0  # it has room again
+        if seq.reserved_on is not None and self._shards[seq.reserved_on].healthy:
+            self._releases.append((sid, seq.reserved_on))
+        seq.shard, seq.reserved_on = None, None
+        self._finished += finished
+        self._admission.finished(self._step, sid)
+
+    # ---------------------------------------------------------------- introspection
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def steps(self) -> int:
+        return self._step
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def admission(self) -> AdmissionPolicy:
+        return self._admission
+
+    def shard_of(self, seq_id: str) -> int | None:
+        """The shard a running sequence is placed on (None while unplaced)."""
+        seq = self._running.get(seq_id)
+        if seq is None:
+            raise NotFound(f"unknown running sequence {seq_id!r}")
+        return seq.shard
+
+    def tokens_of(self, seq_id: str) -> list[int]:
+        """A running sequence's token history (prompt + generated)."""
+        seq = self._running.get(seq_id) or self._waiting.get(seq_id)
+        if seq is None:
+            raise NotFound(f"unknown sequence {seq_id!r}")
+        return list(seq.tokens)
+
+    def kv_tokens_per_shard(self) -> list[int]:
+        """KV tokens each shard holds now (planned chunks included)."""
+        out = [0] * len(self._shards)
+        for seq in self._running.values():
+            if seq.shard is not None:
+                out[seq.shard] += seq.kv
+        return out
+
+    def stats(self) -> dict:
+        """Counts and per-shard load, shaped like the SchedulerStats message."""
+        tokens = self.kv_tokens_per_shard()
+        expected = [0.0] * len(self._shards)
+        for seq in self._running.values():
+            if seq.shard is not None:
+                expected[seq.shard] += len(seq.req.prompt) + self._expected_gen(seq)
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "steps": self._step,
+            "finished": self._finished,
+            "recoveries": self._recoveries,
+            "admission": getattr(self._admission, "name", type(self._admission).__name__),
+            "w_limit": self._admission.w_limit(self._step),
+            "kv_load_tokens": float(sum(tokens)),
+            "expected_ratio": self._ratio,
+            "shards": [
+                {
+                    "shard": i,
+                    "healthy": sh.healthy,
+                    "sequences": len(sh.seqs),
+                    "tokens": tokens[i],
+                    "expected_tokens": int(round(expected[i])),
+                    "reserved_tokens": sh.reserved,
+                    "capacity_tokens": sh.spec.capacity_tokens,
+                    "speed": sh.spec.speed,
+                }
+                for i, sh in enumerate(self._shards)
+            ],
+        }

@@ -1,0 +1,84 @@
+"""Pure placement and mini-batch split functions (no state; the core feeds them numbers)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardLoad:
+    """What placement needs to know about one shard right now."""
+
+    capacity: int  # KV tokens the shard holds
+    speed: float  # relative attention speed (> 0)
+    reserved: int  # KV tokens reserved by sequences placed there (prompt + max_tokens each)
+    load: float  # KV the shard's sequences hold on average over the new sequence's expected life
+    available: bool = True  # healthy and not backing off after a refused reservation
+
+
+def choose_shard(need: int, add_load: float, shards: Sequence[ShardLoad]) -> int | None:
+    """The shard a new sequence goes to, or None when no available shard has `need` tokens free.
+
+    Capacity is a hard limit (counting reservations). Among shards with room, pick the one whose
+    share after placing is lowest, where the share is the larger of
+      - attention time:  (load + add) / speed, relative to the balanced value sum(load) / sum(speed),
+      - memory:          (reserved + need) / capacity, relative to sum(reserved) / sum(capacity).
+    Speed weights the R-part time (what sets the pipeline's step), capacity keeps small shards from
+    filling up first. Ties go to the lowest index, so placement is deterministic.
+    """
+    cand = [i for i, s in enumerate(shards) if s.available and s.reserved + need <= s.capacity]
+    if not cand:
+        return None
+    live = [s for s in shards if s.available]
+    mean_time = (sum(s.load for s in live) + add_load) / sum(s.speed for s in live)
+    mean_mem = (sum(s.reserved for s in live) + need) / sum(s.capacity for s in live)
+
+    def share(i: int) -> tuple[float, float, int]:
+        s = shards[i]
+        t = (s.load + add_load) / s.speed / mean_time if mean_time > 0 else 0.0
+        m = (s.reserved + need) / s.capacity / mean_mem if mean_mem > 0 else 0.0
+        return (max(t, m), t, i)
+
+    return min(cand, key=share)
+
+
+def split_mini_batches(items: Sequence[tuple[int, float]]) -> list[int]:
+    """Assign each (shard, attention cost) item to mini-batch 0 or 1.
+
+    Per shard, sort by cost and take items in pairs: the heavier of a pair goes to the mini-batch with
+    less cost on that shard, the lighter to the other. Each shard then splits its count evenly (+-1) and
+    its cost to within its largest item, since every pair shifts the difference by at most its own
+    gap. Odd leftovers go where the global count stays within one. The R-part of a mini-batch takes
+    as long as its slowest shard, so balancing per shard is what keeps both halves equal.
+    """
+    out = [0] * len(items)
+    by_shard: dict[int, list[int]] = defaultdict(list)
+    for i, (shard, _) in enumerate(items):
+        by_shard[shard].append(i)
+    count = [0, 0]
+    for shard in sorted(by_shard):
+        idx = sorted(by_shard[shard], key=lambda i: (-items[i][1], i))
+        cost = [0.0, 0.0]
+        for k in range(0, len(idx) - 1, 2):
+            heavy, light = idx[k], idx[k + 1]
+            a = 0 if (cost[0], count[0]) <= (cost[1], count[1]) else 1
+            out[heavy], out[light] = a, 1 - a
+            cost[a] += items[heavy][1]
+            cost[1 - a] += items[light][1]
+            count[0] += 1
+            count[1] += 1
+        if len(idx) % 2:
+            last = idx[-1]
+            a = 0 if cost[0] <= cost[1] else 1
+            if count[a] > count[1 - a]:
+                a = 1 - a
+            out[last] = a
+            count[a] += 1
+    return out
+
+
+def attention_cost(new_tokens: int, start_pos: int) -> float:
+    """Cached tokens attended by a chunk of new tokens starting at start_pos (causal)."""
+    return new_tokens * start_pos + new_tokens * (new_tokens + 1) / 2

@@ -1,0 +1,119 @@
+"""Plain data the scheduler core takes and gives. No gRPC: the service adapter converts these."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling settings; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class Request:
+    """One sequence to generate. `seq_id` is the caller's handle (unique while it lives)."""
+
+    seq_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens to reserve for the whole life of the sequence."""
+        return len(self.prompt) + self.max_tokens
+
+
+@dataclass
+class PlannedSeq:
+    """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`."""
+
+    seq_id: str
+    shard: int
+    mini_batch: int
+    token_ids: list[int]
+    start_pos: int
+    sampling: Sampling
+    sample: bool
+    sample_index: int
+
+
+@dataclass
+class Reservation:
+    """Reserve `max_tokens` KV tokens (prompt + max_tokens) for seq_id on shard."""
+
+    seq_id: str
+    shard: int
+    max_tokens: int
+
+
+@dataclass
+class Step:
+    """One scheduler step.
+
+    The driver applies `release` first, then `reserve` (the core already counts released room as free),
+    then runs `seqs` (two mini-batches). A Step may carry releases only (empty `seqs`): send them, skip
+    the dense run. When a reservation fails, call `SchedulerCore.reservation_failed` and run
+    `step.without(...)` instead.
+    """
+
+    step: int
+    seqs: list[PlannedSeq]
+    reserve: list[Reservation]
+    release: list[tuple[str, int]]
+
+    def without(self, seq_ids: Iterable[str]) -> Step:
+        """This step minus some sequences (and their reservations), e.g. after a failed reservation."""
+        drop = set(seq_ids)
+        return Step(
+            step=self.step,
+            seqs=[s for s in self.seqs if s.seq_id not in drop],
+            reserve=[r for r in self.reserve if r.seq_id not in drop],
+            release=list(self.release),
+        )
+
+    def mini_batches(self) -> tuple[list[PlannedSeq], list[PlannedSeq]]:
+        """The two mini-batches of this step (either may be empty)."""
+        return (
+            [s for s in self.seqs if s.mini_batch == 0],
+            [s for s in self.seqs if s.mini_batch == 1],
+        )
+
+
+@dataclass
+class TokenEvent:
+    """What one sequence produced in one step; a finished sequence's last event has finish_reason set.
+
+    A stop or EOS token that ends a sequence is included in token_ids (HF `generate` keeps it too).
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    step: int
+    shard: int
+    error: str | None = None
+
+
+@dataclass
+class ShardSpec:
+    """A KV shard: how many tokens it holds and its measured relative attention speed (> 0)."""
+
+    capacity_tokens: int
+    speed: float = 1.0

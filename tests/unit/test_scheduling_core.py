@@ -1,0 +1,485 @@
+"""SchedulerCore behaviour, driven by a fake fleet that checks every plan like a real shard would."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdecode.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.scheduling import (
+    NaiveAdmission,
+    PlannedSeq,
+    Request,
+    Sampling,
+    SchedulerCore,
+    ShardSpec,
+    StabilizedAdmission,
+    Step,
+    TokenEvent,
+    attention_cost,
+)
+
+EOS = 0
+
+
+def model(kv: list[int], sample_index: int) -> int:
+    """A deterministic 'greedy model': the next token depends on every cached token and its position,
+    so a wrong position, a duplicated or a missing token changes everything after it."""
+    h = sample_index * 31
+    for i, t in enumerate(kv):
+        h = (h * 1000003 + (i + 1) * (t + 7)) % 2_147_483_647
+    return 1 + h % 97  # never EOS
+
+
+class Fleet:
+    """Shards that hold token ids as their 'KV' and enforce reservations and exact positions."""
+
+    def __init__(self, core: SchedulerCore, nshards: int, eos_at: dict[str, int] | None = None) -> None:
+        self.core = core
+        self.kv: list[dict[str, list[int]]] = [{} for _ in range(nshards)]
+        self.reserved: list[dict[str, int]] = [{} for _ in range(nshards)]
+        self.eos_at = eos_at or {}  # seq -> emit EOS as its n-th generated token
+        self.out: dict[str, list[int]] = {}
+        self.finish: dict[str, str | None] = {}
+        self.plans: list[Step] = []
+
+    def add_shard(self) -> None:
+        self.kv.append({})
+        self.reserved.append({})
+
+    def lose(self, shard: int) -> list[str]:
+        self.kv[shard], self.reserved[shard] = {}, {}
+        return self.core.shard_lost(shard)
+
+    def execute(self, step: Step, skip_shard: int | None = None) -> dict[str, tuple[int, float] | str]:
+        for sid, sh in step.release:
+            assert sid in self.reserved[sh], f"release of {sid} not reserved on {sh}"
+            del self.reserved[sh][sid]
+            self.kv[sh].pop(sid, None)
+        for r in step.reserve:
+            assert r.seq_id not in self.reserved[r.shard], f"double reservation {r}"
+            self.reserved[r.shard][r.seq_id] = r.max_tokens
+            self.kv[r.shard][r.seq_id] = []
+        results: dict[str, tuple[int, float] | str] = {}
+        for p in step.seqs:
+            if p.shard == skip_shard:
+                results[p.seq_id] = (12345, 0.0)  # garbage from a shard that is going away
+                continue
+            kv = self.kv[p.shard][p.seq_id]  # KeyError = planned without a reservation
+            assert p.start_pos == len(kv), f"{p.seq_id}: start_pos {p.start_pos} but {len(kv)} cached"
+            kv.extend(p.token_ids)
+            assert len(kv) <= self.reserved[p.shard][p.seq_id], "over the reservation"
+            if p.sample:
+                n = p.sample_index + 1
+                tok = EOS if self.eos_at.get(p.seq_id) == n else model(kv, p.sample_index)
+                results[p.seq_id] = (tok, -0.25)
+        return results
+
+    def record(self, events: list[TokenEvent]) -> None:
+        for e in events:
+            assert e.seq_id not in self.finish or self.finish[e.seq_id] is None, "event after finish"
+            self.out.setdefault(e.seq_id, []).extend(e.token_ids)
+            self.finish[e.seq_id] = e.finish_reason
+            assert e.completion_tokens == len(self.out[e.seq_id])
+
+    def step(self) -> Step | None:
+        st = self.core.next_step()
+        if st is None:
+            return None
+        self.plans.append(st)
+        self.record(self.core.apply(st, self.execute(st)))
+        return st
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if self.step() is None:
+                return
+        raise AssertionError("did not finish")
+
+
+def core_with(nshards: int = 1, cap: int = 10_000, **kw: object) -> SchedulerCore:
+    return SchedulerCore([ShardSpec(cap) for _ in range(nshards)], [EOS], **kw)
+
+
+def planned(step: Step, sid: str) -> PlannedSeq | None:
+    return next((p for p in step.seqs if p.seq_id == sid), None)
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """What the model generates for a prompt without any scheduling in the way."""
+    kv = list(prompt)
+    out = []
+    for i in range(n):
+        t = model(kv, i)
+        out.append(t)
+        kv.append(t)
+    return out
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_single_sequence_prefill_then_decode_exact_positions() -> None:
+    core = core_with()
+    fleet = Fleet(core, 1)
+    core.submit(Request("a", [5, 6, 7], max_tokens=4))
+    s0 = fleet.step()
+    assert s0 is not None and s0.reserve[0].max_tokens == 3 + 4
+    p = s0.seqs[0]
+    assert (p.token_ids, p.start_pos, p.sample, p.sample_index) == ([5, 6, 7], 0, True, 0)
+    s1 = fleet.step()
+    p = s1.seqs[0]
+    assert (p.start_pos, p.sample_index, len(p.token_ids)) == (3, 1, 1)
+    assert p.token_ids == fleet.out["a"][:1]  # the token sampled at step 0
+    fleet.run()
+    assert fleet.out["a"] == reference([5, 6, 7], 4)
+    assert fleet.finish["a"] == "length"
+    assert fleet.plans[-1].release == [("a", 0)] and not fleet.plans[-1].seqs
+
+
+def test_continuous_batching_joins_at_next_step() -> None:
+    core = core_with()
+    fleet = Fleet(core, 1)
+    core.submit(Request("a", [1, 2], max_tokens=10))
+    fleet.step()
+    fleet.step()
+    core.submit(Request("b", [3, 4, 5], max_tokens=3))
+    st = fleet.step()
+    assert {p.seq_id for p in st.seqs} == {"a", "b"}
+    assert planned(st, "b").start_pos == 0 and planned(st, "a").start_pos == 3
+    fleet.run()
+    assert fleet.out["a"] == reference([1, 2], 10) and fleet.out["b"] == reference([3, 4, 5], 3)
+
+
+def test_chunked_prefill_positions_and_only_last_chunk_samples() -> None:
+    core = core_with(prefill_token_budget=4)
+    fleet = Fleet(core, 1)
+    core.submit(Request("a", [9, 9], max_tokens=20))
+    fleet.step()  # a decodes from here on
+    prompt = list(range(10, 20))
+    core.submit(Request("long", prompt, max_tokens=2))
+    chunks = []
+    for _ in range(3):
+        st = fleet.step()
+        assert planned(st, "a") is not None, "decode tokens always go, whatever the prefill budget"
+        p = planned(st, "long")
+        chunks.append((p.token_ids, p.start_pos, p.sample))
+        assert sum(len(q.token_ids) for q in st.seqs if q.seq_id != "a") <= 4
+    assert chunks == [(prompt[0:4], 0, False), (prompt[4:8], 4, False), (prompt[8:10], 8, True)]
+    assert len(fleet.out["long"]) == 1  # exactly one token sampled, after the last chunk
+    nxt = planned(fleet.step(), "long")
+    assert (nxt.start_pos, nxt.sample_index) == (10, 1)
+    fleet.run()
+    assert fleet.out["long"] == reference(prompt, 2)
+
+
+def test_prefill_budget_is_shared_in_admission_order() -> None:
+    core = core_with(prefill_token_budget=5)
+    for sid in "abc":
+        core.submit(Request(sid, [1, 2, 3], max_tokens=1))
+    st = core.next_step()
+    got = {p.seq_id: (len(p.token_ids), p.sample) for p in st.seqs}
+    assert got == {"a": (3, True), "b": (2, False)}
+
+
+# ------------------------------------------------------------------ stop rules
+
+
+@pytest.mark.parametrize(
+    ("req", "eos_at", "want_len", "reason"),
+    [
+        (Request("x", [1], max_tokens=5), None, 5, "length"),
+        (Request("x", [1], max_tokens=5), 3, 3, "stop"),
+        (Request("x", [1], max_tokens=5, ignore_eos=True), 3, 5, "length"),
+    ],
+)
+def test_stop_rules(req: Request, eos_at: int | None, want_len: int, reason: str) -> None:
+    core = core_with()
+    fleet = Fleet(core, 1, {"x": eos_at} if eos_at else {})
+    core.submit(req)
+    fleet.run()
+    assert len(fleet.out["x"]) == want_len and fleet.finish["x"] == reason
+    if eos_at and reason == "stop":
+        assert fleet.out["x"][-1] == EOS  # the EOS that ends it is included, as in HF generate
+
+
+def test_stop_token_ids() -> None:
+    ref = reference([4, 4], 6)
+    core = core_with()
+    fleet = Fleet(core, 1)
+    core.submit(Request("x", [4, 4], max_tokens=6, stop_token_ids=frozenset({ref[2]})))
+    fleet.run()
+    assert fleet.out["x"] == ref[: ref.index(ref[2]) + 1] and fleet.finish["x"] == "stop"
+
+
+def test_finished_seq_released_next_step_and_not_planned_again() -> None:
+    core = core_with()
+    fleet = Fleet(core, 1)
+    core.submit(Request("short", [1], max_tokens=1))
+    core.submit(Request("long", [1], max_tokens=5))
+    s0 = fleet.step()
+    assert fleet.finish["short"] == "length"
+    s1 = fleet.step()
+    assert ("short", 0) in s1.release and planned(s1, "short") is None
+    assert all(("short", 0) not in s.release for s in fleet.plans[2:])
+    assert s0.step + 1 == s1.step
+
+
+def test_error_result_finishes_with_error_and_releases() -> None:
+    core = core_with()
+    core.submit(Request("a", [1, 2], max_tokens=5))
+    st = core.next_step()
+    (ev,) = core.apply(st, {"a": "shard said no"})
+    assert (ev.finish_reason, ev.error, ev.token_ids) == ("error", "shard said no", [])
+    assert core.next_step().release == [("a", 0)]
+
+
+def test_missing_result_for_sampled_seq_is_an_error() -> None:
+    core = core_with()
+    core.submit(Request("a", [1], max_tokens=5))
+    st = core.next_step()
+    (ev,) = core.apply(st, {})
+    assert ev.finish_reason == "error"
+
+
+def test_apply_unknown_step_raises() -> None:
+    core = core_with()
+    core.submit(Request("a", [1], max_tokens=5))
+    st = core.next_step()
+    core.apply(st, {"a": (3, 0.0)})
+    with pytest.raises(InvalidInput):
+        core.apply(st, {"a": (3, 0.0)})
+
+
+# ------------------------------------------------------------------ cancel, validation, queue
+
+
+def test_cancel_waiting_running_and_unknown() -> None:
+    core = core_with(max_running=1)
+    fleet = Fleet(core, 1)
+    core.submit(Request("a", [1], max_tokens=50))
+    core.submit(Request("b", [1], max_tokens=50))
+    fleet.step()
+    assert (core.running, core.waiting) == (1, 1)
+    core.cancel("b")  # waiting: nothing reserved, nothing to release
+    assert core.waiting == 0
+    st = core.next_step()
+    core.cancel("a")  # running and in flight
+    assert core.apply(st, fleet.execute(st)) == []  # its result is ignored
+    nxt = core.next_step()
+    assert nxt.release == [("a", 0)] and not nxt.seqs
+    assert core.next_step() is None
+    with pytest.raises(NotFound):
+        core.cancel("a")
+
+
+def test_queue_full_raises_resource_exhausted() -> None:
+    core = core_with(max_waiting=2)
+    core.submit(Request("a", [1], 1))
+    core.submit(Request("b", [1], 1))
+    with pytest.raises(ResourceExhausted):
+        core.submit(Request("c", [1], 1))
+
+
+@pytest.mark.parametrize(
+    ("req", "exc"),
+    [
+        (Request("e", [], 1), InvalidInput),
+        (Request("e", [1], 0), InvalidInput),
+        (Request("", [1], 1), InvalidInput),
+        (Request("e", [-1], 1), InvalidInput),
+        (Request("e", [1], 1, sampling=Sampling(temperature=-1)), InvalidInput),
+        (Request("e", [1], 1, sampling=Sampling(top_p=0)), InvalidInput),
+        (Request("e", [1, 2, 3], 8), OutOfRange),  # 11 > max_context 10
+        (Request("dup", [1], 1), InvalidInput),
+    ],
+)
+def test_bad_requests(req: Request, exc: type[Exception]) -> None:
+    core = core_with(max_context=10)
+    core.submit(Request("dup", [1], 1))
+    with pytest.raises(exc):
+        core.submit(req)
+    assert issubclass(OutOfRange, InvalidInput)
+
+
+def test_request_larger_than_any_shard_is_rejected() -> None:
+    core = core_with(cap=10)
+    with pytest.raises(InvalidInput):
+        core.submit(Request("a", [1] * 5, 6))
+
+
+def test_max_running_caps_the_batch() -> None:
+    core = core_with(max_running=2)
+    for i in range(5):
+        core.submit(Request(f"s{i}", [1], 3))
+    st = core.next_step()
+    assert len(st.seqs) == 2 and (core.running, core.waiting) == (2, 3)
+
+
+# ------------------------------------------------------------------ placement and mini-batches
+
+
+def test_placement_balances_and_respects_capacity() -> None:
+    core = SchedulerCore([ShardSpec(100), ShardSpec(100)], [EOS])
+    for i in range(6):
+        core.submit(Request(f"s{i}", [1] * 10, 30))  # 40 tokens each: 2 fit per shard
+    st = core.next_step()
+    per = [sum(r.max_tokens for r in st.reserve if r.shard == j) for j in (0, 1)]
+    assert per == [80, 80] and core.waiting == 2
+
+
+def test_placement_weights_shard_speed() -> None:
+    core = SchedulerCore([ShardSpec(10_000, speed=1.0), ShardSpec(10_000, speed=3.0)], [EOS])
+    for i in range(8):
+        core.submit(Request(f"s{i}", [1] * 10, 10))
+    st = core.next_step()
+    counts = [sum(1 for r in st.reserve if r.shard == j) for j in (0, 1)]
+    assert counts == [2, 6]
+
+
+def test_mini_batches_balance_count_and_kv_length() -> None:
+    core = SchedulerCore([ShardSpec(100_000), ShardSpec(100_000)], [EOS], prefill_token_budget=10_000)
+    fleet = Fleet(core, 2)
+    lengths = [5, 50, 7, 300, 20, 90, 33, 150, 11, 64, 200, 3]
+    for i, n in enumerate(lengths):
+        core.submit(Request(f"s{i}", [1] * n, 100))
+    fleet.step()  # prefill everything
+    st = fleet.step()  # all decode
+    assert len(st.seqs) == len(lengths)
+    a, b = st.mini_batches()
+    assert abs(len(a) - len(b)) <= 1
+    for shard in (0, 1):
+        costs = [attention_cost(1, p.start_pos) for p in st.seqs if p.shard == shard]
+        ca = sum(attention_cost(1, p.start_pos) for p in a if p.shard == shard)
+        cb = sum(attention_cost(1, p.start_pos) for p in b if p.shard == shard)
+        assert abs(ca - cb) <= max(costs), (shard, ca, cb)
+
+
+def test_add_shard_takes_new_sequences() -> None:
+    core = core_with(nshards=2)
+    fleet = Fleet(core, 2)
+    for i in range(4):
+        core.submit(Request(f"s{i}", [1] * 8, 50))
+    fleet.step()
+    fleet.add_shard()
+    assert core.add_shard(ShardSpec(10_000)) == 2
+    core.submit(Request("new", [1] * 8, 50))
+    st = fleet.step()
+    assert [r.shard for r in st.reserve if r.seq_id == "new"] == [2]
+    assert core.stats()["shards"][2]["sequences"] == 1
+
+
+# ------------------------------------------------------------------ shard loss and reservations
+
+
+@pytest.mark.parametrize("budget", [512, 4])
+def test_shard_lost_reprefills_history_and_output_is_identical(budget: int) -> None:
+    prompts = {f"s{i}": [i + 1] * (3 + i) for i in range(6)}
+    core = core_with(nshards=2, prefill_token_budget=budget)
+    fleet = Fleet(core, 2)
+    for sid, p in prompts.items():
+        core.submit(Request(sid, p, 12))
+    for _ in range(8):
+        fleet.step()
+    before = {sid: list(toks) for sid, toks in fleet.out.items()}
+    moved = fleet.lose(0)
+    assert moved and all(core.shard_of(s) is None for s in moved)
+    st = fleet.step()
+    for sid in moved:
+        r = [x for x in st.reserve if x.seq_id == sid]
+        assert r and r[0].shard == 1 and r[0].max_tokens == len(prompts[sid]) + 12
+    first = {p.seq_id: p for p in st.seqs if p.seq_id in moved}
+    for sid, p in first.items():
+        history = prompts[sid] + before[sid]
+        assert p.start_pos == 0 and p.token_ids == history[: len(p.token_ids)]
+        assert p.sample == (len(p.token_ids) == len(history))
+        assert p.sample_index == len(before[sid])
+    fleet.run()
+    for sid, p in prompts.items():
+        assert fleet.out[sid] == reference(p, 12), sid  # nothing lost, nothing duplicated
+        assert fleet.finish[sid] == "length"
+    assert core.stats()["recoveries"] == len(moved)
+    assert all(s.shard == 1 for st in fleet.plans[8:] for s in st.seqs)
+
+
+def test_shard_lost_mid_step_ignores_its_results() -> None:
+    core = core_with(nshards=2)
+    fleet = Fleet(core, 2)
+    for i in range(4):
+        core.submit(Request(f"s{i}", [7, i], 6))
+    fleet.step()
+    fleet.step()
+    st = core.next_step()
+    results = fleet.execute(st, skip_shard=0)  # shard 0 dies during the step
+    moved = fleet.lose(0)
+    events = core.apply(st, results)
+    assert {e.seq_id for e in events}.isdisjoint(moved)
+    fleet.record(events)
+    fleet.run()
+    for i in range(4):
+        assert fleet.out[f"s{i}"] == reference([7, i], 6)
+
+
+def test_shard_recovered_takes_new_sequences_again() -> None:
+    core = core_with(nshards=2)
+    core.shard_lost(1)
+    core.submit(Request("a", [1], 3))
+    assert core.next_step().reserve[0].shard == 0
+    core.shard_recovered(1)
+    core.submit(Request("b", [1], 3))
+    assert core.next_step().reserve[0].shard == 1
+    with pytest.raises(NotFound):
+        core.shard_lost(7)
+
+
+def test_reservation_failed_puts_seq_back_and_tries_another_shard() -> None:
+    core = core_with(nshards=2)
+    fleet = Fleet(core, 2)
+    core.submit(Request("a", [1, 2], 4))
+    core.submit(Request("b", [3, 4], 4))
+    st = core.next_step()
+    shard_a = planned(st, "a").shard
+    core.reservation_failed("a")
+    assert core.waiting == 1 and core.running == 1
+    st = st.without(["a"])
+    fleet.record(core.apply(st, fleet.execute(st)))
+    st2 = fleet.step()
+    ra = [r for r in st2.reserve if r.seq_id == "a"]
+    assert ra and ra[0].shard != shard_a  # the refusing shard backs off
+    p = planned(st2, "a")
+    assert p.start_pos == 0 and p.token_ids == [1, 2]
+    fleet.run()
+    assert fleet.out["a"] == reference([1, 2], 4)
+    with pytest.raises(NotFound):
+        core.reservation_failed("zzz")
+
+
+def test_stats_shape() -> None:
+    core = core_with(nshards=2, admission=StabilizedAdmission())
+    core.submit(Request("a", [1, 2, 3], 5))
+    Fleet(core, 2).step()
+    s = core.stats()
+    assert s["running"] == 1 and s["waiting"] == 0 and s["steps"] == 1 and s["admission"] == "stabilized"
+    assert s["w_limit"] is not None and s["kv_load_tokens"] == 3
+    assert {"shard", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens"} <= set(
+        s["shards"][0]
+    )
+    assert sum(x["tokens"] for x in s["shards"]) == 3
+
+
+def test_expected_length_learns_early_stops() -> None:
+    core = core_with(admission=NaiveAdmission())
+    eos = {f"s{i}": 2 for i in range(40)}
+    fleet = Fleet(core, 1, eos)
+    for sid in eos:
+        core.submit(Request(sid, [1], 20))
+    fleet.run()
+    assert core.stats()["expected_ratio"] < 0.3  # stops at 2 of 20: the estimate moved toward 0.1
+
+
+def test_reservation_failed_on_the_only_shard_does_not_stall() -> None:
+    core = core_with(nshards=1)
+    core.submit(Request("a", [1, 2], 4))
+    core.next_step()
+    core.reservation_failed("a")
+    st = core.next_step()  # nothing else runs: the back-off must not wait for steps that never come
+    assert st is not None and [r.seq_id for r in st.reserve] == ["a"]

@@ -18,6 +18,18 @@ from pathlib import Path
 
 from fastdecode.errors import Unavailable
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM if its supervisor dies, so no fleet process outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
 
 @dataclass
 class ServiceProcess:
@@ -26,6 +38,8 @@ class ServiceProcess:
     address: str
     metrics: str | None
     log_path: Path
+    args: list[str] = field(default_factory=list)  # `serve` arguments, kept for restart()
+    env: dict[str, str] | None = None
 
     @property
     def pid(self) -> int:
@@ -41,6 +55,62 @@ class ServiceProcess:
             return ""
 
 
+@dataclass
+class _Pending:
+    svc: ServiceProcess
+    ready: Path
+    host: str
+
+
+def spawn_service(
+    name: str,
+    args: list[str],
+    workdir: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics: bool = False,
+    env: dict[str, str] | None = None,
+) -> _Pending:
+    """Spawn `fastdecode serve ...`; wait_ready() then blocks until it reports SERVING."""
+    ready = workdir / f"{name}.ready.json"
+    ready.unlink(missing_ok=True)
+    log_path = workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "fastdecode.cli", "serve", *args, "--host", host, "--port", str(port)]
+    cmd += ["--ready-file", str(ready)]
+    if metrics:
+        cmd += ["--metrics-port", "0"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+    return _Pending(ServiceProcess(name, proc, "", None, log_path, list(args), env), ready, host)
+
+
+def wait_ready(pending: _Pending, timeout: float = 120.0) -> ServiceProcess:
+    svc, proc = pending.svc, pending.svc.proc
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise Unavailable(
+                f"{svc.name} exited with code {proc.returncode} during start:\n{svc.log_tail()}"
+            )
+        if pending.ready.exists():
+            info = json.loads(pending.ready.read_text())
+            svc.address = f"{pending.host}:{info['port']}"
+            if info.get("metrics_port"):
+                svc.metrics = f"{pending.host}:{info['metrics_port']}"
+            return svc
+        time.sleep(0.05)
+    stop_processes([svc], grace=2.0)
+    raise Unavailable(f"{svc.name} did not become healthy within {timeout:.0f}s:\n{svc.log_tail()}")
+
+
 def start_service(
     name: str,
     args: list[str],
@@ -53,35 +123,9 @@ def start_service(
     timeout: float = 120.0,
 ) -> ServiceProcess:
     """Spawn `fastdecode serve ...` and wait until it reports SERVING through its ready file."""
-    ready = workdir / f"{name}.ready.json"
-    ready.unlink(missing_ok=True)
-    log_path = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "fastdecode.cli", "serve", *args, "--host", host, "--port", str(port)]
-    cmd += ["--ready-file", str(ready)]
-    if metrics:
-        cmd += ["--metrics-port", "0"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + timeout
-    svc = ServiceProcess(name, proc, "", None, log_path)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise Unavailable(f"{name} exited with code {proc.returncode} during start:\n{svc.log_tail()}")
-        if ready.exists():
-            info = json.loads(ready.read_text())
-            svc.address = f"{host}:{info['port']}"
-            if info.get("metrics_port"):
-                svc.metrics = f"{host}:{info['metrics_port']}"
-            return svc
-        time.sleep(0.05)
-    stop_processes([svc], grace=2.0)
-    raise Unavailable(f"{name} did not become healthy within {timeout:.0f}s:\n{svc.log_tail()}")
+    return wait_ready(
+        spawn_service(name, args, workdir, host=host, port=port, metrics=metrics, env=env), timeout
+    )
 
 
 def stop_processes(services: list[ServiceProcess], grace: float = 25.0) -> None:
@@ -130,25 +174,12 @@ class Fleet:
         w, env = self.workdir, self.env
         # Each process gets one torch thread per core it can sensibly use: they share the machine.
         try:
-            for i in range(self.shards):
-                self.kv.append(
-                    start_service(
-                        f"kv_attention-{i}",
-                        [
-                            "kv-attention",
-                            "--shard-id",
-                            str(i),
-                            "--kv-capacity",
-                            str(self.kv_capacity),
-                            "--kv-dtype",
-                            self.kv_dtype,
-                        ],
-                        w,
-                        metrics=self.metrics,
-                        env=env,
-                        timeout=timeout,
-                    )
-                )
+            pending = [
+                spawn_service(f"kv_attention-{i}", self._kv_args(i), w, metrics=self.metrics, env=env)
+                for i in range(self.shards)
+            ]
+            for p in pending:  # shards start in parallel: each one imports torch
+                self.kv.append(wait_ready(p, timeout))
             shard_list = ",".join(s.address for s in self.kv)
             self.dense = start_service(
                 "gpu_dense",
@@ -198,6 +229,38 @@ class Fleet:
             self.stop()
             raise
         return self
+
+    def _kv_args(self, i: int) -> list[str]:
+        return [
+            "kv-attention",
+            "--shard-id",
+            str(i),
+            "--kv-capacity",
+            str(self.kv_capacity),
+            "--kv-dtype",
+            self.kv_dtype,
+        ]
+
+    def restart(self, svc: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:
+        """Start a stopped (or killed) service again on the same address, as an orchestrator would."""
+        if svc.proc.poll() is None:
+            stop_processes([svc])
+        host, port = svc.address.rsplit(":", 1)
+        new = start_service(
+            svc.name,
+            svc.args,
+            self.workdir or Path(tempfile.gettempdir()),
+            host=host,
+            port=int(port),
+            metrics=self.metrics,
+            env=svc.env,
+            timeout=timeout,
+        )
+        for attr in ("gateway", "scheduler", "dense"):
+            if getattr(self, attr) is svc:
+                setattr(self, attr, new)
+        self.kv = [new if k is svc else k for k in self.kv]
+        return new
 
     def state(self) -> dict[str, object]:
         return {

@@ -45,6 +45,11 @@ class DenseStub:
                 request_serializer=fastdecode_dot_v1_dot_dense__pb2.InfoRequest.SerializeToString,
                 response_deserializer=fastdecode_dot_v1_dot_dense__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.AddShard = channel.unary_unary(
+                '/fastdecode.v1.Dense/AddShard',
+                request_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
+                _registered_method=True)
 
 
 class DenseServicer:
@@ -63,6 +68,13 @@ class DenseServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddShard(self, request, context):
+        """Open a data-plane stream to one more shard; returns its index (idempotent per address).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DenseServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_DenseServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=fastdecode_dot_v1_dot_dense__pb2.InfoRequest.FromString,
                     response_serializer=fastdecode_dot_v1_dot_dense__pb2.ModelInfo.SerializeToString,
+            ),
+            'AddShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddShard,
+                    request_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class Dense:
             '/fastdecode.v1.Dense/Info',
             fastdecode_dot_v1_dot_dense__pb2.InfoRequest.SerializeToString,
             fastdecode_dot_v1_dot_dense__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.Dense/AddShard',
+            fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
+            fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

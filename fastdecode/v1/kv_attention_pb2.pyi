@@ -72,10 +72,12 @@ class ReserveResponse(_message.Message):
     def __init__(self, free_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "all")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    all: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

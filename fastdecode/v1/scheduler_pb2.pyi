@@ -84,15 +84,3 @@ class SchedulerStats(_message.Message):
     w_limit: float
     admission: str
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ...) -> None: ...
-
-class AddShardRequest(_message.Message):
-    __slots__ = ("address",)
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    address: str
-    def __init__(self, address: _Optional[str] = ...) -> None: ...
-
-class AddShardResponse(_message.Message):
-    __slots__ = ("shard",)
-    SHARD_FIELD_NUMBER: _ClassVar[int]
-    shard: int
-    def __init__(self, shard: _Optional[int] = ...) -> None: ...

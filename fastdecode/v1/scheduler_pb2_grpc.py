@@ -53,8 +53,8 @@ class SchedulerStub:
                 _registered_method=True)
         self.AddShard = channel.unary_unary(
                 '/fastdecode.v1.Scheduler/AddShard',
-                request_serializer=fastdecode_dot_v1_dot_scheduler__pb2.AddShardRequest.SerializeToString,
-                response_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.AddShardResponse.FromString,
+                request_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
                 _registered_method=True)
 
 
@@ -83,7 +83,7 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AddShard(self, request, context):
-        """Add a shard at runtime (it must be in gpu_dense's shard list).
+        """Add a kv_attention shard at runtime: gpu_dense opens a stream to it, new sequences use it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,8 +109,8 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'AddShard': grpc.unary_unary_rpc_method_handler(
                     servicer.AddShard,
-                    request_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.AddShardRequest.FromString,
-                    response_serializer=fastdecode_dot_v1_dot_scheduler__pb2.AddShardResponse.SerializeToString,
+                    request_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,8 +220,8 @@ class Scheduler:
             request,
             target,
             '/fastdecode.v1.Scheduler/AddShard',
-            fastdecode_dot_v1_dot_scheduler__pb2.AddShardRequest.SerializeToString,
-            fastdecode_dot_v1_dot_scheduler__pb2.AddShardResponse.FromString,
+            fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
+            fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

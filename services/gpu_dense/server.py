@@ -115,6 +115,22 @@ class DenseService(pb_grpc.DenseServicer):
         model, _ = await self._ready(context)
         return self.model_info(model)
 
+    async def AddShard(
+        self, request: pb.AddShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AddShardResponse:
+        address = request.address.strip()
+        if not address or ":" not in address:
+            await abort(context, InvalidInput(f"shard address must be HOST:PORT, got {request.address!r}"))
+        for link in self.links:
+            if link.address == address:
+                return pb.AddShardResponse(shard=link.index)
+        link = ShardLink(len(self.links), address, self.settings.tls, self.settings.shard_timeout)
+        self.links.append(link)
+        if self.runner is not None:
+            self.runner.num_shards = len(self.links)
+        log.info("added %s", link.name)
+        return pb.AddShardResponse(shard=link.index)
+
     @staticmethod
     def _seq(p: pb.PlannedSequence) -> DenseSeq:
         sp = p.sampling

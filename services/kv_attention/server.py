@@ -107,7 +107,10 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         released = 0
         if self.store is not None:
             async with self.lock:
-                released = sum(self.store.release(s) for s in request.seq_ids)
+                ids = list(self.store.seqs) if request.all else request.seq_ids
+                released = sum(self.store.release(s) for s in ids)
+            if request.all and released:
+                log.info("released all %d sequences on request", released)
         self._update_gauges()
         return pb.ReleaseResponse(released=released)
 

@@ -177,6 +177,12 @@ class SchedulerCore:
         self._recoveries += len(moved)
         return moved
 
+    def set_speed(self, shard: int, speed: float) -> None:
+        """Update a shard's measured relative attention speed (> 0); placement weighs by it."""
+        if not speed > 0:
+            raise InvalidInput("speed must be > 0")
+        self._shard(shard).spec.speed = speed
+
     def shard_recovered(self, shard: int) -> None:
         """The shard is healthy again, and empty: it takes new sequences."""
         sh = self._shard(shard)

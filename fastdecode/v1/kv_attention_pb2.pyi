@@ -90,7 +90,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured")
+    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class ShardStats(_message.Message):
     FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    ATTENDED_TOKEN_PAIRS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     sequences: int
     tokens_held: int
@@ -113,4 +114,5 @@ class ShardStats(_message.Message):
     free_tokens: int
     kv_dtype: _tensor_pb2.DType
     configured: bool
-    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ...) -> None: ...
+    attended_token_pairs: float
+    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ...) -> None: ...

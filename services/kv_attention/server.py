@@ -57,6 +57,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         # for health checks and control calls while attention runs.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attend")
         self.lock = asyncio.Lock()
+        self.attended_pairs = 0.0
 
     def _store_for(self, g: pb.KVGeometry) -> KVStore:
         if min(g.num_layers, g.num_kv_heads, g.head_dim) < 1:
@@ -127,6 +128,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             stats.attention_busy_seconds = s.busy_seconds
             stats.attend_items = s.attend_calls
             stats.free_tokens = s.free_tokens
+            stats.attended_token_pairs = self.attended_pairs
         else:
             stats.bytes_capacity = self.settings.kv_capacity
         return stats

@@ -92,6 +92,9 @@ class _Shard:
     stub: kv_attention_pb2_grpc.KVAttentionStub
     health: health_pb2_grpc.HealthStub
     healthy: bool = True
+    busy: float = 0.0  # last attention_busy_seconds / attended_token_pairs seen
+    pairs: float = 0.0
+    r: float | None = None  # measured seconds per new token per cached token
 
 
 class SchedulerService(pb_grpc.SchedulerServicer):
@@ -368,6 +371,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     ok = resp.status == health_pb2.HealthCheckResponse.SERVING
                 except grpc.aio.AioRpcError:
                     ok = False
+                if ok and shard.healthy:
+                    await self._measure(i, shard)
                 if not ok and shard.healthy:
                     self._shard_lost(i, "health check failed")
                 elif ok and not shard.healthy:
@@ -377,6 +382,25 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                         self.core.shard_recovered(i)
                         log.info("shard %d (%s) is back", i, shard.address)
                         self.wake.set()
+
+    async def _measure(self, index: int, shard: _Shard) -> None:
+        """Track each shard's measured R; speed = mean R / own R, so a slower shard gets fewer sequences."""
+        assert self.core is not None
+        try:
+            st = await shard.stub.Stats(kv_attention_pb2.StatsRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            return
+        d_busy, d_pairs = st.attention_busy_seconds - shard.busy, st.attended_token_pairs - shard.pairs
+        shard.busy, shard.pairs = st.attention_busy_seconds, st.attended_token_pairs
+        if d_pairs < 1e5 or d_busy <= 0:  # too little work since the last look to say anything
+            return
+        r = d_busy / d_pairs
+        shard.r = r if shard.r is None else 0.7 * shard.r + 0.3 * r
+        known = [s.r for s in self.shards if s.r is not None and s.healthy]
+        mean = sum(known) / len(known)
+        for i, s in enumerate(self.shards):
+            if s.r is not None and s.healthy:
+                self.core.set_speed(i, max(0.05, mean / s.r))
 
     # ---- RPCs ----------------------------------------------------------------------------------------
     async def Submit(

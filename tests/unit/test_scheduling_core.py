@@ -483,3 +483,14 @@ def test_reservation_failed_on_the_only_shard_does_not_stall() -> None:
     core.reservation_failed("a")
     st = core.next_step()  # nothing else runs: the back-off must not wait for steps that never come
     assert st is not None and [r.seq_id for r in st.reserve] == ["a"]
+
+
+def test_measured_speed_update_shifts_new_placements() -> None:
+    core = SchedulerCore([ShardSpec(10_000), ShardSpec(10_000)], [EOS])
+    core.set_speed(1, 3.0)  # the scheduler measured shard 1 three times faster
+    with pytest.raises(InvalidInput):
+        core.set_speed(0, 0.0)
+    for i in range(8):
+        core.submit(Request(f"s{i}", [1] * 10, 10))
+    st = core.next_step()
+    assert [sum(1 for r in st.reserve if r.shard == j) for j in (0, 1)] == [2, 6]

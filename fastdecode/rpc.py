@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
@@ -142,15 +143,17 @@ class Server:
         tls: TLSFiles | None = None,
         grace_seconds: float = 20.0,
         require_client_cert: bool = True,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.server = grpc.aio.server(
+            interceptors=list(interceptors) or None,
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ]
+            ],
         )
         self.service_names = list(service_names)
         self.health = health.aio.HealthServicer()
@@ -183,6 +186,17 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        supervisor = os.environ.get("FASTDECODE_SUPERVISOR_PID", "")
+        if supervisor.isdigit():
+            self._watchdog = asyncio.create_task(self._watch_supervisor(int(supervisor)))
+
+    async def _watch_supervisor(self, pid: int) -> None:
+        """Stop gracefully when the supervisor that started us (fastdecode up) is gone."""
+        while not self.stopping.is_set():
+            await asyncio.sleep(1.0)
+            if os.getppid() != pid:
+                log.warning("supervisor %d is gone: stopping", pid)
+                self.stopping.set()
 
     async def stop(self, drain: Callable[[], Awaitable[None]] | None = None) -> None:
         """Health NOT_SERVING, let `drain` finish in-flight work, then stop with the grace period."""

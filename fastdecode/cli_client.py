@@ -1,0 +1,149 @@
+"""`fastdecode generate` (a gateway client) and `fastdecode serve gateway`.
+
+This module never imports fastdecode.cli (which imports it): `python -m fastdecode.cli` runs that
+module as __main__, and a second copy of it would make the import circular. The gateway command
+is built by `gateway_command` from the serve helpers cli.py hands in.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+
+def gateway_command(
+    common_options: Callable[[Callable[..., Any]], Callable[..., Any]],
+    run_service: Callable[[Callable[[Any], Any], type, dict[str, Any]], None],
+) -> click.Command:
+    """The `serve gateway` command, with the options every service shares."""
+
+    @click.command("gateway")
+    @common_options
+    @click.option("--scheduler", default=None, help="HOST:PORT of the scheduler (FASTDECODE_SCHEDULER).")
+    @click.option(
+        "--model",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Checkpoint dir with tokenizer.json and config.json (FASTDECODE_MODEL).",
+    )
+    @click.option(
+        "--auth-token",
+        default=None,
+        help="Bearer token clients must send. Prefer env FASTDECODE_AUTH_TOKEN (argv shows in ps).",
+    )
+    @click.option(
+        "--max-concurrent-requests", type=int, default=None, help="Generate calls in flight (default 4096)."
+    )
+    @click.option("--max-prompt-chars", type=int, default=None, help="Longest prompt text (default 1 Mi).")
+    @click.option("--max-stop", type=int, default=None, help="Most stop strings per request (default 16).")
+    @click.option("--max-stop-chars", type=int, default=None, help="Longest stop string (default 256).")
+    @click.option(
+        "--connect-timeout", type=float, default=None, help="Seconds to wait for the scheduler (default 5)."
+    )
+    def serve_gateway(**flags: Any) -> None:
+        """The public API: validates, tokenizes, authenticates, streams text from the scheduler."""
+        from services.gateway.server import Settings, serve
+
+        run_service(serve, Settings, flags)
+
+    return serve_gateway
+
+
+@click.command("generate")
+@click.argument("prompt")
+@click.option("--target", required=True, envvar="FASTDECODE_TARGET", help="HOST:PORT of the gateway.")
+@click.option("--max-tokens", type=int, default=16, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable); not part of the output.")
+@click.option(
+    "--stop-token-id", "stop_token_ids", type=int, multiple=True, help="Stop token id (repeatable)."
+)
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option(
+    "--token", envvar="FASTDECODE_AUTH_TOKEN", default=None, help="Bearer token (FASTDECODE_AUTH_TOKEN)."
+)
+@click.option(
+    "--tls-ca", type=click.Path(dir_okay=False, exists=True), default=None, help="CA (PEM): use TLS."
+)
+@click.option("--timeout", type=float, default=None, help="Deadline in seconds (default: none).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+def generate_cmd(
+    prompt: str,
+    target: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: tuple[str, ...],
+    stop_token_ids: tuple[int, ...],
+    ignore_eos: bool,
+    token: str | None,
+    tls_ca: str | None,
+    timeout: float | None,
+    as_json: bool,
+) -> None:
+    """Generate from PROMPT through the gateway at --target, streaming the text as it arrives."""
+    from fastdecode.client import Client, Completion, FastDecodeError
+
+    args: dict[str, Any] = dict(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        timeout=timeout,
+        ignore_eos=ignore_eos,
+    )
+    try:
+        with Client(target, token, tls_ca=tls_ca) as client:
+            if as_json:
+                c: Completion = client.generate(**args)
+                click.echo(
+                    json.dumps(
+                        {
+                            "text": c.text,
+                            "token_ids": c.token_ids,
+                            "finish_reason": c.finish_reason,
+                            "usage": {
+                                "prompt_tokens": c.usage.prompt_tokens,
+                                "completion_tokens": c.usage.completion_tokens,
+                            },
+                        },
+                        ensure_ascii=False,
+                    )
+                )
+                return
+            last = None
+            for chunk in client.stream(**args):
+                if chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                last = chunk
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if last is not None and last.usage is not None:
+                click.echo(
+                    f"[finish_reason={last.finish_reason}, prompt_tokens={last.usage.prompt_tokens}, "
+                    f"completion_tokens={last.usage.completion_tokens}]",
+                    err=True,
+                )
+    except FastDecodeError as e:
+        click.echo(f"error: {e.code.name}: {e.details}", err=True)
+        sys.exit(1)
+    except ValueError as e:
+        click.echo(f"error: INVALID_ARGUMENT: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)

@@ -1,0 +1,618 @@
+"""Client SDK for the FastDecode gateway (fastdecode.v1.Gateway).
+
+    from fastdecode.client import Client
+
+    with Client("127.0.0.1:50051", token="...") as client:
+        print(client.generate("Hello", max_tokens=32).text)
+        for chunk in client.stream("Hello", stop=["\\n"]):
+            print(chunk.text, end="", flush=True)
+
+`AsyncClient` has the same methods for asyncio (`await`, `async for`). Every gRPC failure
+surfaces as `FastDecodeError` with `.code` (a grpc.StatusCode) and `.details`. Calls wait
+for a (re)starting gateway (wait_for_ready, bounded by the deadline, reconnecting with
+backoff) and re-issue a call whose connection was lost before any output. A status the
+gateway answers (e.g. UNAVAILABLE while it drains) is never retried: it is the answer.
+The token is sent as call metadata and never logged or shown in a repr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from fastdecode.rpc import CHANNEL_OPTIONS
+from fastdecode.v1 import gateway_pb2 as pb
+from fastdecode.v1 import gateway_pb2_grpc as pb_grpc
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "Chunk",
+    "Client",
+    "Completion",
+    "FastDecodeError",
+    "ModelInfo",
+    "Stream",
+    "Tokens",
+    "Usage",
+]
+
+T = TypeVar("T")
+
+# The gateway marks the error statuses it answers itself (services.gateway.server.ERROR_TRAILER).
+ERROR_SOURCE_KEY = "fastdecode-error-source"
+
+
+class FastDecodeError(Exception):
+    """A call failed: `.code` is the grpc.StatusCode, `.details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc_error(cls, e: grpc.RpcError) -> FastDecodeError:
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        details = e.details() if hasattr(e, "details") else str(e)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece: the text delta and the new token ids; the last one has finish_reason."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]  # the generated ids only
+    finish_reason: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: list[int]
+    tokens: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_type: str
+    model_name: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int]
+    num_shards: int
+    device: str
+
+
+# ---- shared helpers ------------------------------------------------------------------------------
+def _request(
+    prompt: str | None,
+    token_ids: Sequence[int] | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: str | Sequence[str] | None,
+    stop_token_ids: Sequence[int] | None,
+    ignore_eos: bool,
+) -> pb.GenerateRequest:
+    if prompt is not None and token_ids is not None:
+        raise ValueError("give prompt or token_ids, not both")
+    req = pb.GenerateRequest(
+        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+        stop_token_ids=list(stop_token_ids or ()),
+        ignore_eos=ignore_eos,
+    )
+    if prompt is not None:
+        req.prompt = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    if temperature is not None:
+        req.temperature = temperature
+    if top_p is not None:
+        req.top_p = top_p
+    if top_k is not None:
+        req.top_k = top_k
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def _chunk(r: pb.GenerateResponse) -> Chunk:
+    if r.finish_reason:
+        usage = Usage(r.usage.prompt_tokens, r.usage.completion_tokens)
+        return Chunk(r.text, list(r.token_ids), r.finish_reason, usage)
+    return Chunk(r.text, list(r.token_ids))
+
+
+def _collect(chunks: list[Chunk]) -> Completion:
+    if not chunks or chunks[-1].finish_reason is None:
+        raise FastDecodeError(grpc.StatusCode.INTERNAL, "the stream ended without a finish reason")
+    last = chunks[-1]
+    return Completion(
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason or "",
+        usage=last.usage or Usage(0, 0),
+    )
+
+
+def _model_info(r: pb.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model_type=r.model_type,
+        model_name=r.model_name,
+        vocab_size=r.vocab_size,
+        max_context=r.max_context,
+        eos_token_ids=list(r.eos_token_ids),
+        num_shards=r.num_shards,
+        device=r.device,
+    )
+
+
+def _read_ca(tls_ca: str | Path | bytes | None) -> bytes | None:
+    if tls_ca is None or isinstance(tls_ca, bytes):
+        return tls_ca
+    return Path(tls_ca).read_bytes()
+
+
+class _Policy:
+    """Deadlines, metadata, channel options and retry decisions shared by both clients."""
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None,
+        tls_ca: str | Path | bytes | None,
+        tls: bool | None,
+        timeout: float | None,
+        max_retries: int,
+        backoff: float,
+        max_backoff: float,
+    ) -> None:
+        if max_retries < 0 or backoff <= 0 or max_backoff < backoff:
+            raise ValueError("need max_retries >= 0 and 0 < backoff <= max_backoff")
+        self.target = target
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self.ca = _read_ca(tls_ca)
+        self.tls = bool(tls) or self.ca is not None
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca) if self.tls else None
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """fastdecode.rpc's limits, with reconnect backoff from `backoff` / `max_backoff`."""
+        reconnect = {
+            "grpc.initial_reconnect_backoff_ms": max(1, int(self.backoff * 1000)),
+            "grpc.min_reconnect_backoff_ms": max(1, int(self.backoff * 1000)),
+            "grpc.max_reconnect_backoff_ms": max(1, int(self.max_backoff * 1000)),
+        }
+        return [o for o in CHANNEL_OPTIONS if o[0] not in reconnect] + list(reconnect.items())
+
+    def deadline(self, timeout: float | None) -> float | None:
+        t = self.timeout if timeout is None else timeout
+        return None if t is None else time.monotonic() + t
+
+    @staticmethod
+    def remaining(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def retry_delay(self, e: grpc.RpcError, attempt: int, deadline: float | None) -> float | None:
+        """Seconds to wait before calling again, or None to give up.
+
+        Only a lost connection (UNAVAILABLE the gateway did not answer itself) is retried: a status
+        the gateway sent, e.g. UNAVAILABLE while it drains, is the answer and reaches the caller.
+        """
+        if attempt >= self.max_retries or not _connection_lost(e):
+            return None
+        delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + random.random() / 2)
+        left = self.remaining(deadline)
+        if left is not None and left <= delay:
+            return None
+        return delay
+
+
+def _connection_lost(e: grpc.RpcError) -> bool:
+    if FastDecodeError.from_rpc_error(e).code != grpc.StatusCode.UNAVAILABLE:
+        return False
+    try:
+        trailers = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - no trailers on this error
+        trailers = ()
+    return not any(key == ERROR_SOURCE_KEY for key, _ in trailers)
+
+
+# ---- synchronous client --------------------------------------------------------------------------
+class Stream:
+    """The chunks of one Generate call; iterate it. `cancel()` (or `close()`) stops the request
+    at the gateway, which frees its KV-cache; iteration then ends quietly. Safe from another thread."""
+
+    def __init__(self, client: Client, request: pb.GenerateRequest, deadline: float | None) -> None:
+        self._client = client
+        self._request = request
+        self._deadline = deadline
+        self._call: Any = None
+        self._attempt = 0
+        self._started = False
+        self._done = False
+        self._cancelled = False
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        p = self._client._p
+        while True:
+            if self._done or self._cancelled:
+                raise StopIteration
+            if self._call is None:
+                self._call = self._client._stub.Generate(
+                    self._request,
+                    timeout=p.remaining(self._deadline),
+                    metadata=p.metadata,
+                    wait_for_ready=True,
+                )
+                if self._cancelled:  # cancel() raced with the call's creation
+                    self._call.cancel()
+            try:
+                resp = next(self._call)
+            except StopIteration:
+                self._done = True
+                raise
+            except grpc.RpcError as e:
+                self._call = None
+                if self._cancelled:
+                    raise StopIteration from None
+                delay = None if self._started else p.retry_delay(e, self._attempt, self._deadline)
+                if delay is None:
+                    self._done = True
+                    raise FastDecodeError.from_rpc_error(e) from None
+                time.sleep(delay)
+                self._attempt += 1
+                continue
+            self._started = True
+            return _chunk(resp)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    close = cancel
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class Client:
+    """Blocking client. `token` is sent as `authorization: Bearer <token>`; `tls_ca` (a PEM path or
+    bytes) or `tls=True` (system roots) turns TLS on; `timeout` is the default per-call deadline in
+    seconds (None: no deadline). Calls wait for the gateway to be reachable (reconnecting with
+    backoff .. max_backoff seconds) and re-issue a call whose connection was lost before any
+    output, up to max_retries times."""
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        *,
+        tls_ca: str | Path | bytes | None = None,
+        tls: bool | None = None,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        backoff: float = 0.2,
+        max_backoff: float = 2.0,
+    ) -> None:
+        self._p = _Policy(target, token, tls_ca, tls, timeout, max_retries, backoff, max_backoff)
+        creds = self._p.credentials()
+        options = self._p.channel_options()
+        if creds is not None:
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.GatewayStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"Client({self._p.target!r}, tls={self._p.tls})"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _unary(self, method: Callable[..., T], request: Any, timeout: float | None) -> T:
+        deadline = self._p.deadline(timeout)
+        attempt = 0
+        while True:
+            try:
+                return method(
+                    request,
+                    timeout=self._p.remaining(deadline),
+                    metadata=self._p.metadata,
+                    wait_for_ready=True,
+                )
+            except grpc.RpcError as e:
+                delay = self._p.retry_delay(e, attempt, deadline)
+                if delay is None:
+                    raise FastDecodeError.from_rpc_error(e) from None
+            time.sleep(delay)
+            attempt += 1
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = 16,
+        temperature: float | None = 0.0,
+        top_p: float | None = 1.0,
+        top_k: int | None = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> Stream:
+        """Chunks as tokens arrive (text delta, new token ids; the last has finish_reason and usage)."""
+        request = _request(
+            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+        )
+        return Stream(self, request, self._p.deadline(timeout))
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = 16,
+        temperature: float | None = 0.0,
+        top_p: float | None = 1.0,
+        top_k: int | None = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> Completion:
+        """The whole completion: text, generated token ids, finish_reason, usage."""
+        stream = self.stream(
+            prompt,
+            token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            timeout,
+            ignore_eos=ignore_eos,
+        )
+        with stream:
+            return _collect(list(stream))
+
+    def tokenize(self, text: str, timeout: float | None = None) -> Tokens:
+        r = self._unary(self._stub.Tokenize, pb.TokenizeRequest(text=text), timeout)
+        return Tokens(list(r.token_ids), list(r.tokens))
+
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return _model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+
+
+# ---- asyncio client ------------------------------------------------------------------------------
+class AsyncStream:
+    """The chunks of one Generate call for `async for`; `cancel()` stops the request."""
+
+    def __init__(self, client: AsyncClient, request: pb.GenerateRequest, deadline: float | None) -> None:
+        self._client = client
+        self._request = request
+        self._deadline = deadline
+        self._call: Any = None
+        self._attempt = 0
+        self._started = False
+        self._done = False
+        self._cancelled = False
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        p = self._client._p
+        while True:
+            if self._done or self._cancelled:
+                raise StopAsyncIteration
+            if self._call is None:
+                self._call = self._client._stub.Generate(
+                    self._request,
+                    timeout=p.remaining(self._deadline),
+                    metadata=p.metadata,
+                    wait_for_ready=True,
+                )
+            try:
+                resp = await self._call.read()
+            except asyncio.CancelledError:
+                if self._cancelled:  # our own cancel() while a read was pending
+                    raise StopAsyncIteration from None
+                self.cancel()
+                raise
+            except grpc.RpcError as e:
+                self._call = None
+                if self._cancelled:
+                    raise StopAsyncIteration from None
+                delay = None if self._started else p.retry_delay(e, self._attempt, self._deadline)
+                if delay is None:
+                    self._done = True
+                    raise FastDecodeError.from_rpc_error(e) from None
+                await asyncio.sleep(delay)
+                self._attempt += 1
+                continue
+            if resp is grpc.aio.EOF:
+                self._done = True
+                raise StopAsyncIteration
+            self._started = True
+            return _chunk(resp)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class AsyncClient:
+    """The asyncio twin of Client (grpc.aio): `await c.generate(...)`, `async for x in c.stream(...)`."""
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        *,
+        tls_ca: str | Path | bytes | None = None,
+        tls: bool | None = None,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        backoff: float = 0.2,
+        max_backoff: float = 2.0,
+    ) -> None:
+        self._p = _Policy(target, token, tls_ca, tls, timeout, max_retries, backoff, max_backoff)
+        creds = self._p.credentials()
+        options = self._p.channel_options()
+        if creds is not None:
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stub = pb_grpc.GatewayStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self._p.target!r}, tls={self._p.tls})"
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+        deadline = self._p.deadline(timeout)
+        attempt = 0
+        while True:
+            try:
+                return await method(
+                    request,
+                    timeout=self._p.remaining(deadline),
+                    metadata=self._p.metadata,
+                    wait_for_ready=True,
+                )
+            except grpc.RpcError as e:
+                delay = self._p.retry_delay(e, attempt, deadline)
+                if delay is None:
+                    raise FastDecodeError.from_rpc_error(e) from None
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = 16,
+        temperature: float | None = 0.0,
+        top_p: float | None = 1.0,
+        top_k: int | None = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> AsyncStream:
+        """Chunks as tokens arrive, for `async for`."""
+        request = _request(
+            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+        )
+        return AsyncStream(self, request, self._p.deadline(timeout))
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = 16,
+        temperature: float | None = 0.0,
+        top_p: float | None = 1.0,
+        top_k: int | None = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> Completion:
+        stream = self.stream(
+            prompt,
+            token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            timeout,
+            ignore_eos=ignore_eos,
+        )
+        async with stream:
+            return _collect([c async for c in stream])
+
+    async def tokenize(self, text: str, timeout: float | None = None) -> Tokens:
+        r = await self._unary(self._stub.Tokenize, pb.TokenizeRequest(text=text), timeout)
+        return Tokens(list(r.token_ids), list(r.tokens))
+
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return _model_info(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))

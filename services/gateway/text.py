@@ -1,0 +1,262 @@
+"""Gateway core: request validation, stop strings with hold-back, incremental output text.
+
+Pure logic (no gRPC): the server converts protobuf messages to `GenerateParams` and feeds
+the scheduler's token ids through `OutputText`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from fastdecode.errors import InvalidInput
+from fastdecode.tokenizer import Tokenizer
+
+# Prompt tokens that seed the detokenizer, so the first generated token decodes with the
+# spacing it has after the prompt (SentencePiece drops a leading space otherwise), as vLLM does.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the gateway accepts. vocab_size and max_context come from the model's config.json."""
+
+    vocab_size: int
+    max_context: int
+    max_prompt_chars: int = 1 << 20
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 256
+    default_max_tokens: int = 16
+    max_temperature: float = 100.0
+
+
+@dataclass
+class GenerateParams:
+    """A Generate request as the client sent it; None means the field was not set."""
+
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A validated request with its defaults filled in, ready for the scheduler."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+def check_params(p: GenerateParams, limits: Limits) -> None:
+    """Everything that can be checked before tokenizing; raises InvalidInput."""
+    if p.prompt is None and p.token_ids is None:
+        raise InvalidInput("the request has no input: set prompt or token_ids")
+    if p.prompt is not None:
+        if not p.prompt:
+            raise InvalidInput("prompt is empty")
+        if len(p.prompt) > limits.max_prompt_chars:
+            raise InvalidInput(
+                f"prompt has {len(p.prompt)} characters; the limit is {limits.max_prompt_chars}"
+            )
+    if p.token_ids is not None:
+        if not p.token_ids:
+            raise InvalidInput("token_ids is empty")
+        _check_ids("token_ids", p.token_ids, limits.vocab_size)
+    if p.max_tokens is not None and p.max_tokens < 1:
+        raise InvalidInput(f"max_tokens must be >= 1, got {p.max_tokens}")
+    if p.temperature is not None and (
+        math.isnan(p.temperature) or not 0.0 <= p.temperature <= limits.max_temperature
+    ):
+        raise InvalidInput(f"temperature must be in [0, {limits.max_temperature:g}], got {p.temperature}")
+    if p.top_p is not None and (math.isnan(p.top_p) or not 0.0 < p.top_p <= 1.0):
+        raise InvalidInput(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k is not None and not 0 <= p.top_k <= limits.vocab_size:
+        raise InvalidInput(f"top_k must be in [0, {limits.vocab_size}] (0 = off), got {p.top_k}")
+    if p.seed is not None and not 0 <= p.seed < 2**64:
+        raise InvalidInput(f"seed must be in [0, 2**64), got {p.seed}")
+    if len(p.stop) > limits.max_stop:
+        raise InvalidInput(f"{len(p.stop)} stop strings; the limit is {limits.max_stop}")
+    for s in p.stop:
+        if not s:
+            raise InvalidInput("a stop string is empty")
+        if len(s) > limits.max_stop_chars:
+            raise InvalidInput(f"a stop string has {len(s)} characters; the limit is {limits.max_stop_chars}")
+    if len(p.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidInput(
+            f"{len(p.stop_token_ids)} stop_token_ids; the limit is {limits.max_stop_token_ids}"
+        )
+    _check_ids("stop_token_ids", p.stop_token_ids, limits.vocab_size)
+
+
+def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidInput(f"{what} holds {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits) -> ValidRequest:
+    """Apply defaults and the context-length check to a request that passed check_params."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidInput("the prompt tokenizes to no tokens")
+    _check_ids("the prompt", prompt_ids, limits.vocab_size)  # a tokenizer larger than the model's vocab
+    if n >= limits.max_context:
+        raise InvalidInput(
+            f"the prompt has {n} tokens; the model's context is {limits.max_context} "
+            "and at least one token must be generated"
+        )
+    if p.max_tokens is None:
+        # The default never makes a valid prompt fail: it shrinks to what the context leaves.
+        max_tokens = min(limits.default_max_tokens, limits.max_context - n)
+    else:
+        max_tokens = p.max_tokens
+        if n + max_tokens > limits.max_context:
+            raise InvalidInput(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                f"of {limits.max_context} tokens"
+            )
+    return ValidRequest(
+        prompt_ids=list(prompt_ids),
+        max_tokens=max_tokens,
+        temperature=0.0 if p.temperature is None else float(p.temperature),
+        top_p=1.0 if p.top_p is None else float(p.top_p),
+        top_k=p.top_k or 0,
+        seed=p.seed,
+        stop=tuple(dict.fromkeys(p.stop)),
+        stop_token_ids=tuple(dict.fromkeys(p.stop_token_ids)),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back what could still become one.
+
+    `feed` returns the text that is safe to show: it never contains a stop string nor any
+    part of one. A suffix that is a proper prefix of some stop string waits in `pending`
+    until the next text decides it. On a match the output ends right before the earliest
+    stop string and `stopped` becomes True.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if any(not s for s in stops):
+            raise InvalidInput("a stop string is empty")
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        buf = self.pending + text
+        # Text already released can hold no part of a match (it was never a possible prefix),
+        # so searching the pending window is enough.
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            cut, self.matched = min(hits, key=lambda h: h[0])
+            self.stopped = True
+            self.pending = ""
+            return buf[:cut]
+        hold = self._partial(buf)
+        self.pending = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold]
+
+    def _partial(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        if not buf:
+            return 0
+        last = buf[-1]
+        best = 0
+        for s in self.stops:
+            n = min(len(s) - 1, len(buf))
+            while n > best:
+                j = s.rfind(last, 0, n)  # candidate prefixes must end with buf's last character
+                if j < 0 or j + 1 <= best:
+                    break
+                if buf.endswith(s[: j + 1]):
+                    best = j + 1
+                    break
+                n = j
+        return best
+
+    def flush(self) -> str:
+        """The text ended without a match: release what was held back."""
+        out, self.pending = self.pending, ""
+        return "" if self.stopped else out
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    stopped: bool = False  # a stop string matched: the output ends here
+
+
+class OutputText:
+    """Generated token ids -> UTF-8-safe text deltas with stop strings applied.
+
+    `hidden_ids` are tokens whose text is never shown (the stop token ids and, unless
+    ignore_eos, EOS: the scheduler ends the sequence on them), as vLLM does.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        hidden_ids: Collection[int] = (),
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self.tok = tokenizer
+        self.detok = tokenizer.stream()
+        context = [t for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:] if 0 <= t < tokenizer.vocab_size]
+        self.detok.ids = list(context)
+        self.detok.prefix_offset = 0
+        self.detok.read_offset = len(context)
+        self.matcher = StopMatcher(stop)
+        self.hidden = frozenset(hidden_ids)
+        self.num_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def push(self, token_ids: Sequence[int]) -> Delta:
+        """Token ids after a stop string matched are not taken (nor counted)."""
+        parts: list[str] = []
+        taken: list[int] = []
+        for t in token_ids:
+            if self.matcher.stopped:
+                break
+            taken.append(t)
+            self.num_tokens += 1
+            if t in self.hidden or not 0 <= t < self.tok.vocab_size:
+                continue
+            parts.append(self.matcher.feed(self.detok.push(t)))
+        return Delta("".join(parts), taken, self.matcher.stopped)
+
+    def finish(self) -> Delta:
+        """The generation ended: release an incomplete character at the end and held-back text."""
+        if self.matcher.stopped:
+            return Delta("", [], True)
+        text = self.matcher.feed(self.detok.flush())
+        if self.matcher.stopped:
+            return Delta(text, [], True)
+        return Delta(text + self.matcher.flush(), [], False)

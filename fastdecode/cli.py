@@ -103,6 +103,25 @@ def serve_gpu_dense(**flags: Any) -> None:
     _run_service(serve, Settings, flags)
 
 
+@serve.command("scheduler")
+@_common_serve_options
+@click.option("--dense", default=None, help="HOST:PORT of gpu_dense.")
+@click.option("--shards", default=None, help="HOST:PORT,HOST:PORT of the shards, in gpu_dense's order.")
+@click.option("--admission", type=click.Choice(["naive", "stabilized"]), default=None)
+@click.option("--w-limit", type=float, default=None, help="W_lim in KV tokens for stabilized admission.")
+@click.option("--micro-batch", type=int, default=None, help="Sequences per admitted micro-batch.")
+@click.option("--max-running", type=int, default=None, help="Most sequences decoding at once (default 256).")
+@click.option("--max-waiting", type=int, default=None, help="Waiting queue bound (default 1024).")
+@click.option("--prefill-token-budget", type=int, default=None, help="Prefill tokens per step (default 512).")
+@click.option("--pipeline/--no-pipeline", default=None, help="Two-mini-batch pipeline (default on).")
+@click.option("--health-interval", type=float, default=None, help="Seconds between shard health probes.")
+def serve_scheduler(**flags: Any) -> None:
+    """The brain: admits, places sequences on shards, forms steps, streams tokens."""
+    from services.scheduler.server import Settings, serve
+
+    _run_service(serve, Settings, flags)
+
+
 # ---- tools ------------------------------------------------------------------------------------
 
 
@@ -110,13 +129,21 @@ def serve_gpu_dense(**flags: Any) -> None:
 @click.option("--target", required=True, help="HOST:PORT of a fleet service.")
 @click.option("--service", default="", help="Service name to check ('' = the server as a whole).")
 @click.option("--timeout", type=float, default=3.0, show_default=True)
-def health(target: str, service: str, timeout: float) -> None:
+@click.option("--tls-cert", envvar="FASTDECODE_TLS_CERT", default=None, help="Client cert for mTLS.")
+@click.option("--tls-key", envvar="FASTDECODE_TLS_KEY", default=None, help="Client key for mTLS.")
+@click.option("--tls-ca", envvar="FASTDECODE_TLS_CA", default=None, help="CA that signed the server cert.")
+def health(
+    target: str, service: str, timeout: float, tls_cert: str | None, tls_key: str | None, tls_ca: str | None
+) -> None:
     """Exit 0 when the gRPC health service at TARGET reports SERVING (for container healthchecks)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from fastdecode.rpc import TLSFiles, sync_channel
+
+    tls = TLSFiles(*(Path(p) if p else None for p in (tls_cert, tls_key, tls_ca)))
     try:
-        with grpc.insecure_channel(target) as ch:
+        with sync_channel(target, tls) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
@@ -207,6 +234,171 @@ def run(
         click.echo(stream.flush())
         click.echo(f"[{len(out_ids)} tokens, finish_reason={finish}]", err=True)
 
+
+# ---- the fleet ----------------------------------------------------------------------------------
+
+
+def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed(
+        [
+            click.option(
+                "--model",
+                type=click.Path(file_okay=False),
+                default=None,
+                help="Checkpoint dir (default: the embedded tiny model, made on first use).",
+            ),
+            click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True),
+            click.option("--device", default="auto", show_default=True, help="gpu_dense device."),
+            click.option(
+                "--kv-capacity", type=int, default=1 << 30, show_default=True, help="KV bytes per shard."
+            ),
+            click.option(
+                "--kv-dtype",
+                type=click.Choice(["float32", "float16", "bfloat16"]),
+                default="float32",
+                show_default=True,
+            ),
+            click.option(
+                "--admission", type=click.Choice(["naive", "stabilized"]), default="naive", show_default=True
+            ),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+def _make_fleet(
+    model: str | None,
+    shards: int,
+    port: int,
+    device: str,
+    kv_capacity: int,
+    kv_dtype: str,
+    admission: str,
+    auth_token: str | None = None,
+) -> Any:
+    from fastdecode.checkpoint import ensure_default_model
+    from fastdecode.fleet import Fleet
+
+    path = Path(model) if model else ensure_default_model()
+    return Fleet(
+        model=path,
+        shards=shards,
+        port=port,
+        device=device,
+        kv_capacity=kv_capacity,
+        kv_dtype=kv_dtype,
+        auth_token=auth_token,
+        scheduler_args=["--admission", admission],
+    )
+
+
+@main.command()
+@_fleet_options
+@click.option("--port", type=int, default=50051, show_default=True, help="Gateway port on 127.0.0.1.")
+@click.option(
+    "--state-file", type=click.Path(dir_okay=False), default=None, help="Write pids and addresses here."
+)
+@click.option("--auth-token", envvar="FASTDECODE_AUTH_TOKEN", default=None, help="Require this bearer token.")
+def up(
+    model: str | None,
+    shards: int,
+    device: str,
+    kv_capacity: int,
+    kv_dtype: str,
+    admission: str,
+    port: int,
+    state_file: str | None,
+    auth_token: str | None,
+) -> None:
+    """Start gateway, scheduler, gpu_dense and N kv_attention shards as processes; stop on SIGINT/SIGTERM."""
+    import signal
+    import threading
+
+    from fastdecode.errors import FastDecodeError
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    fleet = _make_fleet(model, shards, port, device, kv_capacity, kv_dtype, admission, auth_token)
+    try:
+        fleet.start()
+    except FastDecodeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    try:
+        if state_file:
+            Path(state_file).write_text(json.dumps(fleet.state(), indent=2))
+        click.echo(f"gateway listening on {fleet.gateway.address}", err=False)
+        click.echo(f"logs in {fleet.workdir}; Ctrl-C to stop", err=True)
+        sys.stdout.flush()
+        reported: set[str] = set()
+        while not stop.wait(0.5):
+            for svc in fleet.services:
+                if svc.proc.poll() is not None and svc.name not in reported:
+                    reported.add(svc.name)
+                    click.echo(
+                        f"warning: {svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail(10)}",
+                        err=True,
+                    )
+    finally:
+        click.echo("stopping the fleet", err=True)
+        fleet.stop()
+        if state_file:
+            Path(state_file).unlink(missing_ok=True)
+
+
+@main.command()
+@click.option("--prompt", default="The KV-cache never leaves the CPU shards, so", show_default=True)
+@click.option("--max-tokens", type=int, default=48, show_default=True)
+def demo(prompt: str, max_tokens: int) -> None:
+    """Start the fleet on the embedded tiny model, stream one generation through the SDK, stop."""
+    import time
+
+    from fastdecode.client import Client
+    from fastdecode.errors import FastDecodeError
+
+    t0 = time.monotonic()
+    fleet = _make_fleet(None, 2, 0, "auto", 256 << 20, "float32", "naive")
+    try:
+        fleet.start()
+    except FastDecodeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    try:
+        click.echo(
+            f"fleet up in {time.monotonic() - t0:.1f}s: gateway {fleet.gateway.address}, "
+            f"{len(fleet.kv)} kv_attention shards (random-weight model: the text is gibberish)",
+            err=True,
+        )
+        with Client(fleet.gateway.address) as client:
+            click.echo(prompt, nl=False)
+            last = None
+            for chunk in client.stream(prompt=prompt, max_tokens=max_tokens):
+                click.echo(chunk.text, nl=False)
+                last = chunk
+            click.echo()
+        if last is not None:
+            click.echo(f"[finish_reason={last.finish_reason}, usage={last.usage}]", err=True)
+    finally:
+        fleet.stop()
+    click.echo(f"fleet stopped; demo took {time.monotonic() - t0:.1f}s", err=True)
+
+
+from fastdecode.cli_client import gateway_command, generate_cmd  # noqa: E402
+
+main.add_command(generate_cmd)
+serve.add_command(gateway_command(_common_serve_options, _run_service))
+
+from fastdecode.cli_bench import bench  # noqa: E402
+
+main.add_command(bench)
+
+
+from fastdecode.cli_policy import plan_cmd, simulate_cmd  # noqa: E402 - subcommands live beside their domain
+
+main.add_command(simulate_cmd)
+main.add_command(plan_cmd)
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,18 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdecode.errors import Unavailable
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the child gets SIGTERM if its supervisor dies, so no fleet process outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -85,9 +74,10 @@ def spawn_service(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            # The child stops by itself when this supervisor dies (see rpc.Server): no orphans. No
+            # preexec_fn: forking a process that runs gRPC threads aborts in gRPC's fork handlers.
+            env={**os.environ, "FASTDECODE_SUPERVISOR_PID": str(os.getpid()), **(env or {})},
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
     return _Pending(ServiceProcess(name, proc, "", None, log_path, list(args), env), ready, host)
 
@@ -171,6 +161,7 @@ class Fleet:
     def start(self, timeout: float = 180.0) -> Fleet:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="fastdecode-fleet-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         w, env = self.workdir, self.env
         # Each process gets one torch thread per core it can sensibly use: they share the machine.
         try:
@@ -280,3 +271,77 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class UpProcess:
+    """A `fastdecode up` process (the user-facing supervisor) and the state file it wrote."""
+
+    proc: subprocess.Popen[bytes]
+    state: dict
+    model: Path
+    log: Path
+
+    @property
+    def target(self) -> str:
+        return str(self.state["gateway"]["address"])
+
+    def pids(self) -> list[int]:
+        s = self.state
+        return [s["gateway"]["pid"], s["scheduler"]["pid"], s["gpu_dense"]["pid"]] + [
+            k["pid"] for k in s["kv_attention"]
+        ]
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def launch_up(
+    model: Path,
+    workdir: Path,
+    *extra: str,
+    shards: int = 2,
+    device: str = "cpu",
+    kv_capacity: int = 128 << 20,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> UpProcess:
+    """Run `fastdecode up` in the background and wait for its state file (the fleet is healthy then)."""
+    state_file = workdir / "fleet.json"
+    log = workdir / "up.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdecode.cli",
+        "up",
+        "--model",
+        str(model),
+        "--shards",
+        str(shards),
+        "--device",
+        device,
+        "--port",
+        str(free_port()),
+        "--kv-capacity",
+        str(kv_capacity),
+        "--state-file",
+        str(state_file),
+        *extra,
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout
+    while not state_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise Unavailable(f"fastdecode up failed:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return UpProcess(proc, json.loads(state_file.read_text()), model, log)

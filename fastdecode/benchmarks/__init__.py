@@ -1,0 +1,1 @@
+"""Micro-benchmarks behind `fastdecode bench ...` and bench/*.py (no gRPC in the pure ones)."""

@@ -1,0 +1,71 @@
+"""Timing helpers shared by the benchmarks: medians over repeats, a memory-bandwidth yardstick.
+
+The machines these run on are shared and small, so every number is a median over repeats and
+every headline number is a ratio against a baseline measured in the same run, interleaved with
+the thing measured so both see the same noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+GIB = 1 << 30
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def memory_probe(nbytes: int = GIB) -> Callable[[], float]:
+    """A plain torch.sum over an fp32 tensor of `nbytes`; each call returns one run's seconds.
+
+    The tensor is written once up front (pages committed), so a call reads it from memory.
+    """
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+
+    def run() -> float:
+        return time_once(lambda: x.sum())
+
+    run.nbytes = x.numel() * 4  # type: ignore[attr-defined]
+    return run
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def format_table(rows: list[dict[str, object]], columns: list[str] | None = None) -> str:
+    """Plain aligned text table; floats with 4 significant digits."""
+    if not rows:
+        return ""
+    cols = columns or list(rows[0])
+
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def format_pairs(result: dict[str, object]) -> str:
+    """One `key  value` line per scalar of a flat result dict."""
+    scalars = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
+    width = max((len(k) for k in scalars), default=0)
+    return "\n".join(
+        f"{k.ljust(width)}  {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in scalars.items()
+    )

@@ -1,0 +1,182 @@
+"""`fastdecode bench fleet`: one fixed workload against transformers, LocalEngine and the fleet.
+
+All three run in one process tree, one after the other, on the same checkpoint and prompts:
+(a) HuggingFace transformers `generate` (batched, greedy, exactly gen_len new tokens),
+(b) LocalEngine in-process, (c) the fleet started by `fastdecode up` with P shards, driven by
+B concurrent SDK streams. For each: tokens/s, time to first token, inter-token latency p50/p99.
+The planner's predicted step time (from T(B) and R measured here) is set against the measured one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdecode.benchmarks.common import median
+from fastdecode.benchmarks.transport import ensure_model
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _summary(name: str, tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> dict[str, float]:
+    return {
+        f"{name}_tokens_per_s": tokens / seconds,
+        f"{name}_ttft_s": median(ttft),
+        f"{name}_itl_p50_ms": percentile(itl, 50) * 1e3,
+        f"{name}_itl_p99_ms": percentile(itl, 99) * 1e3,
+    }
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # ids >= 3 skip <s>, </s>, <pad>; the first token is <s> as a tokenizer would put it
+    return [[0] + torch.randint(3, vocab, (prompt_len - 1,), generator=g).tolist() for _ in range(batch)]
+
+
+def run_hf(model: Path, prompts: list[list[int]], gen_len: int) -> dict[str, float]:
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.generation.streamers import BaseStreamer
+    except ImportError as e:  # the runtime never needs transformers; this baseline does
+        raise RuntimeError("bench fleet needs transformers (pip install '.[test]')") from e
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    clock = Clock()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=gen_len,
+            min_new_tokens=gen_len,
+            do_sample=False,
+            streamer=clock,
+        )
+    total = time.perf_counter() - t0
+    token_times = clock.times[1:]  # the first put is the prompt
+    itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+    return _summary("hf", len(prompts) * gen_len, total, [token_times[0] - t0], itl)
+
+
+def run_local(model: Path, prompts: list[list[int]], gen_len: int, device: str) -> dict[str, float]:
+    from fastdecode.engine import LocalEngine
+
+    engine = LocalEngine.from_pretrained(model, device=device)
+    times: list[float] = []
+    t0 = time.perf_counter()
+    tokens = 0
+    for events in engine.generate_stream(prompts, gen_len, ignore_eos=True):
+        times.append(time.perf_counter())
+        tokens += len(events)
+    total = time.perf_counter() - t0
+    itl = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return _summary("local", tokens, total, [times[0] - t0], itl)
+
+
+async def _drive(
+    target: str, prompts: list[list[int]], gen_len: int
+) -> tuple[int, float, list[float], list[float]]:
+    from fastdecode.client import AsyncClient
+
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = 0
+    async with AsyncClient(target) as client:
+        await client.generate(token_ids=prompts[0][:4], max_tokens=2)  # warm the path
+
+        async def one(p: list[int]) -> None:
+            nonlocal tokens
+            t0 = last = time.perf_counter()
+            first = True
+            async for chunk in client.stream(token_ids=p, max_tokens=gen_len, ignore_eos=True):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    (ttft if first else itl).append(now - (t0 if first else last))
+                    first, last = False, now
+                    tokens += len(chunk.token_ids)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+        return tokens, time.perf_counter() - t0, ttft, itl
+
+
+def run_fleet(
+    model: Path, prompts: list[list[int]], gen_len: int, shards: int, device: str, kv_capacity: int
+) -> dict[str, float]:
+    from fastdecode.fleet import launch_up
+
+    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-fleet-"))
+    up = launch_up(
+        model, workdir, "--admission", "naive", shards=shards, device=device, kv_capacity=kv_capacity
+    )
+    try:
+        tokens, total, ttft, itl = asyncio.run(_drive(up.target, prompts, gen_len))
+    finally:
+        up.stop()
+    return _summary("fleet", tokens, total, ttft, itl)
+
+
+def run_fleet_bench(
+    model: Path | None = None,
+    shards: int = 2,
+    batch: int = 32,
+    prompt_len: int = 128,
+    gen_len: int = 256,
+    device: str = "cpu",
+    skip_hf: bool = False,
+) -> dict[str, Any]:
+    from fastdecode.model import ModelConfig
+    from fastdecode.planner import measure_profile, predicted_step_s
+
+    path = model or ensure_model("llama", "small")
+    cfg = ModelConfig.from_pretrained(path)
+    if prompt_len + gen_len > cfg.max_position_embeddings:
+        raise ValueError(f"prompt_len + gen_len exceeds the model's context {cfg.max_position_embeddings}")
+    prompts = prompts_for(batch, prompt_len, cfg.vocab_size)
+    per_seq = (prompt_len + gen_len + 16) * cfg.kv_bytes_per_token(4)
+    kv_capacity = int(per_seq * batch / shards * 1.25) + (64 << 20)
+    out: dict[str, Any] = {
+        "model": str(path),
+        "batch": batch,
+        "shards": shards,
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "device": device,
+    }
+    if not skip_hf:
+        out.update(run_hf(path, prompts, gen_len))
+    out.update(run_local(path, prompts, gen_len, device))
+    out.update(run_fleet(path, prompts, gen_len, shards, device, kv_capacity))
+    # Planner: T(B) around B and R measured on this machine; the mean context of a decode step is
+    # prompt + gen/2, which the planner's B * S / 2 load expresses with S = 2 * prompt + gen.
+    profile = measure_profile(path, sorted({max(1, batch // 2), batch, batch * 2}), device)
+    out["predicted_step_ms"] = predicted_step_s(profile, batch, shards, 2 * prompt_len + gen_len) * 1e3
+    out["measured_step_ms"] = out["fleet_itl_p50_ms"]
+    out["predicted_vs_measured"] = out["predicted_step_ms"] / out["measured_step_ms"]
+    if not skip_hf:
+        out["ratio_fleet_vs_hf"] = out["fleet_tokens_per_s"] / out["hf_tokens_per_s"]
+    out["ratio_fleet_vs_local"] = out["fleet_tokens_per_s"] / out["local_tokens_per_s"]
+    out["t_dense_layer_ms"] = profile.t_at(batch) * 1e3
+    out["r_attn_ns_per_token_pair"] = profile.r_attn * 1e9
+    return out

@@ -1,0 +1,299 @@
+"""What the fleet's transport costs: gpu_dense + one kv_attention shard (two processes, gRPC on
+loopback, driven with StepPlans) against LocalEngine doing the same split in one process.
+
+Both hold B sequences whose KV-cache already holds `context` tokens (filled directly with
+random K/V, not timed: the values do not change the cost of a decode step), then decode
+steps run interleaved, fleet step then local step at the same positions, so both see the
+same machine noise. Headline: overhead = fleet_step / local_step - 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from fastdecode import codec
+from fastdecode.benchmarks.attention import torch_threads
+from fastdecode.benchmarks.common import median
+from fastdecode.checkpoint import default_model_dir, make_model
+from fastdecode.engine import Chunk, LocalEngine
+from fastdecode.errors import FastDecodeError, InvalidInput
+from fastdecode.fleet import ServiceProcess, start_service, stop_processes
+from fastdecode.model import ModelConfig
+from fastdecode.rpc import aio_channel
+from fastdecode.v1 import dense_pb2, dense_pb2_grpc
+from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+
+_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def ensure_model(arch: str = "llama", preset: str = "small", root: Path | None = None) -> Path:
+    """A random-weight checkpoint cached under root (default: next to the default model).
+
+    Written to a private temp dir and renamed into place, so concurrent runs never see half a model.
+    """
+    target = (root or default_model_dir().parent) / f"{preset}-{arch}"
+    if all((target / f).is_file() for f in _MODEL_FILES):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        make_model(arch, preset, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not all((target / f).is_file() for f in _MODEL_FILES):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _geometry(c: ModelConfig) -> kv_pb.KVGeometry:
+    return kv_pb.KVGeometry(
+        num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim
+    )
+
+
+async def _fill_shard(
+    stub: kv_grpc.KVAttentionStub, c: ModelConfig, ids: list[str], context: int, gen: torch.Generator
+) -> None:
+    """Put `context` random tokens into every sequence's cache on the shard, all layers."""
+    group = max(1, (8 << 20) // (context * c.num_attention_heads * c.head_dim * 4))  # ~8 MB per q
+    reqs = []
+    for layer in range(c.num_hidden_layers):
+        for i in range(0, len(ids), group):
+            part = ids[i : i + group]
+            t = len(part) * context
+            req = kv_pb.AttendRequest(
+                request_id=len(reqs), layer=layer, seq_ids=part, num_tokens=[context] * len(part)
+            )
+            req.start_pos[:] = [0] * len(part)
+            codec.encode(torch.randn(t, c.num_attention_heads, c.head_dim, generator=gen), req.q)
+            kv = torch.randn(t, c.num_key_value_heads, c.head_dim, generator=gen)
+            codec.encode(kv, req.k)
+            codec.encode(kv, req.v)
+            reqs.append(req)
+
+    async def items():  # noqa: ANN202 - async generator of requests
+        for r in reqs:
+            yield r
+
+    async for resp in stub.Attend(items(), timeout=600):
+        if resp.error.code:
+            raise FastDecodeError(f"filling the shard failed: {resp.error.message}")
+
+
+def _fill_local(engine: LocalEngine, ids: list[str], context: int, gen: torch.Generator) -> None:
+    c = engine.model.config
+    for sid in ids:
+        q = torch.randn(context, c.num_attention_heads, c.head_dim, generator=gen)
+        kv = torch.randn(context, c.num_key_value_heads, c.head_dim, generator=gen)
+        for layer in range(c.num_hidden_layers):
+            engine.kv.attend(layer, [sid], [context], [0], q, kv, kv)
+
+
+def _plan(step: int, ids: list[str], tokens: list[int], pos: int, pipeline: bool) -> dense_pb2.StepPlan:
+    plan = dense_pb2.StepPlan(step=step, pipeline=pipeline)
+    for i, (sid, tok) in enumerate(zip(ids, tokens, strict=True)):
+        plan.sequences.add(
+            seq_id=sid,
+            shard=0,
+            mini_batch=i % 2 if pipeline else 0,
+            token_ids=[tok],
+            start_pos=pos,
+            sample=True,
+            sample_index=step,
+        )
+    return plan
+
+
+async def _run(
+    model: Path,
+    batch: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    pipeline: bool,
+    dense_threads: int | None,
+    shard_threads: int | None,
+    kv_dtype: str,
+    workdir: Path,
+    local: bool,
+    seed: int,
+    service_env: dict[str, str] | None,
+) -> dict[str, object]:
+    c = ModelConfig.from_pretrained(model)
+    if context + warmup + steps > c.max_position_embeddings:
+        raise InvalidInput(f"context + steps exceeds the model's {c.max_position_embeddings} positions")
+    itemsize = torch.empty((), dtype=codec.DTYPE_NAMES[kv_dtype]).element_size()
+    max_tokens = context + warmup + steps
+    capacity = batch * (max_tokens + 16) * c.kv_bytes_per_token(itemsize)
+    gen = torch.Generator().manual_seed(seed)
+    ids = [f"bench-{i}" for i in range(batch)]
+    procs: list[ServiceProcess] = []
+    channels = []
+    try:
+        shard_args = [
+            "kv-attention",
+            "--shard-id",
+            "0",
+            "--kv-capacity",
+            str(capacity),
+            "--kv-dtype",
+            kv_dtype,
+        ]
+        if shard_threads:
+            shard_args += ["--threads", str(shard_threads)]
+        procs.append(
+            await asyncio.to_thread(start_service, "kv_attention-0", shard_args, workdir, env=service_env)
+        )
+        dense_args = ["gpu-dense", "--model", str(model), "--shards", procs[0].address, "--device", "cpu"]
+        if dense_threads:
+            dense_args += ["--threads", str(dense_threads)]
+        procs.append(
+            await asyncio.to_thread(start_service, "gpu_dense", dense_args, workdir, env=service_env)
+        )
+        shard_ch, dense_ch = aio_channel(procs[0].address), aio_channel(procs[1].address)
+        channels = [shard_ch, dense_ch]
+        shard = kv_grpc.KVAttentionStub(shard_ch)
+        dense = dense_pb2_grpc.DenseStub(dense_ch)
+        await shard.Reserve(
+            kv_pb.ReserveRequest(
+                geometry=_geometry(c),
+                sequences=[kv_pb.SequenceReservation(seq_id=s, max_tokens=max_tokens) for s in ids],
+            ),
+            timeout=30,
+        )
+        await _fill_shard(shard, c, ids, context, gen)
+        engine = None
+        if local:
+            engine = LocalEngine.from_pretrained(
+                model, kv_capacity_bytes=capacity, kv_dtype=codec.DTYPE_NAMES[kv_dtype]
+            )
+            for sid in ids:
+                engine.kv.reserve(sid, max_tokens)
+            _fill_local(engine, ids, context, gen)
+        tokens = torch.randint(3, c.vocab_size, (batch,), generator=gen).tolist()
+        local_tokens = list(tokens)
+        fleet_s, local_s, s_part, shard_wait, local_attend = [], [], [], [], []
+        stats0 = await shard.Stats(kv_pb.StatsRequest(), timeout=10)
+        call = dense.Run(timeout=3600)
+        for step in range(warmup + steps):
+            pos = context + step
+            plan = _plan(step, ids, tokens, pos, pipeline)
+            t0 = time.perf_counter()
+            await call.write(plan)
+            res = await call.read()
+            dt = time.perf_counter() - t0
+            if res.error.code:
+                raise FastDecodeError(f"step {step} failed: {res.error.message}")
+            for r in res.results:
+                if r.error.code:
+                    raise FastDecodeError(f"step {step}, {r.seq_id}: {r.error.message}")
+            by_id = {r.seq_id: r.token_id for r in res.results}
+            tokens = [by_id[s] for s in ids]
+            if engine is not None:
+                chunks = [Chunk(s, [t], pos) for s, t in zip(ids, local_tokens, strict=True)]
+                busy0 = engine.kv.busy_seconds
+                t1 = time.perf_counter()
+                local_tokens = engine.forward(chunks).argmax(-1).tolist()
+                ldt = time.perf_counter() - t1
+            if step >= warmup:
+                fleet_s.append(dt)
+                s_part.append(res.timings.s_part_seconds)
+                shard_wait.append(res.timings.shard_wait_seconds)
+                if engine is not None:
+                    local_s.append(ldt)
+                    local_attend.append(engine.kv.busy_seconds - busy0)
+            if step == warmup - 1:
+                stats0 = await shard.Stats(kv_pb.StatsRequest(), timeout=10)
+        await call.done_writing()
+        stats1 = await shard.Stats(kv_pb.StatsRequest(), timeout=10)
+    finally:
+        for ch in channels:
+            await ch.close()
+        await asyncio.to_thread(stop_processes, procs, 10.0)
+    fleet = median(fleet_s)
+    out: dict[str, object] = {
+        "model": str(model),
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "pipeline": pipeline,
+        "dense_threads": dense_threads,
+        "shard_threads": shard_threads,
+        "local_threads": torch.get_num_threads(),
+        "kv_dtype": kv_dtype,
+        "fleet_step_ms": fleet * 1e3,
+        "fleet_step_ms_stdev": statistics.pstdev(fleet_s) * 1e3,
+        "fleet_s_part_ms": median(s_part) * 1e3,
+        "fleet_shard_wait_ms": median(shard_wait) * 1e3,
+        "shard_attend_ms": (stats1.attention_busy_seconds - stats0.attention_busy_seconds) / steps * 1e3,
+        "shard_items_per_step": (stats1.attend_items - stats0.attend_items) / steps,
+        "fleet_tokens_per_s": batch / fleet,
+    }
+    if local_s:
+        loc = median(local_s)
+        out.update(
+            local_step_ms=loc * 1e3,
+            local_attend_ms=median(local_attend) * 1e3,
+            local_tokens_per_s=batch / loc,
+            overhead=fleet / loc - 1.0,
+            target_overhead=0.25,
+        )
+    return out
+
+
+def run_transport_bench(
+    model: Path | None = None,
+    batch: int = 32,
+    context: int = 512,
+    steps: int = 10,
+    warmup: int = 2,
+    pipeline: bool = True,
+    dense_threads: int | None = 1,
+    shard_threads: int | None = 1,
+    local_threads: int | None = None,
+    kv_dtype: str = "float32",
+    local: bool = True,
+    seed: int = 0,
+    service_env: dict[str, str] | None = None,
+) -> dict[str, object]:
+    """Median decode-step time of the fleet (dense + one shard over gRPC) and of LocalEngine."""
+    if min(batch, context, steps) < 1 or warmup < 0:
+        raise InvalidInput("batch, context and steps must be >= 1, warmup >= 0")
+    if kv_dtype not in codec.DTYPE_NAMES:
+        raise InvalidInput(f"kv_dtype must be one of {sorted(codec.DTYPE_NAMES)}")
+    model = model or ensure_model("llama", "small")
+    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-"))
+    try:
+        with torch_threads(local_threads):
+            return asyncio.run(
+                _run(
+                    model,
+                    batch,
+                    context,
+                    steps,
+                    warmup,
+                    pipeline,
+                    dense_threads,
+                    shard_threads,
+                    kv_dtype,
+                    workdir,
+                    local,
+                    seed,
+                    service_env,
+                )
+            )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

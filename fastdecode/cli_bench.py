@@ -1,0 +1,102 @@
+"""`fastdecode bench ...`: micro-benchmarks of the fleet's parts (the root group adds `bench`).
+
+Adding a benchmark is one function: a `@bench.command()` that computes a flat dict and hands
+it to `emit`, which prints a `key  value` table by default or one JSON object with --json.
+Heavy imports (torch, grpc) stay inside the commands so `fastdecode --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fastdecode.errors import FastDecodeError
+
+KV_DTYPES = click.Choice(["float32", "float16", "bfloat16"])
+
+
+def emit(result: dict[str, Any], as_json: bool, title: str | None = None) -> None:
+    """Print a benchmark result: one JSON object with --json, else an aligned key/value table."""
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    from fastdecode.benchmarks.common import format_pairs
+
+    if title:
+        click.echo(title)
+    click.echo(format_pairs(result))
+
+
+def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")(f)
+
+
+def run_bench(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run a benchmark, turning domain errors into a clean CLI error."""
+    try:
+        return fn()
+    except FastDecodeError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@click.group("bench")
+def bench() -> None:
+    """Micro-benchmarks: medians over repeats, ratios against baselines measured in the same run."""
+
+
+@bench.command("attention")
+@json_option
+@click.option("--batch", "-B", type=int, default=32, show_default=True, help="Decoding sequences.")
+@click.option(
+    "--context", "-L", type=int, default=1024, show_default=True, help="Tokens attended per sequence."
+)
+@click.option("--kv-dtype", type=KV_DTYPES, default="float32", show_default=True)
+@click.option("--repeats", "-n", type=int, default=11, show_default=True)
+@click.option("--layers", type=int, default=1, show_default=True, help="Layers attended per timed step.")
+@click.option("--heads", type=int, default=12, show_default=True, help="Query heads (small preset: 12).")
+@click.option("--kv-heads", type=int, default=12, show_default=True)
+@click.option("--head-dim", type=int, default=64, show_default=True)
+@click.option(
+    "--ragged", is_flag=True, help="Unequal lengths (defeats the batched equal-length decode path)."
+)
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
+@click.option("--memory-mib", type=int, default=1024, show_default=True, help="Size of the torch.sum probe.")
+def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
+    """One shard's decode attention (KVStore.attend) vs a torch.sum memory-bandwidth probe.
+
+    effective_gbps = bytes of K and V read per layer / median time per layer; ratio =
+    effective_gbps / memory_gbps (target >= 0.6).
+    """
+    from fastdecode.benchmarks.attention import run_attention_bench
+
+    result = run_bench(lambda: run_attention_bench(memory_bytes=memory_mib << 20, **kw))
+    emit(result, as_json, "decode attention, one shard (KVStore.attend), medians")
+
+
+@bench.command("transport")
+@json_option
+@click.option("--batch", "-B", type=int, default=32, show_default=True)
+@click.option("--context", "-L", type=int, default=512, show_default=True, help="Tokens already cached.")
+@click.option("--steps", "-n", type=int, default=10, show_default=True, help="Timed decode steps.")
+@click.option("--warmup", type=int, default=2, show_default=True)
+@click.option(
+    "--model",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Checkpoint dir (default: the small llama preset, made once under .models/).",
+)
+@click.option("--pipeline/--no-pipeline", default=True, show_default=True, help="Two mini-batches.")
+@click.option("--dense-threads", type=int, default=1, show_default=True, help="gpu_dense torch threads.")
+@click.option("--shard-threads", type=int, default=1, show_default=True, help="kv_attention torch threads.")
+@click.option("--local-threads", type=int, default=None, help="LocalEngine torch threads (default: torch's).")
+@click.option("--kv-dtype", type=KV_DTYPES, default="float32", show_default=True)
+def transport_cmd(as_json: bool, **kw: Any) -> None:
+    """Fleet decode step (gpu_dense + 1 shard, gRPC on loopback) vs LocalEngine (target overhead <= 0.25)."""
+    from fastdecode.benchmarks.transport import run_transport_bench
+
+    result = run_bench(lambda: run_transport_bench(**kw))
+    emit(result, as_json, "decode step: fleet (gpu_dense + 1 kv_attention, gRPC) vs LocalEngine, medians")

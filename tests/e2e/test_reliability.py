@@ -1,0 +1,221 @@
+"""Every accepted request ends in exactly one way: shard loss, restarts, deadlines, overload, drain."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastdecode.client import Client, FastDecodeError
+from fastdecode.fleet import Fleet
+from fastdecode.rpc import sync_channel
+from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+PROMPTS = [
+    [0, 17, 300, 45],
+    [0, 99, 5, 1200, 77, 640, 8],
+    [0, 600],
+    [0, 7, 250, 1800, 42, 3, 999],
+    [0, 33, 44],
+    [0, 2, 3, 4, 5, 6],
+]
+
+
+@pytest.fixture(scope="module")
+def fleet(model_factory: Callable, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(
+        model=model_factory("llama"),
+        shards=2,
+        device="cpu",
+        kv_capacity=128 << 20,
+        workdir=tmp_path_factory.mktemp("reliability"),
+        scheduler_args=["--health-interval", "0.3"],
+        env={"FASTDECODE_GRACE_SECONDS": "15"},
+    )
+    f.start()
+    yield f
+    f.stop()
+
+
+def shard_stats(f: Fleet) -> list[kv_attention_pb2.ShardStats]:
+    return [
+        kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k.address)).Stats(
+            kv_attention_pb2.StatsRequest(), timeout=5
+        )
+        for k in f.kv
+    ]
+
+
+def sched_stats(f: Fleet) -> scheduler_pb2.SchedulerStats:
+    assert f.scheduler
+    stub = scheduler_pb2_grpc.SchedulerStub(sync_channel(f.scheduler.address))
+    return stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
+
+
+def wait_kv_empty(f: Fleet, timeout: float = 10) -> list[tuple[int, int]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [(s.sequences, s.tokens_reserved) for s in shard_stats(f)]
+        if all(g == (0, 0) for g in got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_shard_loss_costs_time_not_requests(fleet: Fleet, hf_greedy: Callable) -> None:
+    assert fleet.gateway
+    before = sched_stats(fleet).recoveries
+    with Client(fleet.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(client.generate, token_ids=p, max_tokens=48) for p in PROMPTS]
+        deadline = time.monotonic() + 60
+        while shard_stats(fleet)[1].tokens_held < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)  # decoding is under way on shard 1
+        victim = fleet.kv[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        outs = [f.result(timeout=120) for f in futures]
+        recovered_in = time.monotonic() - killed_at
+    for p, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == hf_greedy(fleet.model, tuple(p), 48)
+    stats = sched_stats(fleet)
+    assert stats.recoveries > before
+    assert not stats.shards[1].healthy
+    print(f"\nshard-loss: all {len(PROMPTS)} requests done {recovered_in:.2f}s after kill -9")
+
+    # The shard comes back at the same address, rejoins, and takes new sequences.
+    fleet.restart(victim)
+    deadline = time.monotonic() + 20
+    while not sched_stats(fleet).shards[1].healthy and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sched_stats(fleet).shards[1].healthy
+    with Client(fleet.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: client.generate(token_ids=p, max_tokens=8), PROMPTS[:4]))
+    assert shard_stats(fleet)[1].attend_items > 0
+
+
+def test_client_deadline_is_deadline_exceeded_and_frees_kv(fleet: Fleet) -> None:
+    assert fleet.gateway
+    with Client(fleet.gateway.address) as client:
+        t0 = time.monotonic()
+        with pytest.raises(FastDecodeError) as info:
+            client.generate(token_ids=[0, 1, 2], max_tokens=1000, timeout=1.0)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 5
+    assert wait_kv_empty(fleet) == [(0, 0), (0, 0)]
+
+
+def test_disconnected_client_is_cancelled(fleet: Fleet, tmp_path: Path) -> None:
+    assert fleet.gateway
+    script = (
+        "import sys\nfrom fastdecode.client import Client\n"
+        f"c = Client({fleet.gateway.address!r})\n"
+        "for chunk in c.stream(token_ids=[0, 5, 6], max_tokens=1000):\n"
+        "    print('tok', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # it is streaming
+    assert sum(s.sequences for s in shard_stats(fleet)) == 1
+    proc.kill()
+    proc.wait()
+    assert wait_kv_empty(fleet, timeout=5) == [(0, 0), (0, 0)]
+
+
+def test_gpu_dense_restart_fails_in_flight_then_serves(fleet: Fleet) -> None:
+    assert fleet.gateway and fleet.dense
+    with Client(fleet.gateway.address) as client:
+        stream = client.stream(token_ids=[0, 9, 8], max_tokens=1000)
+        next(stream)
+        os.kill(fleet.dense.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(FastDecodeError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "gpu_dense" in info.value.details
+        assert time.monotonic() - t0 < 30
+        fleet.restart(fleet.dense)
+        assert client.generate(token_ids=[0, 1, 2], max_tokens=4, timeout=60).token_ids
+    assert wait_kv_empty(fleet) == [(0, 0), (0, 0)]
+
+
+def test_scheduler_restart_fails_in_flight_then_serves(fleet: Fleet) -> None:
+    assert fleet.gateway and fleet.scheduler
+    with Client(fleet.gateway.address) as client:
+        stream = client.stream(token_ids=[0, 9, 8], max_tokens=1000)
+        next(stream)
+        os.kill(fleet.scheduler.pid, signal.SIGKILL)
+        with pytest.raises(FastDecodeError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        fleet.restart(fleet.scheduler)
+        assert client.generate(token_ids=[0, 1, 2], max_tokens=4, timeout=60).token_ids
+    assert wait_kv_empty(fleet) == [(0, 0), (0, 0)]  # the new scheduler dropped the orphaned KV
+
+
+@pytest.mark.parametrize("service", ["gateway", "scheduler"])
+def test_sigterm_drains_running_requests_then_exits_zero(fleet: Fleet, service: str) -> None:
+    assert fleet.gateway
+    svc = getattr(fleet, service)
+    health = health_pb2_grpc.HealthStub(sync_channel(svc.address))
+    with Client(fleet.gateway.address) as client:
+        stream = client.stream(token_ids=[0, 4, 5], max_tokens=60)
+        first = next(stream)
+        svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            except grpc.RpcError:
+                break
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            time.sleep(0.02)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(FastDecodeError) as info:  # no new admissions while draining
+            Client(fleet.gateway.address, timeout=5).generate(token_ids=[0, 1], max_tokens=2)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)  # the running one finishes
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 60
+        assert rest[-1].finish_reason == "length"
+    assert svc.proc.wait(timeout=30) == 0
+    fleet.restart(svc)
+    with Client(fleet.gateway.address) as client:
+        assert client.generate(token_ids=[0, 1, 2], max_tokens=3, timeout=60).token_ids
+
+
+def test_overload_is_resource_exhausted_at_once(model_factory: Callable, tmp_path: Path) -> None:
+    with Fleet(
+        model=model_factory("llama"),
+        shards=1,
+        device="cpu",
+        kv_capacity=64 << 20,
+        workdir=tmp_path,
+        scheduler_args=["--max-running", "2", "--max-waiting", "2"],
+    ) as f:
+        assert f.gateway
+        with Client(f.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(12) as pool:
+
+            def one(i: int) -> str:
+                t0 = time.monotonic()
+                try:
+                    client.generate(token_ids=[0, i + 3], max_tokens=40)
+                    return "ok"
+                except FastDecodeError as e:
+                    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert time.monotonic() - t0 < 2.0  # answered at once, not after queuing
+                    return "full"
+
+            results = list(pool.map(one, range(12)))
+        assert results.count("ok") >= 2 and results.count("full") >= 1  # at least the queue's worth runs
+        assert results.count("ok") + results.count("full") == 12

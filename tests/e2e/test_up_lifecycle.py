@@ -1,0 +1,53 @@
+"""`fastdecode up` stops every process it started on SIGTERM, and names a service that fails to start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fastdecode.client import Client
+from fastdecode.fleet import free_port
+from tests_support import pid_alive, start_up
+
+
+def test_sigterm_leaves_no_fleet_process(model_factory: Callable, tmp_path: Path) -> None:
+    fleet = start_up(model_factory("llama"), tmp_path)
+    pids = fleet.pids()
+    assert len(pids) == 5 and all(pid_alive(p) for p in pids)
+    with Client(fleet.target) as client:
+        assert client.generate(prompt="hello", max_tokens=3).token_ids
+    assert fleet.stop() == 0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if pid_alive(p)]
+    assert not (tmp_path / "fleet.json").exists()
+
+
+def test_failed_start_exits_nonzero_naming_the_service(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    missing.mkdir()
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastdecode.cli",
+            "up",
+            "--model",
+            str(missing),
+            "--shards",
+            "1",
+            "--device",
+            "cpu",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode != 0
+    assert "gpu_dense" in res.stderr and "config.json" in res.stderr

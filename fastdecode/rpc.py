@@ -144,12 +144,13 @@ class Server:
         grace_seconds: float = 20.0,
         require_client_cert: bool = True,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.server = grpc.aio.server(
             interceptors=list(interceptors) or None,
             options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),

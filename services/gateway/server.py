@@ -88,6 +88,7 @@ class Settings(ServiceSettings):
     max_stop: int = Field(16, ge=0, description="most stop strings per request")
     max_stop_chars: int = Field(256, ge=1, description="longest stop string")
     connect_timeout: float = Field(5.0, gt=0, description="seconds to wait for an unconnected scheduler")
+    max_message_bytes: int = Field(4 << 20, ge=1024, description="largest request the public port accepts")
     ready_file: Path | None = None
 
 
@@ -469,6 +470,7 @@ async def serve(settings: Settings) -> None:
         settings.grace_seconds,
         require_client_cert=False,  # public port: clients authenticate with bearer tokens
         interceptors=[BearerAuthInterceptor(token)] if token else (),
+        max_message_bytes=settings.max_message_bytes,
     )
     service = GatewayService(settings, tokenizer, config)
     server.server.add_generic_rpc_handlers((service.handlers(),))

@@ -102,6 +102,12 @@ def test_generate_invalid_utf8_and_garbage_bytes(fleet: UpProcess, stop: bytes, 
     assert code == grpc.StatusCode.OK or code in ALLOWED
 
 
+def test_oversized_request_hits_the_message_limit(fleet: UpProcess) -> None:
+    payload = _field(1, b"a" * (5 << 20))  # over the gateway's 4 MiB public limit
+    with sync_channel(fleet.target) as channel:
+        assert _raw_generate(channel, payload) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_servers_healthy_after_public_fuzz(fleet: UpProcess) -> None:
     for svc in [
         fleet.state["gateway"],

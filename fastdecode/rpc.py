@@ -18,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fastdecode import errors
+from fastdecode.metrics import start_metrics_server
+from fastdecode.serving import write_ready_file
 from fastdecode.v1 import tensor_pb2
 
 log = logging.getLogger("fastdecode.rpc")
@@ -182,6 +184,13 @@ class Server:
         )
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
+
+    async def announce(self, host: str, metrics_port: int | None, ready_file: Path | None) -> int | None:
+        """Ready: start /metrics, health SERVING, then the ready file a supervisor waits for."""
+        bound = start_metrics_server(metrics_port, host)
+        await self.set_serving(True)
+        write_ready_file(ready_file, port=self.port, metrics_port=bound)
+        return bound
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

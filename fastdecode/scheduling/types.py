@@ -5,19 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from fastdecode.sampling import SamplingParams as Sampling  # one definition of sampling settings
+
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 FINISH_ERROR = "error"
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Per-request sampling settings; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
 
 
 @dataclass

@@ -20,10 +20,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field, SecretStr
 
 from fastdecode.errors import FastDecodeError, InvalidInput, ModelLoadError, ResourceExhausted, Unavailable
-from fastdecode.metrics import start_metrics_server
 from fastdecode.model import ModelConfig
 from fastdecode.rpc import Server, aio_channel, error_from_status, status_for
-from fastdecode.serving import write_ready_file
 from fastdecode.settings import ServiceSettings
 from fastdecode.tokenizer import Tokenizer
 from fastdecode.v1 import dense_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -477,9 +475,7 @@ async def serve(settings: Settings) -> None:
     server.install_signal_handlers()
     await server.start()
     await service.check_scheduler()
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
-    await server.set_serving(True)
-    write_ready_file(settings.ready_file, port=server.port, metrics_port=metrics_port)
+    await server.announce(settings.host, settings.metrics_port, settings.ready_file)
     log.info(
         "serving %s on %s:%d (scheduler %s, TLS %s, bearer auth %s)",
         settings.model,

@@ -76,11 +76,16 @@ class StepRunner:
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
 
     async def _compute(self, fn: Callable[[], T]) -> T:
-        t0 = time.perf_counter()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
-        finally:
-            self._busy += time.perf_counter() - t0
+        def timed() -> T:
+            # Timed on the compute thread: with two mini-batches queued on one thread, the wait
+            # in the queue is not S-part time. Only this one thread writes _busy during a step.
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self._busy += time.perf_counter() - t0
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, timed)
 
     def validate(self, s: DenseSeq) -> None:
         c = self.model.config
@@ -114,9 +119,16 @@ class StepRunner:
             else:
                 groups.append(_Group(s.shard, slice(row, row + n), [s]))
             row += n
-        hidden = await self._compute(lambda: model.embed(ids))
-        for layer in range(model.config.num_hidden_layers):
-            q, k, v = await self._compute(lambda h=hidden, lyr=layer: model.pre_attention(lyr, h, pos))
+        num_layers = model.config.num_hidden_layers
+
+        def first() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            h = model.embed(ids)
+            return (h, *model.pre_attention(0, h, pos))
+
+        # One compute-thread hop per layer: post_attention of layer l and pre_attention of l+1
+        # run as one job, so the mini-batch goes back to the thread once per attention round trip.
+        hidden, q, k, v = await self._compute(first)
+        for layer in range(num_layers):
             live = [g for g in groups if g.error is None]
             calls = [
                 self.attend(
@@ -139,13 +151,21 @@ class StepRunner:
                 else:
                     parts.append((g.rows, o))
 
-            def post(h: torch.Tensor = hidden, lyr: int = layer, parts: list = parts) -> torch.Tensor:
-                attn = torch.zeros(h.shape[0], model.q_size, dtype=h.dtype, device=h.device)
-                for rows, o in parts:
-                    attn[rows] = o.to(device=h.device, dtype=h.dtype)
-                return model.post_attention(lyr, h, attn)
+            def post(
+                h: torch.Tensor = hidden, lyr: int = layer, parts: list = parts
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+                if len(parts) == 1 and parts[0][0] == slice(0, h.shape[0]):
+                    attn = parts[0][1].to(device=h.device, dtype=h.dtype)  # one shard answered all
+                else:
+                    attn = torch.zeros(h.shape[0], model.q_size, dtype=h.dtype, device=h.device)
+                    for rows, o in parts:
+                        attn[rows] = o.to(device=h.device, dtype=h.dtype)
+                h = model.post_attention(lyr, h, attn)
+                if lyr + 1 == num_layers:
+                    return h, None, None, None
+                return (h, *model.pre_attention(lyr + 1, h, pos))
 
-            hidden = await self._compute(post)
+            hidden, q, k, v = await self._compute(post)  # type: ignore[assignment]
         self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
         return hidden.index_select(0, last)
 

@@ -14,12 +14,10 @@ from pydantic import Field
 
 from fastdecode import codec
 from fastdecode.errors import InvalidInput, Unavailable
-from fastdecode.metrics import start_metrics_server
 from fastdecode.model import DenseModel
 from fastdecode.rpc import Server, abort, code_from_int, item_error
 from fastdecode.rpc import error_from_status as from_status
 from fastdecode.sampling import SamplingParams
-from fastdecode.serving import write_ready_file
 from fastdecode.settings import ServiceSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
@@ -193,9 +191,7 @@ async def serve(settings: Settings) -> None:
     pb_grpc.add_DenseServicer_to_server(service, server.server)
     await server.start()  # NOT_SERVING while the weights load
     await service.load()
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
-    await server.set_serving(True)
-    write_ready_file(settings.ready_file, port=server.port, metrics_port=metrics_port)
+    await server.announce(settings.host, settings.metrics_port, settings.ready_file)
     log.info(
         "serving %s on %s:%d, device %s, %d shards",
         settings.model,

@@ -17,9 +17,7 @@ from pydantic import Field
 from fastdecode import codec
 from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.kv import KVStore
-from fastdecode.metrics import start_metrics_server
 from fastdecode.rpc import Server, abort, item_error
-from fastdecode.serving import write_ready_file
 from fastdecode.settings import ServiceSettings
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
@@ -178,9 +176,7 @@ async def serve(settings: Settings) -> None:
     pb_grpc.add_KVAttentionServicer_to_server(service, server.server)
     server.install_signal_handlers()
     await server.start()
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
-    await server.set_serving(True)
-    write_ready_file(settings.ready_file, port=server.port, metrics_port=metrics_port)
+    await server.announce(settings.host, settings.metrics_port, settings.ready_file)
     log.info(
         "serving on %s:%d (capacity %d bytes, kv dtype %s)",
         settings.host,

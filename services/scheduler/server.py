@@ -23,7 +23,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field
 
 from fastdecode.errors import InvalidInput, ResourceExhausted, Unavailable
-from fastdecode.metrics import start_metrics_server
 from fastdecode.rpc import Server, abort, aio_channel, code_from_int, error_from_status
 from fastdecode.scheduling import (
     NaiveAdmission,
@@ -35,7 +34,6 @@ from fastdecode.scheduling import (
     Step,
     TokenEvent,
 )
-from fastdecode.serving import write_ready_file
 from fastdecode.settings import ServiceSettings, split_addresses
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc
 from fastdecode.v1 import scheduler_pb2 as pb
@@ -575,9 +573,7 @@ async def serve(settings: Settings) -> None:
     await server.start()
     await service.connect()
     service.tasks = [asyncio.create_task(service.step_loop()), asyncio.create_task(service.health_loop())]
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
-    await server.set_serving(True)
-    write_ready_file(settings.ready_file, port=server.port, metrics_port=metrics_port)
+    await server.announce(settings.host, settings.metrics_port, settings.ready_file)
     log.info(
         "serving on %s:%d; dense %s; %d shards; admission %s",
         settings.host,

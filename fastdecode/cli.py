@@ -261,6 +261,14 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             click.option(
                 "--admission", type=click.Choice(["naive", "stabilized"]), default="naive", show_default=True
             ),
+            click.option(
+                "--pipeline",
+                type=click.Choice(["auto", "on", "off"]),
+                default="auto",
+                show_default=True,
+                help="Two-mini-batch pipeline. auto: on when gpu_dense runs on CUDA, off when it shares "
+                "these CPU cores with the shards (the two halves would only compete for them).",
+            ),
         ]
     ):
         f = opt(f)
@@ -275,6 +283,7 @@ def _make_fleet(
     kv_capacity: int,
     kv_dtype: str,
     admission: str,
+    pipeline: str = "auto",
     auth_token: str | None = None,
 ) -> Any:
     from fastdecode.checkpoint import ensure_default_model
@@ -289,6 +298,7 @@ def _make_fleet(
         kv_capacity=kv_capacity,
         kv_dtype=kv_dtype,
         auth_token=auth_token,
+        pipeline={"auto": None, "on": True, "off": False}[pipeline],
         scheduler_args=["--admission", admission],
     )
 
@@ -307,6 +317,7 @@ def up(
     kv_capacity: int,
     kv_dtype: str,
     admission: str,
+    pipeline: str,
     port: int,
     state_file: str | None,
     auth_token: str | None,
@@ -320,7 +331,7 @@ def up(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    fleet = _make_fleet(model, shards, port, device, kv_capacity, kv_dtype, admission, auth_token)
+    fleet = _make_fleet(model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token)
     try:
         fleet.start()
     except FastDecodeError as e:

@@ -147,6 +147,9 @@ class Fleet:
     kv_dtype: str = "float32"
     metrics: bool = True
     auth_token: str | None = None
+    # Two-mini-batch pipeline. None = auto: on when gpu_dense has its own device (CUDA); off when it
+    # computes on the same CPU cores as the shards here, where the two halves only compete for cores.
+    pipeline: bool | None = None
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     dense_args: list[str] = field(default_factory=list)
@@ -196,7 +199,15 @@ class Fleet:
             )
             self.scheduler = start_service(
                 "scheduler",
-                ["scheduler", "--dense", self.dense.address, "--shards", shard_list, *self.scheduler_args],
+                [
+                    "scheduler",
+                    "--dense",
+                    self.dense.address,
+                    "--shards",
+                    shard_list,
+                    self._pipeline_flag(),
+                    *self.scheduler_args,
+                ],
                 w,
                 metrics=self.metrics,
                 env=env,
@@ -225,6 +236,14 @@ class Fleet:
             self.stop()
             raise
         return self
+
+    def _pipeline_flag(self) -> str:
+        pipeline = self.pipeline
+        if pipeline is None:
+            import torch
+
+            pipeline = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        return "--pipeline" if pipeline else "--no-pipeline"
 
     def _kv_args(self, i: int) -> list[str]:
         return [

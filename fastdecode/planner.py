@@ -129,8 +129,10 @@ def r_part_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
     return batch * seq_len * profile.r_attn / (2 * shards)
 
 
-def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
-    return profile.num_layers * max(profile.t_at(batch), r_part_s(profile, batch, shards, seq_len))
+def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int, overlap: bool = True) -> float:
+    """N layers of max(S, R) when the pipeline overlaps them on separate hardware, else of S + R."""
+    s_part, r_part = profile.t_at(batch), r_part_s(profile, batch, shards, seq_len)
+    return profile.num_layers * (max(s_part, r_part) if overlap else s_part + r_part)
 
 
 def predicted_tokens_per_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:

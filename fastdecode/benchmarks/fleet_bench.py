@@ -122,13 +122,27 @@ async def _drive(
 
 
 def run_fleet(
-    model: Path, prompts: list[list[int]], gen_len: int, shards: int, device: str, kv_capacity: int
+    model: Path,
+    prompts: list[list[int]],
+    gen_len: int,
+    shards: int,
+    device: str,
+    kv_capacity: int,
+    pipeline: str = "auto",
 ) -> dict[str, float]:
     from fastdecode.fleet import launch_up
 
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-fleet-"))
     up = launch_up(
-        model, workdir, "--admission", "naive", shards=shards, device=device, kv_capacity=kv_capacity
+        model,
+        workdir,
+        "--admission",
+        "naive",
+        "--pipeline",
+        pipeline,
+        shards=shards,
+        device=device,
+        kv_capacity=kv_capacity,
     )
     try:
         tokens, total, ttft, itl = asyncio.run(_drive(up.target, prompts, gen_len))
@@ -145,6 +159,7 @@ def run_fleet_bench(
     gen_len: int = 256,
     device: str = "cpu",
     skip_hf: bool = False,
+    pipeline: str = "auto",
 ) -> dict[str, Any]:
     from fastdecode.model import ModelConfig
     from fastdecode.planner import measure_profile, predicted_step_s
@@ -163,15 +178,20 @@ def run_fleet_bench(
         "prompt_len": prompt_len,
         "gen_len": gen_len,
         "device": device,
+        "pipeline": pipeline,
     }
     if not skip_hf:
         out.update(run_hf(path, prompts, gen_len))
     out.update(run_local(path, prompts, gen_len, device))
-    out.update(run_fleet(path, prompts, gen_len, shards, device, kv_capacity))
+    out.update(run_fleet(path, prompts, gen_len, shards, device, kv_capacity, pipeline))
     # Planner: T(B) around B and R measured on this machine; the mean context of a decode step is
     # prompt + gen/2, which the planner's B * S / 2 load expresses with S = 2 * prompt + gen.
     profile = measure_profile(path, sorted({max(1, batch // 2), batch, batch * 2}), device)
-    out["predicted_step_ms"] = predicted_step_s(profile, batch, shards, 2 * prompt_len + gen_len) * 1e3
+    # With the pipeline S and R overlap (separate hardware); without it (auto on a CPU-only host,
+    # where dense and shards share the cores) a layer costs S + R.
+    overlap = pipeline == "on" or (pipeline == "auto" and device.startswith("cuda"))
+    seq = 2 * prompt_len + gen_len
+    out["predicted_step_ms"] = predicted_step_s(profile, batch, shards, seq, overlap=overlap) * 1e3
     out["measured_step_ms"] = out["fleet_itl_p50_ms"]
     out["predicted_vs_measured"] = out["predicted_step_ms"] / out["measured_step_ms"]
     if not skip_hf:

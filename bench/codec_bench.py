@@ -10,6 +10,7 @@ is what gRPC adds on top). Medians over repeats; ratio = codec GB/s / clone GB/s
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import time
@@ -33,9 +34,10 @@ def timed(fn, inner):
 
 
 def bench_case(nbytes, dtype, repeats):
-    t = torch.randn(nbytes // 4).to(dtype) if dtype != torch.float32 else torch.randn(nbytes // 4)
-    t = t[: nbytes // t.element_size()].reshape(-1, 64) if nbytes >= 256 else t
-    size = t.numel() * t.element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    t = torch.randn(nbytes // itemsize).to(dtype).reshape(-1, 64)  # rows of 64, like [tokens, head_dim]
+    size = t.numel() * itemsize
+    assert size == nbytes
     msg = codec.encode(t)
     wire = msg.SerializeToString()
     assert torch.equal(codec.decode(tensor_pb2.Tensor.FromString(wire)), t)
@@ -76,16 +78,38 @@ def bench_case(nbytes, dtype, repeats):
     }
 
 
+def keep_freed_memory():
+    """Stop glibc from handing freed big blocks back to the OS (mmap threshold, heap trim).
+
+    Without this every 1-16 MiB buffer is fresh memory and each sample pays page faults (on a
+    small VM: 2-15 ms per 16 MiB, and bimodal), which swamps the copies being measured.
+    Returns False where mallopt is not available (not glibc).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, 1 << 30)) and bool(libc.mallopt(m_mmap_threshold, 1 << 30))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument(
+        "--default-malloc", action="store_true", help="leave glibc's trimming on (page faults included)"
+    )
     args = p.parse_args()
+    steady = False if args.default_malloc else keep_freed_memory()
     rows = [bench_case(nbytes, dtype, args.repeats) for dtype in DTYPES.values() for nbytes in SIZES.values()]
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"codec throughput, medians of {args.repeats} (torch threads: {torch.get_num_threads()})")
+    print(
+        f"codec throughput, medians of {args.repeats} (torch threads: {torch.get_num_threads()}, "
+        f"freed memory kept by malloc: {steady})"
+    )
     print("  enc+dec: codec.encode then codec.decode (decode aliases the bytes: zero copy)")
     print("  pb_wire: encode + SerializeToString + FromString (the wire's cost, no decode)")
     print("  ratio_vs_clone: enc+dec GB/s over a tensor.clone() of the same bytes")

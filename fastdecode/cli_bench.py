@@ -94,9 +94,21 @@ def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
 @click.option("--shard-threads", type=int, default=1, show_default=True, help="kv_attention torch threads.")
 @click.option("--local-threads", type=int, default=None, help="LocalEngine torch threads (default: torch's).")
 @click.option("--kv-dtype", type=KV_DTYPES, default="float32", show_default=True)
-def transport_cmd(as_json: bool, **kw: Any) -> None:
+@click.option(
+    "--service-env",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Environment of both services (default GOMP_SPINCOUNT=1000: short OpenMP spin-waits).",
+)
+def transport_cmd(as_json: bool, service_env: tuple[str, ...], **kw: Any) -> None:
     """Fleet decode step (gpu_dense + 1 shard, gRPC on loopback) vs LocalEngine (target overhead <= 0.25)."""
     from fastdecode.benchmarks.transport import run_transport_bench
 
-    result = run_bench(lambda: run_transport_bench(**kw))
+    env = None
+    if service_env:
+        bad = [e for e in service_env if "=" not in e]
+        if bad:
+            raise click.BadParameter(f"expected KEY=VALUE, got {bad}", param_hint="--service-env")
+        env = dict(e.split("=", 1) for e in service_env)
+    result = run_bench(lambda: run_transport_bench(service_env=env, **kw))
     emit(result, as_json, "decode step: fleet (gpu_dense + 1 kv_attention, gRPC) vs LocalEngine, medians")

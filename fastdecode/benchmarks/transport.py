@@ -33,6 +33,11 @@ from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
+_SETTLE_S = 0.02
+# libgomp's workers spin ~300k iterations after each parallel region before sleeping; two
+# services sharing a small machine then steal each other's cores (measured on 2 cores, no
+# pipeline, 2 threads each: S-part 154 -> 108 ms per step with a short spin).
+DEFAULT_SERVICE_ENV = {"GOMP_SPINCOUNT": "1000"}
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -56,6 +61,15 @@ def ensure_model(arch: str = "llama", preset: str = "small", root: Path | None =
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process (all its threads); nan where /proc is missing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _geometry(c: ModelConfig) -> kv_pb.KVGeometry:
@@ -187,14 +201,18 @@ async def _run(
         local_tokens = list(tokens)
         fleet_s, local_s, s_part, shard_wait, local_attend = [], [], [], [], []
         stats0 = await shard.Stats(kv_pb.StatsRequest(), timeout=10)
+        fleet_cpu = local_cpu = 0.0
         call = dense.Run(timeout=3600)
         for step in range(warmup + steps):
             pos = context + step
             plan = _plan(step, ids, tokens, pos, pipeline)
+            await asyncio.sleep(_SETTLE_S)
+            cpu0 = sum(_cpu_seconds(p.pid) for p in procs)
             t0 = time.perf_counter()
             await call.write(plan)
             res = await call.read()
             dt = time.perf_counter() - t0
+            cpu1 = sum(_cpu_seconds(p.pid) for p in procs)
             if res.error.code:
                 raise FastDecodeError(f"step {step} failed: {res.error.message}")
             for r in res.results:
@@ -203,17 +221,24 @@ async def _run(
             by_id = {r.seq_id: r.token_id for r in res.results}
             tokens = [by_id[s] for s in ids]
             if engine is not None:
+                # A pause (not timed) between the fleet's and the local step: OpenMP workers spin
+                # for a while after a parallel region, and must not steal the other side's cores.
+                await asyncio.sleep(_SETTLE_S)
                 chunks = [Chunk(s, [t], pos) for s, t in zip(ids, local_tokens, strict=True)]
                 busy0 = engine.kv.busy_seconds
+                lcpu0 = time.process_time()
                 t1 = time.perf_counter()
                 local_tokens = engine.forward(chunks).argmax(-1).tolist()
                 ldt = time.perf_counter() - t1
+                lcpu = time.process_time() - lcpu0
             if step >= warmup:
+                fleet_cpu += cpu1 - cpu0
                 fleet_s.append(dt)
                 s_part.append(res.timings.s_part_seconds)
                 shard_wait.append(res.timings.shard_wait_seconds)
                 if engine is not None:
                     local_s.append(ldt)
+                    local_cpu += lcpu
                     local_attend.append(engine.kv.busy_seconds - busy0)
             if step == warmup - 1:
                 stats0 = await shard.Stats(kv_pb.StatsRequest(), timeout=10)
@@ -234,6 +259,7 @@ async def _run(
         "shard_threads": shard_threads,
         "local_threads": torch.get_num_threads(),
         "kv_dtype": kv_dtype,
+        "service_env": " ".join(f"{k}={v}" for k, v in (service_env or {}).items()),
         "fleet_step_ms": fleet * 1e3,
         "fleet_step_ms_stdev": statistics.pstdev(fleet_s) * 1e3,
         "fleet_s_part_ms": median(s_part) * 1e3,
@@ -241,6 +267,8 @@ async def _run(
         "shard_attend_ms": (stats1.attention_busy_seconds - stats0.attention_busy_seconds) / steps * 1e3,
         "shard_items_per_step": (stats1.attend_items - stats0.attend_items) / steps,
         "fleet_tokens_per_s": batch / fleet,
+        # CPU time of both services per step (all threads): work, robust to a busy machine
+        "fleet_cpu_ms": fleet_cpu / steps * 1e3,
     }
     if local_s:
         loc = median(local_s)
@@ -248,6 +276,8 @@ async def _run(
             local_step_ms=loc * 1e3,
             local_attend_ms=median(local_attend) * 1e3,
             local_tokens_per_s=batch / loc,
+            local_cpu_ms=local_cpu / steps * 1e3,
+            cpu_overhead=fleet_cpu / local_cpu - 1.0 if local_cpu > 0 else float("nan"),
             overhead=fleet / loc - 1.0,
             target_overhead=0.25,
         )
@@ -275,6 +305,7 @@ def run_transport_bench(
     if kv_dtype not in codec.DTYPE_NAMES:
         raise InvalidInput(f"kv_dtype must be one of {sorted(codec.DTYPE_NAMES)}")
     model = model or ensure_model("llama", "small")
+    service_env = DEFAULT_SERVICE_ENV if service_env is None else service_env
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-"))
     try:
         with torch_threads(local_threads):

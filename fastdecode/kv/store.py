@@ -1,10 +1,16 @@
 """The R-part core: a byte-bounded, block-based KV pool and attention over it.
 
-Layout: one pool per K and V of shape [layers, num_blocks * block_size, kv_heads, head_dim].
+Layout: one pool per K and V of shape [layers, kv_heads, num_blocks * block_size, head_dim]
+(head-major: one head of one sequence is a contiguous [tokens, head_dim] run, which CPU
+attention streams ~1.3-1.6x faster than token-major rows strided by kv_heads * head_dim).
 A sequence reserves ceil(max_tokens / block_size) blocks up front (so decode never runs
 out of memory mid-generation); the allocator prefers one contiguous run of blocks so
 attention reads the cache in place as a strided view, and falls back to scattered blocks
 (gathered per step) only when the pool is fragmented. Nothing is reallocated per step.
+
+Decode fast path: when every sequence of a call decodes one token at the same position from
+contiguous, equally spaced reservations (a batch reserved together), the whole call is one
+batched SDPA over a strided view of the pool: no per-sequence Python loop.
 Imports no gRPC.
 """
 
@@ -103,8 +109,8 @@ class KVStore:
         self.capacity_bytes = self.num_blocks * block_size * self.bytes_per_token
         slots = self.num_blocks * block_size
         # torch.empty does not touch the pages: memory is committed as sequences write.
-        self.k = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype)
-        self.v = torch.empty(num_layers, slots, num_kv_heads, head_dim, dtype=dtype)
+        self.k = torch.empty(num_layers, num_kv_heads, slots, head_dim, dtype=dtype)
+        self.v = torch.empty(num_layers, num_kv_heads, slots, head_dim, dtype=dtype)
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, _Seq] = {}
         self.busy_seconds = 0.0
@@ -238,40 +244,116 @@ class KVStore:
         """
         self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
         t0 = time.perf_counter()
-        total, heads, dim = q.shape
-        out = torch.empty(total, heads * dim, dtype=q.dtype)
-        kp, vp = self.k[layer], self.v[layer]
-        scale = 1.0 / math.sqrt(dim)
-        row = 0
         with torch.inference_mode():
-            for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
-                seq = self.seqs[sid]
-                end = start + n
-                if seq.contiguous:
-                    base = seq.blocks[0] * self.block_size
-                    kp[base + start : base + end] = k[row : row + n]
-                    vp[base + start : base + end] = v[row : row + n]
-                    keys, values = kp[base : base + end], vp[base : base + end]
-                else:
-                    idx = seq.slots[:end]  # type: ignore[index]
-                    kp[idx[start:end]] = k[row : row + n].to(self.dtype)
-                    vp[idx[start:end]] = v[row : row + n].to(self.dtype)
-                    keys, values = kp[idx], vp[idx]
-                seq.lengths[layer] = max(seq.lengths[layer], end)
-                qs = q[row : row + n].to(self.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-                mask = None
-                if n > 1:  # causal within the chunk, full view of the cached prefix
-                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-                o = F.scaled_dot_product_attention(
-                    qs,
-                    keys.transpose(0, 1).unsqueeze(0),
-                    values.transpose(0, 1).unsqueeze(0),
-                    attn_mask=mask,
-                    scale=scale,
-                    enable_gqa=heads != self.num_kv_heads,
-                )
-                out[row : row + n] = o[0].transpose(0, 1).reshape(n, heads * dim).to(q.dtype)
-                row += n
+            out = self._attend_uniform_decode(layer, seq_ids, num_tokens, start_pos, q, k, v)
+            if out is None:
+                out = self._attend_each(layer, seq_ids, num_tokens, start_pos, q, k, v)
         self.busy_seconds += time.perf_counter() - t0
         self.attend_calls += 1
+        return out
+
+    def _attend_uniform_decode(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """One batched SDPA when all sequences decode at one position from evenly spaced runs.
+
+        Returns None (caller loops per sequence) when the call does not have that shape.
+        """
+        batch = len(seq_ids)
+        if batch < 2 or q.shape[0] != batch:  # every sequence brings exactly one token
+            return None
+        start = start_pos[0]
+        seqs = [self.seqs[sid] for sid in seq_ids]
+        base0 = seqs[0].blocks[0] * self.block_size
+        step = seqs[1].blocks[0] * self.block_size - base0
+        if step <= 0:
+            return None
+        for i, (seq, pos) in enumerate(zip(seqs, start_pos, strict=True)):
+            if pos != start or not seq.contiguous or seq.blocks[0] * self.block_size != base0 + i * step:
+                return None
+        # Reservations are disjoint and each holds >= start + 1 tokens, so step >= end: no overlap.
+        end = start + 1
+        kvh, dim = self.num_kv_heads, self.head_dim
+        views = []
+        for pool in (self.k, self.v):
+            sh, sslot, sdim = pool.stride(1), pool.stride(2), pool.stride(3)
+            views.append(
+                pool.as_strided(
+                    (kvh, batch, end, dim),
+                    (sh, step * sslot, sslot, sdim),
+                    pool.storage_offset() + layer * pool.stride(0) + base0 * sslot,
+                )
+            )
+        keys, values = views
+        keys[:, :, start] = k.transpose(0, 1)  # [KVH, B, D]; copy_ casts to the pool dtype
+        values[:, :, start] = v.transpose(0, 1)
+        for seq in seqs:
+            seq.lengths[layer] = max(seq.lengths[layer], end)
+        heads = q.shape[1]
+        # Decode needs no mask; the query heads sharing one kv head ride as that head's query rows.
+        qs = q.to(self.dtype).reshape(batch, kvh, heads // kvh, dim)
+        o = F.scaled_dot_product_attention(
+            qs, keys.transpose(0, 1), values.transpose(0, 1), scale=1.0 / math.sqrt(dim)
+        )
+        return o.reshape(batch, heads * dim).to(q.dtype)
+
+    def _attend_each(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        total, heads, dim = q.shape
+        kvh = self.num_kv_heads
+        group = heads // kvh
+        out = torch.empty(total, heads * dim, dtype=q.dtype)
+        kp, vp = self.k[layer], self.v[layer]  # [KVH, slots, D]
+        scale = 1.0 / math.sqrt(dim)
+        row = 0
+        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
+            seq = self.seqs[sid]
+            end = start + n
+            if seq.contiguous:
+                base = seq.blocks[0] * self.block_size
+                kp[:, base + start : base + end] = k[row : row + n].transpose(0, 1)
+                vp[:, base + start : base + end] = v[row : row + n].transpose(0, 1)
+                keys, values = kp[:, base : base + end], vp[:, base : base + end]
+            else:
+                idx = seq.slots[:end]  # type: ignore[index]
+                kp[:, idx[start:end]] = k[row : row + n].transpose(0, 1).to(self.dtype)
+                vp[:, idx[start:end]] = v[row : row + n].transpose(0, 1).to(self.dtype)
+                keys, values = kp[:, idx], vp[:, idx]
+            seq.lengths[layer] = max(seq.lengths[layer], end)
+            qn = q[row : row + n].to(self.dtype)
+            if n == 1:  # decode: no mask; query heads of one kv head become its query rows
+                o = F.scaled_dot_product_attention(
+                    qn.reshape(1, kvh, group, dim), keys.unsqueeze(0), values.unsqueeze(0), scale=scale
+                )
+            else:  # causal within the chunk, full view of the cached prefix
+                mask = None
+                if start:
+                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                o = F.scaled_dot_product_attention(
+                    qn.transpose(0, 1).unsqueeze(0),
+                    keys.unsqueeze(0),
+                    values.unsqueeze(0),
+                    attn_mask=mask,
+                    is_causal=not start,  # top-left aligned: right when the chunk starts the cache
+                    scale=scale,
+                    enable_gqa=group > 1,
+                )
+                o = o.transpose(1, 2)  # [1, n, H, D]
+            out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
+            row += n
         return out

@@ -55,6 +55,8 @@ def test_cli_bench_attention_json() -> None:
 def test_cli_bench_table_and_errors() -> None:
     res = CliRunner().invoke(main, ["bench", "attention", "-B", "1", "-L", "1"])
     assert res.exit_code != 0 and "context >= 2" in res.output
+    res = CliRunner().invoke(main, ["bench", "transport", "--service-env", "NOEQUALS"])
+    assert res.exit_code != 0 and "KEY=VALUE" in res.output
     assert format_pairs({"a": 1.23456, "bb": "x", "skip": {}}) == "a   1.235\nbb  x"
     assert format_table([{"a": 1, "b": 2.0}]).splitlines() == ["a  b", "1  2"]
 

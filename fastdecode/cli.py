@@ -112,7 +112,9 @@ def serve_gpu_dense(**flags: Any) -> None:
 @click.option("--micro-batch", type=int, default=None, help="Sequences per admitted micro-batch.")
 @click.option("--max-running", type=int, default=None, help="Most sequences decoding at once (default 256).")
 @click.option("--max-waiting", type=int, default=None, help="Waiting queue bound (default 1024).")
-@click.option("--prefill-token-budget", type=int, default=None, help="Prefill tokens per step (default 512).")
+@click.option(
+    "--prefill-token-budget", type=int, default=None, help="Prefill tokens per step (default 2048)."
+)
 @click.option("--pipeline/--no-pipeline", default=None, help="Two-mini-batch pipeline (default on).")
 @click.option("--health-interval", type=float, default=None, help="Seconds between shard health probes.")
 def serve_scheduler(**flags: Any) -> None:

@@ -112,3 +112,45 @@ def transport_cmd(as_json: bool, service_env: tuple[str, ...], **kw: Any) -> Non
         env = dict(e.split("=", 1) for e in service_env)
     result = run_bench(lambda: run_transport_bench(service_env=env, **kw))
     emit(result, as_json, "decode step: fleet (gpu_dense + 1 kv_attention, gRPC) vs LocalEngine, medians")
+
+
+@bench.command("fleet")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: the small preset.")
+@click.option("--shards", "-P", type=int, default=2, show_default=True)
+@click.option("--batch", "-B", type=int, default=32, show_default=True)
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--gen-len", type=int, default=256, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--pipeline", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@click.option("--skip-hf", is_flag=True, help="Leave out the transformers baseline.")
+def fleet_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+    """One workload against transformers generate, LocalEngine and the fleet (`fastdecode up`).
+
+    Prints tokens/s, time to first token and inter-token latency p50/p99 for each, the ratios
+    fleet/transformers and fleet/local, and the planner's predicted step time against the measured.
+    """
+    from fastdecode.benchmarks.fleet_bench import run_fleet_bench
+
+    result = run_bench(lambda: run_fleet_bench(Path(model) if model else None, **kw))
+    emit(result, as_json, "fleet vs transformers vs LocalEngine (medians; ITL in ms)")
+
+
+@bench.command("load")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: the small preset.")
+@click.option("--clients", type=int, default=128, show_default=True, help="Concurrent streaming clients.")
+@click.option("--requests-per-client", type=int, default=1, show_default=True)
+@click.option("--prompt-len", type=int, default=32, show_default=True)
+@click.option("--gen-len", type=int, default=32, show_default=True)
+@click.option("--shards", type=int, default=2, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--bound-s", type=float, default=300.0, show_default=True, help="Per-request time bound.")
+def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+    """Many concurrent streaming clients on the fleet: lost/hung requests, throughput, p99, peak RSS."""
+    from fastdecode.benchmarks.load_bench import run_load_bench
+
+    result = run_bench(lambda: run_load_bench(Path(model) if model else None, **kw))
+    emit(result, as_json, "load: concurrent streaming clients on one fleet")
+    if result["lost_or_hung"]:
+        raise SystemExit(1)

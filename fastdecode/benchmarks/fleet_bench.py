@@ -151,6 +151,49 @@ def run_fleet(
     return _summary("fleet", tokens, total, ttft, itl)
 
 
+def measure_rtt(cfg: Any, batch: int, repeats: int = 40) -> float:
+    """Median seconds an Attend round trip to a real shard process adds beyond its attention time.
+
+    One decode item of `batch` sequences with this model's head shape, over gRPC on loopback:
+    codec, protobuf, HTTP/2 and both event loops, as gpu_dense sees them per layer and shard.
+    """
+    from fastdecode import codec
+    from fastdecode.fleet import start_service, stop_processes
+    from fastdecode.rpc import sync_channel
+    from fastdecode.v1 import kv_attention_pb2 as kv_pb
+    from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+
+    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-rtt-"))
+    shard = start_service("kv_attention-rtt", ["kv-attention", "--kv-capacity", str(256 << 20)], workdir)
+    try:
+        stub = kv_grpc.KVAttentionStub(sync_channel(shard.address))
+        geometry = kv_pb.KVGeometry(num_layers=1, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        ids = [f"s{i}" for i in range(batch)]
+        stub.Reserve(
+            kv_pb.ReserveRequest(
+                geometry=geometry,
+                sequences=[kv_pb.SequenceReservation(seq_id=i, max_tokens=repeats + 8) for i in ids],
+            ),
+            timeout=10,
+        )
+        q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim)
+        kv = torch.randn(batch, cfg.num_key_value_heads, cfg.head_dim)
+        extra: list[float] = []
+        for pos in range(repeats):
+            req = kv_pb.AttendRequest(
+                request_id=pos, layer=0, seq_ids=ids, num_tokens=[1] * batch, start_pos=[pos] * batch
+            )
+            t0 = time.perf_counter()
+            for t, field in ((q, req.q), (kv, req.k), (kv, req.v)):
+                codec.encode(t, field)
+            (resp,) = list(stub.Attend(iter([req]), timeout=30))
+            codec.decode(resp.o)
+            extra.append(time.perf_counter() - t0 - resp.attend_seconds)
+        return median(extra[repeats // 4 :])
+    finally:
+        stop_processes([shard], grace=5)
+
+
 def run_fleet_bench(
     model: Path | None = None,
     shards: int = 2,
@@ -187,6 +230,7 @@ def run_fleet_bench(
     # Planner: T(B) around B and R measured on this machine; the mean context of a decode step is
     # prompt + gen/2, which the planner's B * S / 2 load expresses with S = 2 * prompt + gen.
     profile = measure_profile(path, sorted({max(1, batch // 2), batch, batch * 2}), device)
+    profile.rtt_s = measure_rtt(cfg, max(1, batch // shards))
     # With the pipeline S and R overlap (separate hardware); without it (auto on a CPU-only host,
     # where dense and shards share the cores) a layer costs S + R.
     overlap = pipeline == "on" or (pipeline == "auto" and device.startswith("cuda"))
@@ -199,4 +243,5 @@ def run_fleet_bench(
     out["ratio_fleet_vs_local"] = out["fleet_tokens_per_s"] / out["local_tokens_per_s"]
     out["t_dense_layer_ms"] = profile.t_at(batch) * 1e3
     out["r_attn_ns_per_token_pair"] = profile.r_attn * 1e9
+    out["rtt_ms_per_layer"] = profile.rtt_s * 1e3
     return out

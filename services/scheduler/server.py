@@ -69,7 +69,7 @@ class Settings(ServiceSettings):
     micro_batch: int | None = Field(None, ge=1)
     max_running: int = Field(256, ge=1, description="most sequences decoding at once (the batch B)")
     max_waiting: int = Field(1024, ge=0, description="bounded waiting queue; full = RESOURCE_EXHAUSTED")
-    prefill_token_budget: int = Field(512, ge=1, description="prefill tokens per step (chunked prefill)")
+    prefill_token_budget: int = Field(2048, ge=1, description="prefill tokens per step (chunked prefill)")
     pipeline: bool = True
     health_interval: float = Field(1.0, gt=0)
     step_timeout: float = Field(120.0, gt=0)

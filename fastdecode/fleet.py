@@ -246,6 +246,8 @@ class Fleet:
         return "--pipeline" if pipeline else "--no-pipeline"
 
     def _kv_args(self, i: int) -> list[str]:
+        # Co-located shards split this host's cores between them instead of each taking all of them.
+        threads = max(1, (os.cpu_count() or 1) // self.shards)
         return [
             "kv-attention",
             "--shard-id",
@@ -254,6 +256,8 @@ class Fleet:
             str(self.kv_capacity),
             "--kv-dtype",
             self.kv_dtype,
+            "--threads",
+            str(threads),
         ]
 
     def restart(self, svc: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:

@@ -149,11 +149,16 @@ def p_balance(profile: Profile, batch: int, seq_len: int) -> float:
 
 
 def knee(profile: Profile, gain: float = EFFICIENCY_GAIN) -> int:
-    """The first measured B after which E(B) = B / T(B) improves by less than `gain`."""
+    """The smallest measured B that no larger B beats by more than `gain` in E(B) = B / T(B).
+
+    Compared against every larger B, not just the next one, so one noisy sample (a slow B=2 on a
+    busy machine) cannot stop the search early.
+    """
     bs = profile.batch_sizes
-    for lo, hi in zip(bs, bs[1:], strict=False):
-        if hi / profile.t_at(hi) < (1 + gain) * lo / profile.t_at(lo):
-            return lo
+    eff = {b: b / profile.t_at(b) for b in bs}
+    for i, b in enumerate(bs):
+        if all(eff[hi] < (1 + gain) * eff[b] for hi in bs[i + 1 :]):
+            return b
     return bs[-1]
 
 

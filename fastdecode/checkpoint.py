@@ -334,19 +334,18 @@ def default_model_dir() -> Path:
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def ensure_default_model() -> Path:
-    """Make the default model once if missing; idempotent and safe when processes race.
+def ensure_model(arch: str, preset: str, target: Path) -> Path:
+    """Make a checkpoint at `target` once if missing; idempotent and safe when processes race.
 
     The model is written to a private temp dir next to the target and renamed into place, so a
     reader never sees a half-written directory; the loser of a race discards its copy.
     """
-    target = default_model_dir()
     if all((target / f).is_file() for f in _REQUIRED_FILES):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:
-        make_model(DEFAULT_ARCH, DEFAULT_PRESET, tmp)
+        make_model(arch, preset, tmp)
         try:
             os.rename(tmp, target)
         except OSError as e:
@@ -358,3 +357,8 @@ def ensure_default_model() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_default_model() -> Path:
+    """The embedded default model (tiny llama), made on first use."""
+    return ensure_model(DEFAULT_ARCH, DEFAULT_PRESET, default_model_dir())

@@ -15,15 +15,14 @@ import shutil
 import statistics
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
-from fastdecode import codec
+from fastdecode import checkpoint, codec
 from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median
-from fastdecode.checkpoint import default_model_dir, make_model
+from fastdecode.checkpoint import default_model_dir
 from fastdecode.engine import Chunk, LocalEngine
 from fastdecode.errors import FastDecodeError, InvalidInput
 from fastdecode.fleet import ServiceProcess, start_service, stop_processes
@@ -38,29 +37,11 @@ _SETTLE_S = 0.02
 # services sharing a small machine then steal each other's cores (measured on 2 cores, no
 # pipeline, 2 threads each: S-part 154 -> 108 ms per step with a short spin).
 DEFAULT_SERVICE_ENV = {"GOMP_SPINCOUNT": "1000"}
-_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def ensure_model(arch: str = "llama", preset: str = "small", root: Path | None = None) -> Path:
-    """A random-weight checkpoint cached under root (default: next to the default model).
-
-    Written to a private temp dir and renamed into place, so concurrent runs never see half a model.
-    """
-    target = (root or default_model_dir().parent) / f"{preset}-{arch}"
-    if all((target / f).is_file() for f in _MODEL_FILES):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    try:
-        make_model(arch, preset, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not all((target / f).is_file() for f in _MODEL_FILES):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """A random-weight checkpoint cached under root (default: next to the default model)."""
+    return checkpoint.ensure_model(arch, preset, (root or default_model_dir().parent) / f"{preset}-{arch}")
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -398,20 +398,15 @@ def demo(prompt: str, max_tokens: int) -> None:
     click.echo(f"fleet stopped; demo took {time.monotonic() - t0:.1f}s", err=True)
 
 
-from fastdecode.cli_client import gateway_command, generate_cmd  # noqa: E402
-
-main.add_command(generate_cmd)
-serve.add_command(gateway_command(_common_serve_options, _run_service))
-
+# Subcommands that live in their own modules (they import nothing from this one: the services
+# run as `python -m fastdecode.cli`, so importing it back would load a second copy).
 from fastdecode.cli_bench import bench  # noqa: E402
+from fastdecode.cli_client import gateway_command, generate_cmd  # noqa: E402
+from fastdecode.cli_policy import plan_cmd, simulate_cmd  # noqa: E402
 
-main.add_command(bench)
-
-
-from fastdecode.cli_policy import plan_cmd, simulate_cmd  # noqa: E402 - subcommands live beside their domain
-
-main.add_command(simulate_cmd)
-main.add_command(plan_cmd)
+serve.add_command(gateway_command(_common_serve_options, _run_service))
+for _command in (generate_cmd, bench, simulate_cmd, plan_cmd):
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,11 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
     raise ImportError("fastdecode's wire format assumes a little-endian host")
 
 
+# torch warns that a bytes buffer is not writable; decoded views are never written to (callers
+# that need to write ask for a copy). Filtered once here, not with catch_warnings on the hot path.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 class TensorCodecError(InvalidInput):
     """A Tensor message is malformed: unknown dtype, bad shape or wrong byte count."""
 
@@ -88,10 +93,7 @@ def decode(msg: tensor_pb2.Tensor, *, copy: bool = False) -> torch.Tensor:
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
     raw_dtype = torch.uint8 if dtype == torch.bfloat16 else dtype
-    with warnings.catch_warnings():
-        # torch warns that the buffer is not writable; we never write to it unless copied below.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(bytearray(data) if copy else data, dtype=raw_dtype)
+    flat = torch.frombuffer(bytearray(data) if copy else data, dtype=raw_dtype)
     if dtype == torch.bfloat16:
         flat = flat.view(torch.bfloat16)
     return flat.view(shape)

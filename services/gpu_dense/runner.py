@@ -64,6 +64,15 @@ class _Group:
     seqs: list[DenseSeq]
     error: BaseException | None = None
 
+    def __post_init__(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """The per-shard request fields, computed once per step rather than once per layer."""
+        self.seq_ids = [s.seq_id for s in self.seqs]
+        self.num_tokens = [len(s.token_ids) for s in self.seqs]
+        self.start_pos = [s.start_pos for s in self.seqs]
+
 
 class StepRunner:
     def __init__(self, model: DenseModel, attend: AttendCall, num_shards: int) -> None:
@@ -119,6 +128,8 @@ class StepRunner:
             else:
                 groups.append(_Group(s.shard, slice(row, row + n), [s]))
             row += n
+        for g in groups:
+            g.finish()
         num_layers = model.config.num_hidden_layers
 
         def first() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,9 +145,9 @@ class StepRunner:
                 self.attend(
                     g.shard,
                     layer,
-                    [s.seq_id for s in g.seqs],
-                    [len(s.token_ids) for s in g.seqs],
-                    [s.start_pos for s in g.seqs],
+                    g.seq_ids,
+                    g.num_tokens,
+                    g.start_pos,
                     q[g.rows],
                     k[g.rows],
                     v[g.rows],

@@ -22,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field
 
-from fastdecode.errors import InvalidInput, ResourceExhausted, Unavailable
+from fastdecode import codec
+from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.rpc import Server, abort, aio_channel, code_from_int, error_from_status
 from fastdecode.scheduling import (
     NaiveAdmission,
@@ -178,7 +179,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
         if stats.configured and stats.free_tokens + stats.tokens_reserved > 0:
             return int(stats.free_tokens + stats.tokens_reserved)
-        itemsize = {1: 4, 2: 2, 3: 2}.get(stats.kv_dtype, 4)
+        itemsize = codec.torch_dtype(stats.kv_dtype).itemsize
         per_token = 2 * self.info.num_layers * self.info.num_kv_heads * self.info.head_dim * itemsize
         block = 16  # the shard rounds down to whole blocks; stay on the safe side
         return max(0, (stats.bytes_capacity // per_token) // block * block - block)
@@ -327,10 +328,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 continue
             results: dict[str, tuple[int, float] | str] = {}
             lost: set[int] = set()
+            shard_of = {p.seq_id: p.shard for p in step.seqs}
             for r in result.results:
                 if r.error.code:
                     code = code_from_int(r.error.code)
-                    shard = next((p.shard for p in step.seqs if p.seq_id == r.seq_id), None)
+                    shard = shard_of.get(r.seq_id)
                     if code == grpc.StatusCode.UNAVAILABLE and shard is not None:
                         lost.add(shard)  # not this sequence's fault: recover it
                         continue
@@ -482,8 +484,6 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             raise InvalidInput("top_p must be in (0, 1]")
         if sp.top_k < 0:
             raise InvalidInput("top_k must be >= 0")
-        if sum(self.core.stats()["shards"][i]["capacity_tokens"] > 0 for i in range(len(self.shards))) == 0:
-            raise ResourceExhausted("no shard has KV capacity")
 
     async def GetModelInfo(
         self, request: dense_pb2.InfoRequest, context: grpc.aio.ServicerContext

@@ -404,7 +404,7 @@ def measure_profile(
         t_dense=t,
         r_attn=r,
         num_layers=int(cfg.num_hidden_layers),
-        kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4,
+        kv_bytes_per_token=cfg.kv_bytes_per_token(4),
         device=str(device),
         model=str(model_dir),
         notes={"dtype": "float32", "attn_context": context, "attn_batch": attn_batch},

@@ -49,16 +49,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
-
-    def qkvo_bytes_per_token_layer(self, itemsize: int) -> int:
-        """Bytes crossing the network per token per layer: q, k, v out and o back (DESIGN.md 1)."""
-        return (2 * self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim * itemsize
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:

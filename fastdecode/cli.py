@@ -46,6 +46,9 @@ def _common_serve_options(f: Callable[..., Any]) -> Callable[..., Any]:
             click.option("--threads", type=int, default=None, help="torch intra-op threads."),
             click.option("--ready-file", type=click.Path(dir_okay=False), default=None, hidden=True),
             click.option("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)."),
+            click.option(
+                "--log-json/--no-log-json", default=None, help="JSON log lines (FASTDECODE_LOG_JSON)."
+            ),
         ]
     ):
         f = opt(f)

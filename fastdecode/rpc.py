@@ -75,6 +75,24 @@ def code_from_int(value: int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+# ---- request ids --------------------------------------------------------------------------------
+# The gateway's request id rides in this metadata key on every call made for a request; a call made
+# for several sequences at once (Reserve, Release) names them all, comma-separated.
+REQUEST_ID_KEY = "x-request-id"
+
+
+def request_metadata(*request_ids: str) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_ID_KEY, ",".join(request_ids)),) if request_ids else ()
+
+
+def request_id_of(context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's request id from the call metadata, or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and isinstance(value, str) and value:
+            return value
+    return None
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     code, msg = status_for(exc)
     await context.abort(code, msg)

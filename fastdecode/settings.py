@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fastdecode.logs import configure_logging
 from fastdecode.rpc import TLSFiles
 
 
@@ -19,6 +20,7 @@ class ServiceSettings(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     grace_seconds: float = Field(20.0, ge=0)
     log_level: str = "INFO"
+    log_json: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -29,11 +31,7 @@ class ServiceSettings(BaseSettings):
         return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def configure_logging(self, name: str) -> logging.Logger:
-        logging.basicConfig(
-            level=self.log_level.upper(),
-            format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-        )
-        return logging.getLogger(f"fastdecode.{name}")
+        return configure_logging(name, self.log_level, self.log_json)
 
 
 def split_addresses(value: str | list[str]) -> list[str]:

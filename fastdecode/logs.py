@@ -1,0 +1,71 @@
+"""Structured logs for every service: one format, text or JSON (`--log-json`), and the id of the
+request being served on each line, so one request can be followed through the whole fleet.
+
+The id enters at the gateway and travels as gRPC metadata (`x-request-id`, see fastdecode.rpc); a
+handler binds it with `request_context`, and every log line from that task carries it. Lines about
+one sequence inside a batched step name it explicitly: `log.info(..., extra={"request_id": sid})`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from pythonjsonlogger.core import RESERVED_ATTRS
+from pythonjsonlogger.json import JsonFormatter
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("fastdecode_request_id", default=None)
+
+TEXT_FORMAT = "%(asctime)s %(service)s %(levelname)s %(name)s%(request_tag)s: %(message)s"
+JSON_FIELDS = "%(asctime)s %(levelname)s %(service)s %(name)s %(request_id)s %(message)s"
+
+
+class _Context(logging.Filter):
+    """Stamps the service name and the current request id (unless the call named one) on records."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.service = self.service
+        if getattr(record, "request_id", None) is None:
+            record.request_id = REQUEST_ID.get()
+        record.request_tag = f" [{record.request_id}]" if record.request_id else ""
+        return True
+
+
+def log_formatter(json_logs: bool) -> logging.Formatter:
+    if json_logs:
+        return JsonFormatter(
+            JSON_FIELDS,
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            json_ensure_ascii=False,
+            reserved_attrs=[*RESERVED_ATTRS, "request_tag"],
+        )
+    return logging.Formatter(TEXT_FORMAT)
+
+
+def configure_logging(service: str, level: str = "INFO", json_logs: bool = False) -> logging.Logger:
+    """Root logging for a service process: stderr, the service name and request id on every line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_Context(service))
+    handler.setFormatter(log_formatter(json_logs))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    return logging.getLogger(f"fastdecode.{service}")
+
+
+@contextmanager
+def request_context(request_id: str | None) -> Iterator[None]:
+    """Log lines written inside carry `request_id` (a no-op for None)."""
+    if request_id is None:
+        yield
+        return
+    token = REQUEST_ID.set(request_id)
+    try:
+        yield
+    finally:
+        REQUEST_ID.reset(token)

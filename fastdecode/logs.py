@@ -69,3 +69,10 @@ def request_context(request_id: str | None) -> Iterator[None]:
         yield
     finally:
         REQUEST_ID.reset(token)
+
+
+def bind_request_id(request_id: str | None) -> None:
+    """For the rest of the current task (a gRPC handler runs in its own), log with `request_id`.
+
+    Use it in async-generator handlers, where a `with request_context(...)` would span yields."""
+    REQUEST_ID.set(request_id)

@@ -39,6 +39,7 @@ from fastdecode.scheduling.types import (
 RESERVATION_BACKOFF_STEPS = 8
 # Weight of one finished sequence in the running generated/max_tokens ratio.
 RATIO_SMOOTHING = 0.05
+ADMISSION_DECISIONS = ("admitted", "rejected", "deferred_policy", "deferred_capacity")
 
 
 @dataclass
@@ -106,12 +107,16 @@ class SchedulerCore:
         self._ratio = 1.0  # running estimate of generated / max_tokens
         self._finished = 0
         self._recoveries = 0
+        # Cumulative admission outcomes: sequences admitted or rejected (queue full), and steps in
+        # which waiting sequences were held back by the admission policy or by shard capacity.
+        self.decisions: dict[str, int] = dict.fromkeys(ADMISSION_DECISIONS, 0)
 
     # ---------------------------------------------------------------- requests in
     def submit(self, req: Request) -> None:
         """Queue a request. InvalidInput for a bad one, ResourceExhausted when the queue is full."""
         self._validate(req)
         if len(self._waiting) >= self._max_waiting:
+            self.decisions["rejected"] += 1
             raise ResourceExhausted(f"waiting queue full ({self._max_waiting})")
         self._waiting[req.seq_id] = _Seq(req=req, tokens=[int(t) for t in req.prompt])
 
@@ -330,18 +335,22 @@ class SchedulerCore:
         heads = [s for _, s in zip(range(room), self._waiting.values(), strict=False)]
         cands = [Candidate(s.req.seq_id, len(s.req.prompt), self._expected_gen(s)) for s in heads]
         n = self._admission.admissible(step_no, cands, len(self._running), self._max_running)
+        if n < len(heads):
+            self.decisions["deferred_policy"] += 1
         if n <= 0:
             return
         started: list[Candidate] = []
         for seq, cand in zip(heads[:n], cands[:n], strict=True):
             placed = self._place(seq, step_no, reserve)
             if placed is False:
+                self.decisions["deferred_capacity"] += 1
                 break  # FIFO: it fits once something is released; don't let others pass
             if placed is None:
                 continue  # no healthy shard can hold it now: let the rest go
             del self._waiting[seq.req.seq_id]
             self._running[seq.req.seq_id] = seq
             started.append(cand)
+        self.decisions["admitted"] += len(started)
         self._admission.started(step_no, started)
 
     # ---------------------------------------------------------------- results in

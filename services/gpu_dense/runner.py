@@ -52,9 +52,20 @@ class Outcome:
 
 @dataclass
 class Timings:
-    s_part_seconds: float = 0.0
-    shard_wait_seconds: float = 0.0
+    s_part_seconds: float = 0.0  # compute-thread time (S-part and sampling)
+    shard_wait_seconds: float = 0.0  # step time not covered by S-part work
     step_seconds: float = 0.0
+    attend_seconds: float = 0.0  # time mini-batches spent awaiting the shards, summed over them
+
+    @property
+    def overlap_ratio(self) -> float:
+        """Share of the shorter half (S-part or attention) hidden behind the other: 0 when they ran one
+        after the other (no pipeline), 1 when the step took only as long as the longer half."""
+        shorter = min(self.s_part_seconds, self.attend_seconds)
+        if shorter <= 0:
+            return 0.0
+        hidden = self.s_part_seconds + self.attend_seconds - self.step_seconds
+        return min(1.0, max(0.0, hidden / shorter))
 
 
 @dataclass
@@ -81,6 +92,7 @@ class StepRunner:
         self.num_shards = num_shards
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense")
         self._busy = 0.0
+        self._attend_wait = 0.0
         self._failures: dict[str, BaseException] = {}
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
 
@@ -154,7 +166,9 @@ class StepRunner:
                 )
                 for g in live
             ]
+            t_wait = time.perf_counter()
             outs = await asyncio.gather(*calls, return_exceptions=True)
+            self._attend_wait += time.perf_counter() - t_wait
             parts: list[tuple[slice, torch.Tensor]] = []
             for g, o in zip(live, outs, strict=True):
                 if isinstance(o, BaseException):
@@ -189,6 +203,7 @@ class StepRunner:
     async def _run(self, seqs: Sequence[DenseSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
         t0 = time.perf_counter()
         self._busy = 0.0
+        self._attend_wait = 0.0
         self._failures = {}
         outcomes: dict[str, Outcome] = {}
         valid: list[DenseSeq] = []
@@ -223,4 +238,4 @@ class StepRunner:
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
         step = time.perf_counter() - t0
-        return outcomes, Timings(self._busy, max(0.0, step - self._busy), step)
+        return outcomes, Timings(self._busy, max(0.0, step - self._busy), step, self._attend_wait)

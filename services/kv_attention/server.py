@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,23 +17,29 @@ from pydantic import Field
 from fastdecode import codec
 from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.kv import KVStore
-from fastdecode.rpc import Server, abort, item_error
+from fastdecode.rpc import Server, abort, code_from_int, item_error, request_id_of
 from fastdecode.settings import ServiceSettings
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fastdecode.kv_attention")
 
-KV_USAGE = Gauge("fastdecode_kv_cache_usage_ratio", "Reserved share of the shard's KV pool", ["shard"])
+KV_USAGE = Gauge("fastdecode_kv_usage_ratio", "Reserved share of the shard's KV pool", ["shard"])
 KV_TOKENS = Gauge("fastdecode_kv_tokens_held", "Tokens held in the shard's KV-cache", ["shard"])
-ATTEND_SECONDS = Histogram(
-    "fastdecode_attend_seconds",
-    "Attention compute time per Attend item",
+KV_BYTES_USED = Gauge("fastdecode_kv_bytes_used", "Bytes of the KV pool holding tokens", ["shard"])
+KV_BYTES_CAPACITY = Gauge("fastdecode_kv_bytes_capacity", "Bytes of the shard's KV pool", ["shard"])
+KV_SEQUENCES = Gauge("fastdecode_kv_sequences", "Sequences with KV on the shard", ["shard"])
+ATTENTION_SECONDS = Histogram(
+    "fastdecode_kv_attention_seconds",
+    "Attention compute time per Attend item (one layer of one mini-batch)",
     ["shard"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
 )
+KV_BYTES_READ = Counter(
+    "fastdecode_kv_bytes_read_total", "KV-cache bytes read by attention (keys and values)", ["shard"]
+)
 ATTEND_ERRORS = Counter(
-    "fastdecode_attend_errors_total", "Attend items answered with an error", ["shard", "code"]
+    "fastdecode_kv_attend_errors_total", "Attend items answered with an error", ["shard", "code"]
 )
 
 
@@ -83,9 +89,13 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         return self.store
 
     def _update_gauges(self) -> None:
-        if self.store is not None and self.store.capacity_tokens:
-            KV_USAGE.labels(self.shard).set(self.store.tokens_reserved / self.store.capacity_tokens)
-            KV_TOKENS.labels(self.shard).set(self.store.tokens_held)
+        s = self.store
+        if s is not None and s.capacity_tokens:
+            KV_USAGE.labels(self.shard).set(s.tokens_reserved / s.capacity_tokens)
+            KV_TOKENS.labels(self.shard).set(s.tokens_held)
+            KV_BYTES_USED.labels(self.shard).set(s.bytes_used)
+            KV_BYTES_CAPACITY.labels(self.shard).set(s.capacity_bytes)
+            KV_SEQUENCES.labels(self.shard).set(len(s.seqs))
 
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
@@ -95,6 +105,8 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
                 store = self._store_for(request.geometry)
                 store.reserve_many([(s.seq_id, s.max_tokens) for s in request.sequences])
             self._update_gauges()
+            for rid, seq in zip(_request_ids(context, request.sequences), request.sequences, strict=True):
+                log.info("reserved %d KV tokens", seq.max_tokens, extra={"request_id": rid})
             return pb.ReserveResponse(free_tokens=store.free_tokens)
         except Exception as e:  # noqa: BLE001 - mapped to a status in one place
             await abort(context, e)
@@ -106,10 +118,15 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         released = 0
         if self.store is not None:
             async with self.lock:
-                ids = list(self.store.seqs) if request.all else request.seq_ids
-                released = sum(self.store.release(s) for s in ids)
+                ids = list(self.store.seqs) if request.all else list(request.seq_ids)
+                freed = [self.store.release(s) for s in ids]
+            released = sum(freed)
             if request.all and released:
                 log.info("released all %d sequences on request", released)
+            elif not request.all:
+                for rid, done in zip(_request_ids(context, ids), freed, strict=True):
+                    if done:
+                        log.info("released", extra={"request_id": rid})
         self._update_gauges()
         return pb.ReleaseResponse(released=released)
 
@@ -139,7 +156,12 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         o = self.store.attend(
             req.layer, list(req.seq_ids), list(req.num_tokens), list(req.start_pos), q, k, v
         )
-        return o, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        # Each new token attends to every cached token of its sequence, its own chunk included.
+        context = sum(p + n for p, n in zip(req.start_pos, req.num_tokens, strict=True))
+        self.attended_pairs += sum(n * (p + n) for p, n in zip(req.start_pos, req.num_tokens, strict=True))
+        KV_BYTES_READ.labels(self.shard).inc(context * self.store.bytes_per_token // self.store.num_layers)
+        return o, seconds
 
     async def Attend(
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
@@ -152,13 +174,21 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
                     o, seconds = await loop.run_in_executor(self.pool, self._attend, req)
                 codec.encode(o, resp.o)
                 resp.attend_seconds = seconds
-                ATTEND_SECONDS.labels(self.shard).observe(seconds)
+                ATTENTION_SECONDS.labels(self.shard).observe(seconds)
             except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
                 resp.error.CopyFrom(item_error(e))
-                ATTEND_ERRORS.labels(self.shard, str(resp.error.code)).inc()
+                ATTEND_ERRORS.labels(self.shard, code_from_int(resp.error.code).name).inc()
                 log.debug("attend item %d failed: %s", req.request_id, e)
             yield resp
         self._update_gauges()
+
+
+def _request_ids(context: grpc.aio.ServicerContext, seqs: Sequence[object]) -> list[str]:
+    """The request ids the caller sent in metadata, one per sequence (the sequence ids otherwise)."""
+    sent = (request_id_of(context) or "").split(",")
+    if len(sent) == len(seqs):
+        return sent
+    return [s if isinstance(s, str) else getattr(s, "seq_id", "") for s in seqs]
 
 
 async def serve(settings: Settings) -> None:

@@ -24,7 +24,16 @@ from pydantic import Field
 
 from fastdecode import codec
 from fastdecode.errors import InvalidInput, Unavailable
-from fastdecode.rpc import Server, abort, aio_channel, code_from_int, error_from_status
+from fastdecode.logs import bind_request_id
+from fastdecode.rpc import (
+    Server,
+    abort,
+    aio_channel,
+    code_from_int,
+    error_from_status,
+    request_id_of,
+    request_metadata,
+)
 from fastdecode.scheduling import (
     NaiveAdmission,
     Request,
@@ -49,17 +58,25 @@ SHARD_TOKENS = Gauge("fastdecode_shard_kv_tokens", "KV tokens held per shard", [
 SHARD_USAGE = Gauge(
     "fastdecode_kv_cache_usage_ratio", "Reserved share of each shard's KV capacity", ["shard"]
 )
+SHARD_HEALTHY = Gauge("fastdecode_shard_healthy", "1 while the shard takes sequences", ["shard"])
 RECOVERIES = Counter("fastdecode_shard_recoveries_total", "Sequences re-prefilled after a shard loss")
 SHARD_LOSSES = Counter("fastdecode_shard_losses_total", "Shards detected lost")
+ADMISSIONS = Counter(
+    "fastdecode_admission_decisions_total",
+    "Admission outcomes: sequences admitted or rejected (queue full); steps in which waiting "
+    "sequences were deferred by the policy or by shard capacity",
+    ["decision"],
+)
 STEP_SECONDS = Histogram(
-    "fastdecode_step_seconds",
-    "Scheduler step wall time (dense run included)",
+    "fastdecode_scheduler_step_seconds",
+    "Scheduler step wall time (reservations and the dense run included)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 BATCH_SIZE = Histogram(
-    "fastdecode_step_batch_size", "Sequences per step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    "fastdecode_scheduler_batch_size",
+    "Sequences per step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
 )
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class Settings(ServiceSettings):
@@ -113,6 +130,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         self._run_queue: asyncio.Queue[dense_pb2.StepPlan | None] | None = None
         self._run_call: grpc.aio.StreamStreamCall | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self._decisions_seen: dict[str, int] = {}
 
     def _add_shard_link(self, address: str) -> int:
         channel = aio_channel(address, self.s.tls)
@@ -221,7 +239,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         for shard, ids in by_shard.items():
             try:
                 await self.shards[shard].stub.Release(
-                    kv_attention_pb2.ReleaseRequest(seq_ids=ids), timeout=10
+                    kv_attention_pb2.ReleaseRequest(seq_ids=ids), timeout=10, metadata=request_metadata(*ids)
                 )
             except grpc.aio.AioRpcError as e:  # a lost shard has no KV left to free
                 log.warning("release on shard %d failed: %s", shard, e.code().name)
@@ -236,10 +254,17 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         failed: list[str] = []
         for shard, seqs in by_shard.items():
             req = kv_attention_pb2.ReserveRequest(geometry=self._geometry(), sequences=seqs)
+            ids = [s.seq_id for s in seqs]
             try:
-                await self.shards[shard].stub.Reserve(req, timeout=10)
+                await self.shards[shard].stub.Reserve(req, timeout=10, metadata=request_metadata(*ids))
+                for s in seqs:
+                    log.info(
+                        "placed on shard %d: %d KV tokens reserved",
+                        shard,
+                        s.max_tokens,
+                        extra={"request_id": s.seq_id},
+                    )
             except grpc.aio.AioRpcError as e:
-                ids = [s.seq_id for s in seqs]
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self._shard_lost(shard, f"reserve failed: {e.details()}")
                 else:
@@ -288,6 +313,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
+            if ev.error is not None:
+                log.warning("failed: %s", ev.error, extra={"request_id": ev.seq_id})
+            elif ev.finish_reason:
+                log.info(
+                    "finished (%s): %d tokens, step %d",
+                    ev.finish_reason,
+                    ev.completion_tokens,
+                    ev.step,
+                    extra={"request_id": ev.seq_id},
+                )
             stream = self.streams.get(ev.seq_id)
             if stream is not None:
                 stream.queue.put_nowait(ev)
@@ -357,8 +392,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         KV_LOAD.set(st["kv_load_tokens"])
         for sh in st["shards"]:
             SHARD_TOKENS.labels(str(sh["shard"])).set(sh["tokens"])
+            SHARD_HEALTHY.labels(str(sh["shard"])).set(1 if sh["healthy"] else 0)
             if sh["capacity_tokens"]:
                 SHARD_USAGE.labels(str(sh["shard"])).set(sh["reserved_tokens"] / sh["capacity_tokens"])
+        for decision, count in self.core.decisions.items():  # the core counts; mirror the increase
+            ADMISSIONS.labels(decision).inc(count - self._decisions_seen.get(decision, 0))
+            self._decisions_seen[decision] = count
 
     async def health_loop(self) -> None:
         """Probe shards: a lost one gives its sequences back; one that returns takes new work."""
@@ -412,7 +451,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 context, Unavailable("scheduler is draining" if self.draining else "scheduler not ready")
             )
             return
-        sid = request.request_id or f"seq-{next(self._ids)}"
+        sid = request.request_id or request_id_of(context) or f"seq-{next(self._ids)}"
+        bind_request_id(sid)  # this call's task logs with the request id from here on
         sp = request.sampling
         try:
             if sid in self.streams:
@@ -434,6 +474,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             return
         stream = _Stream()
         self.streams[sid] = stream
+        log.info("queued: %d prompt tokens, max_tokens %d", len(req.prompt), req.max_tokens)
         self.wake.set()
         self._update_gauges()
         finished = False

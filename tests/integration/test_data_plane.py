@@ -162,6 +162,7 @@ def test_pipeline_on_and_off_give_identical_tokens(plane: DataPlane) -> None:
     t = timings[-1]
     assert t.step_seconds > 0 and t.s_part_seconds > 0
     assert t.s_part_seconds + t.shard_wait_seconds == pytest.approx(t.step_seconds, rel=1e-6)
+    assert t.attend_seconds > 0 and 0 <= t.overlap_ratio <= 1
 
 
 def test_kv_exhaustion_is_resource_exhausted_and_shard_stays_healthy(plane: DataPlane) -> None:

@@ -494,3 +494,21 @@ def test_measured_speed_update_shifts_new_placements() -> None:
         core.submit(Request(f"s{i}", [1] * 10, 10))
     st = core.next_step()
     assert [sum(1 for r in st.reserve if r.shard == j) for j in (0, 1)] == [2, 6]
+
+
+def test_admission_decisions_are_counted() -> None:
+    core = SchedulerCore([ShardSpec(100)], [EOS], max_waiting=3)
+    for i in range(3):
+        core.submit(Request(f"s{i}", [1] * 10, 30))  # 40 tokens each: two fit
+    with pytest.raises(ResourceExhausted):
+        core.submit(Request("full", [1], 1))
+    core.next_step()
+    assert core.decisions == {"admitted": 2, "rejected": 1, "deferred_policy": 0, "deferred_capacity": 1}
+    stab = SchedulerCore([ShardSpec(10_000)], [EOS], admission=StabilizedAdmission(w_limit=50, micro_batch=1))
+    fleet = Fleet(stab, 1)
+    for i in range(4):
+        stab.submit(Request(f"t{i}", [1] * 10, 20))
+    fleet.step()
+    assert stab.decisions["admitted"] >= 1 and stab.decisions["deferred_policy"] >= 1
+    fleet.run()
+    assert stab.decisions["admitted"] == 4 and stab.decisions["rejected"] == 0

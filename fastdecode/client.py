@@ -7,17 +7,37 @@
         for chunk in client.stream("Hello", stop=["\\n"]):
             print(chunk.text, end="", flush=True)
 
-`AsyncClient` has the same methods for asyncio (`await`, `async for`). Every gRPC failure
-surfaces as `FastDecodeError` with `.code` (a grpc.StatusCode) and `.details`. Calls wait
-for a (re)starting gateway (wait_for_ready, bounded by the deadline, reconnecting with
-backoff) and re-issue a call whose connection was lost before any output. A status the
-gateway answers (e.g. UNAVAILABLE while it drains) is never retried: it is the answer.
+`AsyncClient` has the same methods for asyncio (`await`, `async for`) and behaves the same.
+
+Deadlines: every call has one. A call's `timeout` wins, else the client's `timeout`, else
+DEFAULT_GENERATE_TIMEOUT (generate/stream) or DEFAULT_UNARY_TIMEOUT (tokenize, model_info,
+health). Retries and the waits between them spend the same deadline.
+
+Errors: every gRPC failure surfaces as a subclass of `FastDecodeError` (one per status family,
+see STATUS_FAMILIES) with `.code` (a grpc.StatusCode), `.details` and `.from_gateway`.
+
+Retries: calls wait for a (re)starting gateway (wait_for_ready, reconnecting with backoff). On top
+of that, a call that fails with UNAVAILABLE is re-issued after an exponential backoff with jitter,
+at most `max_retries` times and only while the deadline leaves room for the wait:
+- tokenize, model_info, health read state and change nothing: any UNAVAILABLE is retried.
+- generate/stream is retried on UNAVAILABLE only before its first chunk reached the caller. That
+  covers a transport failure (no gateway trailer: the connection could not be made or was lost; the
+  gateway either never saw the call or, seeing it disappear, cancelled it and freed its KV) and an
+  UNAVAILABLE the gateway answered itself (trailer `fastdecode-error-source: gateway`): it refuses
+  before doing any work while it drains or cannot reach the scheduler, relays the scheduler's own
+  refusal (draining, not ready), and for a backend lost mid-prefill it cancels the scheduler call
+  before answering. In every case nothing was delivered and nothing is left running, so the repeat
+  cannot duplicate output. After the first chunk nothing is retried: the caller has seen part of
+  one generation and a second one would not continue it.
+- Nothing else is retried: RESOURCE_EXHAUSTED is back-pressure (retrying in a loop adds load),
+  DEADLINE_EXCEEDED has no time left, the other codes would fail the same way again.
 The token is sent as call metadata and never logged or shown in a repr.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -26,45 +46,135 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.rpc import CHANNEL_OPTIONS
 from fastdecode.v1 import gateway_pb2 as pb
 from fastdecode.v1 import gateway_pb2_grpc as pb_grpc
 
 __all__ = [
+    "DEFAULT_GENERATE_TIMEOUT",
+    "DEFAULT_UNARY_TIMEOUT",
     "AsyncClient",
     "AsyncStream",
+    "AuthenticationError",
+    "CancelledError",
     "Chunk",
     "Client",
     "Completion",
+    "DeadlineExceededError",
     "FastDecodeError",
+    "InternalServerError",
+    "InvalidRequestError",
     "ModelInfo",
+    "NotFoundError",
+    "ResourceExhaustedError",
     "Stream",
     "Tokens",
+    "UnavailableError",
     "Usage",
 ]
 
 T = TypeVar("T")
 
+# Deadlines when neither the call nor the client names one: no call can wait forever.
+DEFAULT_GENERATE_TIMEOUT = 600.0
+DEFAULT_UNARY_TIMEOUT = 30.0
+
 # The gateway marks the error statuses it answers itself (services.gateway.server.ERROR_TRAILER).
 ERROR_SOURCE_KEY = "fastdecode-error-source"
 
 
+# ---- errors ----------------------------------------------------------------------------------------
 class FastDecodeError(Exception):
-    """A call failed: `.code` is the grpc.StatusCode, `.details` the server's message."""
+    """A call failed: `.code` is the grpc.StatusCode, `.details` the server's message and
+    `.from_gateway` whether the gateway answered the status itself (False: the transport, a proxy or
+    this client produced it). Raised as the subclass of the code's family (STATUS_FAMILIES)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, from_gateway: bool = False) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.from_gateway = from_gateway
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across processes despite the custom __init__
+        return (type(self), (self.code, self.details, self.from_gateway))
 
     @classmethod
     def from_rpc_error(cls, e: grpc.RpcError) -> FastDecodeError:
+        """The error of `e`'s status family (whichever class this is called on)."""
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
         details = e.details() if hasattr(e, "details") else str(e)
-        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+        try:
+            trailers = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - this error kind carries no trailers
+            trailers = ()
+        from_gateway = any(key == ERROR_SOURCE_KEY for key, _ in trailers)
+        return error_for(code or grpc.StatusCode.UNKNOWN, details or "", from_gateway)
 
 
+class InvalidRequestError(FastDecodeError):
+    """The request is wrong (bad argument, out of range, precondition): fix it, do not retry."""
+
+
+class AuthenticationError(FastDecodeError):
+    """Missing, invalid or insufficient bearer token."""
+
+
+class NotFoundError(FastDecodeError):
+    """The named thing (e.g. a health-check service) does not exist."""
+
+
+class ResourceExhaustedError(FastDecodeError):
+    """The fleet is full (queue or KV-cache) or the message too large: back off, then try again."""
+
+
+class UnavailableError(FastDecodeError):
+    """The gateway or a service behind it cannot serve now (down, restarting, draining)."""
+
+
+class DeadlineExceededError(FastDecodeError):
+    """The call's deadline passed before it finished."""
+
+
+class CancelledError(FastDecodeError):
+    """The call was cancelled (by the server side; a client's own cancel() ends quietly)."""
+
+
+class InternalServerError(FastDecodeError):
+    """A server-side failure or protocol mismatch; details are in the server's log."""
+
+
+STATUS_FAMILIES: dict[type[FastDecodeError], tuple[grpc.StatusCode, ...]] = {
+    InvalidRequestError: (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+    ),
+    AuthenticationError: (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED),
+    NotFoundError: (grpc.StatusCode.NOT_FOUND,),
+    ResourceExhaustedError: (grpc.StatusCode.RESOURCE_EXHAUSTED,),
+    UnavailableError: (grpc.StatusCode.UNAVAILABLE,),
+    DeadlineExceededError: (grpc.StatusCode.DEADLINE_EXCEEDED,),
+    CancelledError: (grpc.StatusCode.CANCELLED,),
+    InternalServerError: (
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.ABORTED,
+    ),
+}
+_ERROR_CLASS = {code: cls for cls, codes in STATUS_FAMILIES.items() for code in codes}
+
+
+def error_for(code: grpc.StatusCode, details: str, from_gateway: bool = False) -> FastDecodeError:
+    """The FastDecodeError subclass for `code` (a code outside every family is an internal error)."""
+    return _ERROR_CLASS.get(code, InternalServerError)(code, details, from_gateway)
+
+
+# ---- results ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
@@ -152,7 +262,7 @@ def _chunk(r: pb.GenerateResponse) -> Chunk:
 
 def _collect(chunks: list[Chunk]) -> Completion:
     if not chunks or chunks[-1].finish_reason is None:
-        raise FastDecodeError(grpc.StatusCode.INTERNAL, "the stream ended without a finish reason")
+        raise InternalServerError(grpc.StatusCode.INTERNAL, "the stream ended without a finish reason")
     last = chunks[-1]
     return Completion(
         text="".join(c.text for c in chunks),
@@ -180,6 +290,11 @@ def _read_ca(tls_ca: str | Path | bytes | None) -> bytes | None:
     return Path(tls_ca).read_bytes()
 
 
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not 0 <= timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+
+
 class _Policy:
     """Deadlines, metadata, channel options and retry decisions shared by both clients."""
 
@@ -196,6 +311,7 @@ class _Policy:
     ) -> None:
         if max_retries < 0 or backoff <= 0 or max_backoff < backoff:
             raise ValueError("need max_retries >= 0 and 0 < backoff <= max_backoff")
+        _check_timeout(timeout)
         self.target = target
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.ca = _read_ca(tls_ca)
@@ -217,37 +333,30 @@ class _Policy:
         }
         return [o for o in CHANNEL_OPTIONS if o[0] not in reconnect] + list(reconnect.items())
 
-    def deadline(self, timeout: float | None) -> float | None:
-        t = self.timeout if timeout is None else timeout
-        return None if t is None else time.monotonic() + t
+    def deadline(self, timeout: float | None, default: float) -> float:
+        """Monotonic deadline: the call's timeout, else the client's, else `default`."""
+        _check_timeout(timeout)
+        if timeout is None:
+            timeout = default if self.timeout is None else self.timeout
+        return time.monotonic() + timeout
 
     @staticmethod
-    def remaining(deadline: float | None) -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+    def remaining(deadline: float) -> float:
+        return max(0.0, deadline - time.monotonic())
 
-    def retry_delay(self, e: grpc.RpcError, attempt: int, deadline: float | None) -> float | None:
-        """Seconds to wait before calling again, or None to give up.
+    def backoff_delay(self, attempt: int) -> float:
+        """Wait before retry number attempt+1: backoff * 2**attempt capped at max_backoff, scaled by
+        a random factor in [0.5, 1] so clients refused together do not come back together."""
+        return min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + random.random() / 2)
 
-        Only a lost connection (UNAVAILABLE the gateway did not answer itself) is retried: a status
-        the gateway sent, e.g. UNAVAILABLE while it drains, is the answer and reaches the caller.
-        """
-        if attempt >= self.max_retries or not _connection_lost(e):
+    def retry_delay(self, error: FastDecodeError, attempt: int, deadline: float) -> float | None:
+        """Seconds to wait before re-issuing a call that failed with `error` after `attempt` retries,
+        or None to give up: only UNAVAILABLE is retried (the module docstring says why), at most
+        max_retries times, and only when the deadline outlasts the wait."""
+        if error.code != grpc.StatusCode.UNAVAILABLE or attempt >= self.max_retries:
             return None
-        delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + random.random() / 2)
-        left = self.remaining(deadline)
-        if left is not None and left <= delay:
-            return None
-        return delay
-
-
-def _connection_lost(e: grpc.RpcError) -> bool:
-    if FastDecodeError.from_rpc_error(e).code != grpc.StatusCode.UNAVAILABLE:
-        return False
-    try:
-        trailers = e.trailing_metadata() or ()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - no trailers on this error
-        trailers = ()
-    return not any(key == ERROR_SOURCE_KEY for key, _ in trailers)
+        delay = self.backoff_delay(attempt)
+        return delay if self.remaining(deadline) > delay else None
 
 
 # ---- synchronous client --------------------------------------------------------------------------
@@ -255,7 +364,7 @@ class Stream:
     """The chunks of one Generate call; iterate it. `cancel()` (or `close()`) stops the request
     at the gateway, which frees its KV-cache; iteration then ends quietly. Safe from another thread."""
 
-    def __init__(self, client: Client, request: pb.GenerateRequest, deadline: float | None) -> None:
+    def __init__(self, client: Client, request: pb.GenerateRequest, deadline: float) -> None:
         self._client = client
         self._request = request
         self._deadline = deadline
@@ -291,10 +400,12 @@ class Stream:
                 self._call = None
                 if self._cancelled:
                     raise StopIteration from None
-                delay = None if self._started else p.retry_delay(e, self._attempt, self._deadline)
+                error = FastDecodeError.from_rpc_error(e)
+                # Never after the first chunk: the caller has seen part of this generation.
+                delay = None if self._started else p.retry_delay(error, self._attempt, self._deadline)
                 if delay is None:
                     self._done = True
-                    raise FastDecodeError.from_rpc_error(e) from None
+                    raise error from None
                 time.sleep(delay)
                 self._attempt += 1
                 continue
@@ -319,9 +430,9 @@ class Stream:
 class Client:
     """Blocking client. `token` is sent as `authorization: Bearer <token>`; `tls_ca` (a PEM path or
     bytes) or `tls=True` (system roots) turns TLS on; `timeout` is the default per-call deadline in
-    seconds (None: no deadline). Calls wait for the gateway to be reachable (reconnecting with
-    backoff .. max_backoff seconds) and re-issue a call whose connection was lost before any
-    output, up to max_retries times."""
+    seconds (None: DEFAULT_GENERATE_TIMEOUT for generate/stream, DEFAULT_UNARY_TIMEOUT otherwise).
+    Calls wait for the gateway to be reachable (reconnecting with backoff .. max_backoff seconds)
+    and retry UNAVAILABLE up to max_retries times as the module docstring describes."""
 
     def __init__(
         self,
@@ -343,6 +454,7 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.GatewayStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def __repr__(self) -> str:
         return f"Client({self._p.target!r}, tls={self._p.tls})"
@@ -357,7 +469,8 @@ class Client:
         self._channel.close()
 
     def _unary(self, method: Callable[..., T], request: Any, timeout: float | None) -> T:
-        deadline = self._p.deadline(timeout)
+        """One read-only call, retried on UNAVAILABLE within the deadline."""
+        deadline = self._p.deadline(timeout, DEFAULT_UNARY_TIMEOUT)
         attempt = 0
         while True:
             try:
@@ -368,9 +481,10 @@ class Client:
                     wait_for_ready=True,
                 )
             except grpc.RpcError as e:
-                delay = self._p.retry_delay(e, attempt, deadline)
+                error = FastDecodeError.from_rpc_error(e)
+                delay = self._p.retry_delay(error, attempt, deadline)
                 if delay is None:
-                    raise FastDecodeError.from_rpc_error(e) from None
+                    raise error from None
             time.sleep(delay)
             attempt += 1
 
@@ -389,11 +503,12 @@ class Client:
         *,
         ignore_eos: bool = False,
     ) -> Stream:
-        """Chunks as tokens arrive (text delta, new token ids; the last has finish_reason and usage)."""
+        """Chunks as tokens arrive (text delta, new token ids; the last has finish_reason and usage).
+        The deadline starts now and covers the whole stream."""
         request = _request(
             prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
         )
-        return Stream(self, request, self._p.deadline(timeout))
+        return Stream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
     def generate(
         self,
@@ -434,12 +549,20 @@ class Client:
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return _model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
 
+    def health(self, service: str = "", timeout: float | None = None) -> bool:
+        """gRPC health check (grpc.health.v1.Health/Check) of the gateway: True when it reports
+        SERVING, False when it answers NOT_SERVING (starting or draining). `service` "" asks about
+        the whole server. No token needed. An unknown service raises NotFoundError."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        r = self._unary(self._health.Check, request, timeout)
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
 
 # ---- asyncio client ------------------------------------------------------------------------------
 class AsyncStream:
     """The chunks of one Generate call for `async for`; `cancel()` stops the request."""
 
-    def __init__(self, client: AsyncClient, request: pb.GenerateRequest, deadline: float | None) -> None:
+    def __init__(self, client: AsyncClient, request: pb.GenerateRequest, deadline: float) -> None:
         self._client = client
         self._request = request
         self._deadline = deadline
@@ -475,10 +598,12 @@ class AsyncStream:
                 self._call = None
                 if self._cancelled:
                     raise StopAsyncIteration from None
-                delay = None if self._started else p.retry_delay(e, self._attempt, self._deadline)
+                error = FastDecodeError.from_rpc_error(e)
+                # Never after the first chunk: the caller has seen part of this generation.
+                delay = None if self._started else p.retry_delay(error, self._attempt, self._deadline)
                 if delay is None:
                     self._done = True
-                    raise FastDecodeError.from_rpc_error(e) from None
+                    raise error from None
                 await asyncio.sleep(delay)
                 self._attempt += 1
                 continue
@@ -505,7 +630,9 @@ class AsyncStream:
 
 
 class AsyncClient:
-    """The asyncio twin of Client (grpc.aio): `await c.generate(...)`, `async for x in c.stream(...)`."""
+    """The asyncio twin of Client (grpc.aio): `await c.generate(...)`, `async for x in c.stream(...)`.
+    Same arguments, defaults, deadlines, retries and errors as Client. Create it inside the event
+    loop that uses it (grpc.aio channels belong to one loop)."""
 
     def __init__(
         self,
@@ -527,6 +654,7 @@ class AsyncClient:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.GatewayStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def __repr__(self) -> str:
         return f"AsyncClient({self._p.target!r}, tls={self._p.tls})"
@@ -541,7 +669,8 @@ class AsyncClient:
         await self._channel.close()
 
     async def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
-        deadline = self._p.deadline(timeout)
+        """One read-only call, retried on UNAVAILABLE within the deadline."""
+        deadline = self._p.deadline(timeout, DEFAULT_UNARY_TIMEOUT)
         attempt = 0
         while True:
             try:
@@ -552,9 +681,10 @@ class AsyncClient:
                     wait_for_ready=True,
                 )
             except grpc.RpcError as e:
-                delay = self._p.retry_delay(e, attempt, deadline)
+                error = FastDecodeError.from_rpc_error(e)
+                delay = self._p.retry_delay(error, attempt, deadline)
                 if delay is None:
-                    raise FastDecodeError.from_rpc_error(e) from None
+                    raise error from None
             await asyncio.sleep(delay)
             attempt += 1
 
@@ -573,11 +703,11 @@ class AsyncClient:
         *,
         ignore_eos: bool = False,
     ) -> AsyncStream:
-        """Chunks as tokens arrive, for `async for`."""
+        """Chunks as tokens arrive, for `async for`. The deadline starts now."""
         request = _request(
             prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
         )
-        return AsyncStream(self, request, self._p.deadline(timeout))
+        return AsyncStream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
     async def generate(
         self,
@@ -616,3 +746,9 @@ class AsyncClient:
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
         return _model_info(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+
+    async def health(self, service: str = "", timeout: float | None = None) -> bool:
+        """Like Client.health: True when the gateway reports SERVING."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        r = await self._unary(self._health.Check, request, timeout)
+        return r.status == health_pb2.HealthCheckResponse.SERVING

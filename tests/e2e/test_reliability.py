@@ -206,8 +206,8 @@ def test_sigterm_drains_running_requests_then_exits_zero(fleet: Fleet, service: 
                 break
             time.sleep(0.02)
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        with pytest.raises(FastDecodeError) as info:  # no new admissions while draining
-            Client(fleet.gateway.address, timeout=5).generate(token_ids=[0, 1], max_tokens=2)
+        with pytest.raises(FastDecodeError) as info:  # no new admissions while draining (no retry)
+            Client(fleet.gateway.address, timeout=5, max_retries=0).generate(token_ids=[0, 1], max_tokens=2)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
         rest = list(stream)  # the running one finishes
         assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 60

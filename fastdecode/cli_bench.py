@@ -124,16 +124,29 @@ def transport_cmd(as_json: bool, service_env: tuple[str, ...], **kw: Any) -> Non
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--pipeline", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
 @click.option("--skip-hf", is_flag=True, help="Leave out the transformers baseline.")
-def fleet_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also draw throughput and latency per system into this PNG.",
+)
+def fleet_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) -> None:
     """One workload against transformers generate, LocalEngine and the fleet (`fastdecode up`).
 
-    Prints tokens/s, time to first token and inter-token latency p50/p99 for each, the ratios
-    fleet/transformers and fleet/local, and the planner's predicted step time against the measured.
+    Prints tokens/s, time to first token and inter-token latency p10/p50/p90/p99 for each, the
+    ratios fleet/transformers and fleet/local, and the planner's predicted step time against the
+    measured. --plot FILE.png draws tokens/s and latency per system.
     """
     from fastdecode.benchmarks.fleet_bench import run_fleet_bench
 
+    if plot is not None and not plot.resolve().parent.is_dir():  # fail now, not after the bench
+        raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
     result = run_bench(lambda: run_fleet_bench(Path(model) if model else None, **kw))
     emit(result, as_json, "fleet vs transformers vs LocalEngine (medians; ITL in ms)")
+    if plot is not None:
+        from fastdecode.benchmarks.plot import plot_fleet_bench
+
+        click.echo(f"plot written to {plot_fleet_bench(result, plot)}", err=True)  # stdout stays JSON
 
 
 @bench.command("load")

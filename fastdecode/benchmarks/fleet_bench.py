@@ -3,7 +3,8 @@
 All three run in one process tree, one after the other, on the same checkpoint and prompts:
 (a) HuggingFace transformers `generate` (batched, greedy, exactly gen_len new tokens),
 (b) LocalEngine in-process, (c) the fleet started by `fastdecode up` with P shards, driven by
-B concurrent SDK streams. For each: tokens/s, time to first token, inter-token latency p50/p99.
+B concurrent SDK streams. For each: tokens/s, time to first token, inter-token latency
+p10/p50/p90/p99 (`--plot` draws them; fastdecode.benchmarks.plot).
 The planner's predicted step time (from T(B) and R measured here) is set against the measured one.
 """
 
@@ -32,8 +33,8 @@ def _summary(name: str, tokens: int, seconds: float, ttft: list[float], itl: lis
     return {
         f"{name}_tokens_per_s": tokens / seconds,
         f"{name}_ttft_s": median(ttft),
-        f"{name}_itl_p50_ms": percentile(itl, 50) * 1e3,
-        f"{name}_itl_p99_ms": percentile(itl, 99) * 1e3,
+        # p10/p90 with p50/p99: enough of the distribution for `--plot`'s error bars.
+        **{f"{name}_itl_p{q}_ms": percentile(itl, q) * 1e3 for q in (10, 50, 90, 99)},
     }
 
 

@@ -7,6 +7,7 @@ RMSNorm, rotate-half RoPE, SiLU-gated MLP) so greedy tokens are equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,12 +109,17 @@ class DenseModel:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        progress: Callable[[int, int], None] | None = None,
     ) -> DenseModel:
+        """Load config and weights; `progress(done, total)` gets checkpoint bytes read (see load_weights)."""
         config = ModelConfig.from_pretrained(path)
         dev = resolve_device(device) if isinstance(device, str) else device
         required, optional = cls.tensor_names(config)
-        tensors = load_weights(path, required, dtype=dtype, device=dev, optional=optional)
+        tensors = load_weights(path, required, dtype=dtype, device=dev, optional=optional, progress=progress)
         return cls(config, tensors, dev, dtype)
 
     # ---- S-part ---------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -25,6 +26,18 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def _stored_bytes(file: Path) -> dict[str, int]:
+    """Bytes each tensor occupies in a safetensors file, from its JSON header (no tensor is read)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {
+        name: int(meta["data_offsets"][1]) - int(meta["data_offsets"][0])
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
+
+
 def load_weights(
     path: str | Path,
     names: Iterable[str],
@@ -32,8 +45,13 @@ def load_weights(
     dtype: torch.dtype,
     device: str | torch.device,
     optional: Iterable[str] = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load the named tensors into `dtype` on `device`; a missing required tensor is named in the error."""
+    """Load the named tensors into `dtype` on `device`; a missing required tensor is named in the error.
+
+    `progress(done, total)` is called with checkpoint bytes read: once with done=0 before the
+    first tensor, then after each tensor, ending with done == total.
+    """
     path = Path(path)
     files = _tensor_files(path)
     wanted = list(names)
@@ -45,11 +63,23 @@ def load_weights(
     by_file: dict[Path, list[str]] = {}
     for name in want:
         by_file.setdefault(files[name], []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for file, file_names in by_file.items():
+    for file in by_file:
         if not file.is_file():
             raise ModelLoadError(f"checkpoint shard {file} is missing")
+    sizes: dict[str, int] = {}
+    if progress is not None:
+        for file, file_names in by_file.items():
+            stored = _stored_bytes(file)
+            sizes.update((n, stored.get(n, 0)) for n in file_names)
+    total, done = sum(sizes.values()), 0
+    if progress is not None:
+        progress(0, total)
+    out: dict[str, torch.Tensor] = {}
+    for file, file_names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for name in file_names:
                 out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if progress is not None:
+                    done += sizes[name]
+                    progress(done, total)
     return out

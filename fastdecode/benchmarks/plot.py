@@ -1,0 +1,86 @@
+"""`fastdecode bench fleet --plot`: throughput and latency of the compared systems as one PNG.
+
+Takes run_fleet_bench's result dict as it is (systems found by their `<name>_tokens_per_s` keys,
+so a --skip-hf run simply has two bars). Draws with matplotlib's object API on the Agg canvas:
+no pyplot state, no display needed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# Result-key prefix -> label, in plotting order.
+SYSTEMS = (("hf", "transformers"), ("local", "LocalEngine"), ("fleet", "fleet"))
+COLORS = {"hf": "#8c8c8c", "local": "#4c72b0", "fleet": "#dd8452"}
+
+
+def _num(result: dict[str, Any], key: str) -> float:
+    value = result.get(key)
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def plot_title(result: dict[str, Any]) -> str:
+    model = Path(str(result.get("model", "?"))).name
+    context = f"{result.get('prompt_len', '?')}+{result.get('gen_len', '?')}"
+    return (
+        f"bench fleet: {model}, batch {result.get('batch', '?')}, context {context} tokens, "
+        f"{result.get('shards', '?')} shards, {result.get('device', '?')}"
+    )
+
+
+def fleet_bench_figure(result: dict[str, Any]) -> Figure:
+    """Tokens/s per system (left), inter-token latency p50 with p10-p90 and p99 (right)."""
+    from matplotlib.figure import Figure
+
+    systems = [(key, label) for key, label in SYSTEMS if f"{key}_tokens_per_s" in result]
+    if not systems:
+        raise ValueError("no system results to plot (expected keys like 'fleet_tokens_per_s')")
+    labels = [label for _, label in systems]
+    colors = [COLORS[key] for key, _ in systems]
+    xs = range(len(systems))
+
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    throughput, latency = fig.subplots(1, 2)
+
+    tps = [_num(result, f"{key}_tokens_per_s") for key, _ in systems]
+    bars = throughput.bar(xs, tps, color=colors)
+    throughput.bar_label(bars, fmt="%.0f", padding=2)
+    throughput.margins(y=0.1)  # room for the labels above the bars
+    throughput.set_title("throughput")
+    throughput.set_ylabel("tokens / s (all sequences)")
+
+    p50 = [_num(result, f"{key}_itl_p50_ms") for key, _ in systems]
+    p10 = [_num(result, f"{key}_itl_p10_ms") for key, _ in systems]
+    p90 = [_num(result, f"{key}_itl_p90_ms") for key, _ in systems]
+    p99 = [_num(result, f"{key}_itl_p99_ms") for key, _ in systems]
+    latency.bar(xs, p50, color=colors, label="p50")
+    # Error bars need p10 <= p50 <= p90; a result without them (older runs) just has no bars.
+    lower = [m - lo if lo <= m else math.nan for m, lo in zip(p50, p10, strict=True)]
+    upper = [hi - m if hi >= m else math.nan for m, hi in zip(p50, p90, strict=True)]
+    latency.errorbar(xs, p50, yerr=[lower, upper], fmt="none", ecolor="black", capsize=6, label="p10–p90")
+    latency.scatter(xs, p99, marker="x", color="black", zorder=3, label="p99")
+    latency.set_title("inter-token latency")
+    latency.set_ylabel("ms per token")
+    finite = [v for v in (*p50, *p90, *p99) if math.isfinite(v)]
+    if finite:  # headroom above the tallest mark for the legend
+        latency.set_ylim(0, max(finite) * 1.3)
+    latency.legend(loc="upper center", ncols=3, fontsize="small")
+
+    for ax in (throughput, latency):
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylim(bottom=0)  # keeps the latency panel's top
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(plot_title(result))
+    return fig
+
+
+def plot_fleet_bench(result: dict[str, Any], path: str | Path) -> Path:
+    """Write fleet_bench_figure(result) as a PNG at `path`."""
+    out = Path(path)
+    fleet_bench_figure(result).savefig(out, format="png", dpi=100)
+    return out

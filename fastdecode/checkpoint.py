@@ -283,8 +283,19 @@ def train_tokenizer(vocab_size: int, style: str = "bytelevel") -> str:
     return tok.to_str(pretty=True)
 
 
-def _tokenizer_config(max_len: int) -> dict:
-    return {
+# ChatML (as Qwen's), opened with BOS like Llama's templates: the gateway renders it for
+# /v1/chat/completions and encodes the result without adding special tokens again.
+CHATML_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _tokenizer_config(max_len: int, chat_template: bool = True) -> dict:
+    config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
@@ -296,14 +307,19 @@ def _tokenizer_config(max_len: int) -> dict:
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
     }
+    if chat_template:
+        config["chat_template"] = CHATML_TEMPLATE
+    return config
 
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def make_model(arch: str, preset: str, out: Path | str, seed: int = 0) -> Path:
-    """Write a random-weight checkpoint for (arch, preset) into directory `out`; return it."""
+def make_model(arch: str, preset: str, out: Path | str, seed: int = 0, chat_template: bool = True) -> Path:
+    """Write a random-weight checkpoint for (arch, preset) into directory `out`; return it.
+
+    chat_template: put a ChatML template in tokenizer_config.json (False: a model that cannot chat)."""
     cfg = build_config(arch, preset)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -322,7 +338,9 @@ def make_model(arch: str, preset: str, out: Path | str, seed: int = 0) -> Path:
     )
     style = "qwen2" if arch == "qwen2" else "bytelevel"
     (out / "tokenizer.json").write_text(train_tokenizer(cfg["vocab_size"], style), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(cfg["max_position_embeddings"]))
+    _write_json(
+        out / "tokenizer_config.json", _tokenizer_config(cfg["max_position_embeddings"], chat_template)
+    )
     return out
 
 

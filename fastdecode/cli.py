@@ -165,11 +165,17 @@ def health(
 @click.option("--preset", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), required=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_model_cmd(arch: str, preset: str, out: str, seed: int) -> None:
+@click.option(
+    "--chat-template/--no-chat-template",
+    default=True,
+    show_default=True,
+    help="A ChatML chat_template in tokenizer_config.json (for /v1/chat/completions).",
+)
+def make_model_cmd(arch: str, preset: str, out: str, seed: int, chat_template: bool) -> None:
     """Write a random-weight HuggingFace checkpoint with a trained byte-level BPE tokenizer."""
     from fastdecode.checkpoint import make_model
 
-    path = make_model(arch, preset, Path(out), seed=seed)
+    path = make_model(arch, preset, Path(out), seed=seed, chat_template=chat_template)
     click.echo(str(path))
 
 
@@ -290,6 +296,7 @@ def _make_fleet(
     admission: str,
     pipeline: str = "auto",
     auth_token: str | None = None,
+    http_port: int | None = None,
 ) -> Any:
     from fastdecode.checkpoint import ensure_default_model
     from fastdecode.fleet import Fleet
@@ -303,6 +310,7 @@ def _make_fleet(
         kv_capacity=kv_capacity,
         kv_dtype=kv_dtype,
         auth_token=auth_token,
+        http_port=http_port,
         pipeline={"auto": None, "on": True, "off": False}[pipeline],
         scheduler_args=["--admission", admission],
     )
@@ -315,6 +323,10 @@ def _make_fleet(
     "--state-file", type=click.Path(dir_okay=False), default=None, help="Write pids and addresses here."
 )
 @click.option("--auth-token", envvar="FASTDECODE_AUTH_TOKEN", default=None, help="Require this bearer token.")
+@click.option("--log-json", is_flag=True, help="Services log JSON lines (sets FASTDECODE_LOG_JSON).")
+@click.option(
+    "--http-port", type=int, default=None, help="Gateway's OpenAI-compatible HTTP port on 127.0.0.1 (0: any)."
+)
 def up(
     model: str | None,
     shards: int,
@@ -326,19 +338,29 @@ def up(
     port: int,
     state_file: str | None,
     auth_token: str | None,
+    log_json: bool,
+    http_port: int | None,
 ) -> None:
     """Start gateway, scheduler, gpu_dense and N kv_attention shards as processes; stop on SIGINT/SIGTERM."""
+    import os
     import signal
     import threading
 
+    if log_json:
+        os.environ["FASTDECODE_LOG_JSON"] = "1"  # the services inherit it
+
+    from fastdecode.cli_progress import startup_progress
     from fastdecode.errors import FastDecodeError
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    fleet = _make_fleet(model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token)
+    fleet = _make_fleet(
+        model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token, http_port
+    )
     try:
-        fleet.start()
+        with startup_progress() as on_progress:  # None (no output) when stderr is not a terminal
+            fleet.start(on_progress=on_progress)
     except FastDecodeError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
@@ -346,6 +368,8 @@ def up(
         if state_file:
             Path(state_file).write_text(json.dumps(fleet.state(), indent=2))
         click.echo(f"gateway listening on {fleet.gateway.address}", err=False)
+        if fleet.gateway.http:
+            click.echo(f"OpenAI-compatible HTTP on http://{fleet.gateway.http}/v1", err=False)
         click.echo(f"logs in {fleet.workdir}; Ctrl-C to stop", err=True)
         sys.stdout.flush()
         reported: set[str] = set()

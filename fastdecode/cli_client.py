@@ -44,6 +44,17 @@ def gateway_command(
     @click.option(
         "--connect-timeout", type=float, default=None, help="Seconds to wait for the scheduler (default 5)."
     )
+    @click.option(
+        "--served-model-name",
+        default=None,
+        help="Model id of the HTTP API (FASTDECODE_SERVED_MODEL_NAME; default: the checkpoint dir name).",
+    )
+    @click.option(
+        "--http-port",
+        type=int,
+        default=None,
+        help="OpenAI-compatible HTTP API on this port; 0 picks one (FASTDECODE_HTTP_PORT; off if unset).",
+    )
     def serve_gateway(**flags: Any) -> None:
         """The public API: validates, tokenizes, authenticates, streams text from the scheduler."""
         from services.gateway.server import Settings, serve
@@ -72,7 +83,7 @@ def gateway_command(
 @click.option(
     "--tls-ca", type=click.Path(dir_okay=False, exists=True), default=None, help="CA (PEM): use TLS."
 )
-@click.option("--timeout", type=float, default=None, help="Deadline in seconds (default: none).")
+@click.option("--timeout", type=float, default=None, help="Deadline in seconds (default 600).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate_cmd(
     prompt: str,

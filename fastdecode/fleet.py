@@ -1,7 +1,9 @@
 """Start and stop fleet services as separate OS processes on loopback (`fastdecode up`, tests, benches).
 
 Each service binds port 0 (or the port asked for) and announces what it bound through a
-ready file, written only once its health is SERVING, so there is no port race.
+ready file, written only once its health is SERVING, so there is no port race. A service may
+also report start-up progress (gpu_dense: weight bytes loaded) through a progress file next to
+it; an optional observer hears both (`fastdecode up` draws them; this module draws nothing).
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdecode.errors import Unavailable
+from fastdecode.progress import PROGRESS_ENV, READY, STARTING, WAITING_FOR_HEALTH, read_progress
+
+# on_progress(service, phase, done, total), phases as in fastdecode.progress; total 0 = unknown.
+ProgressObserver = Callable[[str, str, int, int], None]
 
 
 @dataclass
@@ -29,13 +36,14 @@ class ServiceProcess:
     log_path: Path
     args: list[str] = field(default_factory=list)  # `serve` arguments, kept for restart()
     env: dict[str, str] | None = None
+    http: str | None = None  # the gateway's OpenAI-compatible HTTP address, when it serves one
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def state(self) -> dict[str, object]:
-        return {"pid": self.pid, "address": self.address, "metrics": self.metrics}
+        return {"pid": self.pid, "address": self.address, "metrics": self.metrics, "log": str(self.log_path)}
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -49,6 +57,7 @@ class _Pending:
     svc: ServiceProcess
     ready: Path
     host: str
+    progress: Path
 
 
 def spawn_service(
@@ -60,10 +69,13 @@ def spawn_service(
     port: int = 0,
     metrics: bool = False,
     env: dict[str, str] | None = None,
+    on_progress: ProgressObserver | None = None,
 ) -> _Pending:
     """Spawn `fastdecode serve ...`; wait_ready() then blocks until it reports SERVING."""
     ready = workdir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
+    progress = workdir / f"{name}.progress.json"
+    progress.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "fastdecode.cli", "serve", *args, "--host", host, "--port", str(port)]
     cmd += ["--ready-file", str(ready)]
@@ -76,25 +88,52 @@ def spawn_service(
             stderr=subprocess.STDOUT,
             # The child stops by itself when this supervisor dies (see rpc.Server): no orphans. No
             # preexec_fn: forking a process that runs gRPC threads aborts in gRPC's fork handlers.
-            env={**os.environ, "FASTDECODE_SUPERVISOR_PID": str(os.getpid()), **(env or {})},
+            env={
+                **os.environ,
+                "FASTDECODE_SUPERVISOR_PID": str(os.getpid()),
+                PROGRESS_ENV: str(progress),
+                **(env or {}),
+            },
             start_new_session=True,
         )
-    return _Pending(ServiceProcess(name, proc, "", None, log_path, list(args), env), ready, host)
+    if on_progress is not None:
+        on_progress(name, STARTING, 0, 0)
+    return _Pending(ServiceProcess(name, proc, "", None, log_path, list(args), env), ready, host, progress)
 
 
-def wait_ready(pending: _Pending, timeout: float = 120.0) -> ServiceProcess:
+def wait_ready(
+    pending: _Pending, timeout: float = 120.0, on_progress: ProgressObserver | None = None
+) -> ServiceProcess:
     svc, proc = pending.svc, pending.svc.proc
+
+    def report(phase: str, done: int = 0, total: int = 0) -> None:
+        if on_progress is not None:
+            on_progress(svc.name, phase, done, total)
+
+    report(WAITING_FOR_HEALTH)
+    seen: tuple[str, int, int] | None = None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise Unavailable(
                 f"{svc.name} exited with code {proc.returncode} during start:\n{svc.log_tail()}"
             )
+        # Progress before ready: the final snapshot precedes the ready file, so a phase that ran
+        # faster than one poll is still reported once.
+        snapshot = read_progress(pending.progress) if on_progress is not None else None
+        if snapshot is not None and snapshot != seen:
+            seen = snapshot
+            report(*snapshot)
+            if snapshot[1] >= snapshot[2]:
+                report(WAITING_FOR_HEALTH)
         if pending.ready.exists():
             info = json.loads(pending.ready.read_text())
             svc.address = f"{pending.host}:{info['port']}"
             if info.get("metrics_port"):
                 svc.metrics = f"{pending.host}:{info['metrics_port']}"
+            if info.get("http_port"):
+                svc.http = f"{pending.host}:{info['http_port']}"
+            report(READY)
             return svc
         time.sleep(0.05)
     stop_processes([svc], grace=2.0)
@@ -111,11 +150,13 @@ def start_service(
     metrics: bool = False,
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
+    on_progress: ProgressObserver | None = None,
 ) -> ServiceProcess:
     """Spawn `fastdecode serve ...` and wait until it reports SERVING through its ready file."""
-    return wait_ready(
-        spawn_service(name, args, workdir, host=host, port=port, metrics=metrics, env=env), timeout
+    pending = spawn_service(
+        name, args, workdir, host=host, port=port, metrics=metrics, env=env, on_progress=on_progress
     )
+    return wait_ready(pending, timeout, on_progress)
 
 
 def stop_processes(services: list[ServiceProcess], grace: float = 25.0) -> None:
@@ -147,6 +188,7 @@ class Fleet:
     kv_dtype: str = "float32"
     metrics: bool = True
     auth_token: str | None = None
+    http_port: int | None = None  # the gateway's OpenAI-compatible HTTP port (0: any free one)
     # Two-mini-batch pipeline. None = auto: on when gpu_dense has its own device (CUDA); off when it
     # computes on the same CPU cores as the shards here, where the two halves only compete for cores.
     pipeline: bool | None = None
@@ -164,7 +206,8 @@ class Fleet:
     def services(self) -> list[ServiceProcess]:
         return [s for s in (self.gateway, self.scheduler, self.dense) if s] + self.kv
 
-    def start(self, timeout: float = 180.0) -> Fleet:
+    def start(self, timeout: float = 180.0, on_progress: ProgressObserver | None = None) -> Fleet:
+        """Start every service in dependency order; `on_progress` hears each one's start-up phases."""
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="fastdecode-fleet-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -174,11 +217,18 @@ class Fleet:
         env = {**{k: v for k, v in CO_LOCATED_ENV.items() if k not in os.environ}, **self.env}
         try:
             pending = [
-                spawn_service(f"kv_attention-{i}", self._kv_args(i), w, metrics=self.metrics, env=env)
+                spawn_service(
+                    f"kv_attention-{i}",
+                    self._kv_args(i),
+                    w,
+                    metrics=self.metrics,
+                    env=env,
+                    on_progress=on_progress,
+                )
                 for i in range(self.shards)
             ]
             for p in pending:  # shards start in parallel: each one imports torch
-                self.kv.append(wait_ready(p, timeout))
+                self.kv.append(wait_ready(p, timeout, on_progress))
             shard_list = ",".join(s.address for s in self.kv)
             self.dense = start_service(
                 "gpu_dense",
@@ -196,6 +246,7 @@ class Fleet:
                 metrics=self.metrics,
                 env=env,
                 timeout=timeout,
+                on_progress=on_progress,
             )
             self.scheduler = start_service(
                 "scheduler",
@@ -212,6 +263,7 @@ class Fleet:
                 metrics=self.metrics,
                 env=env,
                 timeout=timeout,
+                on_progress=on_progress,
             )
             gw_env = dict(env)
             if self.auth_token:
@@ -224,6 +276,7 @@ class Fleet:
                     self.scheduler.address,
                     "--model",
                     str(self.model),
+                    *(["--http-port", str(self.http_port)] if self.http_port is not None else []),
                     *self.gateway_args,
                 ],
                 w,
@@ -231,6 +284,7 @@ class Fleet:
                 metrics=self.metrics,
                 env=gw_env,
                 timeout=timeout,
+                on_progress=on_progress,
             )
         except BaseException:
             self.stop()
@@ -283,10 +337,11 @@ class Fleet:
 
     def state(self) -> dict[str, object]:
         return {
-            "gateway": self.gateway.state() if self.gateway else None,
+            "gateway": {**self.gateway.state(), "http": self.gateway.http} if self.gateway else None,
             "scheduler": self.scheduler.state() if self.scheduler else None,
             "gpu_dense": self.dense.state() if self.dense else None,
             "kv_attention": [s.state() for s in self.kv],
+            "logs": str(self.workdir) if self.workdir else None,
         }
 
     def stop(self, grace: float = 25.0) -> None:
@@ -319,6 +374,11 @@ class UpProcess:
     @property
     def target(self) -> str:
         return str(self.state["gateway"]["address"])
+
+    @property
+    def http(self) -> str | None:
+        """HOST:PORT of the gateway's OpenAI-compatible HTTP API (None when off)."""
+        return self.state["gateway"].get("http")
 
     def pids(self) -> list[int]:
         s = self.state

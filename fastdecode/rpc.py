@@ -203,11 +203,14 @@ class Server:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
-    async def announce(self, host: str, metrics_port: int | None, ready_file: Path | None) -> int | None:
-        """Ready: start /metrics, health SERVING, then the ready file a supervisor waits for."""
+    async def announce(
+        self, host: str, metrics_port: int | None, ready_file: Path | None, **extra: object
+    ) -> int | None:
+        """Ready: start /metrics, health SERVING, then the ready file a supervisor waits for
+        (`extra`: more bound ports to announce, e.g. the gateway's http_port)."""
         bound = start_metrics_server(metrics_port, host)
         await self.set_serving(True)
-        write_ready_file(ready_file, port=self.port, metrics_port=bound)
+        write_ready_file(ready_file, port=self.port, metrics_port=bound, **extra)
         return bound
 
     def install_signal_handlers(self) -> None:

@@ -46,6 +46,10 @@ class GenerateParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # A rendered chat template already holds the BOS token: encoding must not add another one.
+    add_special_tokens: bool = True
+    # max_tokens when unset (None: Limits.default_max_tokens); chat asks for the rest of the context.
+    default_max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,8 @@ def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits) -> ValidRe
         )
     if p.max_tokens is None:
         # The default never makes a valid prompt fail: it shrinks to what the context leaves.
-        max_tokens = min(limits.default_max_tokens, limits.max_context - n)
+        default = limits.default_max_tokens if p.default_max_tokens is None else p.default_max_tokens
+        max_tokens = min(default, limits.max_context - n)
     else:
         max_tokens = p.max_tokens
         if n + max_tokens > limits.max_context:

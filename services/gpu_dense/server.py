@@ -9,12 +9,13 @@ from pathlib import Path
 
 import grpc
 import torch
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from pydantic import Field
 
 from fastdecode import codec
 from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.model import DenseModel
+from fastdecode.progress import LOADING_WEIGHTS, ProgressFile
 from fastdecode.rpc import Server, abort, code_from_int, item_error
 from fastdecode.rpc import error_from_status as from_status
 from fastdecode.sampling import SamplingParams
@@ -27,11 +28,23 @@ from services.gpu_dense.shards import ShardLink
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
-STEP_SECONDS = Histogram(
-    "fastdecode_dense_step_seconds",
-    "Wall time of one dense step",
-    ["part"],
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_SECONDS = Histogram("fastdecode_dense_step_seconds", "Wall time of one dense step", buckets=_SECONDS)
+S_PART_SECONDS = Histogram(
+    "fastdecode_dense_s_part_seconds", "S-part compute time per step (both mini-batches)", buckets=_SECONDS
+)
+SHARD_WAIT_SECONDS = Histogram(
+    "fastdecode_dense_shard_wait_seconds",
+    "Time per step the dense half spent waiting on the shards (not hidden by S-part work)",
+    buckets=_SECONDS,
+)
+OVERLAP_RATIO = Histogram(
+    "fastdecode_dense_pipeline_overlap_ratio",
+    "Per step, the share of the shorter half (S-part or attention) hidden behind the other",
+    buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+)
+STEP_SEQUENCES = Counter(
+    "fastdecode_dense_sequences_total", "Sequences computed in steps, by outcome", ["outcome"]
 )
 
 
@@ -44,6 +57,8 @@ class Settings(ServiceSettings):
     dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$")
     shard_timeout: float = Field(60.0, gt=0)
     ready_file: Path | None = None
+    # Set by the supervisor (env FASTDECODE_PROGRESS_FILE): weight-loading progress for `fastdecode up`.
+    progress_file: Path | None = None
 
 
 class DenseService(pb_grpc.DenseServicer):
@@ -55,8 +70,9 @@ class DenseService(pb_grpc.DenseServicer):
 
     async def load(self) -> None:
         s = self.settings
+        progress = ProgressFile(s.progress_file, LOADING_WEIGHTS) if s.progress_file else None
         self.model = await asyncio.to_thread(
-            DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype]
+            DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype], progress
         )
         self.runner = StepRunner(self.model, self._attend, len(self.links))
 
@@ -156,11 +172,19 @@ class DenseService(pb_grpc.DenseServicer):
             r = result.results.add(seq_id=sid, token_id=o.token_id, logprob=o.logprob)
             if o.error is not None:
                 r.error.CopyFrom(item_error(o.error))
+                log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})
+        failed = sum(1 for o in outcomes.values() if o.error is not None)
+        STEP_SEQUENCES.labels("ok").inc(len(outcomes) - failed)
+        STEP_SEQUENCES.labels("error").inc(failed)
         result.timings.s_part_seconds = t.s_part_seconds
         result.timings.shard_wait_seconds = t.shard_wait_seconds
         result.timings.step_seconds = t.step_seconds
-        STEP_SECONDS.labels("s_part").observe(t.s_part_seconds)
-        STEP_SECONDS.labels("step").observe(t.step_seconds)
+        result.timings.attend_seconds = t.attend_seconds
+        result.timings.overlap_ratio = t.overlap_ratio
+        STEP_SECONDS.observe(t.step_seconds)
+        S_PART_SECONDS.observe(t.s_part_seconds)
+        SHARD_WAIT_SECONDS.observe(t.shard_wait_seconds)
+        OVERLAP_RATIO.observe(t.overlap_ratio)  # 0 with the pipeline off: nothing overlaps
         return result
 
     async def Run(
@@ -168,6 +192,17 @@ class DenseService(pb_grpc.DenseServicer):
     ) -> AsyncIterator[pb.StepResult]:
         _, runner = await self._ready(context)
         async for plan in request_iterator:
+            for p in plan.sequences:
+                # The step stream is shared by every request, so its gRPC metadata cannot name one:
+                # each item's seq_id is the request id the gateway gave it.
+                if p.start_pos == 0:
+                    log.info(
+                        "prefill step %d: %d tokens, shard %d",
+                        plan.step,
+                        len(p.token_ids),
+                        p.shard,
+                        extra={"request_id": p.seq_id},
+                    )
             yield await self.step(runner, plan)
 
 

@@ -5,7 +5,8 @@ Steps (each with a time limit, durations printed at the end):
   -> wheelhouse on the host (pip; torch from the local CPU wheel)
   -> image build with BASE_IMAGE + WHEELHOUSE and no network
   -> `docker-compose up` of deploy/compose with a generated tiny checkpoint
-  -> generate through the gateway's port on 127.0.0.1 with the SDK
+  -> generate through the gateway's port on 127.0.0.1 with the SDK, then the same
+  prompt through its OpenAI-compatible HTTP port (POST /v1/completions)
   -> `down -v` -> the same prompt through the process fleet (`fastdecode up`) on
   the host: the tokens are equal (and equal transformers' greedy generate)
   -> dockerd stopped, traces removed.
@@ -18,11 +19,14 @@ installed first.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -203,6 +207,21 @@ def _copy_model(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _http(url: str, body: dict[str, Any] | None = None, token: str | None = None, timeout: float = 60) -> Any:
+    """(status, parsed JSON body) of a GET (no body) or JSON POST, errors included; time-bounded."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+
 # ---- tests --------------------------------------------------------------------------------------
 @pytest.mark.timeout(1200)
 def test_image_runs_as_non_root_with_grpc_healthcheck(engine: Any, image: str) -> None:
@@ -233,6 +252,7 @@ def test_compose_cluster_generates_like_the_process_fleet(
     client = engine.client
     model_dir = _copy_model(llama_dir, tmp_path / "model")
     port = _free_loopback_port()
+    http_port = _free_loopback_port()
     env_file = tmp_path / "compose.env"
     env_file.write_text("")
     compose = Compose(
@@ -241,6 +261,7 @@ def test_compose_cluster_generates_like_the_process_fleet(
             "FASTDECODE_IMAGE": image,
             "FASTDECODE_MODEL_DIR": str(model_dir),
             "FASTDECODE_GATEWAY_PORT": str(port),
+            "FASTDECODE_GATEWAY_HTTP_PORT": str(http_port),
             "FASTDECODE_KV_CAPACITY": str(64 * 2**20),
             "FASTDECODE_DEVICE": "cpu",
             "FASTDECODE_AUTH_TOKEN": TOKEN,
@@ -251,22 +272,43 @@ def test_compose_cluster_generates_like_the_process_fleet(
         with step("compose up (healthy chain)", durations):
             compose("up", "-d", "--no-build", timeout=480)
             gateway = _wait_healthy(client, "gateway", timeout=180)
-        # Only the gateway is published, and only on loopback.
+        # Only the gateway is published (gRPC and HTTP), and only on loopback.
         for c in _project_containers(client):
             bindings = {k: v for k, v in (c.attrs["HostConfig"].get("PortBindings") or {}).items() if v}
             if _service(c) == "gateway":
-                assert bindings == {"50051/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(port)}]}
+                assert bindings == {
+                    "50051/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(port)}],
+                    "8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(http_port)}],
+                }
             else:
                 assert not bindings, _service(c)
         assert gateway.attrs["State"]["Health"]["Status"] == "healthy"
 
         with step("generate through the gateway", durations):
             with Client(f"127.0.0.1:{port}", TOKEN) as c:
-                got = list(c.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, timeout=120).token_ids)
+                result = c.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, timeout=120)
+            got = list(result.token_ids)
             # The token reached the gateway through the compose environment.
             with Client(f"127.0.0.1:{port}", "wrong-token") as c, pytest.raises(FastDecodeError) as err:
                 c.generate(prompt=PROMPT, max_tokens=2, timeout=30)
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+        with step("OpenAI-compatible HTTP API through the gateway", durations):
+            base = f"http://127.0.0.1:{http_port}"
+            assert _http(f"{base}/health", timeout=30)[0] == 200  # no token needed
+            body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+            status, answer = _http(f"{base}/v1/completions", body, TOKEN, timeout=120)
+            assert status == 200, answer
+            assert answer["object"] == "text_completion"
+            (choice,) = answer["choices"]
+            # Greedy, the same prompt: the same text as the gRPC call.
+            assert isinstance(choice["text"], str) and choice["text"] == result.text, (choice, result.text)
+            usage = answer["usage"]
+            assert usage["completion_tokens"] == len(got)
+            assert usage["prompt_tokens"] > 0
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            status, answer = _http(f"{base}/v1/completions", {**body, "max_tokens": 2}, "wrong-token", 30)
+            assert status == 401, answer
     except BaseException:
         _dump_logs(client)
         raise

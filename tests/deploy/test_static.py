@@ -92,9 +92,10 @@ def test_dockerignore_keeps_context_small() -> None:
 # ---------------------------------------------------------------------------------------------
 # Compose
 # ---------------------------------------------------------------------------------------------
-def _compose_env() -> dict[str, str]:
+def _compose_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTDECODE_", "COMPOSE_", "DOCKER_"))}
     env["FASTDECODE_MODEL_DIR"] = "/srv/models/tiny"
+    env.update(extra or {})
     return env
 
 
@@ -108,12 +109,33 @@ def docker_compose() -> str:
     return "docker-compose"
 
 
-def _compose_config(docker_compose: str, *files: str, cwd: Path = COMPOSE_DIR) -> dict[str, Any]:
+def _compose_config(
+    docker_compose: str, *files: str, cwd: Path = COMPOSE_DIR, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     args = [docker_compose]
     for f in files:
         args += ["-f", f]
-    proc = run([*args, "config"], timeout=60, env=_compose_env(), cwd=cwd)
+    proc = run([*args, "config"], timeout=60, env=_compose_env(env), cwd=cwd)
     return yaml.safe_load(proc.stdout)
+
+
+def _published(svc: dict[str, Any]) -> set[tuple[str, str, int]]:
+    """A service's published ports as (host ip, host port, container port), from either
+    compose's short syntax (docker-compose v1: "127.0.0.1:50051:50051/tcp") or its long one (v2)."""
+    out = set()
+    for port in svc.get("ports") or []:
+        if isinstance(port, str):
+            spec = port.split("/", 1)[0]
+            host_ip, published, target = spec.rsplit(":", 2)
+            out.add((host_ip, published, int(target)))
+        else:
+            assert port.get("protocol", "tcp") == "tcp", port
+            out.add((str(port.get("host_ip", "")), str(port.get("published", "")), int(port["target"])))
+    return out
+
+
+# The gateway's published ports by default: gRPC and the OpenAI-compatible HTTP API, loopback only.
+GATEWAY_PORTS = {("127.0.0.1", "50051", 50051), ("127.0.0.1", "8000", 8000)}
 
 
 def _shard_list(env: dict[str, Any]) -> list[str]:
@@ -131,16 +153,16 @@ def _check_cluster(cfg: dict[str, Any], shards: int) -> None:
     expected = [f"{n}:50061" for n in kv]
     assert _shard_list(services["gpu-dense"]["environment"]) == expected
     assert _shard_list(services["scheduler"]["environment"]) == expected
-    # Only the gateway publishes a port, on loopback by default.
+    # Only the gateway publishes ports (gRPC and HTTP; metrics stay on the backend network),
+    # on loopback by default; the HTTP one is the port the gateway serves HTTP on.
     for name, svc in services.items():
         if name == "gateway":
-            (port,) = svc["ports"]
-            if isinstance(port, str):
-                assert port.startswith("127.0.0.1:")
-            else:
-                assert port["host_ip"] == "127.0.0.1" and int(port["target"]) == 50051
+            assert _published(svc) == GATEWAY_PORTS
+            assert str(svc["environment"]["FASTDECODE_HTTP_PORT"]) == "8000"
+            assert str(svc["environment"]["FASTDECODE_PORT"]) == "50051"
         else:
             assert not svc.get("ports"), f"{name} publishes a port"
+            assert "FASTDECODE_HTTP_PORT" not in svc["environment"], name
         # Health checks through the gRPC health protocol, and healthy-gated startup.
         test = svc["healthcheck"]["test"]
         assert "health" in test and "fastdecode" in test
@@ -163,6 +185,19 @@ def test_compose_default_config(docker_compose: str) -> None:
     for svc in cfg["services"].values():
         assert "deploy" not in svc
         assert not any(k.startswith("FASTDECODE_TLS_") for k in svc["environment"])
+
+
+def test_compose_gateway_ports_follow_env(docker_compose: str) -> None:
+    cfg = _compose_config(
+        docker_compose,
+        "docker-compose.yml",
+        env={
+            "FASTDECODE_GATEWAY_BIND": "0.0.0.0",
+            "FASTDECODE_GATEWAY_PORT": "61051",
+            "FASTDECODE_GATEWAY_HTTP_PORT": "61080",
+        },
+    )
+    assert _published(cfg["services"]["gateway"]) == {("0.0.0.0", "61051", 50051), ("0.0.0.0", "61080", 8000)}
 
 
 def test_compose_gpu_override(docker_compose: str) -> None:
@@ -268,7 +303,15 @@ EVERYTHING = {
     "imagePullSecrets": [{"name": "regcred"}],
     "settings": {"extra": {"FASTDECODE_MAX_BATCH": "64"}},
 }
-CASES = {"default": {}, "gpu-4-shards": GPU4, "everything": EVERYTHING}
+HTTP_OFF = {"gateway": {"http": {"enabled": False}}}
+HTTP_8080 = {"gateway": {"http": {"port": 8080}, "service": {"type": "NodePort"}}}
+CASES = {
+    "default": {},
+    "gpu-4-shards": GPU4,
+    "everything": EVERYTHING,
+    "http-off": HTTP_OFF,
+    "http-8080": HTTP_8080,
+}
 # Kinds outside Kubernetes' own schemas, checked by hand below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
@@ -387,6 +430,49 @@ def test_chart_topology(case: str, shards: int, gpu: bool) -> None:
     assert not _by_kind(docs, "ServiceMonitor")
 
 
+def _ports(obj: dict[str, Any], key: str) -> dict[str, int]:
+    return {p["name"]: int(p[key]) for p in obj["ports"]}
+
+
+@pytest.mark.parametrize(
+    ("case", "http_port"),
+    [("default", 8000), ("gpu-4-shards", 8000), ("http-8080", 8080), ("http-off", None)],
+)
+def test_chart_gateway_http_port(case: str, http_port: int | None) -> None:
+    """The gateway serves gRPC, the OpenAI-compatible HTTP API (unless turned off) and metrics;
+    every other component gRPC and metrics only."""
+    docs = _render(CASES[case])
+    full = f"{RELEASE}-fastdecode"
+    containers = _containers(docs)
+    services = _by_kind(docs, "Service")
+    gateway = containers["gateway"]
+    gw_env = {e["name"]: e.get("value") for e in gateway["env"]}
+    gw_svc = services[f"{full}-gateway"]["spec"]
+    if http_port is None:
+        assert _ports(gateway, "containerPort") == {"grpc": 50051, "metrics": 9100}
+        assert "FASTDECODE_HTTP_PORT" not in gw_env
+        assert _ports(gw_svc, "port") == {"grpc": 50051, "metrics": 9100}
+    else:
+        assert _ports(gateway, "containerPort") == {"grpc": 50051, "http": http_port, "metrics": 9100}
+        assert gw_env["FASTDECODE_HTTP_PORT"] == str(http_port)
+        assert _ports(gw_svc, "port") == {"grpc": 50051, "http": http_port, "metrics": 9100}
+        (http,) = [p for p in gw_svc["ports"] if p["name"] == "http"]
+        assert http["targetPort"] == "http" and http["protocol"] == "TCP" and http["appProtocol"] == "http"
+    # The probes stay on gRPC (the first port).
+    assert gateway["ports"][0]["name"] == "grpc"
+    assert gateway["readinessProbe"]["grpc"]["port"] == 50051
+    for name, c in containers.items():
+        if name != "gateway":
+            assert set(_ports(c, "containerPort")) == {"grpc", "metrics"}, name
+            assert "FASTDECODE_HTTP_PORT" not in {e["name"] for e in c["env"]}, name
+    for name, svc in services.items():
+        if name != f"{full}-gateway":
+            assert set(_ports(svc["spec"], "port")) == {"grpc", "metrics"}, name
+    # Shared settings do not turn HTTP on for the other services.
+    (cm,) = _by_kind(docs, "ConfigMap").values()
+    assert "FASTDECODE_HTTP_PORT" not in cm["data"]
+
+
 def test_chart_everything_enabled() -> None:
     docs = _render(EVERYTHING)
     containers = _containers(docs)
@@ -412,6 +498,12 @@ def test_chart_everything_enabled() -> None:
     assert sm["metadata"]["labels"]["release"] == "prom"
     gw_env = {e["name"]: e for e in containers["gateway"]["env"]}
     assert gw_env["FASTDECODE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "fd-auth"
+    # With TLS the HTTP port serves HTTPS (same certificate), still next to gRPC and metrics.
+    assert gw_env["FASTDECODE_HTTP_PORT"]["value"] == "8000"
+    gw_svc = _by_kind(docs, "Service")[f"{RELEASE}-fastdecode-gateway"]["spec"]
+    assert gw_svc["type"] == "LoadBalancer"
+    (http,) = [p for p in gw_svc["ports"] if p["name"] == "http"]
+    assert http["port"] == 8000 and http["appProtocol"] == "https"
 
 
 def test_chart_refuses_bad_values() -> None:
@@ -424,3 +516,16 @@ def test_chart_refuses_bad_values() -> None:
             chart.validate_schema({"model": {"volume": {"type": "nfs"}}})
         with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
             chart.render({"terminationGracePeriodSeconds": 20}, name=RELEASE, namespace=NAMESPACE)
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"gateway": {"http": {"port": 0}}})
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"gateway": {"http": {"enabled": "yes"}}})
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"gateway": {"http": {"prot": 8000}}})
+        for clash in ({"gateway": {"http": {"port": 50051}}}, {"gateway": {"http": {"port": 9100}}}):
+            with pytest.raises(helm.HelmError, match="gateway.http.port"):
+                chart.render(clash, name=RELEASE, namespace=NAMESPACE)
+        # Turned off, its port may be anything.
+        chart.render(
+            {"gateway": {"http": {"enabled": False, "port": 50051}}}, name=RELEASE, namespace=NAMESPACE
+        )

@@ -98,7 +98,8 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* Container settings shared by every component; call with (dict "root" $ "component" "gateway" "port" 50051). */}}
+{{/* Container settings shared by every component; call with (dict "root" $ "component" "gateway" "port" 50051),
+     plus "httpPort" 8000 for a container that also serves HTTP (the gateway). */}}
 {{- define "fastdecode.containerCommon" -}}
 {{- $root := .root -}}
 imagePullPolicy: {{ $root.Values.image.pullPolicy }}
@@ -108,6 +109,11 @@ ports:
   - name: grpc
     containerPort: {{ .port }}
     protocol: TCP
+  {{- with .httpPort }}
+  - name: http
+    containerPort: {{ . }}
+    protocol: TCP
+  {{- end }}
   - name: metrics
     containerPort: {{ $root.Values.metrics.port }}
     protocol: TCP
@@ -177,5 +183,11 @@ envFrom:
 {{- define "fastdecode.validate" -}}
 {{- if le (float64 .Values.terminationGracePeriodSeconds) (float64 .Values.settings.graceSeconds) }}
 {{- fail (printf "terminationGracePeriodSeconds (%v) must exceed settings.graceSeconds (%v)" .Values.terminationGracePeriodSeconds .Values.settings.graceSeconds) }}
+{{- end }}
+{{- if .Values.gateway.http.enabled }}
+{{- $http := int .Values.gateway.http.port }}
+{{- if or (eq $http (int .Values.gateway.port)) (eq $http (int .Values.metrics.port)) }}
+{{- fail (printf "gateway.http.port (%d) must differ from gateway.port (%v) and metrics.port (%v)" $http .Values.gateway.port .Values.metrics.port) }}
+{{- end }}
 {{- end }}
 {{- end }}

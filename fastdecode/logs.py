@@ -20,7 +20,7 @@ from pythonjsonlogger.json import JsonFormatter
 REQUEST_ID: ContextVar[str | None] = ContextVar("fastdecode_request_id", default=None)
 
 TEXT_FORMAT = "%(asctime)s %(service)s %(levelname)s %(name)s%(request_tag)s: %(message)s"
-JSON_FIELDS = "%(asctime)s %(levelname)s %(service)s %(name)s %(request_id)s %(message)s"
+JSON_FIELDS = "%(levelname)s %(service)s %(name)s %(request_id)s %(message)s"
 
 
 class _Context(logging.Filter):
@@ -42,7 +42,8 @@ def log_formatter(json_logs: bool) -> logging.Formatter:
     if json_logs:
         return JsonFormatter(
             JSON_FIELDS,
-            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            rename_fields={"levelname": "level", "name": "logger"},
+            timestamp="time",  # ISO 8601, UTC, microseconds: lines of several services sort by it
             json_ensure_ascii=False,
             reserved_attrs=[*RESERVED_ATTRS, "request_tag"],
         )

@@ -5,33 +5,16 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from fastdecode.fleet import UpProcess
 from fastdecode.rpc import REQUEST_ID_KEY, sync_channel
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
-from tests_support import TOKEN
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(address: str) -> Samples:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    want = set(labels.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+from tests_support import TOKEN, Samples, scrape
+from tests_support import metric_total as total
 
 
 def names(samples: Samples) -> set[str]:

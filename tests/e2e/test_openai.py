@@ -18,13 +18,12 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from fastdecode.client import Client
 from fastdecode.fleet import ServiceProcess, UpProcess, start_service, stop_processes
 from fastdecode.rpc import REQUEST_ID_KEY, sync_channel
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
-from tests_support import TOKEN
+from tests_support import TOKEN, metric_total, scrape
 
 HTTP_TIMEOUT = 60.0
 MESSAGES = [
@@ -70,22 +69,10 @@ def assert_error(status: int, payload: Any, want_status: int, want_type: str, *w
     return err
 
 
-def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def count(samples: dict, name: str, **labels: str) -> float:
-    want = set(labels.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
-
-
 def requests_total(fleet: UpProcess, **labels: str) -> float:
-    return count(scrape(fleet.state["gateway"]["metrics"]), "fastdecode_gateway_requests_total", **labels)
+    return metric_total(
+        scrape(fleet.state["gateway"]["metrics"]), "fastdecode_gateway_requests_total", **labels
+    )
 
 
 def wait_for(predicate: Any, timeout: float = 20.0) -> bool:
@@ -350,7 +337,7 @@ def test_http_requests_are_counted_in_gateway_metrics(fleet: UpProcess, base: st
     after = scrape(metrics)
 
     def moved(name: str, **labels: str) -> float:
-        return count(after, name, **labels) - count(before, name, **labels)
+        return metric_total(after, name, **labels) - metric_total(before, name, **labels)
 
     assert moved("fastdecode_gateway_requests_total", api="http", status="OK") >= 1
     assert moved("fastdecode_gateway_requests_total", api="http", status="INVALID_ARGUMENT") >= 1
@@ -369,7 +356,7 @@ def test_a_client_that_hangs_up_cancels_its_generation(
     """The generation stops (CANCELLED, in-flight back to 0) instead of running to max_tokens."""
     metrics = fleet.state["gateway"]["metrics"]
     cancelled = requests_total(fleet, api="http", status="CANCELLED")
-    tokens = count(scrape(metrics), "fastdecode_generation_tokens_total")
+    tokens = metric_total(scrape(metrics), "fastdecode_generation_tokens_total")
     body = json.dumps(
         {"model": model_id, "prompt": "hi", "max_tokens": 900, "ignore_eos": True, "stream": stream}
     ).encode()
@@ -385,8 +372,8 @@ def test_a_client_that_hangs_up_cancels_its_generation(
         else:
             time.sleep(0.5)
     assert wait_for(lambda: requests_total(fleet, api="http", status="CANCELLED") > cancelled)
-    assert wait_for(lambda: count(scrape(metrics), "fastdecode_gateway_requests_in_flight") == 0)
-    generated = count(scrape(metrics), "fastdecode_generation_tokens_total") - tokens
+    assert wait_for(lambda: metric_total(scrape(metrics), "fastdecode_gateway_requests_in_flight") == 0)
+    generated = metric_total(scrape(metrics), "fastdecode_generation_tokens_total") - tokens
     assert generated < 900, "the generation must stop when its client is gone"
 
 
@@ -444,7 +431,9 @@ def test_sigterm_drains_http_requests(fleet: UpProcess, tmp_path: Path) -> None:
             target=lambda: result.append(call(base, "/v1/completions", long, token=None))
         )
         worker.start()
-        assert wait_for(lambda: count(scrape(gw.metrics or ""), "fastdecode_gateway_requests_in_flight") == 1)
+        assert wait_for(
+            lambda: metric_total(scrape(gw.metrics or ""), "fastdecode_gateway_requests_in_flight") == 1
+        )
         gw.proc.send_signal(signal.SIGTERM)
         assert wait_for(lambda: call(base, "/health", token=None)[0] == 503, timeout=10)
         status, _, payload = call(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, token=None)

@@ -105,7 +105,8 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
                 store = self._store_for(request.geometry)
                 store.reserve_many([(s.seq_id, s.max_tokens) for s in request.sequences])
             self._update_gauges()
-            for rid, seq in zip(_request_ids(context, request.sequences), request.sequences, strict=True):
+            seqs = request.sequences
+            for rid, seq in zip(_request_ids(context, [s.seq_id for s in seqs]), seqs, strict=True):
                 log.info("reserved %d KV tokens", seq.max_tokens, extra={"request_id": rid})
             return pb.ReserveResponse(free_tokens=store.free_tokens)
         except Exception as e:  # noqa: BLE001 - mapped to a status in one place
@@ -158,8 +159,11 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         )
         seconds = time.perf_counter() - t0
         # Each new token attends to every cached token of its sequence, its own chunk included.
-        context = sum(p + n for p, n in zip(req.start_pos, req.num_tokens, strict=True))
-        self.attended_pairs += sum(n * (p + n) for p, n in zip(req.start_pos, req.num_tokens, strict=True))
+        context = pairs = 0
+        for p, n in zip(req.start_pos, req.num_tokens, strict=True):
+            context += p + n
+            pairs += n * (p + n)
+        self.attended_pairs += pairs
         KV_BYTES_READ.labels(self.shard).inc(context * self.store.bytes_per_token // self.store.num_layers)
         return o, seconds
 
@@ -183,12 +187,10 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         self._update_gauges()
 
 
-def _request_ids(context: grpc.aio.ServicerContext, seqs: Sequence[object]) -> list[str]:
+def _request_ids(context: grpc.aio.ServicerContext, seq_ids: Sequence[str]) -> list[str]:
     """The request ids the caller sent in metadata, one per sequence (the sequence ids otherwise)."""
     sent = (request_id_of(context) or "").split(",")
-    if len(sent) == len(seqs):
-        return sent
-    return [s if isinstance(s, str) else getattr(s, "seq_id", "") for s in seqs]
+    return sent if len(sent) == len(seq_ids) else list(seq_ids)
 
 
 async def serve(settings: Settings) -> None:

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fastdecode import planner
-from fastdecode.cli_policy import plan_cmd, simulate_cmd
+from fastdecode.cli.policy import plan_cmd, simulate_cmd
 from fastdecode.errors import InvalidInput
 from fastdecode.planner import Profile, plan
 

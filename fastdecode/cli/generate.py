@@ -1,67 +1,12 @@
-"""`fastdecode generate` (a gateway client) and `fastdecode serve gateway`.
-
-This module never imports fastdecode.cli (which imports it): `python -m fastdecode.cli` runs that
-module as __main__, and a second copy of it would make the import circular. The gateway command
-is built by `gateway_command` from the serve helpers cli.py hands in.
-"""
+"""`fastdecode generate`: a gateway client on the command line."""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
-
-
-def gateway_command(
-    common_options: Callable[[Callable[..., Any]], Callable[..., Any]],
-    run_service: Callable[[Callable[[Any], Any], type, dict[str, Any]], None],
-) -> click.Command:
-    """The `serve gateway` command, with the options every service shares."""
-
-    @click.command("gateway")
-    @common_options
-    @click.option("--scheduler", default=None, help="HOST:PORT of the scheduler (FASTDECODE_SCHEDULER).")
-    @click.option(
-        "--model",
-        type=click.Path(file_okay=False),
-        default=None,
-        help="Checkpoint dir with tokenizer.json and config.json (FASTDECODE_MODEL).",
-    )
-    @click.option(
-        "--auth-token",
-        default=None,
-        help="Bearer token clients must send. Prefer env FASTDECODE_AUTH_TOKEN (argv shows in ps).",
-    )
-    @click.option(
-        "--max-concurrent-requests", type=int, default=None, help="Generate calls in flight (default 4096)."
-    )
-    @click.option("--max-prompt-chars", type=int, default=None, help="Longest prompt text (default 1 Mi).")
-    @click.option("--max-stop", type=int, default=None, help="Most stop strings per request (default 16).")
-    @click.option("--max-stop-chars", type=int, default=None, help="Longest stop string (default 256).")
-    @click.option(
-        "--connect-timeout", type=float, default=None, help="Seconds to wait for the scheduler (default 5)."
-    )
-    @click.option(
-        "--served-model-name",
-        default=None,
-        help="Model id of the HTTP API (FASTDECODE_SERVED_MODEL_NAME; default: the checkpoint dir name).",
-    )
-    @click.option(
-        "--http-port",
-        type=int,
-        default=None,
-        help="OpenAI-compatible HTTP API on this port; 0 picks one (FASTDECODE_HTTP_PORT; off if unset).",
-    )
-    def serve_gateway(**flags: Any) -> None:
-        """The public API: validates, tokenizes, authenticates, streams text from the scheduler."""
-        from services.gateway.server import Settings, serve
-
-        run_service(serve, Settings, flags)
-
-    return serve_gateway
 
 
 @click.command("generate")

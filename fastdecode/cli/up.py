@@ -1,0 +1,187 @@
+"""`fastdecode up` and `fastdecode demo`: the whole fleet as local processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed(
+        [
+            click.option(
+                "--model",
+                type=click.Path(file_okay=False),
+                default=None,
+                help="Checkpoint dir (default: the embedded tiny model, made on first use).",
+            ),
+            click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True),
+            click.option("--device", default="auto", show_default=True, help="gpu_dense device."),
+            click.option(
+                "--kv-capacity", type=int, default=1 << 30, show_default=True, help="KV bytes per shard."
+            ),
+            click.option(
+                "--kv-dtype",
+                type=click.Choice(["float32", "float16", "bfloat16"]),
+                default="float32",
+                show_default=True,
+            ),
+            click.option(
+                "--admission", type=click.Choice(["naive", "stabilized"]), default="naive", show_default=True
+            ),
+            click.option(
+                "--pipeline",
+                type=click.Choice(["auto", "on", "off"]),
+                default="auto",
+                show_default=True,
+                help="Two-mini-batch pipeline. auto: on when gpu_dense runs on CUDA, off when it shares "
+                "these CPU cores with the shards (the two halves would only compete for them).",
+            ),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+def _make_fleet(
+    model: str | None,
+    shards: int,
+    port: int,
+    device: str,
+    kv_capacity: int,
+    kv_dtype: str,
+    admission: str,
+    pipeline: str = "auto",
+    auth_token: str | None = None,
+    http_port: int | None = None,
+) -> Any:
+    from fastdecode.checkpoint import ensure_default_model
+    from fastdecode.fleet import Fleet
+
+    path = Path(model) if model else ensure_default_model()
+    return Fleet(
+        model=path,
+        shards=shards,
+        port=port,
+        device=device,
+        kv_capacity=kv_capacity,
+        kv_dtype=kv_dtype,
+        auth_token=auth_token,
+        http_port=http_port,
+        pipeline={"auto": None, "on": True, "off": False}[pipeline],
+        scheduler_args=["--admission", admission],
+    )
+
+
+@click.command()
+@_fleet_options
+@click.option("--port", type=int, default=50051, show_default=True, help="Gateway port on 127.0.0.1.")
+@click.option(
+    "--state-file", type=click.Path(dir_okay=False), default=None, help="Write pids and addresses here."
+)
+@click.option("--auth-token", envvar="FASTDECODE_AUTH_TOKEN", default=None, help="Require this bearer token.")
+@click.option("--log-json", is_flag=True, help="Services log JSON lines (sets FASTDECODE_LOG_JSON).")
+@click.option(
+    "--http-port", type=int, default=None, help="Gateway's OpenAI-compatible HTTP port on 127.0.0.1 (0: any)."
+)
+def up(
+    model: str | None,
+    shards: int,
+    device: str,
+    kv_capacity: int,
+    kv_dtype: str,
+    admission: str,
+    pipeline: str,
+    port: int,
+    state_file: str | None,
+    auth_token: str | None,
+    log_json: bool,
+    http_port: int | None,
+) -> None:
+    """Start gateway, scheduler, gpu_dense and N kv_attention shards as processes; stop on SIGINT/SIGTERM."""
+    import os
+    import signal
+    import threading
+
+    if log_json:
+        os.environ["FASTDECODE_LOG_JSON"] = "1"  # the services inherit it
+
+    from fastdecode.cli.progress import startup_progress
+    from fastdecode.errors import FastDecodeError
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    fleet = _make_fleet(
+        model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token, http_port
+    )
+    try:
+        with startup_progress() as on_progress:  # None (no output) when stderr is not a terminal
+            fleet.start(on_progress=on_progress)
+    except FastDecodeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    try:
+        if state_file:
+            Path(state_file).write_text(json.dumps(fleet.state(), indent=2))
+        click.echo(f"gateway listening on {fleet.gateway.address}", err=False)
+        if fleet.gateway.http:
+            click.echo(f"OpenAI-compatible HTTP on http://{fleet.gateway.http}/v1", err=False)
+        click.echo(f"logs in {fleet.workdir}; Ctrl-C to stop", err=True)
+        sys.stdout.flush()
+        reported: set[str] = set()
+        while not stop.wait(0.5):
+            for svc in fleet.services:
+                if svc.proc.poll() is not None and svc.name not in reported:
+                    reported.add(svc.name)
+                    click.echo(
+                        f"warning: {svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail(10)}",
+                        err=True,
+                    )
+    finally:
+        click.echo("stopping the fleet", err=True)
+        fleet.stop()
+        if state_file:
+            Path(state_file).unlink(missing_ok=True)
+
+
+@click.command()
+@click.option("--prompt", default="The KV-cache never leaves the CPU shards, so", show_default=True)
+@click.option("--max-tokens", type=int, default=48, show_default=True)
+def demo(prompt: str, max_tokens: int) -> None:
+    """Start the fleet on the embedded tiny model, stream one generation through the SDK, stop."""
+    import time
+
+    from fastdecode.client import Client
+    from fastdecode.errors import FastDecodeError
+
+    t0 = time.monotonic()
+    fleet = _make_fleet(None, 2, 0, "auto", 256 << 20, "float32", "naive")
+    try:
+        fleet.start()
+    except FastDecodeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    try:
+        click.echo(
+            f"fleet up in {time.monotonic() - t0:.1f}s: gateway {fleet.gateway.address}, "
+            f"{len(fleet.kv)} kv_attention shards (random-weight model: the text is gibberish)",
+            err=True,
+        )
+        with Client(fleet.gateway.address) as client:
+            click.echo(prompt, nl=False)
+            last = None
+            for chunk in client.stream(prompt=prompt, max_tokens=max_tokens):
+                click.echo(chunk.text, nl=False)
+                last = chunk
+            click.echo()
+        if last is not None:
+            click.echo(f"[finish_reason={last.finish_reason}, usage={last.usage}]", err=True)
+    finally:
+        fleet.stop()
+    click.echo(f"fleet stopped; demo took {time.monotonic() - t0:.1f}s", err=True)

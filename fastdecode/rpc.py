@@ -1,86 +1,93 @@
-"""Shared gRPC plumbing for the services: the one error -> status mapping, server
-bootstrap (health, reflection, message limits, TLS, graceful SIGTERM), and channels.
+"""Shared gRPC plumbing for the services: the one Status -> gRPC code table, the servicer error
+wrapper, server bootstrap (health, reflection, message limits, TLS, graceful SIGTERM), and channels.
+
+Servers only: the SDK (fastdecode.client) never imports this module (it loads the health and
+reflection servers and prometheus_client); what both sides share is in fastdecode.protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import os
 import signal
-import traceback
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fastdecode import errors
+from fastdecode.errors import ServiceError, Status
 from fastdecode.metrics import start_metrics_server
+from fastdecode.protocol import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
 from fastdecode.serving import write_ready_file
+from fastdecode.settings import TLSFiles
 from fastdecode.v1 import tensor_pb2
 
 log = logging.getLogger("fastdecode.rpc")
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # activations of a large batch fit; anything bigger is a bug
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "MAX_MESSAGE_BYTES",
+    "REQUEST_ID_KEY",
+    "TLSFiles",
+]  # re-exported for old importers
 
-_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
-    (errors.InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
-    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
-]
+# The one table from our Status to gRPC's codes (same names; the values match too, see Status).
+GRPC_CODE: dict[Status, grpc.StatusCode] = {s: grpc.StatusCode[s.name] for s in Status}
+_STATUS_OF_CODE: dict[grpc.StatusCode, Status] = {code: s for s, code in GRPC_CODE.items()}
 
-_FROM_STATUS: dict[grpc.StatusCode, type[errors.FastDecodeError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidInput,
-    grpc.StatusCode.OUT_OF_RANGE: errors.OutOfRange,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-}
+
+def status_of(exc: BaseException) -> tuple[Status, str]:
+    """Any exception as (Status, message): domain errors keep theirs; anything else is INTERNAL
+    with a generic message, and its traceback goes to the log (never to the caller)."""
+    err = errors.as_service_error(exc, log)
+    return err.status, err.message
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one place that maps domain errors to gRPC status codes.
-
-    Unknown exceptions become INTERNAL with a generic message; the traceback goes to the log.
-    """
-    for kind, code in _STATUS:
-        if isinstance(exc, kind):
-            return code, str(exc)
-    log.error("internal error: %s", "".join(traceback.format_exception(exc)))
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
+    """`status_of` in gRPC's codes."""
+    status, message = status_of(exc)
+    return GRPC_CODE[status], message
 
 
-def error_from_status(code: grpc.StatusCode, message: str) -> errors.FastDecodeError:
-    """A peer's status back into a domain error (for in-band and relayed errors)."""
-    return _FROM_STATUS.get(code, errors.FastDecodeError)(message)
+def status_from_code(code: grpc.StatusCode | None) -> Status:
+    return _STATUS_OF_CODE.get(code, Status.UNKNOWN) if code is not None else Status.UNKNOWN
+
+
+def error_from_status(code: grpc.StatusCode, message: str) -> ServiceError:
+    """A peer's gRPC status back into a domain error (for relayed errors)."""
+    return errors.error_for(status_from_code(code), message)
+
+
+def error_from_rpc(e: grpc.aio.AioRpcError | grpc.RpcError, prefix: str = "") -> ServiceError:
+    """A failed call to a peer as the domain error of its status."""
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else str(e)) or ""
+    return errors.error_for(status_from_code(code), f"{prefix}{details}")
 
 
 def item_error(exc: BaseException) -> tensor_pb2.ItemError:
-    code, msg = status_for(exc)
-    return tensor_pb2.ItemError(code=code.value[0], message=msg)
+    """A per-item failure for an in-band ItemError (the stream goes on)."""
+    status, message = status_of(exc)
+    return tensor_pb2.ItemError(code=status.value, message=message)
+
+
+def error_from_item(item: tensor_pb2.ItemError, prefix: str = "") -> ServiceError:
+    """An in-band ItemError back into a typed domain error (never parsed from text)."""
+    return errors.error_for(Status.from_value(item.code), f"{prefix}{item.message}")
 
 
 def code_from_int(value: int) -> grpc.StatusCode:
-    for c in grpc.StatusCode:
-        if c.value[0] == value:
-            return c
-    return grpc.StatusCode.UNKNOWN
+    return GRPC_CODE[Status.from_value(value)]
 
 
 # ---- request ids --------------------------------------------------------------------------------
-# The gateway's request id rides in this metadata key on every call made for a request; a call made
-# for several sequences at once (Reserve, Release) names them all, comma-separated.
-REQUEST_ID_KEY = "x-request-id"
-
-
 def request_metadata(*request_ids: str) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_KEY, ",".join(request_ids)),) if request_ids else ()
 
@@ -93,52 +100,58 @@ def request_id_of(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+# ---- servicer errors ----------------------------------------------------------------------------
+async def abort(
+    context: grpc.aio.ServicerContext, exc: BaseException, trailers: tuple[tuple[str, str], ...] = ()
+) -> NoReturn:
+    """End the call with `exc`'s status (context.abort raises; this never returns)."""
     code, msg = status_for(exc)
-    await context.abort(code, msg)
+    await context.abort(code, msg, trailers)
+    raise AssertionError("context.abort returned")  # grpc.aio raises AbortError from abort
 
 
-# ---- TLS --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TLSFiles:
-    """Certificate files. With a CA, servers require client certificates (mutual TLS)."""
-
-    cert: Path | None = None
-    key: Path | None = None
-    ca: Path | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.cert is not None and self.key is not None
-
-    def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials:
-        assert self.cert and self.key
-        ca = self.ca.read_bytes() if self.ca else None
-        return grpc.ssl_server_credentials(
-            [(self.key.read_bytes(), self.cert.read_bytes())],
-            root_certificates=ca,
-            require_client_auth=bool(ca) and require_client_cert,
-        )
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.ca.read_bytes() if self.ca else None,
-            private_key=self.key.read_bytes() if self.key else None,
-            certificate_chain=self.cert.read_bytes() if self.cert else None,
-        )
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
+def handles_errors(method: F | None = None, *, trailers: tuple[tuple[str, str], ...] = ()) -> Any:
+    """Wrap a servicer method (unary, writer-style streaming, or an async-generator streaming one):
+    any exception it raises ends the call with the status `status_for` maps it to (and `trailers`),
+    so no handler writes its own try/abort. Cancellation passes through; a handler's own abort is kept.
+
+    Use as `@handles_errors` or `@handles_errors(trailers=...)`."""
+
+    def wrap(fn: F) -> F:
+        if inspect.isasyncgenfunction(fn):
+
+            @functools.wraps(fn)
+            async def stream(
+                self: Any, request: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                try:
+                    async for item in fn(self, request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - mapped in one place
+                    await abort(context, e, trailers)
+
+            return stream  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await fn(self, request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:  # noqa: BLE001 - mapped in one place
+                await abort(context, e, trailers)
+
+        return unary  # type: ignore[return-value]
+
+    return wrap(method) if method is not None else wrap
 
 
+# ---- channels -----------------------------------------------------------------------------------
 def aio_channel(target: str, tls: TLSFiles | None = None) -> grpc.aio.Channel:
     if tls is not None and (tls.enabled or tls.ca):
         return grpc.aio.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
@@ -213,13 +226,14 @@ class Server:
         write_ready_file(ready_file, port=self.port, metrics_port=bound, **extra)
         return bound
 
-    def install_signal_handlers(self) -> None:
+    def install_signal_handlers(self, supervisor_pid: int | None = None) -> None:
+        """SIGTERM/SIGINT stop gracefully; so does the exit of `supervisor_pid` (fastdecode up),
+        from ServiceSettings.supervisor_pid."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        supervisor = os.environ.get("FASTDECODE_SUPERVISOR_PID", "")
-        if supervisor.isdigit():
-            self._watchdog = asyncio.create_task(self._watch_supervisor(int(supervisor)))
+        if supervisor_pid is not None:
+            self._watchdog = asyncio.create_task(self._watch_supervisor(supervisor_pid))
 
     async def _watch_supervisor(self, pid: int) -> None:
         """Stop gracefully when the supervisor that started us (fastdecode up) is gone."""

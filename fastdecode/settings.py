@@ -1,30 +1,93 @@
-"""Typed settings shared by every service: flags first, then FASTDECODE_* environment variables."""
+"""One typed settings class per service: the single source of every setting.
+
+Values come from the command line first, then FASTDECODE_* environment variables, then the field
+defaults. The `fastdecode serve ...` flags are derived from these fields (fastdecode.cli.common
+.settings_options): a flag's name, type, choices, default and help all come from its field, so no
+help text restates a default and no flag can disagree with its field. Per-field CLI extras ride in
+`json_schema_extra`: {"cli": "hidden"} (a flag not shown), {"cli": "env"} (no flag: set by the
+supervisor through the environment), {"path": "dir"} (a directory).
+
+This module imports no gRPC (TLSFiles builds credentials only when asked).
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastdecode.logs import configure_logging
-from fastdecode.rpc import TLSFiles
+
+if TYPE_CHECKING:
+    import grpc
+
+DType = Literal["float32", "float16", "bfloat16"]
+_HIDDEN = {"cli": "hidden"}
+_ENV_ONLY = {"cli": "env"}
+_DIR = {"path": "dir"}
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Certificate files. With a CA, servers require client certificates (mutual TLS)."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None and self.key is not None
+
+    def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials:
+        import grpc
+
+        assert self.cert and self.key
+        ca = self.ca.read_bytes() if self.ca else None
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=ca,
+            require_client_auth=bool(ca) and require_client_cert,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
 
 
 class ServiceSettings(BaseSettings):
+    """What every service shares."""
+
     model_config = SettingsConfigDict(env_prefix="FASTDECODE_", extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
-    metrics_port: int | None = Field(None, ge=0, le=65535)
-    grace_seconds: float = Field(20.0, ge=0)
-    log_level: str = "INFO"
-    log_json: bool = False
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_ca: Path | None = None
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port (off if unset)."
+    )
+    grace_seconds: float = Field(20.0, ge=0, description="Graceful stop period in seconds.")
+    tls_cert: Path | None = Field(None, description="Server cert (PEM).")
+    tls_key: Path | None = Field(None, description="Server key (PEM).")
+    tls_ca: Path | None = Field(None, description="CA (PEM): enables mTLS.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
+    ready_file: Path | None = Field(
+        None, description="Write the bound ports here once serving.", json_schema_extra=_HIDDEN
+    )
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING.")
+    log_json: bool = Field(False, description="JSON log lines.")
+    # Set by `fastdecode up` for its children: a service stops when its supervisor is gone.
+    supervisor_pid: int | None = Field(
+        None, ge=1, description="Stop when this process exits.", json_schema_extra=_ENV_ONLY
+    )
 
     @property
     def tls(self) -> TLSFiles:
@@ -32,6 +95,84 @@ class ServiceSettings(BaseSettings):
 
     def configure_logging(self, name: str) -> logging.Logger:
         return configure_logging(name, self.log_level, self.log_json)
+
+
+class ShardSettings(ServiceSettings):
+    """kv_attention: one KV-cache shard (the R-part)."""
+
+    shard_id: int = Field(0, ge=0, description="This shard's index.")
+    kv_capacity: int = Field(1 << 30, ge=0, description="KV pool budget in bytes.")
+    kv_dtype: DType = Field("float32", description="KV-cache element type.")
+    block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV block.")
+
+
+class DenseSettings(ServiceSettings):
+    """gpu_dense: the S-part with all the weights."""
+
+    model: Path = Field(..., description="HuggingFace checkpoint dir.", json_schema_extra=_DIR)
+    shards: str = Field(..., description="HOST:PORT,HOST:PORT of the kv_attention shards in shard-id order.")
+    device: str = Field("auto", description="auto | cpu | cuda[:N].")
+    dtype: DType = Field("float32", description="Weight and activation type.")
+    shard_timeout: float = Field(60.0, gt=0, description="Seconds to wait for a shard's answer.")
+    # Set by the supervisor: weight-loading progress for `fastdecode up`.
+    progress_file: Path | None = Field(
+        None, description="Weight-loading progress file.", json_schema_extra=_ENV_ONLY
+    )
+
+
+class SchedulerSettings(ServiceSettings):
+    """scheduler: admission, placement, steps."""
+
+    dense: str = Field(..., description="HOST:PORT of gpu_dense.")
+    shards: str = Field(..., description="HOST:PORT,HOST:PORT of the shards, in gpu_dense's order.")
+    admission: Literal["naive", "stabilized"] = Field("naive", description="Admission policy.")
+    w_limit: float | None = Field(
+        None, gt=0, description="W_lim in KV tokens for stabilized admission (derived if unset)."
+    )
+    micro_batch: int | None = Field(None, ge=1, description="Sequences per admitted micro-batch.")
+    max_running: int = Field(256, ge=1, description="Most sequences decoding at once (the batch B).")
+    max_waiting: int = Field(1024, ge=0, description="Waiting queue bound; full = RESOURCE_EXHAUSTED.")
+    prefill_token_budget: int = Field(2048, ge=1, description="Prefill tokens per step (chunked prefill).")
+    pipeline: bool = Field(True, description="Two-mini-batch pipeline.")
+    health_interval: float = Field(1.0, gt=0, description="Seconds between shard health probes.")
+    step_timeout: float = Field(120.0, gt=0, description="Seconds one step may take at gpu_dense.")
+    startup_timeout: float = Field(300.0, gt=0, description="Seconds to wait for gpu_dense at start.")
+    control_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds for a control call to a shard or gpu_dense (reserve, stats ...).",
+    )
+    probe_timeout: float = Field(2.0, gt=0, description="Seconds for one shard health or speed probe.")
+
+
+class GatewaySettings(ServiceSettings):
+    """gateway: the public API."""
+
+    scheduler: str = Field(..., description="HOST:PORT of the scheduler.")
+    model: Path = Field(
+        ..., description="Checkpoint dir with tokenizer.json and config.json.", json_schema_extra=_DIR
+    )
+    auth_token: SecretStr | None = Field(
+        None,
+        description="Bearer token clients must send (off if unset). Prefer the env var (argv shows in ps).",
+    )
+    max_concurrent_requests: int = Field(
+        4096, ge=1, description="Generate calls in flight; more = RESOURCE_EXHAUSTED."
+    )
+    max_prompt_chars: int = Field(1 << 20, ge=1, description="Longest prompt text.")
+    max_stop: int = Field(16, ge=0, description="Most stop strings per request.")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string.")
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for an unconnected scheduler.")
+    max_message_bytes: int = Field(4 << 20, ge=1024, description="Largest request the public ports accept.")
+    http_port: int | None = Field(
+        None, ge=0, le=65535, description="OpenAI-compatible HTTP API port (off if unset; 0 picks one)."
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Model id of the HTTP API (default: the checkpoint dir name).",
+    )
 
 
 def split_addresses(value: str | list[str]) -> list[str]:

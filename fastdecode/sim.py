@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fastdecode.errors import InvalidInput, ResourceExhausted
+from fastdecode.errors import InvalidInput, ResourceExhausted, ServiceError
 from fastdecode.scheduling import (
     NaiveAdmission,
     Request,
@@ -296,7 +296,7 @@ def simulate(workload: Sequence[WorkItem], config: SimConfig | None = None, *, s
         run_time += len(step.seqs) * dt
         now += dt
         steps += 1
-        results: dict[str, tuple[int, float] | str] = {}
+        results: dict[str, tuple[int, float] | ServiceError] = {}
         for p in step.seqs:
             if p.sample:
                 made = p.sample_index + 1  # this is the made-th generated token

@@ -24,7 +24,7 @@ from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median
 from fastdecode.checkpoint import default_model_dir
 from fastdecode.engine import Chunk, LocalEngine
-from fastdecode.errors import FastDecodeError, InvalidInput
+from fastdecode.errors import InvalidInput, ServiceError
 from fastdecode.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.model import ModelConfig
 from fastdecode.rpc import aio_channel
@@ -85,7 +85,7 @@ async def _fill_shard(
 
     async for resp in stub.Attend(items(), timeout=600):
         if resp.error.code:
-            raise FastDecodeError(f"filling the shard failed: {resp.error.message}")
+            raise ServiceError(f"filling the shard failed: {resp.error.message}")
 
 
 def _fill_local(engine: LocalEngine, ids: list[str], context: int, gen: torch.Generator) -> None:
@@ -195,10 +195,10 @@ async def _run(
             dt = time.perf_counter() - t0
             cpu1 = sum(_cpu_seconds(p.pid) for p in procs)
             if res.error.code:
-                raise FastDecodeError(f"step {step} failed: {res.error.message}")
+                raise ServiceError(f"step {step} failed: {res.error.message}")
             for r in res.results:
                 if r.error.code:
-                    raise FastDecodeError(f"step {step}, {r.seq_id}: {r.error.message}")
+                    raise ServiceError(f"step {step}, {r.seq_id}: {r.error.message}")
             by_id = {r.seq_id: r.token_id for r in res.results}
             tokens = [by_id[s] for s in ids]
             if engine is not None:

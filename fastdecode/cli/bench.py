@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from fastdecode.errors import FastDecodeError
+from fastdecode.errors import ServiceError
 
 KV_DTYPES = click.Choice(["float32", "float16", "bfloat16"])
 
@@ -39,7 +39,7 @@ def run_bench(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run a benchmark, turning domain errors into a clean CLI error."""
     try:
         return fn()
-    except FastDecodeError as e:
+    except ServiceError as e:
         raise click.ClickException(str(e)) from None
 
 

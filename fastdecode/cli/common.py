@@ -1,12 +1,17 @@
-"""The root `fastdecode` group and the helpers the `serve` commands share."""
+"""The root `fastdecode` group and the helpers the `serve` commands share: flags derived from the
+services' settings classes (fastdecode.settings), and running a service with them."""
 
 from __future__ import annotations
 
 import asyncio
+import types
+import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
+from pydantic_settings import BaseSettings
 
 
 def settings_kwargs(**flags: Any) -> dict[str, Any]:
@@ -14,40 +19,51 @@ def settings_kwargs(**flags: Any) -> dict[str, Any]:
     return {k: v for k, v in flags.items() if v is not None}
 
 
-def common_serve_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    for opt in reversed(
-        [
-            click.option(
-                "--host", default=None, help="Bind address (env FASTDECODE_HOST, default 127.0.0.1)."
-            ),
-            click.option(
-                "--port", type=int, default=None, help="gRPC port; 0 picks a free one (FASTDECODE_PORT)."
-            ),
-            click.option(
-                "--metrics-port", type=int, default=None, help="Prometheus /metrics port (off if unset)."
-            ),
-            click.option(
-                "--grace-seconds", type=float, default=None, help="Graceful stop period (default 20)."
-            ),
-            click.option(
-                "--tls-cert", type=click.Path(dir_okay=False), default=None, help="Server cert (PEM)."
-            ),
-            click.option(
-                "--tls-key", type=click.Path(dir_okay=False), default=None, help="Server key (PEM)."
-            ),
-            click.option(
-                "--tls-ca", type=click.Path(dir_okay=False), default=None, help="CA (PEM): enables mTLS."
-            ),
-            click.option("--threads", type=int, default=None, help="torch intra-op threads."),
-            click.option("--ready-file", type=click.Path(dir_okay=False), default=None, hidden=True),
-            click.option("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)."),
-            click.option(
-                "--log-json/--no-log-json", default=None, help="JSON log lines (FASTDECODE_LOG_JSON)."
-            ),
-        ]
-    ):
-        f = opt(f)
-    return f
+def _flag_type(annotation: Any, extra: dict[str, Any]) -> tuple[Any, bool]:
+    """The click type of a settings field, and whether it is a boolean on/off flag."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if typing.get_origin(annotation) is typing.Literal:
+        return click.Choice([str(a) for a in typing.get_args(annotation)]), False
+    if annotation is bool:
+        return None, True
+    if annotation is Path:
+        return (
+            click.Path(file_okay=False) if extra.get("path") == "dir" else click.Path(dir_okay=False)
+        ), False
+    return {int: int, float: float}.get(annotation, str), False
+
+
+def settings_options(settings_cls: type[BaseSettings]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One flag per field of `settings_cls` (fastdecode.settings), derived from the field: --name-with-dashes,
+    its type or choices, and help = description + default + environment variable. Flags default to None
+    so that a flag not given leaves the value to the environment, then to the field's default."""
+    prefix = str(settings_cls.model_config.get("env_prefix", ""))
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        options = []
+        for name, field in settings_cls.model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            if extra.get("cli") == "env":
+                continue
+            kind, is_bool = _flag_type(field.annotation, extra)
+            flag = "--" + name.replace("_", "-")
+            notes = [] if field.is_required() or field.default is None else [f"default: {field.default}"]
+            notes.append(f"env: {prefix}{name.upper()}")
+            text = f"{field.description or ''} [{'; '.join(notes)}]".strip()
+            hidden = extra.get("cli") == "hidden"
+            if is_bool:
+                options.append(
+                    click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=text, hidden=hidden)
+                )
+            else:
+                options.append(click.option(flag, name, type=kind, default=None, help=text, hidden=hidden))
+        for opt in reversed(options):
+            f = opt(f)
+        return f
+
+    return decorate
 
 
 def run_service(serve: Callable[[Any], Any], settings_cls: type, flags: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fastdecode.errors import FastDecodeError
+from fastdecode.errors import ServiceError
 
 SIM_KEYS = (
     "tokens_per_s",
@@ -90,7 +90,7 @@ def simulate_cmd(
                 cost=cost,
             )
             results[adm] = simulate(items, cfg, seed=seed).to_dict()
-    except FastDecodeError as e:
+    except ServiceError as e:
         raise click.ClickException(str(e)) from e
     if as_json:
         out = results if compare else results[admission]
@@ -167,7 +167,7 @@ def plan_cmd(
         )
         if plot:
             planner.plot_plan(prof, result, plot)
-    except FastDecodeError as e:
+    except ServiceError as e:
         raise click.ClickException(str(e)) from e
     except ValueError as e:
         raise click.ClickException(f"bad option: {e}") from e

@@ -93,7 +93,7 @@ def run(
     """Generate in-process with LocalEngine (no servers)."""
     from fastdecode.checkpoint import ensure_default_model
     from fastdecode.engine import LocalEngine
-    from fastdecode.errors import FastDecodeError
+    from fastdecode.errors import ServiceError
     from fastdecode.sampling import SamplingParams
     from fastdecode.tokenizer import Tokenizer
 
@@ -116,7 +116,7 @@ def run(
                 finish = fin
                 if not as_json:
                     click.echo(stream.push(token), nl=False)
-    except FastDecodeError as e:
+    except ServiceError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps({"token_ids": out_ids, "text": tok.decode(out_ids), "finish_reason": finish}))

@@ -112,7 +112,7 @@ def up(
         os.environ["FASTDECODE_LOG_JSON"] = "1"  # the services inherit it
 
     from fastdecode.cli.progress import startup_progress
-    from fastdecode.errors import FastDecodeError
+    from fastdecode.errors import ServiceError
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -123,7 +123,7 @@ def up(
     try:
         with startup_progress() as on_progress:  # None (no output) when stderr is not a terminal
             fleet.start(on_progress=on_progress)
-    except FastDecodeError as e:
+    except ServiceError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     try:
@@ -158,13 +158,13 @@ def demo(prompt: str, max_tokens: int) -> None:
     import time
 
     from fastdecode.client import Client
-    from fastdecode.errors import FastDecodeError
+    from fastdecode.errors import ServiceError
 
     t0 = time.monotonic()
     fleet = _make_fleet(None, 2, 0, "auto", 256 << 20, "float32", "naive")
     try:
         fleet.start()
-    except FastDecodeError as e:
+    except ServiceError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     try:

@@ -5,7 +5,7 @@ Pure Python, no gRPC. A driver (the scheduler service, or the simulator) loops:
     side; events = core.apply(step, results); stream events.
 One step is outstanding at a time in practice; sequences of an un-applied step are skipped by
 next_step, so a second outstanding step is allowed but never plans the same sequence twice. Every step
-with sequences must be applied (with error strings when the dense side failed), or its sequences stay
+with sequences must be applied (with typed errors when the dense side failed), or its sequences stay
 in flight.
 
 Placement: a new sequence goes to the healthy shard with room for prompt + max_tokens whose load over
@@ -19,7 +19,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fastdecode.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.errors import (
+    InternalError,
+    InvalidInput,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    ServiceError,
+)
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
 from fastdecode.scheduling.types import (
@@ -354,8 +361,8 @@ class SchedulerCore:
         self._admission.started(step_no, started)
 
     # ---------------------------------------------------------------- results in
-    def apply(self, step: Step, results: dict[str, tuple[int, float] | str]) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (or per-sequence error strings); returns the token events."""
+    def apply(self, step: Step, results: dict[str, tuple[int, float] | ServiceError]) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events."""
         marks = self._inflight.pop(step.step, None)
         if marks is None:
             if not step.seqs:
@@ -368,14 +375,14 @@ class SchedulerCore:
                 continue  # cancelled, or moved off a lost shard: its history is re-prefilled instead
             seq.inflight = None
             res = results.get(sid)
-            if isinstance(res, str):
+            if isinstance(res, ServiceError):
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=res))
                 self._leave(seq)
                 continue
             if not mark.sample:
                 continue  # a prefill chunk that is not the last: its KV is in, nothing to sample
             if res is None:
-                err = "no result for a sampled sequence"
+                err = InternalError("no result for a sampled sequence")
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=err))
                 self._leave(seq)
                 continue
@@ -402,7 +409,7 @@ class SchedulerCore:
         lps: list[float],
         reason: str | None,
         step_no: int,
-        error: str | None = None,
+        error: ServiceError | None = None,
     ) -> TokenEvent:
         return TokenEvent(
             seq_id=seq.req.seq_id,

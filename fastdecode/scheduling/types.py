@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from fastdecode.errors import ServiceError
 from fastdecode.sampling import SamplingParams as Sampling  # one definition of sampling settings
 
 FINISH_LENGTH = "length"
@@ -100,7 +101,7 @@ class TokenEvent:
     completion_tokens: int
     step: int
     shard: int
-    error: str | None = None
+    error: ServiceError | None = None  # typed (status, message); set when finish_reason is FINISH_ERROR
 
 
 @dataclass

@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import torch
 from prometheus_client import Counter, Histogram
-from pydantic import Field
 
 from fastdecode import codec
 from fastdecode.errors import InvalidInput, Unavailable
@@ -19,7 +17,7 @@ from fastdecode.progress import LOADING_WEIGHTS, ProgressFile
 from fastdecode.rpc import Server, abort, code_from_int, item_error
 from fastdecode.rpc import error_from_status as from_status
 from fastdecode.sampling import SamplingParams
-from fastdecode.settings import ServiceSettings, split_addresses
+from fastdecode.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -48,17 +46,7 @@ STEP_SEQUENCES = Counter(
 )
 
 
-class Settings(ServiceSettings):
-    model: Path
-    shards: str = Field(
-        ..., description="comma-separated HOST:PORT of the kv_attention shards, in shard-id order"
-    )
-    device: str = "auto"
-    dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$")
-    shard_timeout: float = Field(60.0, gt=0)
-    ready_file: Path | None = None
-    # Set by the supervisor (env FASTDECODE_PROGRESS_FILE): weight-loading progress for `fastdecode up`.
-    progress_file: Path | None = None
+Settings = DenseSettings  # the one settings class: fastdecode.settings
 
 
 class DenseService(pb_grpc.DenseServicer):
@@ -220,7 +208,7 @@ async def serve(settings: Settings) -> None:
         settings.tls,
         settings.grace_seconds,
     )
-    server.install_signal_handlers()
+    server.install_signal_handlers(settings.supervisor_pid)
     links = [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
     service = DenseService(settings, links)
     pb_grpc.add_DenseServicer_to_server(service, server.server)

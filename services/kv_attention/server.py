@@ -7,18 +7,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
-from pydantic import Field
 
 from fastdecode import codec
 from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.kv import KVStore
 from fastdecode.rpc import Server, abort, code_from_int, item_error, request_id_of
-from fastdecode.settings import ServiceSettings
+from fastdecode.settings import ShardSettings
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 
@@ -43,12 +41,7 @@ ATTEND_ERRORS = Counter(
 )
 
 
-class Settings(ServiceSettings):
-    shard_id: int = Field(0, ge=0)
-    kv_capacity: int = Field(1 << 30, ge=0, description="KV pool budget in bytes")
-    kv_dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$")
-    block_size: int = Field(16, ge=1, le=4096)
-    ready_file: Path | None = None
+Settings = ShardSettings  # the one settings class: fastdecode.settings
 
 
 class KVAttentionService(pb_grpc.KVAttentionServicer):
@@ -133,7 +126,11 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ShardStats:
         s = self.store
-        stats = pb.ShardStats(shard_id=self.settings.shard_id, kv_dtype=codec.wire_dtype(self.dtype))
+        stats = pb.ShardStats(
+            shard_id=self.settings.shard_id,
+            kv_dtype=codec.wire_dtype(self.dtype),
+            block_size=self.settings.block_size,
+        )
         if s is not None:
             stats.configured = True
             stats.sequences = len(s.seqs)
@@ -206,7 +203,7 @@ async def serve(settings: Settings) -> None:
     )
     service = KVAttentionService(settings)
     pb_grpc.add_KVAttentionServicer_to_server(service, server.server)
-    server.install_signal_handlers()
+    server.install_signal_handlers(settings.supervisor_pid)
     await server.start()
     await server.announce(settings.host, settings.metrics_port, settings.ready_file)
     log.info(

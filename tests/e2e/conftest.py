@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from fastdecode.fleet import UpProcess, free_port
-from tests_support import TOKEN, start_up
+from tests.support import TOKEN, start_up
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from fastdecode.client import Client, FastDecodeError
 from fastdecode.fleet import UpProcess
 from fastdecode.rpc import sync_channel
 from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests_support import TOKEN
+from tests.support import TOKEN
 
 PROMPTS_8 = [
     [0, 17, 300, 45],

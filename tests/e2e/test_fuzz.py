@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fastdecode.fleet import UpProcess
 from fastdecode.rpc import sync_channel
 from fastdecode.v1 import gateway_pb2, kv_attention_pb2, kv_attention_pb2_grpc, tensor_pb2
-from tests_support import TOKEN
+from tests.support import TOKEN
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -13,8 +13,8 @@ import grpc
 from fastdecode.fleet import UpProcess
 from fastdecode.rpc import REQUEST_ID_KEY, sync_channel
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
-from tests_support import TOKEN, Samples, scrape
-from tests_support import metric_total as total
+from tests.support import TOKEN, Samples, scrape
+from tests.support import metric_total as total
 
 
 def names(samples: Samples) -> set[str]:

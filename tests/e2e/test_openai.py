@@ -23,7 +23,7 @@ from fastdecode.client import Client
 from fastdecode.fleet import ServiceProcess, UpProcess, start_service, stop_processes
 from fastdecode.rpc import REQUEST_ID_KEY, sync_channel
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
-from tests_support import TOKEN, metric_total, scrape
+from tests.support import TOKEN, metric_total, scrape
 
 HTTP_TIMEOUT = 60.0
 MESSAGES = [

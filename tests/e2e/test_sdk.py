@@ -22,7 +22,7 @@ from fastdecode.client import (
     Tokens,
 )
 from fastdecode.fleet import UpProcess, free_port
-from tests_support import TOKEN
+from tests.support import TOKEN
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fastdecode.client import Client, FastDecodeError
 from fastdecode.fleet import Fleet
 from fastdecode.rpc import TLSFiles, sync_channel
-from tests_support import make_tls
+from tests.support import make_tls
 
 SECRET = "s3cr3t-bearer-value"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fastdecode.client import Client
 from fastdecode.fleet import free_port
-from tests_support import pid_alive, start_up
+from tests.support import pid_alive, start_up
 
 
 def test_sigterm_leaves_no_fleet_process(model_factory: Callable, tmp_path: Path) -> None:

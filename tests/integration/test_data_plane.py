@@ -18,7 +18,7 @@ from fastdecode.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.model import ModelConfig
 from fastdecode.rpc import sync_channel
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc, tensor_pb2
-from tests_support import PROMPTS
+from tests.support import PROMPTS
 
 MAX_NEW = 24
 

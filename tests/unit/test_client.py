@@ -44,10 +44,10 @@ from fastdecode.client import (
     _request,
 )
 from fastdecode.fleet import free_port, start_service, stop_processes
+from fastdecode.protocol import ERROR_TRAILER
 from fastdecode.rpc import MAX_MESSAGE_BYTES
 from fastdecode.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
-from services.gateway.server import ERROR_TRAILER
 
 
 class _Status(grpc.RpcError):

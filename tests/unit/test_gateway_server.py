@@ -17,10 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pydantic import SecretStr
 
+from fastdecode.convert import params_from_proto
 from fastdecode.fleet import ServiceProcess, free_port, start_service, stop_processes
 from fastdecode.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
-from services.gateway.server import BadRequest, BearerAuthInterceptor, _parser, params_from_proto
+from services.gateway.server import BadRequest, BearerAuthInterceptor, _parser
 
 TOKEN = "t0ps3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

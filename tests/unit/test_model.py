@@ -15,7 +15,7 @@ from fastdecode.engine import Chunk, LocalEngine
 from fastdecode.errors import ModelLoadError
 from fastdecode.model import DenseModel, ModelConfig
 from fastdecode.model.config import rope_inv_freq
-from tests_support import PROMPTS
+from tests.support import PROMPTS
 
 ARCHS = ["llama", "mistral", "qwen2"]
 

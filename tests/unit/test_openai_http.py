@@ -9,24 +9,23 @@ import shutil
 import socket
 from pathlib import Path
 
-import grpc
 import pytest
 
 from fastdecode.checkpoint import CHATML_TEMPLATE
-from fastdecode.errors import InvalidInput, ModelLoadError
-from fastdecode.tokenizer import Tokenizer
-from services.gateway.chat import ChatTemplate
-from services.gateway.openai_api import (
+from fastdecode.errors import InvalidInput, ModelLoadError, ServiceError, Status
+from fastdecode.gateway.chat import ChatTemplate
+from fastdecode.gateway.core import sane_request_id
+from fastdecode.gateway.openai import (
     HTTP_STATUS,
     APIError,
     ChatBody,
     CompletionBody,
-    _bind,
     chat_params,
     completion_params,
     error_body,
 )
-from services.gateway.server import GatewayError, sane_request_id
+from fastdecode.tokenizer import Tokenizer
+from services.gateway.http_server import _bind
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -146,7 +145,7 @@ def test_completion_params() -> None:
 def test_unsupported_completion_params_are_refused(body: dict, param: str) -> None:
     with pytest.raises(APIError) as e:
         completion_params(CompletionBody(**body))
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.param == param
+    assert e.value.status is Status.INVALID_ARGUMENT and e.value.param == param
 
 
 def test_chat_params() -> None:
@@ -185,18 +184,18 @@ def test_chat_params() -> None:
 @pytest.mark.parametrize(
     ("code", "status", "kind"),
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
-        (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
-        (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
-        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
-        (grpc.StatusCode.INTERNAL, 500, "server_error"),
-        (grpc.StatusCode.UNKNOWN, 500, "server_error"),
+        (Status.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        (Status.UNAUTHENTICATED, 401, "authentication_error"),
+        (Status.NOT_FOUND, 404, "invalid_request_error"),
+        (Status.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+        (Status.UNAVAILABLE, 503, "service_unavailable_error"),
+        (Status.DEADLINE_EXCEEDED, 504, "timeout_error"),
+        (Status.INTERNAL, 500, "server_error"),
+        (Status.UNKNOWN, 500, "server_error"),
     ],
 )
-def test_error_shape(code: grpc.StatusCode, status: int, kind: str) -> None:
-    got_status, body = error_body(GatewayError(code, "why", "max_tokens"))
+def test_error_shape(code: Status, status: int, kind: str) -> None:
+    got_status, body = error_body(ServiceError("why", code, param="max_tokens"))
     assert got_status == status
     assert body == {"error": {"message": "why", "type": kind, "param": "max_tokens", "code": None}}
     assert HTTP_STATUS.get(code, (500, "server_error")) == (status, kind)
@@ -235,17 +234,22 @@ def test_front_refuses_before_reading_the_body(llama_dir: Path) -> None:
     """Token and body size are checked from the headers alone; every answer carries the request id."""
     from pydantic import SecretStr
 
+    from fastdecode.gateway.core import GatewayCore
     from fastdecode.model import ModelConfig
-    from services.gateway.openai_api import _Front
-    from services.gateway.server import GatewayService, Settings
+    from fastdecode.settings import GatewaySettings
+    from services.gateway.http_server import _Front
+    from tests.support.fakes import FakeScheduler
 
     async def app(scope: dict, receive: object, send: object) -> None:
         raise AssertionError("the app must not run")
 
     async def run(path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict[bytes, bytes], dict]:
-        settings = Settings(scheduler="127.0.0.1:9", model=llama_dir)
-        service = GatewayService(
-            settings, Tokenizer.from_pretrained(llama_dir), ModelConfig.from_pretrained(llama_dir)
+        settings = GatewaySettings(scheduler="127.0.0.1:9", model=llama_dir)
+        service = GatewayCore(
+            settings,
+            Tokenizer.from_pretrained(llama_dir),
+            ModelConfig.from_pretrained(llama_dir),
+            FakeScheduler(),
         )
         front = _Front(app, service, SecretStr("tok"), max_body=100)
         sent: list[dict] = []

@@ -228,8 +228,9 @@ def test_error_result_finishes_with_error_and_releases() -> None:
     core = core_with()
     core.submit(Request("a", [1, 2], max_tokens=5))
     st = core.next_step()
-    (ev,) = core.apply(st, {"a": "shard said no"})
-    assert (ev.finish_reason, ev.error, ev.token_ids) == ("error", "shard said no", [])
+    (ev,) = core.apply(st, {"a": ResourceExhausted("shard said no")})
+    assert (ev.finish_reason, ev.token_ids) == ("error", [])
+    assert isinstance(ev.error, ResourceExhausted) and ev.error.message == "shard said no"
     assert core.next_step().release == [("a", 0)]
 
 

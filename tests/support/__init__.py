@@ -1,4 +1,5 @@
-"""Helpers and constants shared by tests (tests/ is on sys.path: see pyproject's pythonpath)."""
+"""Helpers and constants shared by tests: `from tests.support import ...` (the repository root is on
+sys.path: see pyproject's pythonpath). In-process fakes of the services live in tests.support.fakes."""
 
 from __future__ import annotations
 

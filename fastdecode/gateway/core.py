@@ -1,0 +1,335 @@
+"""The gateway's request handling, behind an interface to the scheduler. Imports no gRPC.
+
+`GatewayCore.generate` is the one request path of both public APIs (services/gateway: the gRPC
+servicer and the OpenAI-compatible HTTP app are thin adapters over it): admission (draining, the
+concurrency limit), validation, tokenizing, the scheduler call, detokenizing with stop strings,
+metrics, logs and drain accounting. The scheduler is reached through `SchedulerLink` (the gRPC one
+is services/gateway/scheduler_link.py; unit tests use an in-process fake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from fastdecode.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelLoadError,
+    ResourceExhausted,
+    ServiceError,
+    Status,
+    Unavailable,
+    as_service_error,
+)
+from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
+from fastdecode.logs import request_context
+from fastdecode.model import ModelConfig
+from fastdecode.settings import GatewaySettings
+from fastdecode.tokenizer import Tokenizer
+
+log = logging.getLogger("fastdecode.gateway")
+
+
+# ---- the scheduler, as the core sees it ------------------------------------------------------------
+@dataclass(frozen=True)
+class UpstreamEvent:
+    """One event of the scheduler's token stream for a request."""
+
+    token_ids: list[int]
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What the scheduler says about the fleet behind it."""
+
+    model_type: str
+    vocab_size: int
+    num_shards: int
+    device: str
+
+
+class SchedulerLink(Protocol):
+    """The gateway's view of the scheduler. Every failure is raised as a ServiceError."""
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Return once connected; Unavailable when not within `timeout` seconds."""
+
+    def submit(
+        self, request_id: str, request: ValidRequest, timeout: float | None
+    ) -> AsyncIterator[UpstreamEvent]:
+        """The request's token events. Closing the iterator early cancels the request upstream."""
+
+    async def model_info(self, timeout: float, wait_for_ready: bool = False) -> BackendInfo: ...
+
+    async def close(self) -> None: ...
+
+
+class GatewayMetrics:
+    """What the core reports; the no-op base is for tests, services/gateway/metrics.py exports it."""
+
+    def answered(self, status: Status, api: str) -> None: ...
+    def in_flight(self, delta: int) -> None: ...
+    def accepted(self, prompt_tokens: int) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
+    def generated(self, tokens: int) -> None: ...
+    def finished(self, reason: str, seconds: float) -> None: ...
+
+
+# ---- results ---------------------------------------------------------------------------------------
+@dataclass
+class GenerationChunk:
+    """One piece of a generation as both APIs send it; the last one has finish_reason and usage."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    model_type: str
+    model_name: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int]
+    num_shards: int
+    device: str
+
+
+# ---- request ids --------------------------------------------------------------------------------
+# A client's id is kept when it is 1-128 printable ASCII characters without spaces or commas (commas
+# separate ids in x-request-id metadata: fastdecode.rpc.request_metadata); otherwise the gateway makes one.
+_SANE_REQUEST_ID = re.compile(r"[!-+\--~]{1,128}")
+
+
+def new_request_id() -> str:
+    return f"gw-{uuid.uuid4().hex}"
+
+
+def sane_request_id(candidate: str | None) -> str | None:
+    return candidate if candidate and _SANE_REQUEST_ID.fullmatch(candidate) else None
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline passed")
+    return left
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        config: ModelConfig,
+        scheduler: SchedulerLink,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.config = config
+        self.scheduler = scheduler
+        self.metrics = metrics or GatewayMetrics()
+        self.model_id = settings.served_model_name or settings.model.name  # the HTTP API's model id
+        self.limits = Limits(
+            vocab_size=config.vocab_size,
+            max_context=config.max_position_embeddings,
+            max_prompt_chars=settings.max_prompt_chars,
+            max_stop=settings.max_stop,
+            max_stop_chars=settings.max_stop_chars,
+        )
+        self.eos_ids = frozenset(config.eos_token_ids)
+        self.ready = False  # set once announced; the HTTP /health reads it
+        self.draining = False
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.active_ids: set[str] = set()
+
+    @contextlib.contextmanager
+    def request_scope(self, candidate: str | None) -> Iterator[str]:
+        """The request's id (the client's when sane, else a new one), bound for logging while inside.
+
+        The id also names the sequence at the scheduler, which refuses duplicates: a client id already
+        in flight here gets a suffix."""
+        rid = sane_request_id(candidate) or new_request_id()
+        if rid in self.active_ids:
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        self.active_ids.add(rid)
+        try:
+            with request_context(rid):
+                yield rid
+        finally:
+            self.active_ids.discard(rid)
+
+    def rejected(self, api: str, err: ServiceError) -> None:
+        """Count and log a generation request refused before it entered `generate`."""
+        self.metrics.answered(err.status, api)
+        log.info("failed: %s: %s", err.status.name, err.message)
+
+    async def _validate(self, params: GenerateParams) -> ValidRequest:
+        check_params(params, self.limits)
+        if params.prompt is not None:
+            prompt_ids = await asyncio.to_thread(
+                self.tokenizer.encode, params.prompt, params.add_special_tokens
+            )
+        else:
+            prompt_ids = list(params.token_ids or [])
+        return resolve(params, prompt_ids, self.limits)
+
+    async def _connected(self, remaining: float | None) -> None:
+        connect = self.settings.connect_timeout
+        await self.scheduler.wait_connected(connect if remaining is None else min(remaining, connect))
+
+    # -- the one request path of both APIs
+    async def generate(
+        self, params: GenerateParams, request_id: str, deadline: float | None, api: str
+    ) -> AsyncIterator[GenerationChunk]:
+        """`deadline`: time.monotonic() by which the request must end (None: no deadline). Yields
+        chunks with new text or token ids; the last carries finish_reason and usage. Every failure
+        raises a ServiceError (already counted and logged); a consumer that stops early counts as
+        CANCELLED and must close the generator (contextlib.aclosing), which cancels the upstream call.
+        """
+        arrival = time.perf_counter()
+        status = Status.OK
+        entered = done = False
+        try:
+            if self.draining:
+                raise Unavailable("gateway is draining")
+            if self.inflight >= self.settings.max_concurrent_requests:
+                raise ResourceExhausted(f"{self.inflight} requests in flight at the gateway")
+            self.inflight += 1
+            entered = True
+            self.idle.clear()
+            self.metrics.in_flight(+1)
+
+            valid = await self._validate(params)
+            hidden = set(valid.stop_token_ids) | (set() if valid.ignore_eos else set(self.eos_ids))
+            out = OutputText(self.tokenizer, valid.stop, hidden, valid.prompt_ids)
+            await self._connected(_remaining(deadline))
+            events = self.scheduler.submit(request_id, valid, _remaining(deadline))
+            n_prompt = len(valid.prompt_ids)
+            log.info("accepted (%s): %d prompt tokens, max_tokens %d", api, n_prompt, valid.max_tokens)
+            self.metrics.accepted(n_prompt)
+            last: float | None = None
+            async with contextlib.aclosing(events):  # closing cancels the scheduler call
+                async for ev in events:
+                    now = time.perf_counter()
+                    delta = out.push(ev.token_ids)
+                    if delta.token_ids:
+                        if last is None:
+                            self.metrics.first_token(now - arrival)
+                        else:
+                            self.metrics.inter_token(now - last)
+                        last = now
+                        self.metrics.generated(len(delta.token_ids))
+                    finish = "stop" if delta.stopped else ev.finish_reason
+                    chunk = GenerationChunk(delta.text, list(delta.token_ids))
+                    if finish:
+                        if not delta.stopped:
+                            tail = out.finish()
+                            chunk.text += tail.text
+                            finish = "stop" if tail.stopped else finish
+                        chunk.finish_reason = finish
+                        chunk.prompt_tokens = n_prompt
+                        chunk.completion_tokens = out.num_tokens
+                        elapsed = time.perf_counter() - arrival
+                        self.metrics.finished(finish, elapsed)
+                        log.info(
+                            "finished: %s, %d completion tokens in %.3fs", finish, out.num_tokens, elapsed
+                        )
+                        done = True
+                        yield chunk
+                        return
+                    if chunk.text or chunk.token_ids:
+                        yield chunk
+            raise RuntimeError("the scheduler ended the token stream without a finish reason")
+        except (asyncio.CancelledError, GeneratorExit):
+            if not done:  # the client went away (or its deadline passed) before the end
+                status = Status.CANCELLED
+                log.info("cancelled after %.3fs", time.perf_counter() - arrival)
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves as a ServiceError
+            failed = as_service_error(e, log)
+            status = failed.status
+            log.info("failed: %s: %s", failed.status.name, failed.message)
+            raise failed from None
+        finally:
+            self.metrics.answered(status, api)
+            if entered:
+                self.inflight -= 1
+                self.metrics.in_flight(-1)
+                if self.inflight == 0:
+                    self.idle.set()
+
+    async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
+        if len(text) > self.limits.max_prompt_chars:
+            raise InvalidInput(
+                f"text has {len(text)} characters; the limit is {self.limits.max_prompt_chars}"
+            )
+        ids = await asyncio.to_thread(self.tokenizer.encode, text)
+        return ids, [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    async def model_card(self, timeout: float | None) -> ModelCard:
+        info = await self.scheduler.model_info(timeout or self.settings.connect_timeout)
+        return ModelCard(
+            model_type=info.model_type or self.config.model_type,
+            model_name=self.model_id,
+            vocab_size=self.config.vocab_size,
+            max_context=self.limits.max_context,
+            eos_token_ids=list(self.config.eos_token_ids),
+            num_shards=info.num_shards,
+            device=info.device,
+        )
+
+    # -- lifecycle
+    async def check_scheduler(self) -> None:
+        """The scheduler must serve the same model geometry the gateway tokenizes for."""
+        try:
+            info = await self.scheduler.model_info(self.settings.connect_timeout, wait_for_ready=True)
+        except ServiceError as e:
+            log.warning(
+                "scheduler %s not answering yet (%s); serving anyway", self.settings.scheduler, e.status.name
+            )
+            return
+        if info.vocab_size != self.config.vocab_size:
+            raise ModelLoadError(
+                f"the scheduler's model has vocab_size {info.vocab_size}, "
+                f"the gateway's {self.config.vocab_size}"
+            )
+
+    async def drain(self) -> None:
+        """New generation requests get UNAVAILABLE; wait for the ones in flight."""
+        self.draining = True
+        await self.idle.wait()
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+
+
+__all__ = [
+    "BackendInfo",
+    "GatewayCore",
+    "GatewayMetrics",
+    "GenerationChunk",
+    "ModelCard",
+    "SchedulerLink",
+    "UpstreamEvent",
+    "new_request_id",
+    "sane_request_id",
+]

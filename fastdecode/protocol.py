@@ -1,0 +1,26 @@
+"""Wire-level constants the SDK and the servers agree on. Imports nothing: the SDK uses it without
+loading any server module."""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # activations of a large batch fit; anything bigger is a bug
+
+# Channel options of every internal link and of the SDK (which replaces the reconnect backoff).
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+# The gateway's request id rides in this metadata key on every call made for a request; a call made
+# for several sequences at once (Reserve, Release) names them all, comma-separated.
+REQUEST_ID_KEY = "x-request-id"
+
+# Trailer on every error status the gateway answers itself, so a client can tell them from transport
+# failures (a lost connection), which are worth retrying (fastdecode.client).
+ERROR_SOURCE_KEY = "fastdecode-error-source"
+ERROR_TRAILER = ((ERROR_SOURCE_KEY, "gateway"),)

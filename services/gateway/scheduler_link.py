@@ -1,0 +1,73 @@
+"""The gateway's SchedulerLink over gRPC: the scheduler's statuses become domain errors here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from fastdecode import convert
+from fastdecode.errors import InternalError, ServiceError, Status, Unavailable, error_for, has_domain_meaning
+from fastdecode.gateway.core import BackendInfo, UpstreamEvent
+from fastdecode.gateway.text import ValidRequest
+from fastdecode.rpc import aio_channel, request_metadata, status_from_code
+from fastdecode.settings import TLSFiles
+from fastdecode.v1 import dense_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("fastdecode.gateway")
+
+
+def upstream_error(e: grpc.aio.AioRpcError) -> ServiceError:
+    """Relay the scheduler's status: domain codes keep code and message, others become INTERNAL."""
+    status, details = status_from_code(e.code()), e.details() or ""
+    if status in (Status.DEADLINE_EXCEEDED, Status.CANCELLED):
+        return error_for(status, f"scheduler: {details}")
+    if not has_domain_meaning(status):  # INTERNAL, UNKNOWN, UNAUTHENTICATED, ...
+        log.warning("scheduler failed with %s: %s", status.name, details)
+        return InternalError(f"scheduler failed ({status.name}): {details}")
+    return error_for(status, details)
+
+
+class GrpcSchedulerLink:
+    def __init__(self, target: str, tls: TLSFiles | None) -> None:
+        self.target = target
+        self.channel = aio_channel(target, tls)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    async def wait_connected(self, timeout: float) -> None:
+        if self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        except TimeoutError:
+            raise Unavailable(f"scheduler {self.target} is unreachable") from None
+
+    async def submit(
+        self, request_id: str, request: ValidRequest, timeout: float | None
+    ) -> AsyncIterator[UpstreamEvent]:
+        call = self.stub.Submit(
+            convert.submit_request(request_id, request),
+            timeout=timeout,
+            metadata=request_metadata(request_id),
+        )
+        try:
+            async for ev in call:
+                yield UpstreamEvent(list(ev.token_ids), ev.finish_reason)
+        except grpc.aio.AioRpcError as e:
+            raise upstream_error(e) from None
+        finally:
+            call.cancel()  # no-op when finished; otherwise the scheduler frees the sequence's KV
+
+    async def model_info(self, timeout: float, wait_for_ready: bool = False) -> BackendInfo:
+        try:
+            info = await self.stub.GetModelInfo(
+                dense_pb2.InfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready
+            )
+        except grpc.aio.AioRpcError as e:
+            raise upstream_error(e) from None
+        return BackendInfo(info.model_type, info.vocab_size, info.num_shards, info.device)
+
+    async def close(self) -> None:
+        await self.channel.close()

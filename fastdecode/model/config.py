@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fastdecode.errors import ModelLoadError
+from fastdecode.geometry import KVGeometry
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -49,8 +50,12 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.num_hidden_layers, self.num_key_value_heads, self.head_dim)
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+        return self.kv_geometry.bytes_per_token(itemsize)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:

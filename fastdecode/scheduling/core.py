@@ -92,11 +92,13 @@ class SchedulerCore:
         prefill_token_budget: int = 512,
         admission: AdmissionPolicy | None = None,
         max_context: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
         if max_context is not None and max_context < 2:
             raise InvalidInput("max_context must be >= 2")
+        self._vocab_size = vocab_size
         self._shards: list[_Shard] = []
         for spec in shards:
             self.add_shard(spec)
@@ -136,11 +138,11 @@ class SchedulerCore:
             raise InvalidInput("empty prompt")
         if any(int(t) < 0 for t in req.prompt):
             raise InvalidInput("token ids must be >= 0")
+        if self._vocab_size is not None and any(int(t) >= self._vocab_size for t in req.prompt):
+            raise InvalidInput(f"prompt token id outside the vocabulary [0, {self._vocab_size})")
         if req.max_tokens < 1:
             raise InvalidInput("max_tokens must be >= 1")
-        s = req.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-            raise InvalidInput("sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        req.sampling.validate()  # the one set of sampling rules (NaN and upper bounds included)
         if self._max_context is not None and req.kv_tokens > self._max_context:
             raise OutOfRange(
                 f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds the context"

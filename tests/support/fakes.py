@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from fastdecode.errors import ServiceError, Unavailable
 from fastdecode.gateway.core import BackendInfo, UpstreamEvent
 from fastdecode.gateway.text import ValidRequest
+from fastdecode.geometry import KVGeometry
+from fastdecode.scheduling import Reservation, Step
+from fastdecode.scheduling.driver import DenseInfo, ItemResult, ShardState, StepOutcome
 
 
 @dataclass
@@ -58,3 +61,79 @@ class FakeScheduler:
 
     async def close(self) -> None:
         pass
+
+
+@dataclass
+class FakeDense:
+    """The scheduler driver's DenseLink: samples token `1 + sample_index` for every sampled sequence
+    (never EOS, which is 0 here); `fail_items` maps a shard to the error its sequences' items get."""
+
+    info_: DenseInfo = field(
+        default_factory=lambda: DenseInfo("llama", KVGeometry(2, 2, 8), 100, 512, (0,), 2)
+    )
+    fail_items: dict[int, ServiceError] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+
+    async def info(self, timeout: float) -> DenseInfo:
+        return self.info_
+
+    async def run(self, step: Step, pipeline: bool) -> StepOutcome:
+        self.steps.append(step)
+        items = []
+        for p in step.seqs:
+            if p.shard in self.fail_items:
+                items.append(ItemResult(p.seq_id, error=self.fail_items[p.shard]))
+            elif p.sample:
+                items.append(ItemResult(p.seq_id, 1 + p.sample_index, -0.5))
+            else:
+                items.append(ItemResult(p.seq_id))
+        return StepOutcome(items)
+
+    async def add_shard(self, address: str, timeout: float) -> int:
+        self.info_ = DenseInfo(**{**self.info_.__dict__, "num_shards": self.info_.num_shards + 1})
+        return self.info_.num_shards - 1
+
+
+@dataclass
+class FakeShard:
+    """A kv_attention shard as the driver's ShardLink sees it. `serving` is its health answer;
+    `stats_error`, when set, is what Stats raises (a shard that answers health but not Stats)."""
+
+    address: str = "fake-shard:0"
+    serving: bool = True
+    stats_error: ServiceError | None = None
+    bytes_capacity: int = 1 << 20
+    kv_itemsize: int = 4
+    block_size: int = 16
+    held: dict[str, int] = field(default_factory=dict)
+    stats_calls: int = 0
+
+    async def healthy(self, timeout: float) -> bool:
+        return self.serving
+
+    async def stats(self, timeout: float) -> ShardState:
+        self.stats_calls += 1
+        if self.stats_error is not None:
+            raise self.stats_error
+        return ShardState(
+            sequences=len(self.held),
+            configured=False,
+            free_tokens=0,
+            tokens_reserved=0,
+            bytes_capacity=self.bytes_capacity,
+            kv_itemsize=self.kv_itemsize,
+            block_size=self.block_size,
+            busy_seconds=0.0,
+            attended_pairs=0.0,
+        )
+
+    async def reserve(self, geometry: KVGeometry, seqs: list[Reservation], timeout: float) -> None:
+        if not self.serving:
+            raise Unavailable(f"shard {self.address} is down")
+        self.held.update({s.seq_id: s.max_tokens for s in seqs})
+
+    async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
+        if seq_ids is None:
+            self.held.clear()
+        for sid in seq_ids or ():
+            self.held.pop(sid, None)

@@ -1,0 +1,461 @@
+"""The scheduler's driver: the step loop, shard health and speed measurement, around SchedulerCore.
+Imports no gRPC: gpu_dense and the shards are reached through `DenseLink` and `ShardLink` (the gRPC
+ones are in services/scheduler/links.py; unit tests use in-process fakes).
+
+One loop runs the steps: core.next_step() -> release/reserve on the shards -> the plan to gpu_dense
+-> core.apply(results) -> token events to each request's stream. Shard loss (an item failing with
+UNAVAILABLE, a failed reservation or health check) hands the shard's sequences back to the core,
+which re-prefills them on the survivors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fastdecode.errors import InvalidInput, ServiceError, Status, Unavailable
+from fastdecode.geometry import KVGeometry
+from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
+from fastdecode.scheduling.core import SchedulerCore
+from fastdecode.scheduling.types import Request, Reservation, ShardSpec, Step, TokenEvent
+from fastdecode.settings import SchedulerSettings
+
+log = logging.getLogger("fastdecode.scheduler")
+
+# Tokens per KV block of a shard that does not report its own (ShardStats.block_size 0).
+DEFAULT_BLOCK_SIZE = 16
+# Each step's R estimate needs this many attended token pairs since the last look to mean anything.
+MIN_PAIRS_FOR_SPEED = 1e5
+SPEED_SMOOTHING = 0.3
+
+
+# ---- what the driver sees of gpu_dense and the shards ------------------------------------------------
+@dataclass(frozen=True)
+class DenseInfo:
+    model_type: str
+    geometry: KVGeometry
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    num_shards: int
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """One sequence's outcome of a step: a sampled token, nothing (a prefill chunk), or an error."""
+
+    seq_id: str
+    token_id: int = -1
+    logprob: float = 0.0
+    error: ServiceError | None = None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    items: list[ItemResult]
+    error: ServiceError | None = None  # the whole step failed (a bad plan)
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """A shard's Stats, in the driver's terms."""
+
+    sequences: int
+    configured: bool
+    free_tokens: int
+    tokens_reserved: int
+    bytes_capacity: int
+    kv_itemsize: int
+    block_size: int  # 0: the shard does not say
+    busy_seconds: float
+    attended_pairs: float
+
+
+class DenseLink(Protocol):
+    async def info(self, timeout: float) -> DenseInfo:
+        """Waits for a (re)starting gpu_dense up to `timeout`; ServiceError when it does not answer."""
+
+    async def run(self, step: Step, pipeline: bool) -> StepOutcome:
+        """One step at gpu_dense; Unavailable when gpu_dense is gone or the step timed out."""
+
+    async def add_shard(self, address: str, timeout: float) -> int:
+        """Tell gpu_dense about a new shard; returns its index."""
+
+
+class ShardLink(Protocol):
+    address: str
+
+    async def healthy(self, timeout: float) -> bool:
+        """True when the shard reports SERVING; False on NOT_SERVING or any failure to answer."""
+
+    async def stats(self, timeout: float) -> ShardState: ...
+    async def reserve(self, geometry: KVGeometry, seqs: list[Reservation], timeout: float) -> None: ...
+    async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
+        """Free the named sequences (None: all)."""
+
+
+class SchedulerMetrics:
+    """What the driver reports; the no-op base is for tests, services/scheduler/metrics.py exports it."""
+
+    def shard_lost(self, recovered_sequences: int) -> None: ...
+    def step(self, seconds: float, batch: int) -> None: ...
+    def state(self, stats: dict, decisions_delta: dict[str, int]) -> None: ...
+
+
+def capacity_tokens(state: ShardState, geometry: KVGeometry) -> int:
+    """KV tokens a shard holds: what it reports once configured, else from its byte budget, rounded
+    down to its own block size less one block (the shard rounds down to whole blocks)."""
+    if state.configured and state.free_tokens + state.tokens_reserved > 0:
+        return int(state.free_tokens + state.tokens_reserved)
+    block = state.block_size or DEFAULT_BLOCK_SIZE
+    per_token = geometry.bytes_per_token(state.kv_itemsize)
+    return max(0, (state.bytes_capacity // per_token) // block * block - block)
+
+
+@dataclass
+class ShardTrack:
+    """The driver's view of one shard: its link, health, and measured speed."""
+
+    link: ShardLink
+    healthy: bool = True
+    busy: float = 0.0  # last attention busy seconds / attended token pairs seen
+    pairs: float = 0.0
+    r: float | None = None  # measured seconds per new token per cached token
+
+
+@dataclass
+class _Mailbox:
+    """A request's events from the step loop, or a terminal error."""
+
+    queue: asyncio.Queue[TokenEvent | ServiceError] = field(default_factory=asyncio.Queue)
+
+
+class SchedulerDriver:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        dense: DenseLink,
+        shards: Sequence[ShardLink],
+        metrics: SchedulerMetrics | None = None,
+    ) -> None:
+        self.s = settings
+        self.dense = dense
+        self.shards = [ShardTrack(link) for link in shards]
+        self.metrics = metrics or SchedulerMetrics()
+        self.info: DenseInfo | None = None
+        self.core: SchedulerCore | None = None
+        self.streams: dict[str, _Mailbox] = {}
+        self.wake = asyncio.Event()
+        self.draining = False
+        self._ids = itertools.count()
+        self._decisions_seen: dict[str, int] = {}
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Wait for gpu_dense (it may still be loading weights), then size the core from the shards."""
+        deadline = time.monotonic() + self.s.startup_timeout
+        while True:
+            try:
+                self.info = await self.dense.info(self.s.control_timeout)
+                break
+            except ServiceError as e:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"gpu_dense not ready: {e.message}") from None
+                await asyncio.sleep(0.5)
+        if self.info.num_shards != len(self.shards):
+            raise InvalidInput(
+                f"gpu_dense has {self.info.num_shards} shards, the scheduler was given {len(self.shards)}"
+            )
+        for shard in self.shards:  # KV left by a previous scheduler instance belongs to no one now
+            await shard.link.release(None, self.s.control_timeout)
+        specs = [ShardSpec(await self._capacity(i)) for i in range(len(self.shards))]
+        s = self.s
+        admission = (
+            StabilizedAdmission(w_limit=s.w_limit, micro_batch=s.micro_batch)
+            if s.admission == "stabilized"
+            else NaiveAdmission()
+        )
+        self.core = SchedulerCore(
+            specs,
+            list(self.info.eos_token_ids),
+            max_running=s.max_running,
+            max_waiting=s.max_waiting,
+            prefill_token_budget=s.prefill_token_budget,
+            admission=admission,
+            max_context=self.info.max_position_embeddings,
+            vocab_size=self.info.vocab_size,
+        )
+        log.info(
+            "model %s, %d layers; shard capacities (tokens): %s",
+            self.info.model_type,
+            self.info.geometry.num_layers,
+            [sp.capacity_tokens for sp in specs],
+        )
+
+    async def _capacity(self, shard: int) -> int:
+        assert self.info is not None
+        state = await self.shards[shard].link.stats(self.s.control_timeout)
+        return capacity_tokens(state, self.info.geometry)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def new_id(self) -> str:
+        return f"seq-{next(self._ids)}"
+
+    async def generate(self, req: Request) -> AsyncIterator[TokenEvent]:
+        """Queue `req` and yield its token events until it finishes; its failure is raised as a
+        ServiceError. Closing early (a cancelled caller) frees the sequence's KV now."""
+        core = self.core
+        if core is None or self.draining:
+            raise Unavailable("scheduler is draining" if self.draining else "scheduler not ready")
+        if req.seq_id in self.streams:
+            raise InvalidInput(f"request id {req.seq_id!r} is already running")
+        core.submit(req)
+        stream = self.streams[req.seq_id] = _Mailbox()
+        log.info("queued: %d prompt tokens, max_tokens %d", len(req.prompt), req.max_tokens)
+        self.wake.set()
+        self._report()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, ServiceError):
+                    finished = True
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise item.error
+                yield item
+                if item.finish_reason:
+                    finished = True
+                    return
+        finally:
+            self.streams.pop(req.seq_id, None)
+            if not finished:  # the client cancelled or its deadline passed: free the KV now
+                try:
+                    core.cancel(req.seq_id)
+                    self.wake.set()
+                except ServiceError:  # it may have just finished
+                    pass
+            self._report()
+
+    async def add_shard(self, address: str, make_link: Callable[[str], ShardLink]) -> int:
+        """Register a shard at gpu_dense, then take it into placement. `make_link(address)` builds
+        the link (the adapter's)."""
+        if self.core is None:
+            raise Unavailable("scheduler not ready")
+        index = await self.dense.add_shard(address, self.s.control_timeout)
+        if index < len(self.shards):
+            return index
+        self.shards.append(ShardTrack(make_link(address)))
+        try:
+            capacity = await self._capacity(len(self.shards) - 1)
+        except ServiceError as e:
+            self.shards.pop()
+            raise Unavailable(f"shard {address} unreachable: {e.message}") from None
+        self.core.add_shard(ShardSpec(capacity))
+        log.info("added shard %d (%s), %d tokens", index, address, capacity)
+        self.wake.set()
+        return index
+
+    async def drain(self) -> None:
+        """Stop admitting; let running sequences finish."""
+        self.draining = True
+        while self.streams:
+            await asyncio.sleep(0.05)
+
+    # ---- the step loop -----------------------------------------------------------------------------
+    async def step_loop(self) -> None:
+        core = self.core
+        assert core is not None
+        while True:
+            step = core.next_step()
+            if step is None:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            await self.run_step(step)
+
+    async def run_step(self, step: Step) -> None:
+        core = self.core
+        assert core is not None
+        t0 = time.perf_counter()
+        if step.release:
+            await self._release(step.release)
+        if step.reserve:
+            step = await self._reserve(step)
+        if not step.seqs:
+            core.apply(step, {})
+            return
+        try:
+            outcome = await self.dense.run(step, self.s.pipeline)
+        except Unavailable as e:
+            log.error("%s; failing %d in-flight requests", e, len(self.streams))
+            core.apply(step, {p.seq_id: e for p in step.seqs})
+            self._fail_all(e)
+            return
+        results: dict[str, tuple[int, float] | ServiceError] = {}
+        lost: set[int] = set()
+        shard_of = {p.seq_id: p.shard for p in step.seqs}
+        for r in outcome.items:
+            if r.error is not None:
+                shard = shard_of.get(r.seq_id)
+                if r.error.status is Status.UNAVAILABLE and shard is not None:
+                    lost.add(shard)  # not this sequence's fault: recover it
+                    continue
+                results[r.seq_id] = r.error
+            elif r.token_id >= 0:
+                results[r.seq_id] = (r.token_id, r.logprob)
+        if outcome.error is not None:
+            failed = Unavailable(f"step failed: {outcome.error.message}")
+            results = {p.seq_id: failed for p in step.seqs}
+        for shard in lost:
+            self._shard_lost(shard, "attend stream failed")
+        self._dispatch(core.apply(step, results))
+        self.metrics.step(time.perf_counter() - t0, len(step.seqs))
+        self._report()
+
+    async def _release(self, releases: list[tuple[str, int]]) -> None:
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        for sid, shard in releases:
+            by_shard[shard].append(sid)
+        for shard, ids in by_shard.items():
+            try:
+                await self.shards[shard].link.release(ids, self.s.control_timeout)
+            except ServiceError as e:  # a lost shard has no KV left to free
+                log.warning("release on shard %d failed: %s", shard, e.status.name)
+
+    async def _reserve(self, step: Step) -> Step:
+        assert self.core is not None and self.info is not None
+        by_shard: dict[int, list[Reservation]] = defaultdict(list)
+        for r in step.reserve:
+            by_shard[r.shard].append(r)
+        failed: list[str] = []
+        for shard, seqs in by_shard.items():
+            ids = [s.seq_id for s in seqs]
+            try:
+                await self.shards[shard].link.reserve(self.info.geometry, seqs, self.s.control_timeout)
+                for s in seqs:
+                    log.info(
+                        "placed on shard %d: %d KV tokens reserved",
+                        shard,
+                        s.max_tokens,
+                        extra={"request_id": s.seq_id},
+                    )
+            except ServiceError as e:
+                if e.status in (Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED):
+                    self._shard_lost(shard, f"reserve failed: {e.message}")
+                else:
+                    log.warning("reserve of %d seqs on shard %d failed: %s", len(ids), shard, e.message)
+                for sid in ids:
+                    self.core.reservation_failed(sid)
+                failed += ids
+        return step.without(failed) if failed else step
+
+    def _shard_lost(self, shard: int, reason: str) -> None:
+        assert self.core is not None
+        track = self.shards[shard]
+        if not track.healthy:
+            return
+        track.healthy = False
+        moved = self.core.shard_lost(shard)
+        self.metrics.shard_lost(len(moved))
+        log.warning(
+            "shard %d (%s) lost (%s): re-prefilling %d sequences elsewhere",
+            shard,
+            track.link.address,
+            reason,
+            len(moved),
+        )
+        self.wake.set()
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            if ev.error is not None:
+                log.warning("failed: %s", ev.error, extra={"request_id": ev.seq_id})
+            elif ev.finish_reason:
+                log.info(
+                    "finished (%s): %d tokens, step %d",
+                    ev.finish_reason,
+                    ev.completion_tokens,
+                    ev.step,
+                    extra={"request_id": ev.seq_id},
+                )
+            stream = self.streams.get(ev.seq_id)
+            if stream is not None:
+                stream.queue.put_nowait(ev)
+
+    def _fail_all(self, exc: ServiceError) -> None:
+        """gpu_dense is gone: every running sequence ends with this error (never hangs)."""
+        assert self.core is not None
+        for sid, stream in list(self.streams.items()):
+            stream.queue.put_nowait(exc)
+            try:
+                self.core.cancel(sid)
+            except ServiceError:  # already gone from the core
+                pass
+
+    def _report(self) -> None:
+        assert self.core is not None
+        delta = {d: n - self._decisions_seen.get(d, 0) for d, n in self.core.decisions.items()}
+        self._decisions_seen = dict(self.core.decisions)
+        self.metrics.state(self.core.stats(), delta)
+
+    # ---- shard health and speed --------------------------------------------------------------------
+    async def health_loop(self) -> None:
+        """Probe shards every health_interval until cancelled; a probe's failure never ends the loop."""
+        while True:
+            await asyncio.sleep(self.s.health_interval)
+            await self.probe_shards()
+
+    async def probe_shards(self) -> None:
+        """A lost shard gives its sequences back; one that returns (SERVING and empty) takes new work."""
+        assert self.core is not None
+        for i, track in enumerate(self.shards):
+            try:
+                await self._probe(i, track)
+            except Exception:  # noqa: BLE001 - one shard's odd answer must not stop the others' probes
+                log.exception("probing shard %d (%s) failed", i, track.link.address)
+
+    async def _probe(self, index: int, track: ShardTrack) -> None:
+        assert self.core is not None
+        ok = await track.link.healthy(self.s.probe_timeout)
+        if ok and track.healthy:
+            await self._measure(index, track)
+        elif not ok and track.healthy:
+            self._shard_lost(index, "health check failed")
+        elif ok and not track.healthy:
+            try:
+                state = await track.link.stats(self.s.probe_timeout)
+            except ServiceError as e:  # SERVING but cannot say what it holds: still lost, ask again later
+                log.warning("shard %d answers health but not Stats (%s); still lost", index, e.status.name)
+                return
+            if state.sequences == 0:  # a restarted, empty shard
+                track.healthy = True
+                self.core.shard_recovered(index)
+                log.info("shard %d (%s) is back", index, track.link.address)
+                self.wake.set()
+
+    async def _measure(self, index: int, track: ShardTrack) -> None:
+        """Track each shard's measured R; speed = mean R / own R, so a slower shard gets fewer sequences."""
+        assert self.core is not None
+        try:
+            st = await track.link.stats(self.s.probe_timeout)
+        except ServiceError:
+            return
+        d_busy, d_pairs = st.busy_seconds - track.busy, st.attended_pairs - track.pairs
+        track.busy, track.pairs = st.busy_seconds, st.attended_pairs
+        if d_pairs < MIN_PAIRS_FOR_SPEED or d_busy <= 0:  # too little work since the last look
+            return
+        r = d_busy / d_pairs
+        track.r = r if track.r is None else (1 - SPEED_SMOOTHING) * track.r + SPEED_SMOOTHING * r
+        known = [t.r for t in self.shards if t.r is not None and t.healthy]
+        mean = sum(known) / len(known)
+        for i, t in enumerate(self.shards):
+            if t.r is not None and t.healthy:
+                self.core.set_speed(i, max(0.05, mean / t.r))

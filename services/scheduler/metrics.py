@@ -1,0 +1,56 @@
+"""The scheduler's Prometheus metrics: SchedulerDriver reports through SchedulerMetrics, this exports it."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from fastdecode.scheduling.driver import SchedulerMetrics
+
+RUNNING = Gauge("fastdecode_num_requests_running", "Sequences decoding")
+WAITING = Gauge("fastdecode_num_requests_waiting", "Sequences queued for admission")
+KV_LOAD = Gauge("fastdecode_kv_load_tokens", "Total KV tokens held across shards")
+SHARD_TOKENS = Gauge("fastdecode_shard_kv_tokens", "KV tokens held per shard", ["shard"])
+SHARD_USAGE = Gauge(
+    "fastdecode_kv_cache_usage_ratio", "Reserved share of each shard's KV capacity", ["shard"]
+)
+SHARD_HEALTHY = Gauge("fastdecode_shard_healthy", "1 while the shard takes sequences", ["shard"])
+RECOVERIES = Counter("fastdecode_shard_recoveries_total", "Sequences re-prefilled after a shard loss")
+SHARD_LOSSES = Counter("fastdecode_shard_losses_total", "Shards detected lost")
+ADMISSIONS = Counter(
+    "fastdecode_admission_decisions_total",
+    "Admission outcomes: sequences admitted or rejected (queue full); steps in which waiting "
+    "sequences were deferred by the policy or by shard capacity",
+    ["decision"],
+)
+STEP_SECONDS = Histogram(
+    "fastdecode_scheduler_step_seconds",
+    "Scheduler step wall time (reservations and the dense run included)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+BATCH_SIZE = Histogram(
+    "fastdecode_scheduler_batch_size",
+    "Sequences per step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
+
+
+class PrometheusSchedulerMetrics(SchedulerMetrics):
+    def shard_lost(self, recovered_sequences: int) -> None:
+        SHARD_LOSSES.inc()
+        RECOVERIES.inc(recovered_sequences)
+
+    def step(self, seconds: float, batch: int) -> None:
+        STEP_SECONDS.observe(seconds)
+        BATCH_SIZE.observe(batch)
+
+    def state(self, stats: dict, decisions_delta: dict[str, int]) -> None:
+        RUNNING.set(stats["running"])
+        WAITING.set(stats["waiting"])
+        KV_LOAD.set(stats["kv_load_tokens"])
+        for sh in stats["shards"]:
+            SHARD_TOKENS.labels(str(sh["shard"])).set(sh["tokens"])
+            SHARD_HEALTHY.labels(str(sh["shard"])).set(1 if sh["healthy"] else 0)
+            if sh["capacity_tokens"]:
+                SHARD_USAGE.labels(str(sh["shard"])).set(sh["reserved_tokens"] / sh["capacity_tokens"])
+        for decision, count in decisions_delta.items():
+            ADMISSIONS.labels(decision).inc(count)

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastdecode.rpc import CHANNEL_OPTIONS
+from fastdecode.protocol import CHANNEL_OPTIONS, ERROR_SOURCE_KEY
 from fastdecode.v1 import gateway_pb2 as pb
 from fastdecode.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -81,8 +81,8 @@ T = TypeVar("T")
 DEFAULT_GENERATE_TIMEOUT = 600.0
 DEFAULT_UNARY_TIMEOUT = 30.0
 
-# The gateway marks the error statuses it answers itself (services.gateway.server.ERROR_TRAILER).
-ERROR_SOURCE_KEY = "fastdecode-error-source"
+# The gateway marks the error statuses it answers itself (fastdecode.protocol.ERROR_TRAILER) with
+# ERROR_SOURCE_KEY. This module imports only grpc, protobuf and generated stubs (no server modules).
 
 
 # ---- errors ----------------------------------------------------------------------------------------

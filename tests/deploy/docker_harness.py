@@ -385,7 +385,9 @@ def base_image(client: Any, timeout: float = 600) -> str:
 def _requirements() -> list[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     build = project["build-system"]["requires"]
-    return [*project["project"]["dependencies"], *build]
+    # The image installs `.[server]` (deploy/docker/Dockerfile): the SDK's dependencies and the server extra.
+    server = project["project"]["optional-dependencies"]["server"]
+    return [*project["project"]["dependencies"], *server, *build]
 
 
 def build_wheelhouse(timeout: float = 600) -> Path:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 
 import pytest
 from click.testing import CliRunner
 
 from fastdecode.benchmarks.attention import run_attention_bench
 from fastdecode.benchmarks.common import format_pairs, format_table
-from fastdecode.benchmarks.transport import run_transport_bench
 from fastdecode.cli import main
 from fastdecode.errors import InvalidInput
 
@@ -59,11 +57,3 @@ def test_cli_bench_table_and_errors() -> None:
     assert res.exit_code != 0 and "KEY=VALUE" in res.output
     assert format_pairs({"a": 1.23456, "bb": "x", "skip": {}}) == "a   1.235\nbb  x"
     assert format_table([{"a": 1, "b": 2.0}]).splitlines() == ["a  b", "1  2"]
-
-
-def test_transport_bench_tiny(model_factory: Callable) -> None:
-    r = run_transport_bench(model_factory("llama"), batch=4, context=8, steps=2, warmup=1)
-    assert TRANSPORT_KEYS <= r.keys()
-    _finite_positive(r, TRANSPORT_KEYS)
-    assert r["overhead"] > -1 and r["overhead"] == pytest.approx(r["fleet_step_ms"] / r["local_step_ms"] - 1)
-    assert r["shard_items_per_step"] == 2 * 4  # two mini-batches x tiny's 4 layers, one shard

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from fastdecode.gateway.openai import (
     error_body,
 )
 from fastdecode.tokenizer import Tokenizer
-from services.gateway.http_server import _bind
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -219,15 +217,6 @@ def test_error_shape(code: Status, status: int, kind: str) -> None:
 )
 def test_sane_request_id(candidate: str | None, kept: bool) -> None:
     assert sane_request_id(candidate) == (candidate if kept else None)
-
-
-def test_http_sockets_say_tcp_so_asyncio_disables_nagle() -> None:
-    """With proto 0, asyncio leaves Nagle on and keep-alive responses wait ~40 ms for delayed ACKs."""
-    listener = _bind("127.0.0.1", 0)
-    with listener, socket.create_connection(listener.getsockname()[:2], timeout=5):
-        accepted, _ = listener.accept()
-        with accepted:
-            assert accepted.proto == socket.IPPROTO_TCP
 
 
 def test_front_refuses_before_reading_the_body(llama_dir: Path) -> None:

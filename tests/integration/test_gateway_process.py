@@ -1,4 +1,4 @@
-"""The gateway's adapter parts, and a real gateway process with no scheduler behind it.
+"""A real gateway process with no scheduler behind it (its pure parts: tests/unit/test_gateway_adapters.py).
 
 Everything checked here is answered by the gateway itself (auth, parsing, validation,
 tokenizing, an unreachable scheduler); generation through a whole fleet is the e2e tier's.
@@ -15,72 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pydantic import SecretStr
 
-from fastdecode.convert import params_from_proto
 from fastdecode.fleet import ServiceProcess, free_port, start_service, stop_processes
 from fastdecode.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
-from services.gateway.server import BadRequest, BearerAuthInterceptor, _parser
 
 TOKEN = "t0ps3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 BAD_UTF8_PROMPT = b"\x0a\x02\xff\xfe"  # field 1 (prompt), 2 bytes that are not UTF-8
-
-
-# ---- pure parts -----------------------------------------------------------------------------------
-def test_parser_turns_bad_utf8_into_bad_request() -> None:
-    parsed = _parser(pb.GenerateRequest)(BAD_UTF8_PROMPT)
-    assert isinstance(parsed, BadRequest)
-    assert "fastdecode.v1.GenerateRequest" in parsed.message and "UTF-8" in parsed.message
-    ok = _parser(pb.GenerateRequest)(pb.GenerateRequest(prompt="hé").SerializeToString())
-    assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hé"
-
-
-def test_params_from_proto_keeps_unset_fields_unset() -> None:
-    p = params_from_proto(pb.GenerateRequest(prompt="x"))
-    assert (p.prompt, p.token_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (
-        "x",
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
-    r = pb.GenerateRequest(max_tokens=0, temperature=0.0, top_p=0.0, top_k=0, seed=0, stop=["a"])
-    r.token_ids.ids.extend([3, 4])
-    p = params_from_proto(r)
-    assert (p.prompt, p.token_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (
-        None,
-        [3, 4],
-        0,
-        0.0,
-        0.0,
-        0,
-        0,
-    )
-    assert p.stop == ["a"]
-
-
-@pytest.mark.parametrize(
-    ("metadata", "ok"),
-    [
-        ((("authorization", f"Bearer {TOKEN}"),), True),
-        ((("authorization", f"bearer  {TOKEN} "),), True),
-        ((("x-other", "1"), ("authorization", f"Bearer {TOKEN}")), True),
-        ((), False),
-        (None, False),
-        ((("authorization", TOKEN),), False),
-        ((("authorization", f"Basic {TOKEN}"),), False),
-        ((("authorization", f"Bearer {TOKEN}x"),), False),
-        ((("authorization", "Bearer "),), False),
-    ],
-)
-def test_bearer_auth(metadata: tuple[tuple[str, str], ...] | None, ok: bool) -> None:
-    interceptor = BearerAuthInterceptor(SecretStr(TOKEN))
-    assert interceptor.authorized(metadata) is ok
-    assert TOKEN not in repr(interceptor)
 
 
 # ---- a gateway process without a scheduler ----------------------------------------------------------

@@ -1,0 +1,162 @@
+"""The gateway's adapter parts without a server: request parsing, proto conversion, bearer auth; and
+GatewayCore against an in-process scheduler fake."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from fastdecode.convert import params_from_proto
+from fastdecode.errors import InvalidInput, ServiceError, Status, Unavailable
+from fastdecode.gateway.core import GatewayCore, GenerationChunk, UpstreamEvent
+from fastdecode.gateway.text import GenerateParams
+from fastdecode.model import ModelConfig
+from fastdecode.settings import GatewaySettings
+from fastdecode.tokenizer import Tokenizer
+from fastdecode.v1 import gateway_pb2 as pb
+from services.gateway.server import BadRequest, BearerAuthInterceptor, _parser
+from tests.support.fakes import FakeScheduler
+
+TOKEN = "t0ps3cret-token"
+BAD_UTF8_PROMPT = b"\x0a\x02\xff\xfe"  # field 1 (prompt), 2 bytes that are not UTF-8
+
+
+def test_parser_turns_bad_utf8_into_bad_request() -> None:
+    parsed = _parser(pb.GenerateRequest)(BAD_UTF8_PROMPT)
+    assert isinstance(parsed, BadRequest)
+    assert "fastdecode.v1.GenerateRequest" in parsed.message and "UTF-8" in parsed.message
+    ok = _parser(pb.GenerateRequest)(pb.GenerateRequest(prompt="hé").SerializeToString())
+    assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hé"
+
+
+def test_params_from_proto_keeps_unset_fields_unset() -> None:
+    p = params_from_proto(pb.GenerateRequest(prompt="x"))
+    assert (p.prompt, p.token_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (
+        "x",
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+    r = pb.GenerateRequest(max_tokens=0, temperature=0.0, top_p=0.0, top_k=0, seed=0, stop=["a"])
+    r.token_ids.ids.extend([3, 4])
+    p = params_from_proto(r)
+    assert (p.prompt, p.token_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (
+        None,
+        [3, 4],
+        0,
+        0.0,
+        0.0,
+        0,
+        0,
+    )
+    assert p.stop == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "ok"),
+    [
+        ((("authorization", f"Bearer {TOKEN}"),), True),
+        ((("authorization", f"bearer  {TOKEN} "),), True),
+        ((("x-other", "1"), ("authorization", f"Bearer {TOKEN}")), True),
+        ((), False),
+        (None, False),
+        ((("authorization", TOKEN),), False),
+        ((("authorization", f"Basic {TOKEN}"),), False),
+        ((("authorization", f"Bearer {TOKEN}x"),), False),
+        ((("authorization", "Bearer "),), False),
+    ],
+)
+def test_bearer_auth(metadata: tuple[tuple[str, str], ...] | None, ok: bool) -> None:
+    interceptor = BearerAuthInterceptor(SecretStr(TOKEN))
+    assert interceptor.authorized(metadata) is ok
+    assert TOKEN not in repr(interceptor)
+
+
+# ---- GatewayCore against a scheduler fake ------------------------------------------------------------
+def make_core(llama_dir: Path, link: FakeScheduler, **settings: object) -> tuple[GatewayCore, list]:
+    answered: list[tuple[Status, str]] = []
+    core = GatewayCore(
+        GatewaySettings(scheduler="fake:1", model=llama_dir, **settings),
+        Tokenizer.from_pretrained(llama_dir),
+        ModelConfig.from_pretrained(llama_dir),
+        link,
+    )
+    core.metrics.answered = lambda status, api: answered.append((status, api))  # type: ignore[method-assign]
+    return core, answered
+
+
+async def _run(core: GatewayCore, params: GenerateParams, rid: str = "r1") -> list[GenerationChunk]:
+    async with contextlib.aclosing(core.generate(params, rid, None, "grpc")) as chunks:
+        return [c async for c in chunks]
+
+
+def test_generate_relays_tokens_as_text_with_usage(llama_dir: Path) -> None:
+    tok = Tokenizer.from_pretrained(llama_dir)
+    ids = tok.encode("hello world, again")
+    link = FakeScheduler(
+        lambda rid, req: [UpstreamEvent([t]) for t in ids[:-1]] + [UpstreamEvent([ids[-1]], "length")]
+    )
+    core, answered = make_core(llama_dir, link)
+    chunks = asyncio.run(_run(core, GenerateParams(token_ids=[5, 6, 7], max_tokens=len(ids))))
+    assert "".join(c.text for c in chunks) == tok.decode(ids)
+    last = chunks[-1]
+    assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == ("length", 3, len(ids))
+    ((rid, sent),) = link.submitted
+    assert rid == "r1" and sent.prompt_ids == [5, 6, 7] and sent.max_tokens == len(ids)
+    assert answered == [(Status.OK, "grpc")] and core.inflight == 0
+
+
+def test_generate_refuses_while_draining_and_over_the_limit(llama_dir: Path) -> None:
+    core, answered = make_core(llama_dir, FakeScheduler(), max_concurrent_requests=1)
+    core.draining = True
+    with pytest.raises(Unavailable, match="draining"):
+        asyncio.run(_run(core, GenerateParams(token_ids=[5])))
+    core.draining, core.inflight = False, 1
+    with pytest.raises(ServiceError) as e:
+        asyncio.run(_run(core, GenerateParams(token_ids=[5])))
+    assert e.value.status is Status.RESOURCE_EXHAUSTED
+    assert answered == [(Status.UNAVAILABLE, "grpc"), (Status.RESOURCE_EXHAUSTED, "grpc")]
+
+
+def test_generate_validates_before_calling_the_scheduler(llama_dir: Path) -> None:
+    link = FakeScheduler()
+    core, _ = make_core(llama_dir, link)
+    with pytest.raises(InvalidInput, match="temperature"):
+        asyncio.run(_run(core, GenerateParams(token_ids=[5], temperature=float("nan"))))
+    assert link.submitted == []
+
+
+def test_upstream_errors_keep_their_status_and_an_early_close_cancels_upstream(llama_dir: Path) -> None:
+    link = FakeScheduler(
+        lambda rid, req: [UpstreamEvent([5]), ServiceError("queue full", Status.RESOURCE_EXHAUSTED)]
+    )
+    core, answered = make_core(llama_dir, link)
+    with pytest.raises(ServiceError) as e:
+        asyncio.run(_run(core, GenerateParams(token_ids=[5], ignore_eos=True)))
+    assert (e.value.status, e.value.message) == (Status.RESOURCE_EXHAUSTED, "queue full")
+
+    link.script = lambda rid, req: [UpstreamEvent([5]), UpstreamEvent([6]), UpstreamEvent([7], "length")]
+
+    async def first_only() -> None:
+        async with contextlib.aclosing(
+            core.generate(GenerateParams(token_ids=[5], ignore_eos=True), "r2", None, "http")
+        ) as chunks:
+            async for _ in chunks:
+                break
+
+    asyncio.run(first_only())
+    assert link.cancelled == ["r2"]
+    assert answered[-1] == (Status.CANCELLED, "http")
+
+
+def test_an_unreachable_scheduler_is_unavailable(llama_dir: Path) -> None:
+    core, _ = make_core(llama_dir, FakeScheduler(down=True), connect_timeout=0.01)
+    with pytest.raises(Unavailable, match="unreachable"):
+        asyncio.run(_run(core, GenerateParams(token_ids=[5])))

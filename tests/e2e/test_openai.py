@@ -173,6 +173,7 @@ def test_chat_applies_the_checkpoint_template(fleet: UpProcess, oa: openai.OpenA
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     with Client(fleet.target, token=TOKEN) as client:
         want = client.generate(token_ids=list(ids), max_tokens=12)
+        want5 = client.generate(token_ids=list(ids), max_tokens=5)
     got = oa.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
     msg = got.choices[0].message
@@ -186,8 +187,10 @@ def test_chat_applies_the_checkpoint_template(fleet: UpProcess, oa: openai.OpenA
         max_completion_tokens=5,
         temperature=0,
     )
-    assert newer.usage is not None and newer.usage.completion_tokens <= 5
-    assert want.text.startswith(newer.choices[0].message.content or "")
+    # Greedy: the same first tokens as the gRPC API's 5-token completion, exactly.
+    assert newer.usage is not None and newer.usage.completion_tokens == want5.usage.completion_tokens >= 1
+    assert newer.choices[0].message.content == want5.text
+    assert newer.choices[0].finish_reason == want5.finish_reason
 
 
 def test_streamed_chat(oa: openai.OpenAI, model_id: str) -> None:

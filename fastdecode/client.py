@@ -19,7 +19,9 @@ see STATUS_FAMILIES) with `.code` (a grpc.StatusCode), `.details` and `.from_gat
 Retries: calls wait for a (re)starting gateway (wait_for_ready, reconnecting with backoff). On top
 of that, a call that fails with UNAVAILABLE is re-issued after an exponential backoff with jitter,
 at most `max_retries` times and only while the deadline leaves room for the wait:
-- tokenize, model_info, health read state and change nothing: any UNAVAILABLE is retried.
+- tokenize, model_info, health read state and change nothing: any UNAVAILABLE is retried, by the
+  channel's gRPC retryPolicy (service config; gRPC allows at most 4 retries, so a larger
+  max_retries falls back to the same retry done by hand).
 - generate/stream is retried on UNAVAILABLE only before its first chunk reached the caller. That
   covers a transport failure (no gateway trailer: the connection could not be made or was lost; the
   gateway either never saw the call or, seeing it disappear, cancelled it and freed its KV) and an
@@ -28,7 +30,8 @@ at most `max_retries` times and only while the deadline leaves room for the wait
   refusal (draining, not ready), and for a backend lost mid-prefill it cancels the scheduler call
   before answering. In every case nothing was delivered and nothing is left running, so the repeat
   cannot duplicate output. After the first chunk nothing is retried: the caller has seen part of
-  one generation and a second one would not continue it.
+  one generation and a second one would not continue it. This retry is hand code: the gateway
+  sends response headers before it can refuse, which ends gRPC's own retries (gRFC A6).
 - Nothing else is retried: RESOURCE_EXHAUSTED is back-pressure (retrying in a loop adds load),
   DEADLINE_EXCEEDED has no time left, the other codes would fail the same way again.
 The token is sent as call metadata and never logged or shown in a repr.
@@ -37,6 +40,7 @@ The token is sent as call metadata and never logged or shown in a repr.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -80,6 +84,8 @@ T = TypeVar("T")
 # Deadlines when neither the call nor the client names one: no call can wait forever.
 DEFAULT_GENERATE_TIMEOUT = 600.0
 DEFAULT_UNARY_TIMEOUT = 30.0
+# gRPC's retryPolicy allows at most 5 attempts: 4 retries.
+MAX_POLICY_RETRIES = 4
 
 # The gateway marks the error statuses it answers itself (fastdecode.protocol.ERROR_TRAILER) with
 # ERROR_SOURCE_KEY. This module imports only grpc, protobuf and generated stubs (no server modules).
@@ -324,14 +330,47 @@ class _Policy:
     def credentials(self) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(root_certificates=self.ca) if self.tls else None
 
-    def channel_options(self) -> list[tuple[str, int]]:
-        """fastdecode.rpc's limits, with reconnect backoff from `backoff` / `max_backoff`."""
+    def channel_options(self) -> list[tuple[str, int | str]]:
+        """fastdecode.protocol's limits, with reconnect backoff from `backoff` / `max_backoff`, and
+        the service config whose retryPolicy retries the read-only unary calls."""
         reconnect = {
             "grpc.initial_reconnect_backoff_ms": max(1, int(self.backoff * 1000)),
             "grpc.min_reconnect_backoff_ms": max(1, int(self.backoff * 1000)),
             "grpc.max_reconnect_backoff_ms": max(1, int(self.max_backoff * 1000)),
         }
-        return [o for o in CHANNEL_OPTIONS if o[0] not in reconnect] + list(reconnect.items())
+        options: list[tuple[str, int | str]] = [o for o in CHANNEL_OPTIONS if o[0] not in reconnect]
+        options += list(reconnect.items())
+        if self.policy_retries:
+            options += [("grpc.enable_retries", 1), ("grpc.service_config", self.service_config())]
+        return options
+
+    @property
+    def policy_retries(self) -> bool:
+        """Whether the channel's retryPolicy does the unary retries: gRPC caps maxAttempts at 5, so
+        more than 4 retries stay with the hand loop in Client._unary / AsyncClient._unary."""
+        return 0 < self.max_retries <= MAX_POLICY_RETRIES
+
+    def service_config(self) -> str:
+        """gRPC's retryPolicy for tokenize, model_info and health: UNAVAILABLE is retried with
+        exponential backoff and jitter, up to max_retries times, within the call's deadline.
+
+        Generate is left out on purpose: the gateway sends its initial metadata (x-request-id) before
+        it can refuse a request, and gRPC's retries end once response headers arrive (gRFC A6), so
+        the policy would not retry a gateway-answered UNAVAILABLE before the first chunk. Stream and
+        AsyncStream keep that retry by hand."""
+        names = [
+            {"service": pb.DESCRIPTOR.services_by_name["Gateway"].full_name, "method": "Tokenize"},
+            {"service": pb.DESCRIPTOR.services_by_name["Gateway"].full_name, "method": "GetModelInfo"},
+            {"service": "grpc.health.v1.Health", "method": "Check"},
+        ]
+        policy = {
+            "maxAttempts": self.max_retries + 1,
+            "initialBackoff": f"{self.backoff:.6f}s",
+            "maxBackoff": f"{self.max_backoff:.6f}s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+        return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
 
     def deadline(self, timeout: float | None, default: float) -> float:
         """Monotonic deadline: the call's timeout, else the client's, else `default`."""
@@ -469,7 +508,8 @@ class Client:
         self._channel.close()
 
     def _unary(self, method: Callable[..., T], request: Any, timeout: float | None) -> T:
-        """One read-only call, retried on UNAVAILABLE within the deadline."""
+        """One read-only call, retried on UNAVAILABLE within the deadline: by the channel's
+        retryPolicy (_Policy.service_config), or here when more retries are asked than it allows."""
         deadline = self._p.deadline(timeout, DEFAULT_UNARY_TIMEOUT)
         attempt = 0
         while True:
@@ -482,7 +522,7 @@ class Client:
                 )
             except grpc.RpcError as e:
                 error = FastDecodeError.from_rpc_error(e)
-                delay = self._p.retry_delay(error, attempt, deadline)
+                delay = None if self._p.policy_retries else self._p.retry_delay(error, attempt, deadline)
                 if delay is None:
                     raise error from None
             time.sleep(delay)
@@ -669,7 +709,7 @@ class AsyncClient:
         await self._channel.close()
 
     async def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
-        """One read-only call, retried on UNAVAILABLE within the deadline."""
+        """One read-only call, retried on UNAVAILABLE within the deadline (as Client._unary)."""
         deadline = self._p.deadline(timeout, DEFAULT_UNARY_TIMEOUT)
         attempt = 0
         while True:
@@ -682,7 +722,7 @@ class AsyncClient:
                 )
             except grpc.RpcError as e:
                 error = FastDecodeError.from_rpc_error(e)
-                delay = self._p.retry_delay(error, attempt, deadline)
+                delay = None if self._p.policy_retries else self._p.retry_delay(error, attempt, deadline)
                 if delay is None:
                     raise error from None
             await asyncio.sleep(delay)

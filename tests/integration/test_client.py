@@ -4,6 +4,7 @@ scripted server) and waiting for a gateway that starts late."""
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 import threading
 import time
@@ -172,6 +173,28 @@ def test_retry_policy() -> None:
     for code in set(grpc.StatusCode) - {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}:
         assert p.retry_delay(error_of(code, ERROR_TRAILER), 0, later) is None, code
         assert p.retry_delay(error_of(code), 0, later) is None, code
+
+
+def test_unary_retries_are_grpcs_retry_policy() -> None:
+    p = _Policy("t", None, None, None, None, max_retries=3, backoff=0.25, max_backoff=2.0)
+    options = dict(p.channel_options())
+    assert options["grpc.enable_retries"] == 1
+    (method,) = json.loads(str(options["grpc.service_config"]))["methodConfig"]
+    assert {(n["service"], n["method"]) for n in method["name"]} == {
+        ("fastdecode.v1.Gateway", "Tokenize"),
+        ("fastdecode.v1.Gateway", "GetModelInfo"),
+        ("grpc.health.v1.Health", "Check"),
+    }  # not Generate: its retry stays by hand (see _Policy.service_config)
+    assert method["retryPolicy"] == {
+        "maxAttempts": 4,
+        "initialBackoff": "0.250000s",
+        "maxBackoff": "2.000000s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    for retries in (0, 5):  # none to do, or more than gRPC's 5 attempts allow: the hand loop
+        p = _Policy("t", None, None, None, None, max_retries=retries, backoff=0.25, max_backoff=2.0)
+        assert "grpc.service_config" not in dict(p.channel_options())
 
 
 def test_every_call_has_a_deadline() -> None:

@@ -346,7 +346,9 @@ def make_model(arch: str, preset: str, out: Path | str, seed: int = 0, chat_temp
 
 def default_model_dir() -> Path:
     """Where the embedded default model (tiny llama) lives: $FASTDECODE_MODELS_DIR or ./.models."""
-    return (Path(os.environ.get("FASTDECODE_MODELS_DIR", ".models")) / DEFAULT_MODEL_NAME).resolve()
+    from fastdecode.settings import LocalSettings  # the settings layer reads the environment
+
+    return (LocalSettings().models_dir / DEFAULT_MODEL_NAME).resolve()
 
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

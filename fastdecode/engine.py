@@ -22,12 +22,17 @@ AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 
 @dataclass
-class Chunk:
+class SeqChunk:
     """New tokens of one sequence in a step, at positions start_pos..start_pos+len-1."""
 
     seq_id: str
     token_ids: list[int]
     start_pos: int
+
+
+# The old name, still imported by services/gpu_dense/runner.py and benchmarks/transport.py (their
+# owners rename it); new code says SeqChunk, so it never meets the SDK's or the gateway's chunks.
+Chunk = SeqChunk
 
 
 @dataclass
@@ -37,7 +42,7 @@ class Generation:
     finish_reason: str | None = None
 
 
-def pack(chunks: Sequence[Chunk], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack(chunks: Sequence[SeqChunk], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token ids [T], positions [T], index of each chunk's last token [N]) for a packed batch."""
     ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
     pos = torch.tensor(
@@ -80,7 +85,7 @@ class LocalEngine:
     ) -> LocalEngine:
         return cls(DenseModel.from_pretrained(path, device, dtype), kv_capacity_bytes, kv_dtype)
 
-    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+    def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """One step over a packed batch; fp32 logits of each chunk's last token [N, vocab]."""
         ids, pos, last = pack(chunks, self.model.device)
         seq_ids = [c.seq_id for c in chunks]
@@ -140,14 +145,14 @@ class LocalEngine:
                     if done_prefill[i] < len(p):
                         n = min(chunk, len(p) - done_prefill[i])
                         chunks.append(
-                            Chunk(sids[i], list(p[done_prefill[i] : done_prefill[i] + n]), done_prefill[i])
+                            SeqChunk(sids[i], list(p[done_prefill[i] : done_prefill[i] + n]), done_prefill[i])
                         )
                         done_prefill[i] += n
                         owners.append(i)
                         sampled.append(done_prefill[i] == len(p))
                     else:
                         pos = len(p) + len(gen[i]) - 1
-                        chunks.append(Chunk(sids[i], [gen[i][-1]], pos))
+                        chunks.append(SeqChunk(sids[i], [gen[i][-1]], pos))
                         owners.append(i)
                         sampled.append(True)
                 if not chunks:

@@ -1,4 +1,4 @@
-"""Capacity planner: the paper's performance model (DESIGN.md section 1, "Performance model").
+"""Capacity planner: the paper's performance model (ARCHITECTURE.md, "The FastDecode idea").
 
 Inputs come from micro-benchmarks (a `Profile`): T(B), the S-part seconds of one layer at batch B, and
 R, the seconds one R-worker (shard) spends attending one new token against one cached token in one

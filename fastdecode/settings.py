@@ -175,6 +175,14 @@ class GatewaySettings(ServiceSettings):
     )
 
 
+class LocalSettings(BaseSettings):
+    """Settings of the local tools (`fastdecode run`, `up`, `demo`), not of a service."""
+
+    model_config = SettingsConfigDict(env_prefix="FASTDECODE_", extra="ignore")
+
+    models_dir: Path = Field(Path(".models"), description="Where the embedded default model is made.")
+
+
 def split_addresses(value: str | list[str]) -> list[str]:
     if isinstance(value, list):
         return [v.strip() for v in value if v.strip()]

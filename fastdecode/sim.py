@@ -4,8 +4,9 @@ The "model" is a stub that emits EOS as each request's gen_len-th token, so gene
 workload while the core applies its real stop rules. Time comes from cost functions, per layer:
   S-part of a mini-batch of n new tokens: T(n)                       (GPU, dense)
   R-part of a mini-batch on shard j:      R * attended_j / speed_j   (attended = cached tokens read)
-Two mini-batches A and B in a pipeline (DESIGN.md section 1): the GPU runs S_A, S_B, S_A', ...; each shard
-runs R_A, R_B, ...; A's next layer waits for R_A. The per-layer period is therefore
+Two mini-batches A and B in a pipeline (ARCHITECTURE.md, "The FastDecode idea"): the GPU runs
+S_A, S_B, S_A', ...; each shard runs R_A, R_B, ...; A's next layer waits for R_A. The per-layer
+period is therefore
   max(S_A + S_B, max_j(R_Aj + R_Bj), S_A + max_j R_Aj, S_B + max_j R_Bj)
 (= max(S, R) for balanced halves), with one mini-batch S + R, and a step takes N layers x period (the
 pipeline's fill and drain are ignored). Deterministic: no wall clock, no unseeded randomness.

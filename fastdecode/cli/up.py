@@ -59,6 +59,7 @@ def _make_fleet(
     pipeline: str = "auto",
     auth_token: str | None = None,
     http_port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Any:
     from fastdecode.checkpoint import ensure_default_model
     from fastdecode.fleet import Fleet
@@ -75,6 +76,7 @@ def _make_fleet(
         http_port=http_port,
         pipeline={"auto": None, "on": True, "off": False}[pipeline],
         scheduler_args=["--admission", admission],
+        env=dict(env or {}),
     )
 
 
@@ -104,12 +106,8 @@ def up(
     http_port: int | None,
 ) -> None:
     """Start gateway, scheduler, gpu_dense and N kv_attention shards as processes; stop on SIGINT/SIGTERM."""
-    import os
     import signal
     import threading
-
-    if log_json:
-        os.environ["FASTDECODE_LOG_JSON"] = "1"  # the services inherit it
 
     from fastdecode.cli.progress import startup_progress
     from fastdecode.errors import ServiceError
@@ -118,7 +116,17 @@ def up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     fleet = _make_fleet(
-        model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token, http_port
+        model,
+        shards,
+        port,
+        device,
+        kv_capacity,
+        kv_dtype,
+        admission,
+        pipeline,
+        auth_token,
+        http_port,
+        env={"FASTDECODE_LOG_JSON": "1"} if log_json else None,  # the services' ServiceSettings.log_json
     )
     try:
         with startup_progress() as on_progress:  # None (no output) when stderr is not a terminal

@@ -1,6 +1,6 @@
 """The S-part of a Llama-family transformer: everything that has weights.
 
-The split (DESIGN.md 1): embed -> per layer [pre_attention -> (R-part attends) ->
+The split (ARCHITECTURE.md, "The FastDecode idea"): embed -> per layer [pre_attention -> (R-part attends) ->
 post_attention] -> logits. The math matches transformers' LlamaForCausalLM (fp32
 RMSNorm, rotate-half RoPE, SiLU-gated MLP) so greedy tokens are equal.
 """

@@ -1,12 +1,12 @@
 """Admission policies: how many waiting sequences may start this step.
 
 `StabilizedAdmission` is the paper's sequence-level load-stabilizing schedule (Algorithm 1, see
-DESIGN.md section 1). Units: the step index t counts scheduler steps; a sequence started at step r
-holds base + (t - r + 1) KV tokens during step t, where base = prompt length - 1 (its prompt at its
-prefill step, one more token per decode step). A micro-batch of m sequences expected to generate S
-tokens lives during steps r .. r+S-1, so its end step is E = r + S, and during its last step each of
-its sequences holds base + S tokens. W[i] is the load expected during micro-batch i's last step (just
-before E[i]), where the load peaks between two ends.
+ARCHITECTURE.md, "The FastDecode idea"). Units: the step index t counts scheduler steps; a sequence
+started at step r holds base + (t - r + 1) KV tokens during step t, where base = prompt length - 1
+(its prompt at its prefill step, one more token per decode step). A micro-batch of m sequences
+expected to generate S tokens lives during steps r .. r+S-1, so its end step is E = r + S, and
+during its last step each of its sequences holds base + S tokens. W[i] is the load expected during
+micro-batch i's last step (just before E[i]), where the load peaks between two ends.
 
 W[i] is kept in the paper's units (generated tokens, base = 0), exactly as Algorithm 1 updates it: a
 batch started at t adds (E[i] - t) * m to W[i], and a new batch appends W = m * S. Prompts enter

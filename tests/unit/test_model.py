@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fastdecode.engine import Chunk, LocalEngine
+from fastdecode.engine import LocalEngine, SeqChunk
 from fastdecode.errors import ModelLoadError
 from fastdecode.model import DenseModel, ModelConfig
 from fastdecode.model.config import rope_inv_freq
@@ -36,7 +36,7 @@ def test_first_step_logits_within_1e4(arch: str, model_factory: Callable, hf_gre
     path = model_factory(arch)
     hf = hf_greedy.load(path)
     engine = LocalEngine.from_pretrained(path)
-    chunks = [Chunk(f"s{i}", p, 0) for i, p in enumerate(PROMPTS)]
+    chunks = [SeqChunk(f"s{i}", p, 0) for i, p in enumerate(PROMPTS)]
     for c in chunks:
         engine.kv.reserve(c.seq_id, len(c.token_ids))
     ours = engine.forward(chunks)

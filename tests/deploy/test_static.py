@@ -34,7 +34,8 @@ KV_PREFIX = "kv-attention-"
 
 
 def _project_torch_pin() -> str:
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    # torch is a server dependency (the SDK installs without it): the `server` extra pins it.
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["server"]
     (pin,) = [d for d in deps if re.match(r"^torch\s*==", d)]
     return pin.split("==", 1)[1].strip()
 

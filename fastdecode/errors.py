@@ -170,10 +170,23 @@ def as_service_error(exc: BaseException, log: logging.Logger | None = None) -> S
     return InternalError(f"internal error ({type(exc).__name__})")
 
 
+# Statuses a peer answers that mean the same to our caller (relayed with their message); any other
+# status from a peer (INTERNAL, UNKNOWN, UNAUTHENTICATED between services, ...) is our failure.
+_RELAYED = frozenset(
+    {
+        Status.INVALID_ARGUMENT,
+        Status.OUT_OF_RANGE,
+        Status.RESOURCE_EXHAUSTED,
+        Status.NOT_FOUND,
+        Status.UNAVAILABLE,
+        Status.FAILED_PRECONDITION,
+    }
+)
+
+
 def has_domain_meaning(status: Status) -> bool:
-    """Whether a peer's `status` is one of the domain statuses above (else it is a failure to relay
-    as INTERNAL: UNKNOWN, UNIMPLEMENTED, DATA_LOSS ...)."""
-    return status in _ERROR_OF_STATUS and status is not Status.INTERNAL
+    """Whether a peer's `status` is relayed as it is (else it becomes INTERNAL at the relay)."""
+    return status in _RELAYED
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,117 @@
+"""The one error model: Status <-> gRPC in one table, typed item errors, the servicer wrapper, and
+the gateway's relay of the scheduler's statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from fastdecode import errors
+from fastdecode.errors import InvalidInput, ResourceExhausted, ServiceError, Status, Unavailable
+from fastdecode.rpc import GRPC_CODE, error_from_item, handles_errors, item_error, status_for
+from services.gateway.scheduler_link import upstream_error
+
+
+def test_every_status_has_its_grpc_code() -> None:
+    assert set(GRPC_CODE) == set(Status)
+    for status, code in GRPC_CODE.items():
+        assert code.value[0] == status.value and code.name == status.name
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (errors.InvalidInput("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (errors.OutOfRange("x"), grpc.StatusCode.OUT_OF_RANGE),
+        (errors.ResourceExhausted("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (errors.NotFound("x"), grpc.StatusCode.NOT_FOUND),
+        (errors.Unavailable("x"), grpc.StatusCode.UNAVAILABLE),
+        (errors.FailedPrecondition("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (errors.ModelLoadError("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (ServiceError("x", Status.ABORTED), grpc.StatusCode.ABORTED),
+    ],
+)
+def test_domain_errors_keep_status_and_message(exc: ServiceError, code: grpc.StatusCode) -> None:
+    assert status_for(exc) == (code, "x")
+
+
+def test_anything_else_is_internal_without_details() -> None:
+    assert status_for(KeyError("secret path")) == (grpc.StatusCode.INTERNAL, "internal error (KeyError)")
+
+
+def test_item_errors_are_typed_both_ways() -> None:
+    back = error_from_item(item_error(ResourceExhausted("pool full")))
+    assert type(back) is ResourceExhausted and back.message == "pool full"
+    odd = error_from_item(item_error(ServiceError("?", Status.DATA_LOSS)))
+    assert odd.status is Status.DATA_LOSS
+    again = pickle.loads(pickle.dumps(InvalidInput("bad", param="top_p")))
+    assert (type(again), again.message, again.param) == (InvalidInput, "bad", "top_p")
+
+
+class FakeContext:
+    def __init__(self) -> None:
+        self.aborted: tuple | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailers: tuple = ()) -> None:
+        self.aborted = (code, details, trailers)
+        raise grpc.aio.AbortError()
+
+
+class Servicer:
+    @handles_errors(trailers=(("k", "v"),))
+    async def Unary(self, request: object, context: FakeContext) -> str:
+        if request == "bad":
+            raise InvalidInput("bad request")
+        if request == "own":
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "mine")
+        return "ok"
+
+    @handles_errors
+    async def Stream(self, request: object, context: FakeContext) -> AsyncIterator[int]:
+        yield 1
+        raise Unavailable("gone")
+
+
+def test_handles_errors_maps_every_failure_in_one_place() -> None:
+    async def main() -> None:
+        s = Servicer()
+        ctx = FakeContext()
+        assert await s.Unary("fine", ctx) == "ok" and ctx.aborted is None
+        with pytest.raises(grpc.aio.AbortError):
+            await s.Unary("bad", ctx)
+        assert ctx.aborted == (grpc.StatusCode.INVALID_ARGUMENT, "bad request", (("k", "v"),))
+        with pytest.raises(grpc.aio.AbortError):
+            await s.Unary("own", ctx)
+        assert ctx.aborted[:2] == (grpc.StatusCode.PERMISSION_DENIED, "mine")  # kept, not re-mapped
+        got: list[int] = []
+        with pytest.raises(grpc.aio.AbortError):
+            async for x in s.Stream(None, ctx):
+                got.append(x)
+        assert got == [1] and ctx.aborted == (grpc.StatusCode.UNAVAILABLE, "gone", ())
+
+    asyncio.run(main())
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "message"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, Status.RESOURCE_EXHAUSTED, "queue full"),
+        (grpc.StatusCode.UNAVAILABLE, Status.UNAVAILABLE, "queue full"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, Status.DEADLINE_EXCEEDED, "scheduler: queue full"),
+        (grpc.StatusCode.UNKNOWN, Status.INTERNAL, "scheduler failed (UNKNOWN): queue full"),
+        (grpc.StatusCode.UNAUTHENTICATED, Status.INTERNAL, "scheduler failed (UNAUTHENTICATED): queue full"),
+    ],
+)
+def test_the_gateway_relays_the_schedulers_status(
+    code: grpc.StatusCode, status: Status, message: str
+) -> None:
+    err = upstream_error(_rpc_error(code, "queue full"))
+    assert (err.status, err.message) == (status, message)

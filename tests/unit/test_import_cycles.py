@@ -1,6 +1,6 @@
 """Guards of the layering: the unit tier's no-process/no-port fixture works, and the project's
 imports form no cycle. (Importing the cores with gRPC unimportable, and what `import
-fastdecode.client` loads, need a fresh interpreter: tests/integration/test_layers.py.)"""
+fastdecode.client` loads, need a fresh interpreter: tests/integration/test_layering.py.)"""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -25,12 +26,14 @@ SUFFIXES = {
 
 @functools.cache
 def exported() -> dict[str, set[str]]:
-    """Per service, the sample names of the metrics its module defines. Importing all four into one
-    process also proves no two services define the same name: prometheus_client refuses duplicates."""
+    """Per service, the sample names of the metrics its modules define (its metrics exporter, or the
+    server module where it has none). Importing all four into one process also proves no two
+    services define the same name: prometheus_client refuses duplicates."""
     out: dict[str, set[str]] = {}
     for service in SERVICES:
-        module = importlib.import_module(f"services.{service}.server")
-        metrics = [v for v in vars(module).values() if isinstance(v, MetricWrapperBase)]
+        names = [f"services.{service}.{m}" for m in ("server", "metrics")]
+        modules = [importlib.import_module(n) for n in names if importlib.util.find_spec(n) is not None]
+        metrics = [v for module in modules for v in vars(module).values() if isinstance(v, MetricWrapperBase)]
         out[service] = {
             f"{m.name}{suffix}"
             for metric in metrics

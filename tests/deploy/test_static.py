@@ -306,12 +306,22 @@ EVERYTHING = {
 }
 HTTP_OFF = {"gateway": {"http": {"enabled": False}}}
 HTTP_8080 = {"gateway": {"http": {"port": 8080}, "service": {"type": "NodePort"}}}
+PINNED_SHARDS = {
+    "kvAttention": {
+        "guaranteed": {"enabled": True, "cpus": 8, "memory": "16Gi"},
+        "spreadAcrossNodes": {"whenUnsatisfiable": "DoNotSchedule"},
+    },
+    "networkPolicy": {"gatewayFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]},
+}
+OPEN = {"networkPolicy": {"enabled": False}, "kvAttention": {"spreadAcrossNodes": {"enabled": False}}}
 CASES = {
     "default": {},
     "gpu-4-shards": GPU4,
     "everything": EVERYTHING,
     "http-off": HTTP_OFF,
     "http-8080": HTTP_8080,
+    "pinned-shards": PINNED_SHARDS,
+    "open": OPEN,
 }
 # Kinds outside Kubernetes' own schemas, checked by hand below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
@@ -507,6 +517,89 @@ def test_chart_everything_enabled() -> None:
     assert http["port"] == 8000 and http["appProtocol"] == "https"
 
 
+def _pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {
+        c["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and In/NotIn/Exists expressions)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {
+            "In": has and value in e.get("values", []),
+            "NotIn": not has or value not in e.get("values", []),
+            "Exists": has,
+            "DoesNotExist": not has,
+        }[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def test_chart_network_policy_admits_only_the_fleet() -> None:
+    docs = _render({})
+    pods = _pod_labels(docs)
+    policies = list(_by_kind(docs, "NetworkPolicy").values())
+    assert len(policies) == 2
+    covering = {
+        name: [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        for name, labels in pods.items()
+    }
+    # Every pod is covered by exactly one policy, so nothing is left open by accident.
+    assert {name: len(ps) for name, ps in covering.items()} == dict.fromkeys(pods, 1)
+    for name, (policy,) in covering.items():
+        rules = policy["spec"]["ingress"]
+        by_port = {p["port"]: r for r in rules for p in r["ports"]}
+        assert set(by_port) == ({"grpc", "http", "metrics"} if name == "gateway" else {"grpc", "metrics"}), (
+            name
+        )
+        # Metrics: only Prometheus pods.
+        (peer,) = by_port["metrics"]["from"]
+        assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+        if name == "gateway":
+            assert "from" not in by_port["grpc"]  # the public face: clients from anywhere
+        else:
+            # Internal services: the fleet's own pods, every one of them, and nothing else.
+            (peer,) = by_port["grpc"]["from"]
+            assert set(peer) == {"podSelector"}
+            assert all(_selects(peer["podSelector"], labels) for labels in pods.values())
+            assert not _selects(peer["podSelector"], {"app.kubernetes.io/name": "other"})
+    # Off on request; a gateway peer list narrows the gateway.
+    assert not _by_kind(_render(OPEN), "NetworkPolicy")
+    gw = _by_kind(_render(PINNED_SHARDS), "NetworkPolicy")[f"{RELEASE}-fastdecode-gateway"]
+    assert gw["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+
+
+def test_chart_spreads_shards_and_can_pin_whole_cpus() -> None:
+    (sts,) = _by_kind(_render({}), "StatefulSet").values()
+    pod = sts["spec"]["template"]["spec"]
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert _selects(spread["labelSelector"], sts["spec"]["template"]["metadata"]["labels"])
+    # Burstable by default (no CPU limit).
+    (c,) = pod["containers"]
+    assert "cpu" not in c["resources"]["limits"]
+
+    (sts,) = _by_kind(_render(PINNED_SHARDS), "StatefulSet").values()
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "DoNotSchedule"
+    (c,) = pod["containers"]
+    # Guaranteed QoS: requests equal limits, whole CPUs; the shard runs one thread per CPU.
+    assert c["resources"]["requests"] == c["resources"]["limits"] == {"cpu": "8", "memory": "16Gi"}
+    assert {e["name"]: e.get("value") for e in c["env"]}["FASTDECODE_THREADS"] == "8"
+
+    (sts,) = _by_kind(_render(OPEN), "StatefulSet").values()
+    assert "topologySpreadConstraints" not in sts["spec"]["template"]["spec"]
+
+
 def test_chart_refuses_bad_values() -> None:
     with helm.Chart.load(CHART_DIR) as chart:
         with pytest.raises(helm.HelmValuesError):
@@ -523,6 +616,12 @@ def test_chart_refuses_bad_values() -> None:
             chart.validate_schema({"gateway": {"http": {"enabled": "yes"}}})
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema({"gateway": {"http": {"prot": 8000}}})
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(
+                {"kvAttention": {"guaranteed": {"enabled": True, "cpus": 1.5, "memory": "1Gi"}}}
+            )
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"kvAttention": {"spreadAcrossNodes": {"whenUnsatisfiable": "Maybe"}}})
         for clash in ({"gateway": {"http": {"port": 50051}}}, {"gateway": {"http": {"port": 9100}}}):
             with pytest.raises(helm.HelmError, match="gateway.http.port"):
                 chart.render(clash, name=RELEASE, namespace=NAMESPACE)

@@ -37,13 +37,20 @@ class ServiceProcess:
     args: list[str] = field(default_factory=list)  # `serve` arguments, kept for restart()
     env: dict[str, str] | None = None
     http: str | None = None  # the gateway's OpenAI-compatible HTTP address, when it serves one
+    restarts: int = 0  # times the supervisor started this service again after it died
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def state(self) -> dict[str, object]:
-        return {"pid": self.pid, "address": self.address, "metrics": self.metrics, "log": str(self.log_path)}
+        return {
+            "pid": self.pid,
+            "address": self.address,
+            "metrics": self.metrics,
+            "log": str(self.log_path),
+            "restarts": self.restarts,
+        }
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -329,6 +336,8 @@ class Fleet:
             env=svc.env,
             timeout=timeout,
         )
+        new.restarts = svc.restarts
+        new.http = new.http or svc.http
         for attr in ("gateway", "scheduler", "dense"):
             if getattr(self, attr) is svc:
                 setattr(self, attr, new)
@@ -356,6 +365,107 @@ class Fleet:
         self.stop()
 
 
+RESTART_POLICIES = ("on-failure", "no")
+
+
+@dataclass
+class RestartPolicy:
+    """Restart a service that exits unexpectedly, like compose's `restart: on-failure` or a kubelet:
+    on the same address (its peers keep dialling it), with exponential backoff, at most
+    `max_restarts` times in any `window` seconds; past that the service stays down and is reported."""
+
+    mode: str = "on-failure"
+    max_restarts: int = 5
+    window: float = 300.0
+    backoff: float = 0.5
+    max_backoff: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in RESTART_POLICIES:
+            raise ValueError(
+                f"restart policy must be one of {', '.join(RESTART_POLICIES)}, got {self.mode!r}"
+            )
+
+
+@dataclass
+class SupervisorEvent:
+    service: str
+    kind: str  # "exited", "restarted", "restart-failed", "gave-up"
+    message: str
+
+
+@dataclass
+class Supervisor:
+    """Watches a started Fleet; `poll()` (called every fraction of a second by `fastdecode up`) restarts
+    what died per the policy and returns what happened, for the caller to print and record."""
+
+    fleet: Fleet
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    clock: Callable[[], float] = time.monotonic
+    _history: dict[str, list[float]] = field(default_factory=dict)  # restart attempt times per service
+    _due: dict[str, float] = field(default_factory=dict)  # service -> when its next restart may run
+    _given_up: set[str] = field(default_factory=set)
+
+    def poll(self, ready_timeout: float = 120.0) -> list[SupervisorEvent]:
+        events: list[SupervisorEvent] = []
+        for svc in list(self.fleet.services):
+            code = svc.proc.poll()
+            if code is None or svc.name in self._given_up:
+                continue
+            if svc.name not in self._due:
+                events.append(
+                    SupervisorEvent(
+                        svc.name, "exited", f"{svc.name} exited with code {code}:\n{svc.log_tail(10)}"
+                    )
+                )
+                if self.policy.mode == "no" or code == 0:
+                    # on-failure: a clean exit (code 0) was asked for by someone; leave it down.
+                    self._given_up.add(svc.name)
+                    continue
+                self._due[svc.name] = self.clock() + self._backoff(svc.name)
+            if self.clock() < self._due[svc.name]:
+                continue
+            now = self.clock()
+            recent = [t for t in self._history.get(svc.name, []) if now - t < self.policy.window]
+            if len(recent) >= self.policy.max_restarts:
+                self._given_up.add(svc.name)
+                self._due.pop(svc.name)
+                events.append(
+                    SupervisorEvent(
+                        svc.name,
+                        "gave-up",
+                        f"{svc.name} died {len(recent)} times in {self.policy.window:.0f}s; "
+                        "not restarting it",
+                    )
+                )
+                continue
+            self._history[svc.name] = [*recent, now]
+            try:
+                new = self.fleet.restart(svc, timeout=ready_timeout)
+            except Unavailable as e:
+                # Try again after a longer backoff; the failed attempt counts against the budget.
+                self._due[svc.name] = self.clock() + self._backoff(svc.name)
+                events.append(
+                    SupervisorEvent(svc.name, "restart-failed", f"restarting {svc.name} failed: {e}")
+                )
+                continue
+            self._due.pop(svc.name)
+            new.restarts = svc.restarts + 1
+            events.append(
+                SupervisorEvent(
+                    svc.name,
+                    "restarted",
+                    f"restarted {svc.name} on {new.address} "
+                    f"(pid {svc.pid} -> {new.pid}, restart {new.restarts})",
+                )
+            )
+        return events
+
+    def _backoff(self, name: str) -> float:
+        n = len(self._history.get(name, []))
+        return min(self.policy.max_backoff, self.policy.backoff * 2**n)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -370,6 +480,13 @@ class UpProcess:
     state: dict
     model: Path
     log: Path
+    state_file: Path | None = None
+
+    def reload(self) -> dict:
+        """Read the state file again (`up` rewrites it when it restarts a service)."""
+        if self.state_file is not None:
+            self.state = json.loads(self.state_file.read_text())
+        return self.state
 
     @property
     def target(self) -> str:
@@ -432,4 +549,4 @@ def launch_up(
             proc.kill()
             raise Unavailable(f"fastdecode up failed:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
-    return UpProcess(proc, json.loads(state_file.read_text()), model, log)
+    return UpProcess(proc, json.loads(state_file.read_text()), model, log, state_file)

@@ -91,6 +91,13 @@ def _make_fleet(
 @click.option(
     "--http-port", type=int, default=None, help="Gateway's OpenAI-compatible HTTP port on 127.0.0.1 (0: any)."
 )
+@click.option(
+    "--restart",
+    type=click.Choice(["on-failure", "no"]),
+    default="on-failure",
+    show_default=True,
+    help="Restart a service that dies, on the same address with backoff (at most 5 times in 5 minutes).",
+)
 def up(
     model: str | None,
     shards: int,
@@ -104,6 +111,7 @@ def up(
     auth_token: str | None,
     log_json: bool,
     http_port: int | None,
+    restart: str,
 ) -> None:
     """Start gateway, scheduler, gpu_dense and N kv_attention shards as processes; stop on SIGINT/SIGTERM."""
     import signal
@@ -111,6 +119,7 @@ def up(
 
     from fastdecode.cli.progress import startup_progress
     from fastdecode.errors import ServiceError
+    from fastdecode.fleet import RestartPolicy, Supervisor
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -142,15 +151,13 @@ def up(
             click.echo(f"OpenAI-compatible HTTP on http://{fleet.gateway.http}/v1", err=False)
         click.echo(f"logs in {fleet.workdir}; Ctrl-C to stop", err=True)
         sys.stdout.flush()
-        reported: set[str] = set()
+        supervisor = Supervisor(fleet, RestartPolicy(restart))
         while not stop.wait(0.5):
-            for svc in fleet.services:
-                if svc.proc.poll() is not None and svc.name not in reported:
-                    reported.add(svc.name)
-                    click.echo(
-                        f"warning: {svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail(10)}",
-                        err=True,
-                    )
+            events = supervisor.poll()
+            for event in events:
+                click.echo(f"{'' if event.kind == 'restarted' else 'warning: '}{event.message}", err=True)
+            if events and state_file:
+                Path(state_file).write_text(json.dumps(fleet.state(), indent=2))
     finally:
         click.echo("stopping the fleet", err=True)
         fleet.stop()

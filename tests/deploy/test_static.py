@@ -170,6 +170,7 @@ def _check_cluster(cfg: dict[str, Any], shards: int) -> None:
         for dep in (svc.get("depends_on") or {}).values():
             assert dep["condition"] == "service_healthy"
         assert svc.get("read_only") is True
+        assert svc.get("restart") == "on-failure", name
     assert set(services["gpu-dense"]["depends_on"]) == set(kv)
     assert set(services["scheduler"]["depends_on"]) == {"gpu-dense"}
     assert set(services["gateway"]["depends_on"]) == {"scheduler"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fastdecode.client import Client
-from fastdecode.fleet import free_port
+from fastdecode.fleet import UpProcess, free_port
 from tests.support import pid_alive, start_up
 
 
@@ -51,3 +53,35 @@ def test_failed_start_exits_nonzero_naming_the_service(tmp_path: Path) -> None:
     )
     assert res.returncode != 0
     assert "gpu_dense" in res.stderr and "config.json" in res.stderr
+
+
+def _wait_for_restart(fleet: UpProcess, key: str, old_pid: int, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = fleet.reload()
+        svc = state[key] if key != "kv_attention" else state[key][0]
+        if svc["pid"] != old_pid and svc["restarts"] >= 1 and pid_alive(svc["pid"]):
+            return svc
+        time.sleep(0.2)
+    raise AssertionError(f"{key} was not restarted:\n{fleet.log.read_text()[-3000:]}")
+
+
+def test_up_restarts_a_killed_service_on_its_address(model_factory: Callable, tmp_path: Path) -> None:
+    """kill -9 of gpu_dense, then of a shard: `up` starts each again on the same address (a new pid in the
+    state file, its restart counted, the restart printed) and the fleet generates again."""
+    fleet = start_up(model_factory("llama"), tmp_path)
+    try:
+        with Client(fleet.target, timeout=60) as client:
+            expected = client.generate(prompt="hello", max_tokens=4).token_ids
+            for key in ("gpu_dense", "kv_attention"):
+                before = fleet.state[key] if key != "kv_attention" else fleet.state[key][0]
+                assert before["restarts"] == 0
+                os.kill(before["pid"], signal.SIGKILL)
+                after = _wait_for_restart(fleet, key, before["pid"])
+                assert after["address"] == before["address"]
+                # The same greedy tokens once the fleet is whole again.
+                assert client.generate(prompt="hello", max_tokens=4).token_ids == expected
+        log = fleet.log.read_text()
+        assert "restarted gpu_dense" in log and "restarted kv_attention-0" in log
+    finally:
+        fleet.stop()

@@ -1,0 +1,142 @@
+"""The `fastdecode up` restart policy: on-failure with backoff and a budget per window, or never."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from fastdecode.errors import Unavailable
+from fastdecode.fleet import RestartPolicy, Supervisor
+
+
+@dataclass
+class FakeProc:
+    pid: int
+    code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+@dataclass
+class FakeService:
+    name: str
+    proc: FakeProc
+    address: str = "127.0.0.1:5000"
+    restarts: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "last log line"
+
+
+@dataclass
+class FakeFleet:
+    """Stands in for Fleet: `restart` starts a new (fake) process on the same address."""
+
+    services: list[FakeService]
+    fail_next: int = 0
+    next_pid: int = 100
+    restarted: list[str] = field(default_factory=list)
+
+    def restart(self, svc: FakeService, timeout: float = 120.0) -> FakeService:
+        self.restarted.append(svc.name)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise Unavailable(f"{svc.name} did not become healthy")
+        self.next_pid += 1
+        new = FakeService(svc.name, FakeProc(self.next_pid), svc.address, svc.restarts)
+        self.services = [new if s is svc else s for s in self.services]
+        return new
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _supervisor(fleet: FakeFleet, **policy: object) -> tuple[Supervisor, Clock]:
+    clock = Clock()
+    return Supervisor(fleet, RestartPolicy(**policy), clock=clock), clock  # type: ignore[arg-type]
+
+
+def test_a_killed_service_comes_back_on_its_address_after_backoff() -> None:
+    fleet = FakeFleet([FakeService("gpu_dense", FakeProc(1)), FakeService("kv_attention-0", FakeProc(2))])
+    sup, clock = _supervisor(fleet, backoff=0.5)
+    assert sup.poll() == []
+    fleet.services[0].proc.code = -9
+    events = sup.poll()
+    assert [(e.service, e.kind) for e in events] == [("gpu_dense", "exited")]
+    assert "code -9" in events[0].message and "last log line" in events[0].message
+    assert fleet.restarted == []  # not before the backoff
+    clock.now = 0.6
+    (event,) = sup.poll()
+    assert event.kind == "restarted" and "pid 1 -> 101" in event.message
+    new = fleet.services[0]
+    assert new.pid == 101 and new.address == "127.0.0.1:5000" and new.restarts == 1
+    assert sup.poll() == []
+
+
+def test_backoff_doubles_and_the_budget_per_window_is_kept() -> None:
+    fleet = FakeFleet([FakeService("scheduler", FakeProc(1))])
+    sup, clock = _supervisor(fleet, backoff=1.0, max_backoff=3.0, max_restarts=3, window=100.0)
+    waits = []
+    for _ in range(3):
+        fleet.services[0].proc.code = 1
+        sup.poll()
+        start = clock.now
+        while not [e for e in sup.poll() if e.kind == "restarted"]:
+            clock.now += 0.25
+        waits.append(clock.now - start)
+    assert waits == [1.0, 2.0, 3.0]  # 1, 2, then capped at max_backoff
+    assert fleet.services[0].restarts == 3
+    fleet.services[0].proc.code = 1
+    sup.poll()
+    clock.now += 10
+    (event,) = sup.poll()
+    assert event.kind == "gave-up" and "3 times" in event.message
+    clock.now += 1000
+    assert sup.poll() == [] and len(fleet.restarted) == 3
+
+
+def test_restarts_outside_the_window_do_not_count() -> None:
+    fleet = FakeFleet([FakeService("gateway", FakeProc(1))])
+    sup, clock = _supervisor(fleet, backoff=0.0, max_restarts=1, window=10.0)
+    for _ in range(3):
+        fleet.services[0].proc.code = 1
+        assert [e.kind for e in sup.poll()] == ["exited", "restarted"]  # no backoff: at once
+        clock.now += 11
+    assert fleet.services[0].restarts == 3
+
+
+def test_a_failed_restart_is_retried_and_counted() -> None:
+    fleet = FakeFleet([FakeService("gpu_dense", FakeProc(1))], fail_next=1)
+    sup, clock = _supervisor(fleet, backoff=0.0)
+    fleet.services[0].proc.code = 1
+    kinds = [e.kind for e in sup.poll()]
+    assert kinds == ["exited", "restart-failed"]
+    clock.now += 1
+    assert [e.kind for e in sup.poll()] == ["restarted"]
+    assert fleet.restarted == ["gpu_dense", "gpu_dense"]
+
+
+@pytest.mark.parametrize(("mode", "code"), [("no", 1), ("on-failure", 0)])
+def test_no_restart_when_the_policy_or_a_clean_exit_says_so(mode: str, code: int) -> None:
+    fleet = FakeFleet([FakeService("kv_attention-1", FakeProc(1))])
+    sup, clock = _supervisor(fleet, mode=mode, backoff=0.0)
+    fleet.services[0].proc.code = code
+    assert [e.kind for e in sup.poll()] == ["exited"]
+    clock.now += 100
+    assert sup.poll() == [] and fleet.restarted == []
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="on-failure"):
+        RestartPolicy("always-ish")

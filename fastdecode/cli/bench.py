@@ -167,3 +167,32 @@ def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     emit(result, as_json, "load: concurrent streaming clients on one fleet")
     if result["lost_or_hung"]:
         raise SystemExit(1)
+
+
+@bench.command("chaos")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: the tiny preset.")
+@click.option("--clients", type=int, default=6, show_default=True, help="Concurrent greedy streams.")
+@click.option("--requests-per-client", type=int, default=3, show_default=True)
+@click.option("--prompt-len", type=int, default=16, show_default=True)
+@click.option("--gen-len", type=int, default=48, show_default=True)
+@click.option("--shards", type=int, default=2, show_default=True)
+@click.option("--kills", type=int, default=3, show_default=True, help="Services killed, one at a time.")
+@click.option(
+    "--interval-s", type=float, default=4.0, show_default=True, help="Between one comeback and the next kill."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Picks the kill order and the prompts.")
+@click.option("--bound-s", type=float, default=300.0, show_default=True, help="Per-request deadline.")
+def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+    """kill -9 shards, gpu_dense and the scheduler under load (`up` restarts them): requests sent,
+    completed, failed, tokens equal to a fault-free run, and the longest pause a client saw."""
+    from fastdecode.benchmarks.chaos import run_chaos_bench
+
+    result = run_bench(lambda: run_chaos_bench(Path(model) if model else None, **kw))
+    emit(result, as_json, "chaos: kill -9 under load")
+    if not as_json:
+        for k in result["kills"]:
+            back = "not back" if k["back_after_s"] is None else f"back after {k['back_after_s']:.2f}s"
+            click.echo(f"killed {k['service']} at {k['at_s']:.2f}s, {back}")
+    if result["failed"] or result["tokens_equal_fault_free"] != result["requests_sent"]:
+        raise SystemExit(1)

@@ -363,6 +363,21 @@ class SchedulerCore:
         self._admission.started(step_no, started)
 
     # ---------------------------------------------------------------- results in
+    def abort(self, step: Step) -> None:
+        """The step never ran to the end (gpu_dense went away mid-step): nothing of it is applied, and
+        its sequences are planned again from the same positions. Shards write KV at the position they
+        are given, so the re-run overwrites whatever layers the lost run had already appended."""
+        marks = self._inflight.pop(step.step, None)
+        if marks is None:
+            return
+        for p in step.seqs:
+            seq = self._running.get(p.seq_id)
+            mark = marks.get(p.seq_id)
+            if seq is None or mark is None or seq.epoch != mark.epoch:
+                continue  # cancelled, or already moved off a lost shard
+            seq.kv = min(seq.kv, p.start_pos)
+            seq.inflight = None
+
     def apply(self, step: Step, results: dict[str, tuple[int, float] | ServiceError]) -> list[TokenEvent]:
         """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events."""
         marks = self._inflight.pop(step.step, None)

@@ -41,6 +41,7 @@ class Fleet:
         self.out: dict[str, list[int]] = {}
         self.finish: dict[str, str | None] = {}
         self.plans: list[Step] = []
+        self.overwrite = False
 
     def add_shard(self) -> None:
         self.kv.append({})
@@ -65,6 +66,9 @@ class Fleet:
                 results[p.seq_id] = (12345, 0.0)  # garbage from a shard that is going away
                 continue
             kv = self.kv[p.shard][p.seq_id]  # KeyError = planned without a reservation
+            if self.overwrite:  # a real shard writes at start_pos: a re-run step overwrites
+                assert p.start_pos <= len(kv), f"{p.seq_id}: start_pos {p.start_pos} leaves a gap"
+                del kv[p.start_pos :]
             assert p.start_pos == len(kv), f"{p.seq_id}: start_pos {p.start_pos} but {len(kv)} cached"
             kv.extend(p.token_ids)
             assert len(kv) <= self.reserved[p.shard][p.seq_id], "over the reservation"
@@ -418,6 +422,52 @@ def test_shard_lost_mid_step_ignores_its_results() -> None:
     fleet.run()
     for i in range(4):
         assert fleet.out[f"s{i}"] == reference([7, i], 6)
+
+
+@pytest.mark.parametrize("budget", [512, 3])
+def test_aborted_step_is_planned_again_and_output_is_identical(budget: int) -> None:
+    """gpu_dense dies mid-step: its shards already hold part of the step's KV and no token came back.
+    The aborted step is planned again from the same positions, with the same sample indices."""
+    prompts = {f"s{i}": [i + 2] * (2 + i) for i in range(4)}
+    core = core_with(nshards=2, prefill_token_budget=budget)
+    fleet = Fleet(core, 2)
+    fleet.overwrite = True
+    for sid, p in prompts.items():
+        core.submit(Request(sid, p, 8))
+    for n in range(3):
+        fleet.step()
+        st = core.next_step()
+        fleet.execute(st)  # the shards appended this step's KV, then the results were lost
+        core.abort(st)
+        again = core.next_step()
+        assert [(p.seq_id, p.start_pos, p.token_ids, p.sample_index) for p in again.seqs] == [
+            (p.seq_id, p.start_pos, p.token_ids, p.sample_index) for p in st.seqs
+        ], n
+        fleet.plans.append(again)
+        fleet.record(core.apply(again, fleet.execute(again)))
+    core.abort(st)  # a step already given up on, twice: nothing happens
+    fleet.run()
+    for sid, p in prompts.items():
+        assert fleet.out[sid] == reference(p, 8), sid
+        assert fleet.finish[sid] == "length"
+
+
+def test_abort_skips_sequences_cancelled_meanwhile() -> None:
+    core = core_with()
+    fleet = Fleet(core, 1)
+    fleet.overwrite = True
+    core.submit(Request("a", [1, 2], 4))
+    core.submit(Request("b", [3, 4], 4))
+    fleet.step()
+    st = core.next_step()
+    core.cancel("a")
+    core.abort(st)
+    again = core.next_step()
+    assert [p.seq_id for p in again.seqs] == ["b"]
+    fleet.record(core.apply(again, fleet.execute(again)))
+    fleet.run()
+    assert fleet.out["b"] == reference([3, 4], 4)
+    assert fleet.out["a"] == reference([1, 2], 1) and fleet.finish["a"] is None  # nothing after cancel
 
 
 def test_shard_recovered_takes_new_sequences_again() -> None:

@@ -113,7 +113,7 @@ def run_chaos_bench(
     from fastdecode.model.config import ModelConfig
 
     model = model or ensure_model("llama", "tiny")
-    vocab = ModelConfig.from_dir(model).vocab_size
+    vocab = ModelConfig.from_pretrained(model).vocab_size
     n = clients * requests_per_client
     prompts = prompts_for(n, prompt_len, vocab, seed)
     rng = random.Random(seed)

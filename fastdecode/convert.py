@@ -42,8 +42,9 @@ def params_from_proto(r: gw_pb.GenerateRequest) -> GenerateParams:
 
 
 # ---- gateway <-> scheduler --------------------------------------------------------------------------
-def submit_request(request_id: str, v: ValidRequest) -> scheduler_pb2.SubmitRequest:
+def submit_request(request_id: str, v: ValidRequest, sample_offset: int = 0) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
+        sample_index_offset=sample_offset,
         request_id=request_id,
         prompt_token_ids=v.prompt_ids,
         max_tokens=v.max_tokens,
@@ -61,6 +62,7 @@ def request_from_submit(seq_id: str, r: scheduler_pb2.SubmitRequest) -> Request:
         sampling=sampling_from_proto(r.sampling),
         stop_token_ids=frozenset(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
+        sample_offset=r.sample_index_offset,
     )
 
 

@@ -24,3 +24,6 @@ REQUEST_ID_KEY = "x-request-id"
 # failures (a lost connection), which are worth retrying (fastdecode.client).
 ERROR_SOURCE_KEY = "fastdecode-error-source"
 ERROR_TRAILER = ((ERROR_SOURCE_KEY, "gateway"),)
+# The scheduler marks its own answers to Submit the same way: the gateway resubmits a request after
+# a lost connection, not after a status the scheduler gave.
+SCHEDULER_ERROR_TRAILER = ((ERROR_SOURCE_KEY, "scheduler"),)

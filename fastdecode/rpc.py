@@ -165,8 +165,16 @@ def sync_channel(target: str, tls: TLSFiles | None = None) -> grpc.Channel:
 
 
 # ---- server bootstrap ---------------------------------------------------------------------------
+# The health service name that says only "this process works" (liveness), apart from readiness
+# ("" and the service's own names), which says whether it can do its work now.
+LIVENESS_SERVICE = "liveness"
+
+
 class Server:
-    """A grpc.aio server with health (NOT_SERVING until ready), reflection and graceful stop."""
+    """A grpc.aio server with health (NOT_SERVING until ready), reflection and graceful stop.
+
+    Readiness is the overall name "" and the service's own names; `liveness` is SERVING while the
+    process runs (probes that restart a process must ask that one, not readiness)."""
 
     def __init__(
         self,
@@ -204,9 +212,11 @@ class Server:
             raise errors.Unavailable(f"cannot bind {address}")
         self.grace_seconds = grace_seconds
         self.stopping = asyncio.Event()
+        self._ready = False
 
     async def start(self) -> None:
         await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
@@ -216,12 +226,26 @@ class Server:
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
 
+    async def set_readiness(self, reason: str | None) -> None:
+        """Readiness follows whether the service can do its work now (`reason` None: it can);
+        once stopping it stays NOT_SERVING."""
+        if self.stopping.is_set():
+            return
+        if (reason is None) != self._ready:
+            if reason is None:
+                log.info("ready again")
+            else:
+                log.warning("not ready: %s", reason)
+        self._ready = reason is None
+        await self.set_serving(self._ready)
+
     async def announce(
         self, host: str, metrics_port: int | None, ready_file: Path | None, **extra: object
     ) -> int | None:
         """Ready: start /metrics, health SERVING, then the ready file a supervisor waits for
         (`extra`: more bound ports to announce, e.g. the gateway's http_port)."""
         bound = start_metrics_server(metrics_port, host)
+        self._ready = True
         await self.set_serving(True)
         write_ready_file(ready_file, port=self.port, metrics_port=bound, **extra)
         return bound

@@ -163,6 +163,15 @@ class GatewaySettings(ServiceSettings):
     max_stop: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string.")
     connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for an unconnected scheduler.")
+    readiness_interval: float = Field(
+        1.0, gt=0, description="Seconds between looks at whether the fleet can generate (readiness)."
+    )
+    scheduler_recovery_timeout: float = Field(
+        120.0,
+        ge=0,
+        description="Seconds a request waits for a lost scheduler to come back before it fails "
+        "(it is then resubmitted from its tokens so far); 0: fail at once.",
+    )
     max_message_bytes: int = Field(4 << 20, ge=1024, description="Largest request the public ports accept.")
     http_port: int | None = Field(
         None, ge=0, le=65535, description="OpenAI-compatible HTTP API port (off if unset; 0 picks one)."

@@ -3,7 +3,10 @@
 `GatewayCore.generate` is the one request path of both public APIs (services/gateway: the gRPC
 servicer and the OpenAI-compatible HTTP app are thin adapters over it): admission (draining, the
 concurrency limit), validation, tokenizing, the scheduler call, detokenizing with stop strings,
-metrics, logs and drain accounting. The scheduler is reached through `SchedulerLink` (the gRPC one
+metrics, logs and drain accounting. A scheduler lost mid-request (UNAVAILABLE) costs time, not the
+request: once one answers again, the rest is resubmitted as prompt + the tokens generated so far,
+with the remaining max_tokens and the next sample index, so greedy and seeded sampling continue
+exactly where they stopped. The scheduler is reached through `SchedulerLink` (the gRPC one
 is services/gateway/scheduler_link.py; unit tests use an in-process fake).
 """
 
@@ -16,7 +19,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from fastdecode.errors import (
@@ -36,6 +39,14 @@ from fastdecode.settings import GatewaySettings
 from fastdecode.tokenizer import Tokenizer
 
 log = logging.getLogger("fastdecode.gateway")
+
+# Waiting for a lost scheduler: first pause, doubled after each failed look, up to the cap.
+RESUBMIT_FIRST_WAIT_S = 0.1
+RESUBMIT_MAX_WAIT_S = 2.0
+
+
+class SchedulerLost(Unavailable):
+    """The connection to the scheduler failed (not a status the scheduler answered itself)."""
 
 
 # ---- the scheduler, as the core sees it ------------------------------------------------------------
@@ -64,11 +75,15 @@ class SchedulerLink(Protocol):
         """Return once connected; Unavailable when not within `timeout` seconds."""
 
     def submit(
-        self, request_id: str, request: ValidRequest, timeout: float | None
+        self, request_id: str, request: ValidRequest, timeout: float | None, sample_offset: int = 0
     ) -> AsyncIterator[UpstreamEvent]:
         """The request's token events. Closing the iterator early cancels the request upstream."""
 
     async def model_info(self, timeout: float, wait_for_ready: bool = False) -> BackendInfo: ...
+
+    async def not_ready_reason(self, timeout: float) -> str | None:
+        """Why the scheduler (and the fleet behind it) cannot generate now; None when it can."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -156,6 +171,7 @@ class GatewayCore:
         self.eos_ids = frozenset(config.eos_token_ids)
         self.ready = False  # set once announced; the HTTP /health reads it
         self.draining = False
+        self.backend_problem: str | None = None  # the scheduler's not-ready reason, last looked at
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -222,43 +238,51 @@ class GatewayCore:
             hidden = set(valid.stop_token_ids) | (set() if valid.ignore_eos else set(self.eos_ids))
             out = OutputText(self.tokenizer, valid.stop, hidden, valid.prompt_ids)
             await self._connected(_remaining(deadline))
-            events = self.scheduler.submit(request_id, valid, _remaining(deadline))
             n_prompt = len(valid.prompt_ids)
             log.info("accepted (%s): %d prompt tokens, max_tokens %d", api, n_prompt, valid.max_tokens)
             self.metrics.accepted(n_prompt)
             last: float | None = None
-            async with contextlib.aclosing(events):  # closing cancels the scheduler call
-                async for ev in events:
-                    now = time.perf_counter()
-                    delta = out.push(ev.token_ids)
-                    if delta.token_ids:
-                        if last is None:
-                            self.metrics.first_token(now - arrival)
-                        else:
-                            self.metrics.inter_token(now - last)
-                        last = now
-                        self.metrics.generated(len(delta.token_ids))
-                    finish = "stop" if delta.stopped else ev.finish_reason
-                    chunk = GenerationChunk(delta.text, list(delta.token_ids))
-                    if finish:
-                        if not delta.stopped:
-                            tail = out.finish()
-                            chunk.text += tail.text
-                            finish = "stop" if tail.stopped else finish
-                        chunk.finish_reason = finish
-                        chunk.prompt_tokens = n_prompt
-                        chunk.completion_tokens = out.num_tokens
-                        elapsed = time.perf_counter() - arrival
-                        self.metrics.finished(finish, elapsed)
-                        log.info(
-                            "finished: %s, %d completion tokens in %.3fs", finish, out.num_tokens, elapsed
-                        )
-                        done = True
-                        yield chunk
-                        return
-                    if chunk.text or chunk.token_ids:
-                        yield chunk
-            raise RuntimeError("the scheduler ended the token stream without a finish reason")
+            received: list[int] = []  # every token the scheduler sent, held-back ones included
+            lost_at: float | None = None
+            while True:
+                rest = valid
+                if received:  # a resubmission: continue from what was generated
+                    rest = replace(
+                        valid,
+                        prompt_ids=valid.prompt_ids + received,
+                        max_tokens=valid.max_tokens - len(received),
+                    )
+                events = self.scheduler.submit(request_id, rest, _remaining(deadline), len(received))
+                before = len(received)
+                try:
+                    async with contextlib.aclosing(self._relay(events, out, received, n_prompt)) as chunks:
+                        async for chunk in chunks:
+                            last = self._time_tokens(chunk, arrival, last)
+                            if chunk.finish_reason:
+                                elapsed = time.perf_counter() - arrival
+                                self.metrics.finished(chunk.finish_reason, elapsed)
+                                log.info(
+                                    "finished: %s, %d completion tokens in %.3fs",
+                                    chunk.finish_reason,
+                                    out.num_tokens,
+                                    elapsed,
+                                )
+                                done = True
+                                yield chunk
+                                return
+                            yield chunk
+                except Unavailable as e:
+                    # Resubmit when the scheduler was lost (the connection failed, or it failed a
+                    # request it had taken). A live scheduler refusing a new request (draining, not
+                    # ready) answers the client at once, as before, unless we are already waiting
+                    # for a lost one to come back.
+                    if not (isinstance(e, SchedulerLost) or len(received) > before or lost_at is not None):
+                        raise
+                    if lost_at is None or len(received) > before:
+                        lost_at = time.monotonic()
+                    await self._await_scheduler(e, lost_at, deadline, len(received))
+                    continue
+                raise RuntimeError("the scheduler ended the token stream without a finish reason")
         except (asyncio.CancelledError, GeneratorExit):
             if not done:  # the client went away (or its deadline passed) before the end
                 status = Status.CANCELLED
@@ -276,6 +300,67 @@ class GatewayCore:
                 self.metrics.in_flight(-1)
                 if self.inflight == 0:
                     self.idle.set()
+
+    async def _relay(
+        self, events: AsyncIterator[UpstreamEvent], out: OutputText, received: list[int], n_prompt: int
+    ) -> AsyncIterator[GenerationChunk]:
+        """The scheduler's token events as text chunks (stop strings applied); each event's ids are
+        appended to `received`. The last chunk carries finish_reason and usage."""
+        async with contextlib.aclosing(events):  # closing cancels the scheduler call
+            async for ev in events:
+                received += ev.token_ids
+                delta = out.push(ev.token_ids)
+                finish = "stop" if delta.stopped else ev.finish_reason
+                chunk = GenerationChunk(delta.text, list(delta.token_ids))
+                if finish:
+                    if not delta.stopped:
+                        tail = out.finish()
+                        chunk.text += tail.text
+                        finish = "stop" if tail.stopped else finish
+                    chunk.finish_reason = finish
+                    chunk.prompt_tokens = n_prompt
+                    chunk.completion_tokens = out.num_tokens
+                    yield chunk
+                    return
+                if chunk.text or chunk.token_ids:
+                    yield chunk
+
+    def _time_tokens(self, chunk: GenerationChunk, arrival: float, last: float | None) -> float | None:
+        """TTFT / inter-token metrics for a chunk's tokens; returns when the last token arrived."""
+        if not chunk.token_ids:
+            return last
+        now = time.perf_counter()
+        if last is None:
+            self.metrics.first_token(now - arrival)
+        else:
+            self.metrics.inter_token(now - last)
+        self.metrics.generated(len(chunk.token_ids))
+        return now
+
+    async def _await_scheduler(
+        self, error: Unavailable, lost_at: float, deadline: float | None, generated: int
+    ) -> None:
+        """Wait, with backoff, until the scheduler is reachable again; re-raise `error` once the
+        recovery timeout (counted from `lost_at`) or the request's deadline is spent."""
+        give_up = lost_at + self.settings.scheduler_recovery_timeout
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        log.warning(
+            "scheduler lost after %d tokens (%s); resubmitting once it is back", generated, error.message
+        )
+        wait = RESUBMIT_FIRST_WAIT_S
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise error
+            await asyncio.sleep(min(wait, left))
+            wait = min(RESUBMIT_MAX_WAIT_S, wait * 2)
+            try:
+                left = give_up - time.monotonic()
+                await self.scheduler.wait_connected(max(0.01, min(self.settings.connect_timeout, left)))
+                return
+            except Unavailable:
+                continue
 
     async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
         if len(text) > self.limits.max_prompt_chars:
@@ -298,6 +383,21 @@ class GatewayCore:
         )
 
     # -- lifecycle
+    def not_ready_reason(self) -> str | None:
+        """Why generations cannot be served now (None: they can): readiness, for health and /health."""
+        if not self.ready:
+            return "gateway is starting"
+        if self.draining:
+            return "gateway is draining"
+        return self.backend_problem
+
+    async def check_readiness(self) -> str | None:
+        """Ask the scheduler whether the fleet can generate (no scheduler, no gpu_dense, no healthy
+        shard: it cannot), and return the gateway's readiness reason."""
+        if self.ready and not self.draining:
+            self.backend_problem = await self.scheduler.not_ready_reason(self.settings.connect_timeout)
+        return self.not_ready_reason()
+
     async def check_scheduler(self) -> None:
         """The scheduler must serve the same model geometry the gateway tokenizes for."""
         try:
@@ -329,6 +429,7 @@ __all__ = [
     "GenerationChunk",
     "ModelCard",
     "SchedulerLink",
+    "SchedulerLost",
     "UpstreamEvent",
     "new_request_id",
     "sane_request_id",

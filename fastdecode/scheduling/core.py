@@ -142,6 +142,8 @@ class SchedulerCore:
             raise InvalidInput(f"prompt token id outside the vocabulary [0, {self._vocab_size})")
         if req.max_tokens < 1:
             raise InvalidInput("max_tokens must be >= 1")
+        if req.sample_offset < 0:
+            raise InvalidInput(f"sample_index_offset must be >= 0, got {req.sample_offset}")
         req.sampling.validate()  # the one set of sampling rules (NaN and upper bounds included)
         if self._max_context is not None and req.kv_tokens > self._max_context:
             raise OutOfRange(
@@ -270,7 +272,7 @@ class SchedulerCore:
                     start_pos=seq.kv,
                     sampling=seq.req.sampling,
                     sample=sample,
-                    sample_index=seq.generated,
+                    sample_index=seq.req.sample_offset + seq.generated,
                 )
             )
             seq.kv += n

@@ -5,7 +5,9 @@ ones are in services/scheduler/links.py; unit tests use in-process fakes).
 One loop runs the steps: core.next_step() -> release/reserve on the shards -> the plan to gpu_dense
 -> core.apply(results) -> token events to each request's stream. Shard loss (an item failing with
 UNAVAILABLE, a failed reservation or health check) hands the shard's sequences back to the core,
-which re-prefills them on the survivors.
+which re-prefills them on the survivors. gpu_dense holds no state between steps (the KV is on the
+shards, the tokens are here), so losing it only pauses the loop: the unfinished step is aborted,
+the driver reconnects with backoff and plans it again; requests see a pause, not an error.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ log = logging.getLogger("fastdecode.scheduler")
 
 # Tokens per KV block of a shard that does not report its own (ShardStats.block_size 0).
 DEFAULT_BLOCK_SIZE = 16
+# Reconnecting to a lost gpu_dense: first wait, doubled after each failed try, up to the cap.
+DENSE_RETRY_FIRST_S = 0.1
+DENSE_RETRY_MAX_S = 2.0
 # Each step's R estimate needs this many attended token pairs since the last look to mean anything.
 MIN_PAIRS_FOR_SPEED = 1e5
 SPEED_SMOOTHING = 0.3
@@ -44,6 +49,7 @@ class DenseInfo:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     num_shards: int
+    shard_addresses: tuple[str, ...] = ()  # in shard order, as gpu_dense dials them
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class SchedulerMetrics:
     def shard_lost(self, recovered_sequences: int) -> None: ...
     def step(self, seconds: float, batch: int) -> None: ...
     def state(self, stats: dict, decisions_delta: dict[str, int]) -> None: ...
+    def dense_reconnected(self) -> None: ...
 
 
 def capacity_tokens(state: ShardState, geometry: KVGeometry) -> int:
@@ -143,8 +150,10 @@ class SchedulerDriver:
         dense: DenseLink,
         shards: Sequence[ShardLink],
         metrics: SchedulerMetrics | None = None,
+        make_shard_link: Callable[[str], ShardLink] | None = None,
     ) -> None:
         self.s = settings
+        self.make_shard_link = make_shard_link  # for shards gpu_dense knows and we were not given
         self.dense = dense
         self.shards = [ShardTrack(link) for link in shards]
         self.metrics = metrics or SchedulerMetrics()
@@ -155,6 +164,19 @@ class SchedulerDriver:
         self.draining = False
         self._ids = itertools.count()
         self._decisions_seen: dict[str, int] = {}
+        self.dense_down: str | None = None  # why gpu_dense is unreachable; None while it serves
+
+    def not_ready_reason(self) -> str | None:
+        """Why the fleet behind this scheduler cannot generate now (None: it can): readiness."""
+        if self.core is None:
+            return "scheduler is starting"
+        if self.draining:
+            return "scheduler is draining"
+        if self.dense_down is not None:
+            return f"gpu_dense unavailable: {self.dense_down}"
+        if not any(t.healthy for t in self.shards):
+            return "no healthy kv_attention shard"
+        return None
 
     # ---- start-up ----------------------------------------------------------------------------------
     async def connect(self) -> None:
@@ -168,10 +190,7 @@ class SchedulerDriver:
                 if time.monotonic() > deadline:
                     raise Unavailable(f"gpu_dense not ready: {e.message}") from None
                 await asyncio.sleep(0.5)
-        if self.info.num_shards != len(self.shards):
-            raise InvalidInput(
-                f"gpu_dense has {self.info.num_shards} shards, the scheduler was given {len(self.shards)}"
-            )
+        await self._reconcile_shards(self.info)
         for shard in self.shards:  # KV left by a previous scheduler instance belongs to no one now
             await shard.link.release(None, self.s.control_timeout)
         specs = [ShardSpec(await self._capacity(i)) for i in range(len(self.shards))]
@@ -197,6 +216,22 @@ class SchedulerDriver:
             self.info.geometry.num_layers,
             [sp.capacity_tokens for sp in specs],
         )
+
+    async def _reconcile_shards(self, info: DenseInfo) -> None:
+        """Make gpu_dense's shard list and ours the same, index for index, after either restarted:
+        shards added at run time (AddShard) are known to the survivor only. A restarted scheduler
+        adopts gpu_dense's extra shards; a restarted gpu_dense is given ours again, in order."""
+        extra = info.shard_addresses[len(self.shards) :]
+        if info.num_shards > len(self.shards):
+            if self.make_shard_link is None or len(info.shard_addresses) != info.num_shards:
+                raise InvalidInput(
+                    f"gpu_dense has {info.num_shards} shards, the scheduler was given {len(self.shards)}"
+                )
+            for address in extra:
+                self.shards.append(ShardTrack(self.make_shard_link(address)))
+                log.info("adopted shard %d (%s) from gpu_dense", len(self.shards) - 1, address)
+        for i in range(info.num_shards, len(self.shards)):
+            await self.dense.add_shard(self.shards[i].link.address, self.s.control_timeout)
 
     async def _capacity(self, shard: int) -> int:
         assert self.info is not None
@@ -295,9 +330,8 @@ class SchedulerDriver:
         try:
             outcome = await self.dense.run(step, self.s.pipeline)
         except Unavailable as e:
-            log.error("%s; failing %d in-flight requests", e, len(self.streams))
-            core.apply(step, {p.seq_id: e for p in step.seqs})
-            self._fail_all(e)
+            core.abort(step)  # nothing of it is applied; planned again once gpu_dense is back
+            await self._reconnect_dense(e)
             return
         results: dict[str, tuple[int, float] | ServiceError] = {}
         lost: set[int] = set()
@@ -319,6 +353,36 @@ class SchedulerDriver:
         self._dispatch(core.apply(step, results))
         self.metrics.step(time.perf_counter() - t0, len(step.seqs))
         self._report()
+
+    async def _reconnect_dense(self, error: ServiceError) -> None:
+        """Pause the step loop until gpu_dense answers again (a restart on the same address), with
+        backoff. A restarted gpu_dense knows only the shards it was started with: shards added at
+        run time are registered again, in order, so shard indices stay the same."""
+        assert self.info is not None
+        self.dense_down = error.message
+        log.warning("%s; pausing %d requests until gpu_dense is back", error.message, len(self.streams))
+        since, wait = time.monotonic(), DENSE_RETRY_FIRST_S
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(DENSE_RETRY_MAX_S, wait * 2)
+            try:
+                info = await self.dense.info(self.s.control_timeout)
+                if info.geometry != self.info.geometry or info.num_shards > len(self.shards):
+                    # A different model or shard list behind the same address: nothing here fits it.
+                    self.dense_down = "gpu_dense came back with a different model or shard list"
+                    log.error("%s; still paused", self.dense_down)
+                    continue
+                await self._reconcile_shards(info)
+            except ServiceError as e:
+                self.dense_down = e.message
+                continue
+            break
+        self.dense_down = None
+        self.metrics.dense_reconnected()
+        log.info(
+            "gpu_dense is back after %.2fs; resuming %d requests", time.monotonic() - since, len(self.streams)
+        )
+        self.wake.set()
 
     async def _release(self, releases: list[tuple[str, int]]) -> None:
         by_shard: dict[int, list[str]] = defaultdict(list)
@@ -389,16 +453,6 @@ class SchedulerDriver:
             stream = self.streams.get(ev.seq_id)
             if stream is not None:
                 stream.queue.put_nowait(ev)
-
-    def _fail_all(self, exc: ServiceError) -> None:
-        """gpu_dense is gone: every running sequence ends with this error (never hangs)."""
-        assert self.core is not None
-        for sid, stream in list(self.streams.items()):
-            stream.queue.put_nowait(exc)
-            try:
-                self.core.cancel(sid)
-            except ServiceError:  # already gone from the core
-                pass
 
     def _report(self) -> None:
         assert self.core is not None

@@ -23,6 +23,8 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # Tokens generated before this submission (a resubmission): the first sample index.
+    sample_offset: int = 0
 
     @property
     def kv_tokens(self) -> int:

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "sampling", "stop_token_ids", "ignore_eos")
+    __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "sample_index_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: _dense_pb2.SamplingParams
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_dense_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    sample_index_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_dense_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sample_index_offset: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "step", "shard")
@@ -64,7 +66,7 @@ class ShardLoad(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., expected_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission")
+    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission", "not_ready_reason")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class SchedulerStats(_message.Message):
     KV_LOAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     W_LIMIT_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    NOT_READY_REASON_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     steps: int
@@ -83,4 +86,5 @@ class SchedulerStats(_message.Message):
     kv_load_tokens: float
     w_limit: float
     admission: str
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ...) -> None: ...
+    not_ready_reason: str
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ..., not_ready_reason: _Optional[str] = ...) -> None: ...

@@ -125,9 +125,9 @@ class OpenAIApp:
 
     # -- routes
     async def health(self) -> Response:
-        if self.core.ready and not self.core.draining:
+        reason = self.core.not_ready_reason()
+        if reason is None:
             return JSONResponse({"status": "ok"})
-        reason = "gateway is draining" if self.core.draining else "gateway is starting"
         return error_response(Unavailable(reason))
 
     def _model_card(self) -> dict[str, Any]:

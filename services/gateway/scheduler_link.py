@@ -10,18 +10,26 @@ import grpc
 
 from fastdecode import convert
 from fastdecode.errors import InternalError, ServiceError, Status, Unavailable, error_for, has_domain_meaning
-from fastdecode.gateway.core import BackendInfo, UpstreamEvent
+from fastdecode.gateway.core import BackendInfo, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import ValidRequest
+from fastdecode.protocol import ERROR_SOURCE_KEY
 from fastdecode.rpc import aio_channel, request_metadata, status_from_code
 from fastdecode.settings import TLSFiles
-from fastdecode.v1 import dense_pb2, scheduler_pb2_grpc
+from fastdecode.v1 import dense_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("fastdecode.gateway")
+
+
+def _answered(e: grpc.aio.AioRpcError) -> bool:
+    """Whether the scheduler itself gave this status (its trailer), not a failed connection."""
+    return any(key == ERROR_SOURCE_KEY for key, _ in (e.trailing_metadata() or ()))
 
 
 def upstream_error(e: grpc.aio.AioRpcError) -> ServiceError:
     """Relay the scheduler's status: domain codes keep code and message, others become INTERNAL."""
     status, details = status_from_code(e.code()), e.details() or ""
+    if status is Status.UNAVAILABLE and not _answered(e):  # the connection failed, not the scheduler
+        return SchedulerLost(f"scheduler lost: {details}")
     if status in (Status.DEADLINE_EXCEEDED, Status.CANCELLED):
         return error_for(status, f"scheduler: {details}")
     if not has_domain_meaning(status):  # INTERNAL, UNKNOWN, UNAUTHENTICATED, ...
@@ -45,10 +53,10 @@ class GrpcSchedulerLink:
             raise Unavailable(f"scheduler {self.target} is unreachable") from None
 
     async def submit(
-        self, request_id: str, request: ValidRequest, timeout: float | None
+        self, request_id: str, request: ValidRequest, timeout: float | None, sample_offset: int = 0
     ) -> AsyncIterator[UpstreamEvent]:
         call = self.stub.Submit(
-            convert.submit_request(request_id, request),
+            convert.submit_request(request_id, request, sample_offset),
             timeout=timeout,
             metadata=request_metadata(request_id),
         )
@@ -68,6 +76,15 @@ class GrpcSchedulerLink:
         except grpc.aio.AioRpcError as e:
             raise upstream_error(e) from None
         return BackendInfo(info.model_type, info.vocab_size, info.num_shards, info.device)
+
+    async def not_ready_reason(self, timeout: float) -> str | None:
+        try:
+            st = await self.stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not _answered(e):
+                return f"scheduler {self.target} unreachable"
+            return f"scheduler: {e.details()}"
+        return st.not_ready_reason or None
 
     async def close(self) -> None:
         await self.channel.close()

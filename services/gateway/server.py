@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -185,6 +186,13 @@ class GatewayServicer:
         return model_card_to_proto(await self.core.model_card(context.time_remaining()))
 
 
+async def _readiness(server: Server, core: GatewayCore, interval: float) -> None:
+    """gRPC health (readiness) follows whether the fleet can generate; `liveness` stays SERVING."""
+    while True:
+        await server.set_readiness(await core.check_readiness())
+        await asyncio.sleep(interval)
+
+
 async def serve(settings: GatewaySettings) -> None:
     log = settings.configure_logging("gateway")
     tokenizer = Tokenizer.from_pretrained(settings.model)
@@ -228,7 +236,9 @@ async def serve(settings: GatewaySettings) -> None:
         "on" if settings.tls.enabled else "off",
         "on" if token else "off",
     )
+    readiness = asyncio.create_task(_readiness(server, core, settings.readiness_interval))
     await server.stopping.wait()
+    readiness.cancel()
     log.info("draining %d requests in flight", core.inflight)
     await server.stop(drain=core.drain)
     if http is not None:

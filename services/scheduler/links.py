@@ -42,6 +42,7 @@ class GrpcDenseLink:
             max_position_embeddings=int(i.max_position_embeddings),
             eos_token_ids=tuple(i.eos_token_ids),
             num_shards=len(i.shards),
+            shard_addresses=tuple(i.shards),
         )
 
     async def run(self, step: Step, pipeline: bool) -> StepOutcome:

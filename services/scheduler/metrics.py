@@ -16,6 +16,9 @@ SHARD_USAGE = Gauge(
 SHARD_HEALTHY = Gauge("fastdecode_shard_healthy", "1 while the shard takes sequences", ["shard"])
 RECOVERIES = Counter("fastdecode_shard_recoveries_total", "Sequences re-prefilled after a shard loss")
 SHARD_LOSSES = Counter("fastdecode_shard_losses_total", "Shards detected lost")
+DENSE_RECONNECTS = Counter(
+    "fastdecode_dense_reconnects_total", "Times gpu_dense was lost and the paused requests resumed"
+)
 ADMISSIONS = Counter(
     "fastdecode_admission_decisions_total",
     "Admission outcomes: sequences admitted or rejected (queue full); steps in which waiting "
@@ -38,6 +41,9 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
     def shard_lost(self, recovered_sequences: int) -> None:
         SHARD_LOSSES.inc()
         RECOVERIES.inc(recovered_sequences)
+
+    def dense_reconnected(self) -> None:
+        DENSE_RECONNECTS.inc()
 
     def step(self, seconds: float, batch: int) -> None:
         STEP_SECONDS.observe(seconds)

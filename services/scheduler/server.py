@@ -10,6 +10,7 @@ import grpc
 from fastdecode import convert
 from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.logs import bind_request_id
+from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
 from fastdecode.rpc import Server, handles_errors, request_id_of
 from fastdecode.scheduling.driver import SchedulerDriver
 from fastdecode.settings import SchedulerSettings, split_addresses
@@ -27,9 +28,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.settings = settings
         self.dense = GrpcDenseLink(settings.dense, settings.tls, settings.step_timeout)
         shards = [GrpcShardLink(a, settings.tls) for a in split_addresses(settings.shards)]
-        self.driver = SchedulerDriver(settings, self.dense, shards, PrometheusSchedulerMetrics())
+        self.driver = SchedulerDriver(
+            settings,
+            self.dense,
+            shards,
+            PrometheusSchedulerMetrics(),
+            make_shard_link=lambda address: GrpcShardLink(address, settings.tls),
+        )
 
-    @handles_errors
+    @handles_errors(trailers=SCHEDULER_ERROR_TRAILER)
     async def Submit(
         self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TokenEvent]:
@@ -46,7 +53,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise Unavailable("scheduler not ready")
         return self.dense.model_info
 
-    @handles_errors
+    @handles_errors(trailers=SCHEDULER_ERROR_TRAILER)
     async def GetStats(
         self, request: pb.SchedulerStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.SchedulerStats:
@@ -62,6 +69,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             kv_load_tokens=st["kv_load_tokens"],
             w_limit=st["w_limit"] or 0.0,
             admission=st["admission"],
+            not_ready_reason=self.driver.not_ready_reason() or "",
         )
         for sh in st["shards"]:
             out.shards.add(
@@ -84,6 +92,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return dense_pb2.AddShardResponse(shard=index)
 
 
+async def _readiness(server: Server, driver: SchedulerDriver, interval: float) -> None:
+    """Health says whether the fleet behind this scheduler can generate (gpu_dense reachable, a
+    healthy shard); the gateway mirrors it."""
+    while True:
+        await server.set_readiness(driver.not_ready_reason())
+        await asyncio.sleep(interval)
+
+
 async def serve(settings: SchedulerSettings) -> None:
     log = settings.configure_logging("scheduler")
     service = SchedulerServicer(settings)
@@ -103,6 +119,7 @@ async def serve(settings: SchedulerSettings) -> None:
     await driver.connect()
     tasks = [asyncio.create_task(driver.step_loop()), asyncio.create_task(driver.health_loop())]
     await server.announce(settings.host, settings.metrics_port, settings.ready_file)
+    tasks.append(asyncio.create_task(_readiness(server, driver, settings.health_interval)))
     log.info(
         "serving on %s:%d; dense %s; %d shards; admission %s",
         settings.host,

@@ -424,9 +424,12 @@ def test_chart_topology(case: str, shards: int, gpu: bool) -> None:
         assert c["resources"]["requests"] and c["resources"]["limits"], name
         if name != "gpu-dense":
             assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
-        # Native gRPC probes (no TLS by default).
+        # Native gRPC probes (no TLS by default): readiness asks whether the service (and the fleet
+        # behind it) can work now, startup and liveness only whether the process works.
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert c[probe]["grpc"]["port"] == c["ports"][0]["containerPort"], (name, probe)
+        assert c["livenessProbe"]["grpc"]["service"] == c["startupProbe"]["grpc"]["service"] == "liveness"
+        assert "service" not in c["readinessProbe"]["grpc"]
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
     grace = float(cm["data"]["FASTDECODE_GRACE_SECONDS"])
     for d in [*deployments.values(), sts]:
@@ -495,6 +498,8 @@ def test_chart_everything_enabled() -> None:
         assert env["FASTDECODE_TLS_KEY"].endswith("/tls.key"), name
         assert env["FASTDECODE_TLS_CA"].endswith("/ca.crt"), name
         assert "fastdecode" in c["livenessProbe"]["exec"]["command"]
+        live, ready = c["livenessProbe"]["exec"]["command"], c["readinessProbe"]["exec"]["command"]
+        assert live[live.index("--service") + 1] == "liveness" and ready[ready.index("--service") + 1] == ""
     for d in [*_by_kind(docs, "Deployment").values(), *_by_kind(docs, "StatefulSet").values()]:
         vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
         assert vols["tls"]["secret"]["secretName"] == "fd-tls"

@@ -153,37 +153,43 @@ def test_disconnected_client_is_cancelled(fleet: Fleet, tmp_path: Path) -> None:
     assert set(wait_kv_empty(fleet, timeout=5)) == {(0, 0)}
 
 
-def test_gpu_dense_restart_fails_in_flight_then_serves(fleet: Fleet) -> None:
-    assert fleet.gateway and fleet.dense
-    with Client(fleet.gateway.address) as client:
-        stream = client.stream(token_ids=[0, 9, 8], max_tokens=1000)
-        next(stream)
-        os.kill(fleet.dense.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(FastDecodeError) as info:
-            for _ in stream:
-                pass
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE
-        assert "gpu_dense" in info.value.details
-        assert time.monotonic() - t0 < 30
-        fleet.restart(fleet.dense)
-        assert client.generate(token_ids=[0, 1, 2], max_tokens=4, timeout=60).token_ids
+def _health(address: str, service: str = "") -> int:
+    try:
+        return (
+            health_pb2_grpc.HealthStub(sync_channel(address))
+            .Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+            .status
+        )
+    except grpc.RpcError:
+        return -1
+
+
+def _wait_health(address: str, status: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while _health(address) != status:
+        assert time.monotonic() < deadline, f"{address} never reached health {status}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("victim", ["dense", "scheduler"])
+def test_a_killed_gpu_dense_or_scheduler_costs_time_not_the_request(fleet: Fleet, victim: str) -> None:
+    """kill -9 mid-stream, then the service comes back on its address: the stream pauses and ends
+    with the tokens of a fault-free run; the gateway's readiness says why meanwhile."""
+    assert fleet.gateway
+    prompt, n = [0, 9, 8], 40
+    with Client(fleet.gateway.address, timeout=120) as client:
+        expected = client.generate(token_ids=prompt, max_tokens=n, ignore_eos=True).token_ids
+        stream = client.stream(token_ids=prompt, max_tokens=n, ignore_eos=True)
+        got = list(next(stream).token_ids)
+        os.kill(getattr(fleet, victim).pid, signal.SIGKILL)
+        _wait_health(fleet.gateway.address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert _health(fleet.gateway.address, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        fleet.restart(getattr(fleet, victim))
+        for chunk in stream:
+            got += chunk.token_ids
+        assert got == expected
+        _wait_health(fleet.gateway.address, health_pb2.HealthCheckResponse.SERVING)
     assert set(wait_kv_empty(fleet)) == {(0, 0)}
-
-
-def test_scheduler_restart_fails_in_flight_then_serves(fleet: Fleet) -> None:
-    assert fleet.gateway and fleet.scheduler
-    with Client(fleet.gateway.address) as client:
-        stream = client.stream(token_ids=[0, 9, 8], max_tokens=1000)
-        next(stream)
-        os.kill(fleet.scheduler.pid, signal.SIGKILL)
-        with pytest.raises(FastDecodeError) as info:
-            for _ in stream:
-                pass
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE
-        fleet.restart(fleet.scheduler)
-        assert client.generate(token_ids=[0, 1, 2], max_tokens=4, timeout=60).token_ids
-    assert set(wait_kv_empty(fleet)) == {(0, 0)}  # the new scheduler dropped the orphaned KV
 
 
 @pytest.mark.parametrize("service", ["gateway", "scheduler"])

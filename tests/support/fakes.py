@@ -29,6 +29,7 @@ class FakeScheduler:
     down: bool = False
     submitted: list[tuple[str, ValidRequest]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # sample_offset of each submission
 
     async def wait_connected(self, timeout: float) -> None:
         if self.down:
@@ -36,9 +37,10 @@ class FakeScheduler:
             raise Unavailable("scheduler fake:0 is unreachable")
 
     async def submit(
-        self, request_id: str, request: ValidRequest, timeout: float | None
+        self, request_id: str, request: ValidRequest, timeout: float | None, sample_offset: int = 0
     ) -> AsyncIterator[UpstreamEvent]:
         self.submitted.append((request_id, request))
+        self.offsets.append(sample_offset)
         events = self.script(request_id, request) if self.script else []
         finished = False
         try:
@@ -59,6 +61,9 @@ class FakeScheduler:
             raise Unavailable("scheduler fake:0 is unreachable")
         return self.info
 
+    async def not_ready_reason(self, timeout: float) -> str | None:
+        return "scheduler fake:0 unreachable" if self.down else None
+
     async def close(self) -> None:
         pass
 
@@ -69,15 +74,29 @@ class FakeDense:
     (never EOS, which is 0 here); `fail_items` maps a shard to the error its sequences' items get."""
 
     info_: DenseInfo = field(
-        default_factory=lambda: DenseInfo("llama", KVGeometry(2, 2, 8), 100, 512, (0,), 2)
+        default_factory=lambda: DenseInfo(
+            "llama", KVGeometry(2, 2, 8), 100, 512, (0,), 2, ("fake:2", "fake:3")
+        )
     )
     fail_items: dict[int, ServiceError] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
+    # Steps until gpu_dense goes away (None: never); `down` then stays set until a test clears it.
+    dies_after: int | None = None
+    down: bool = False
+    lost_steps: int = 0
 
     async def info(self, timeout: float) -> DenseInfo:
+        if self.down:
+            await asyncio.sleep(min(timeout, 0.01))
+            raise Unavailable("gpu_dense fake:1 is unreachable")
         return self.info_
 
     async def run(self, step: Step, pipeline: bool) -> StepOutcome:
+        if self.dies_after is not None and len(self.steps) >= self.dies_after:
+            self.dies_after, self.down = None, True
+        if self.down:
+            self.lost_steps += 1
+            raise Unavailable("gpu_dense fake:1 unavailable: Socket closed")
         self.steps.append(step)
         items = []
         for p in step.seqs:
@@ -90,7 +109,13 @@ class FakeDense:
         return StepOutcome(items)
 
     async def add_shard(self, address: str, timeout: float) -> int:
-        self.info_ = DenseInfo(**{**self.info_.__dict__, "num_shards": self.info_.num_shards + 1})
+        self.info_ = DenseInfo(
+            **{
+                **self.info_.__dict__,
+                "num_shards": self.info_.num_shards + 1,
+                "shard_addresses": (*self.info_.shard_addresses, address),
+            }
+        )
         return self.info_.num_shards - 1
 
 

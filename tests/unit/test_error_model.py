@@ -12,6 +12,8 @@ import pytest
 
 from fastdecode import errors
 from fastdecode.errors import InvalidInput, ResourceExhausted, ServiceError, Status, Unavailable
+from fastdecode.gateway.core import SchedulerLost
+from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
 from fastdecode.rpc import GRPC_CODE, error_from_item, handles_errors, item_error, status_for
 from services.gateway.scheduler_link import upstream_error
 
@@ -96,8 +98,11 @@ def test_handles_errors_maps_every_failure_in_one_place() -> None:
     asyncio.run(main())
 
 
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def _rpc_error(code: grpc.StatusCode, details: str, answered: bool = True) -> grpc.aio.AioRpcError:
+    """An RpcError as the gateway's link sees it: `answered` by the scheduler (its Submit trailer),
+    or a failed connection."""
+    trailers = grpc.aio.Metadata(*SCHEDULER_ERROR_TRAILER) if answered else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details)
 
 
 @pytest.mark.parametrize(
@@ -115,3 +120,10 @@ def test_the_gateway_relays_the_schedulers_status(
 ) -> None:
     err = upstream_error(_rpc_error(code, "queue full"))
     assert (err.status, err.message) == (status, message)
+    assert not isinstance(err, SchedulerLost)
+
+
+def test_a_failed_connection_to_the_scheduler_is_a_lost_scheduler() -> None:
+    err = upstream_error(_rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed", answered=False))
+    assert isinstance(err, SchedulerLost) and err.status is Status.UNAVAILABLE
+    assert err.message == "scheduler lost: Socket closed"

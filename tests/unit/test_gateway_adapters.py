@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from fastdecode.convert import params_from_proto
 from fastdecode.errors import InvalidInput, ServiceError, Status, Unavailable
-from fastdecode.gateway.core import GatewayCore, GenerationChunk, UpstreamEvent
+from fastdecode.gateway.core import GatewayCore, GenerationChunk, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.model import ModelConfig
 from fastdecode.settings import GatewaySettings
@@ -160,3 +160,82 @@ def test_an_unreachable_scheduler_is_unavailable(llama_dir: Path) -> None:
     core, _ = make_core(llama_dir, FakeScheduler(down=True), connect_timeout=0.01)
     with pytest.raises(Unavailable, match="unreachable"):
         asyncio.run(_run(core, GenerateParams(token_ids=[5])))
+
+
+# ---- a scheduler lost mid-request: resubmitted from the tokens so far ----------------------------------
+def _model(prompt: list[int], n: int) -> list[int]:
+    """A deterministic 'greedy model' over the whole history, as a scheduler would continue it."""
+    out, hist = [], list(prompt)
+    for _ in range(n):
+        t = 3 + sum((i + 1) * x for i, x in enumerate(hist)) % 50
+        out.append(t)
+        hist.append(t)
+    return out
+
+
+def _flaky_scheduler(loses_after: list[int]) -> FakeScheduler:
+    """A scheduler that continues any history with `_model`, and is lost (the connection fails)
+    after loses_after[k] tokens of its k-th submission."""
+
+    def script(rid: str, req: object) -> list:
+        k = len(link.submitted) - 1
+        toks = _model(req.prompt_ids, req.max_tokens)  # type: ignore[attr-defined]
+        events: list = [UpstreamEvent([t]) for t in toks[:-1]] + [UpstreamEvent([toks[-1]], "length")]
+        if k < len(loses_after):
+            return [*events[: loses_after[k]], SchedulerLost("scheduler lost: Socket closed")]
+        return events
+
+    link = FakeScheduler(script)
+    return link
+
+
+def test_a_lost_scheduler_costs_time_not_the_request(llama_dir: Path) -> None:
+    link = _flaky_scheduler([3, 0, 4])  # lost after 3 tokens, refused once while coming back, then 4
+    core, answered = make_core(llama_dir, link)
+    prompt = [5, 6, 7]
+    chunks = asyncio.run(_run(core, GenerateParams(token_ids=prompt, max_tokens=12, ignore_eos=True)))
+    assert [t for c in chunks for t in c.token_ids] == _model(prompt, 12)  # as if nothing happened
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 12
+    assert chunks[-1].prompt_tokens == 3  # usage counts the client's prompt, not the resubmitted one
+    # Each resubmission: prompt + tokens so far, the rest of max_tokens, the next sample index.
+    assert [(len(r.prompt_ids), r.max_tokens) for _, r in link.submitted] == [
+        (3, 12),
+        (6, 9),
+        (6, 9),
+        (10, 5),
+    ]
+    assert link.offsets == [0, 3, 3, 7]
+    assert link.submitted[3][1].prompt_ids == prompt + _model(prompt, 7)
+    assert {rid for rid, _ in link.submitted} == {"r1"}
+    assert answered == [(Status.OK, "grpc")]
+
+
+def test_a_live_schedulers_refusal_is_answered_at_once(llama_dir: Path) -> None:
+    link = FakeScheduler(lambda rid, req: [Unavailable("scheduler is draining")])
+    core, _ = make_core(llama_dir, link)
+    with pytest.raises(Unavailable, match="draining"):
+        asyncio.run(_run(core, GenerateParams(token_ids=[5], max_tokens=4)))
+    assert len(link.submitted) == 1  # not resubmitted
+
+
+def test_a_scheduler_that_stays_lost_fails_after_the_recovery_timeout(llama_dir: Path) -> None:
+    link = _flaky_scheduler([2] + [0] * 1000)
+    core, _ = make_core(llama_dir, link, scheduler_recovery_timeout=0.3)
+    with pytest.raises(Unavailable, match="scheduler lost"):
+        asyncio.run(_run(core, GenerateParams(token_ids=[5], max_tokens=8, ignore_eos=True)))
+    assert 2 <= len(link.submitted) < 50  # it kept trying, with backoff, then gave up
+
+
+def test_readiness_tells_why_the_fleet_cannot_generate(llama_dir: Path) -> None:
+    link = FakeScheduler()
+    core, _ = make_core(llama_dir, link)
+    assert asyncio.run(core.check_readiness()) == "gateway is starting"
+    core.ready = True
+    assert asyncio.run(core.check_readiness()) is None
+    link.down = True
+    assert asyncio.run(core.check_readiness()) == "scheduler fake:0 unreachable"
+    assert core.not_ready_reason() == "scheduler fake:0 unreachable"  # what /health answers
+    link.down = False
+    assert asyncio.run(core.check_readiness()) is None
+    core.draining = True
+    assert asyncio.run(core.check_readiness()) == "gateway is draining"

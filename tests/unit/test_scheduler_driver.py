@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from fastdecode.errors import InvalidInput, ServiceError, Unavailable
 from fastdecode.geometry import KVGeometry
 from fastdecode.sampling import SamplingParams
@@ -139,3 +141,107 @@ def test_a_failed_item_ends_its_request_with_a_typed_error() -> None:
 
     err = asyncio.run(main())
     assert type(err) is InvalidInput and err.message == "bad plan item"
+
+
+def test_a_lost_gpu_dense_pauses_requests_and_they_resume_where_they_were() -> None:
+    """gpu_dense dies mid-run: no request fails; the lost step is planned again once it is back, and
+    every request's tokens are those of a fault-free run (FakeDense samples 1 + sample_index)."""
+
+    async def main() -> None:
+        dense = FakeDense(dies_after=3)
+        driver = driver_with(FakeShard("fake:2"), FakeShard("fake:3"), dense=dense)
+        await driver.connect()
+        assert driver.not_ready_reason() is None
+        loop = asyncio.create_task(driver.step_loop())
+        try:
+            runs = [
+                asyncio.create_task(_collect(driver, Request(f"r{i}", [3, 4], max_tokens=6)))
+                for i in range(4)
+            ]
+            while not dense.down:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)  # down for a while: the loop retries with backoff
+            assert dense.lost_steps == 1  # the failed step was not re-sent to a dead gpu_dense
+            reason = driver.not_ready_reason()
+            assert reason is not None and "gpu_dense" in reason
+            assert not any(r.done() for r in runs)  # paused, not failed
+            dense.down = False
+            outs = await asyncio.wait_for(asyncio.gather(*runs), 10)
+        finally:
+            loop.cancel()
+        assert outs == [[1, 2, 3, 4, 5, 6]] * 4
+        assert driver.not_ready_reason() is None
+        # The re-planned step starts where the lost one did.
+        assert all(p.start_pos in (0, 2, 3, 4, 5, 6, 7) for st in dense.steps for p in st.seqs)
+
+    asyncio.run(main())
+
+
+def test_a_restarted_gpu_dense_gets_the_shards_added_at_run_time_again() -> None:
+    async def main() -> None:
+        dense = FakeDense()
+        driver = driver_with(FakeShard("fake:2"), FakeShard("fake:3"), dense=dense)
+        await driver.connect()
+        await driver.add_shard("fake:4", lambda a: FakeShard(a))
+        assert dense.info_.num_shards == 3
+        dense.info_ = FakeDense().info_  # a fresh process knows only its --shards (2)
+        dense.dies_after = len(dense.steps)
+        loop = asyncio.create_task(driver.step_loop())
+        try:
+            run = asyncio.create_task(_collect(driver, Request("a", [3, 4], max_tokens=3)))
+            while not dense.down:
+                await asyncio.sleep(0.005)
+            dense.down = False
+            assert await asyncio.wait_for(run, 10) == [1, 2, 3]
+        finally:
+            loop.cancel()
+        assert dense.info_.num_shards == 3  # registered again, so shard 2 means the same shard
+
+    asyncio.run(main())
+
+
+def test_not_ready_without_a_healthy_shard() -> None:
+    async def main() -> None:
+        shards = [FakeShard("fake:2"), FakeShard("fake:3")]
+        driver = driver_with(*shards)
+        assert driver.not_ready_reason() == "scheduler is starting"
+        await driver.connect()
+        assert driver.not_ready_reason() is None
+        shards[0].serving = False
+        await driver.probe_shards()
+        assert driver.not_ready_reason() is None  # one shard is enough
+        shards[1].serving = False
+        await driver.probe_shards()
+        assert driver.not_ready_reason() == "no healthy kv_attention shard"
+        shards[1].serving = True
+        await driver.probe_shards()
+        assert driver.not_ready_reason() is None
+
+    asyncio.run(main())
+
+
+def test_a_restarted_scheduler_adopts_the_shards_gpu_dense_gained_at_run_time() -> None:
+    async def main() -> None:
+        dense = FakeDense()
+        await dense.add_shard("fake:4", 1.0)  # added through the scheduler that died
+        made: list[str] = []
+
+        def link(address: str) -> FakeShard:
+            made.append(address)
+            return FakeShard(address)
+
+        driver = SchedulerDriver(
+            SETTINGS, dense, [FakeShard("fake:2"), FakeShard("fake:3")], make_shard_link=link
+        )
+        await driver.connect()
+        assert made == ["fake:4"] and [t.link.address for t in driver.shards] == [
+            "fake:2",
+            "fake:3",
+            "fake:4",
+        ]
+        assert driver.core is not None and driver.core.num_shards == 3
+        # Without a way to reach it, the mismatch is refused as before.
+        with pytest.raises(InvalidInput, match="3 shards"):
+            await SchedulerDriver(SETTINGS, dense, [FakeShard("fake:2"), FakeShard("fake:3")]).connect()
+
+    asyncio.run(main())

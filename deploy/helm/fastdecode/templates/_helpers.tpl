@@ -70,14 +70,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- $port := int .port }}
 {{- range $kind := list "startup" "liveness" "readiness" }}
 {{- $p := index $root.Values.probes $kind }}
+{{- /* Readiness: can it do its work now (the fleet behind it included); startup and liveness: does
+the process work (health service "liveness"), so a lost peer never gets a healthy pod restarted. */}}
+{{- $service := ternary "" "liveness" (eq $kind "readiness") }}
 {{ $kind }}Probe:
   {{- if $root.Values.tls.enabled }}
   # kubelet's grpc probe cannot speak TLS: ask the server from inside the pod.
   exec:
-    command: ["fastdecode", "health", "--target", "127.0.0.1:{{ $port }}", "--timeout", "{{ $p.timeoutSeconds }}"]
+    command: ["fastdecode", "health", "--target", "127.0.0.1:{{ $port }}", "--service", "{{ $service }}", "--timeout", "{{ $p.timeoutSeconds }}"]
   {{- else }}
   grpc:
     port: {{ $port }}
+    {{- if $service }}
+    service: {{ $service }}
+    {{- end }}
   {{- end }}
   periodSeconds: {{ $p.periodSeconds }}
   failureThreshold: {{ $p.failureThreshold }}

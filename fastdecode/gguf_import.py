@@ -78,7 +78,7 @@ class GGUFFile:
         try:
             self.reader = GGUFReader(str(self.path))
         except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
-            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {e}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -113,15 +113,14 @@ def build_config(g: GGUFFile) -> dict[str, Any]:
     """config.json contents (transformers 5 layout, as fastdecode.checkpoint writes them)."""
     arch = g.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{g.path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
     key = str(g.require("general.architecture"))  # metadata prefix ("llama" for mistral files too)
     hidden = int(g.require(f"{key}.embedding_length"))
     heads = int(g.require(f"{key}.attention.head_count"))
     kv_heads = int(g.get(f"{key}.attention.head_count_kv", heads))
     if heads <= 0 or kv_heads <= 0 or heads % kv_heads or hidden % heads:
-        raise ModelLoadError(f"{g.path}: inconsistent head counts {heads}/{kv_heads} for hidden size {hidden}")
+        raise ModelLoadError(f"{g.path}: inconsistent head counts {heads}/{kv_heads}, hidden size {hidden}")
     head_dim = int(g.get(f"{key}.attention.key_length", 0) or g.get(f"{key}.rope.dimension_count", 0))
     head_dim = head_dim or hidden // heads
     scaling = str(g.get(f"{key}.rope.scaling.type", "none"))
@@ -191,7 +190,7 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def hf_name(gguf_name: str) -> str:
-    """The HuggingFace tensor name for a GGUF one (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight)."""
+    """HuggingFace name of a GGUF tensor: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
@@ -289,6 +288,8 @@ def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]]:
         )
     tokens: list[str] = list(g.require("tokenizer.ggml.tokens"))
     types: list[int] = list(g.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise ModelLoadError(f"{g.path}: {len(types)} token types for {len(tokens)} tokens")
     merges = [tuple(m.split(" ", 1)) for m in g.require("tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
@@ -306,12 +307,16 @@ def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]]:
     # Control tokens (<|im_start|>, <|endoftext|>) are special: matched whole, dropped by
     # skip_special_tokens; user-defined ones are matched whole but kept.
     tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _TOKEN_CONTROL]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_CONTROL
+        ]
     )
     tok.add_tokens(
         [
             AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types)
+            for t, k in zip(tokens, types, strict=True)
             if k == _TOKEN_USER_DEFINED
         ]
     )
@@ -415,9 +420,7 @@ def _atomic_dir(target: Path, build: Callable[[Path], object]) -> Path:
     return target
 
 
-def cached_import(
-    file: str | Path, dtype: str = "float32", progress: ProgressCallback | None = None
-) -> Path:
+def cached_import(file: str | Path, dtype: str = "float32", progress: ProgressCallback | None = None) -> Path:
     """The imported checkpoint for GGUF `file`, made once under the models cache.
 
     Keyed by the file's name, size and the hash of its first MiB (metadata and tensor table), so a

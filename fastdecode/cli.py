@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from fastdecode.cli_errors import ErrorReportingGroup
+
 # ---- helpers ------------------------------------------------------------------------------------
 
 
@@ -65,7 +67,10 @@ def _run_service(serve: Callable[[Any], Any], settings_cls: type, flags: dict[st
     asyncio.run(serve(settings))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(
+    cls=ErrorReportingGroup,  # one-line errors, no tracebacks, for user input and broken checkpoints
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
 @click.version_option(package_name="fastdecode-fleet")
 def main() -> None:
     """FastDecode fleet: LLM decoding split into a batched dense half and sharded attention on CPUs."""
@@ -188,9 +193,13 @@ def _parse_ids(text: str) -> list[int]:
 
 @main.command()
 @click.option(
-    "--model", type=click.Path(file_okay=False), default=None, help="Checkpoint dir (default: tiny)."
+    "--model",
+    type=click.Path(),
+    default=None,
+    help="Checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct, fetched once).",
 )
 @click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Send --prompt as a user message through the chat template.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids.")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
@@ -202,6 +211,7 @@ def _parse_ids(text: str) -> list[int]:
 def run(
     model: str | None,
     prompt: str | None,
+    chat: bool,
     prompt_ids: str | None,
     max_tokens: int,
     temperature: float,
@@ -212,7 +222,7 @@ def run(
     as_json: bool,
 ) -> None:
     """Generate in-process with LocalEngine (no servers)."""
-    from fastdecode.checkpoint import ensure_default_model
+    from fastdecode.cli_gguf import chat_token_ids, resolve_model
     from fastdecode.engine import LocalEngine
     from fastdecode.errors import FastDecodeError
     from fastdecode.sampling import SamplingParams
@@ -220,16 +230,21 @@ def run(
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    path = Path(model) if model else ensure_default_model()
+    if chat and prompt is None:
+        raise click.UsageError("--chat needs --prompt")
+    path = resolve_model(model)
     tok = Tokenizer.from_pretrained(path)
-    ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids or "")
+    if chat:
+        ids = chat_token_ids(path, [{"role": "user", "content": prompt or ""}])
+    else:
+        ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids or "")
     try:
         engine = LocalEngine.from_pretrained(path, device=device)
         params = SamplingParams(temperature, top_p, top_k, seed)
         out_ids: list[int] = []
         finish = None
         stream = tok.stream()
-        if not as_json and prompt is not None:
+        if not as_json and prompt is not None and not chat:
             click.echo(prompt, nl=False)
         for events in engine.generate_stream([ids], max_tokens, params):
             for _, token, _, fin in events:
@@ -254,9 +269,10 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
         [
             click.option(
                 "--model",
-                type=click.Path(file_okay=False),
+                type=click.Path(),
                 default=None,
-                help="Checkpoint dir (default: the embedded tiny model, made on first use).",
+                help="Checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct, fetched and imported "
+                "on first use).",
             ),
             click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True),
             click.option("--device", default="auto", show_default=True, help="gpu_dense device."),
@@ -298,10 +314,10 @@ def _make_fleet(
     auth_token: str | None = None,
     http_port: int | None = None,
 ) -> Any:
-    from fastdecode.checkpoint import ensure_default_model
+    from fastdecode.cli_gguf import resolve_model
     from fastdecode.fleet import Fleet
 
-    path = Path(model) if model else ensure_default_model()
+    path = resolve_model(model)  # before any service starts: a bad model is one clear line
     return Fleet(
         model=path,
         shards=shards,
@@ -389,17 +405,22 @@ def up(
 
 
 @main.command()
-@click.option("--prompt", default="The KV-cache never leaves the CPU shards, so", show_default=True)
-@click.option("--max-tokens", type=int, default=48, show_default=True)
-def demo(prompt: str, max_tokens: int) -> None:
-    """Start the fleet on the embedded tiny model, stream one generation through the SDK, stop."""
+@click.option("--question", default="What is the capital of France?", show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option(
+    "--model", type=click.Path(), default=None, help="Checkpoint dir or .gguf file (default: SmolLM2)."
+)
+def demo(question: str, max_tokens: int, model: str | None) -> None:
+    """Start the fleet on a real instruct model, stream the answer to one chat question, stop."""
     import time
 
+    from fastdecode.cli_gguf import chat_token_ids
     from fastdecode.client import Client
     from fastdecode.errors import FastDecodeError
 
     t0 = time.monotonic()
-    fleet = _make_fleet(None, 2, 0, "auto", 256 << 20, "float32", "naive")
+    fleet = _make_fleet(model, 2, 0, "auto", 256 << 20, "float32", "naive")
+    ids = chat_token_ids(fleet.model, [{"role": "user", "content": question}])
     try:
         fleet.start()
     except FastDecodeError as e:
@@ -407,14 +428,15 @@ def demo(prompt: str, max_tokens: int) -> None:
         sys.exit(1)
     try:
         click.echo(
-            f"fleet up in {time.monotonic() - t0:.1f}s: gateway {fleet.gateway.address}, "
-            f"{len(fleet.kv)} kv_attention shards (random-weight model: the text is gibberish)",
+            f"fleet up in {time.monotonic() - t0:.1f}s: model {fleet.model.name}, gateway "
+            f"{fleet.gateway.address}, {len(fleet.kv)} kv_attention shards",
             err=True,
         )
+        click.echo(f"user: {question}")
+        click.echo("assistant: ", nl=False)
         with Client(fleet.gateway.address) as client:
-            click.echo(prompt, nl=False)
             last = None
-            for chunk in client.stream(prompt=prompt, max_tokens=max_tokens):
+            for chunk in client.stream(token_ids=ids, max_tokens=max_tokens):
                 click.echo(chunk.text, nl=False)
                 last = chunk
             click.echo()
@@ -429,10 +451,11 @@ def demo(prompt: str, max_tokens: int) -> None:
 # run as `python -m fastdecode.cli`, so importing it back would load a second copy).
 from fastdecode.cli_bench import bench  # noqa: E402
 from fastdecode.cli_client import gateway_command, generate_cmd  # noqa: E402
+from fastdecode.cli_gguf import import_gguf_cmd  # noqa: E402
 from fastdecode.cli_policy import plan_cmd, simulate_cmd  # noqa: E402
 
 serve.add_command(gateway_command(_common_serve_options, _run_service))
-for _command in (generate_cmd, bench, simulate_cmd, plan_cmd):
+for _command in (generate_cmd, bench, simulate_cmd, plan_cmd, import_gguf_cmd):
     main.add_command(_command)
 
 if __name__ == "__main__":

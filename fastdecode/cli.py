@@ -232,12 +232,13 @@ def run(
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
     if chat and prompt is None:
         raise click.UsageError("--chat needs --prompt")
+    given_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None  # arguments before the model
     path = resolve_model(model)
     tok = Tokenizer.from_pretrained(path)
     if chat:
         ids = chat_token_ids(path, [{"role": "user", "content": prompt or ""}])
     else:
-        ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids or "")
+        ids = given_ids if given_ids is not None else tok.encode(prompt or "")
     try:
         engine = LocalEngine.from_pretrained(path, device=device)
         params = SamplingParams(temperature, top_p, top_k, seed)

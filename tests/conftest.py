@@ -69,8 +69,9 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """(model, tokenizer) from transformers' own GGUF loader on the same file: the oracle."""
-    from gguf_support import smollm2_gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gguf_support import smollm2_gguf
 
     file = smollm2_gguf(tmp_path_factory.mktemp("smollm2-gguf"))
     tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_support import CHAT_QUESTIONS, hf_chat_greedy, llama_cpp_permute, write_gguf
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -21,6 +20,7 @@ from fastdecode.errors import ModelLoadError
 from fastdecode.gguf_import import cached_import, import_gguf, unpermute_rotary
 from fastdecode.sampling import SamplingParams
 from fastdecode.tokenizer import Tokenizer
+from gguf_support import CHAT_QUESTIONS, hf_chat_greedy, llama_cpp_permute, write_gguf
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

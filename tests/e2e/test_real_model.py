@@ -15,7 +15,8 @@ from fastdecode.fleet import UpProcess, free_port
 from gguf_support import CHAT_QUESTIONS, hf_chat_greedy
 from tests_support import start_up
 
-pytestmark = pytest.mark.e2e
+# Start-up loads two copies of the model (fleet, transformers oracle): slow on a 2-core CI machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 NEW_TOKENS = 10
 

@@ -120,6 +120,7 @@ def test_unsupported_gguf_errors_name_the_cause(model_factory, tmp_path):
 # ---- the real model against transformers' GGUF loader -----------------------------------------
 
 
+@pytest.mark.timeout(900)  # transformers' GGUF loader takes minutes on a small CI machine
 def test_real_config_matches_transformers(smollm2, smollm2_hf):
     hf = smollm2_hf[0].config
     ours = json.loads((smollm2 / "config.json").read_text())
@@ -181,6 +182,7 @@ def _strings() -> list[str]:
     return out
 
 
+@pytest.mark.timeout(900)  # transformers' GGUF loader takes minutes on a small CI machine
 def test_real_tokenizer_matches_transformers(smollm2, smollm2_hf):
     """Same ids and text as transformers' GGUF tokenizer, except where it ignores `smollm`.
 
@@ -219,6 +221,7 @@ def test_real_tokenizer_matches_transformers(smollm2, smollm2_hf):
     assert (cfg["bos_token"], cfg["eos_token"]) == ("<|im_start|>", "<|im_end|>")
 
 
+@pytest.mark.timeout(900)  # transformers' GGUF loader takes minutes on a small CI machine
 def test_real_greedy_matches_transformers(smollm2, smollm2_hf):
     engine = LocalEngine.from_pretrained(smollm2)
     for question in CHAT_QUESTIONS[:2]:

@@ -5,6 +5,8 @@ same GGUF, and the capital-of-France answer names Paris. Generations stay short 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 
@@ -82,3 +84,23 @@ def test_capital_of_france_is_paris(real_fleet):
     }
     answer = json.loads(_post(base, body))["choices"][0]["message"]["content"]
     assert "Paris" in answer, answer
+
+
+@pytest.mark.parametrize("command", ["generate", "run"])
+def test_chat_flag_of_the_cli(command, real_fleet, expected, smollm2):
+    """`generate --chat` (through the fleet) and `run --chat` (in-process) send the question through
+    the chat template: the same greedy tokens as transformers."""
+    question = CHAT_QUESTIONS[1]
+    args = {
+        "generate": ["generate", question, "--target", real_fleet.target],
+        "run": ["run", "--prompt", question],
+    }[command]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastdecode.cli", *args, "--chat", "--model", str(smollm2)]
+        + ["--max-tokens", str(NEW_TOKENS), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == expected[question][1]

@@ -24,6 +24,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -382,3 +383,114 @@ def ensure_model(arch: str, preset: str, target: Path) -> Path:
 def ensure_default_model() -> Path:
     """The embedded default model (tiny llama), made on first use."""
     return ensure_model(DEFAULT_ARCH, DEFAULT_PRESET, default_model_dir())
+
+
+# ---- checking a checkpoint before anything loads it ---------------------------------------------
+
+
+def _safetensors_header(file: Path) -> dict[str, dict]:
+    """A safetensors file's tensor table, checked against the file's size (no tensor is read)."""
+    import struct
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"{file} is truncated ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ModelLoadError(f"{file} is truncated: its header claims {n} bytes, the file has {size}")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{file} has a corrupt header: {e}") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{file} has a corrupt header")
+    header.pop("__metadata__", None)
+    try:
+        end = max((int(m["data_offsets"][1]) for m in header.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise ModelLoadError(f"{file} has a corrupt header") from None
+    if 8 + n + end > size:
+        raise ModelLoadError(f"{file} is truncated: {size} bytes, its tensors need {8 + n + end}")
+    return header
+
+
+def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor a ModelConfig needs (HuggingFace names)."""
+    c = config
+    h, hd, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    out["model.norm.weight"] = (h,)
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        out |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.o_proj.weight": (h, q)}
+        out |= {p + f"self_attn.{n}_proj.weight": (kv, h) for n in "kv"}
+        out |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+        out[p + "mlp.down_proj.weight"] = (h, inter)
+        if c.qkv_bias:
+            out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
+            out[p + "self_attn.v_proj.bias"] = (kv,)
+        if c.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (h,)
+        if c.mlp_bias:
+            out |= {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,)}
+            out[p + "mlp.down_proj.bias"] = (h,)
+    return out
+
+
+def check_checkpoint(path: str | Path) -> Path:
+    """Raise ModelLoadError naming the first problem of checkpoint directory `path`, or return it.
+
+    Reads config.json, tokenizer.json and the safetensors headers (not the tensors): a missing file,
+    a truncated or corrupt safetensors file, config values the tensors contradict, a tokenizer that
+    does not load. Cheap enough to run before starting services, so a user gets one clear line
+    rather than a service dying in its log."""
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    from fastdecode.model.config import ModelConfig
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"no such model directory: {path}")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a checkpoint directory")
+    config = ModelConfig.from_pretrained(path)
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ModelLoadError(f"no tokenizer.json in {path}")
+    try:
+        _HFTokenizer.from_file(str(tok_file))
+    except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+        raise ModelLoadError(f"{tok_file} does not load: {e}") from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from None
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise ModelLoadError(f"checkpoint shard {file} is missing")
+        for tensor, meta in _safetensors_header(file).items():
+            shapes[tensor] = tuple(int(d) for d in meta.get("shape", ()))
+    for tensor, want in expected_shapes(config).items():
+        if tensor not in shapes:
+            raise ModelLoadError(f"checkpoint {path} is missing tensor {tensor!r}")
+        if shapes[tensor] != want:
+            raise ModelLoadError(
+                f"tensor {tensor!r} has shape {list(shapes[tensor])} but config.json implies {list(want)}"
+            )
+    return path

@@ -190,6 +190,7 @@ class LocalSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FASTDECODE_", extra="ignore")
 
     models_dir: Path = Field(Path(".models"), description="Where the embedded default model is made.")
+    debug: bool = Field(False, description="CLI errors keep their traceback (FASTDECODE_DEBUG=1).")
 
 
 def split_addresses(value: str | list[str]) -> list[str]:

@@ -25,8 +25,13 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise InvalidInput(f"token id outside the vocabulary [0, {self.vocab_size})")
+        """Text of `ids`. An id the tokenizer does not know decodes to nothing, as in transformers: a
+        model's vocab_size may exceed its tokenizer's (Qwen2 pads its embedding to a multiple of 128),
+        and a model can emit those ids."""
+        if ids and min(ids) < 0:
+            raise InvalidInput(f"negative token id {min(ids)}")
+        if ids and max(ids) >= self.vocab_size:
+            ids = [i for i in ids if i < self.vocab_size]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:

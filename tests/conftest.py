@@ -56,3 +56,24 @@ def hf_greedy() -> Callable[[Path, tuple[int, ...], int], list[int]]:
 
     generate.load = load  # type: ignore[attr-defined]
     return generate
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real model (SmolLM2-135M-Instruct) imported into ./.models: fetched once per CI run."""
+    from tests.support.gguf import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(model, tokenizer) from transformers' own GGUF loader on the same file: the oracle."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.support.gguf import smollm2_gguf
+
+    file = smollm2_gguf(tmp_path_factory.mktemp("smollm2-gguf"))
+    tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    return model.eval(), tok

@@ -80,10 +80,12 @@ def run_hf(model: Path, prompts: list[list[int]], gen_len: int) -> dict[str, flo
     return _summary("hf", len(prompts) * gen_len, total, [token_times[0] - t0], itl)
 
 
-def run_local(model: Path, prompts: list[list[int]], gen_len: int, device: str) -> dict[str, float]:
+def run_local(
+    model: Path, prompts: list[list[int]], gen_len: int, device: str, kv_dtype: str = "float32"
+) -> dict[str, float]:
     from fastdecode.engine import LocalEngine
 
-    engine = LocalEngine.from_pretrained(model, device=device)
+    engine = LocalEngine.from_pretrained(model, device=device, kv_dtype=getattr(torch, kv_dtype))
     times: list[float] = []
     t0 = time.perf_counter()
     tokens = 0
@@ -130,6 +132,7 @@ def run_fleet(
     device: str,
     kv_capacity: int,
     pipeline: str = "auto",
+    kv_dtype: str = "float32",
 ) -> dict[str, float]:
     from fastdecode.fleet import launch_up
 
@@ -141,6 +144,8 @@ def run_fleet(
         "naive",
         "--pipeline",
         pipeline,
+        "--kv-dtype",
+        kv_dtype,
         shards=shards,
         device=device,
         kv_capacity=kv_capacity,
@@ -204,6 +209,7 @@ def run_fleet_bench(
     device: str = "cpu",
     skip_hf: bool = False,
     pipeline: str = "auto",
+    kv_dtype: str = "float32",
 ) -> dict[str, Any]:
     from fastdecode.model import ModelConfig
     from fastdecode.planner import measure_profile, predicted_step_s
@@ -223,11 +229,12 @@ def run_fleet_bench(
         "gen_len": gen_len,
         "device": device,
         "pipeline": pipeline,
+        "kv_dtype": kv_dtype,
     }
     if not skip_hf:
         out.update(run_hf(path, prompts, gen_len))
-    out.update(run_local(path, prompts, gen_len, device))
-    out.update(run_fleet(path, prompts, gen_len, shards, device, kv_capacity, pipeline))
+    out.update(run_local(path, prompts, gen_len, device, kv_dtype))
+    out.update(run_fleet(path, prompts, gen_len, shards, device, kv_capacity, pipeline, kv_dtype))
     # Planner: T(B) around B and R measured on this machine; the mean context of a decode step is
     # prompt + gen/2, which the planner's B * S / 2 load expresses with S = 2 * prompt + gen.
     profile = measure_profile(path, sorted({max(1, batch // 2), batch, batch * 2}), device)

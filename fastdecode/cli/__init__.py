@@ -9,12 +9,25 @@ from __future__ import annotations
 from fastdecode.cli.bench import bench
 from fastdecode.cli.common import main
 from fastdecode.cli.generate import generate_cmd
+from fastdecode.cli.gguf import import_gguf_cmd
 from fastdecode.cli.policy import plan_cmd, simulate_cmd
 from fastdecode.cli.serve import serve
 from fastdecode.cli.tools import health, make_model_cmd, run
 from fastdecode.cli.up import demo, up
 
-COMMANDS = [serve, health, make_model_cmd, run, up, demo, generate_cmd, bench, simulate_cmd, plan_cmd]
+COMMANDS = [
+    serve,
+    health,
+    make_model_cmd,
+    run,
+    up,
+    demo,
+    generate_cmd,
+    bench,
+    simulate_cmd,
+    plan_cmd,
+    import_gguf_cmd,
+]
 for _command in COMMANDS:
     main.add_command(_command)
 

@@ -124,6 +124,7 @@ def transport_cmd(as_json: bool, service_env: tuple[str, ...], **kw: Any) -> Non
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--pipeline", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
 @click.option("--skip-hf", is_flag=True, help="Leave out the transformers baseline.")
+@click.option("--kv-dtype", type=KV_DTYPES, default="float32", show_default=True, help="Fleet and local KV.")
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),

@@ -13,6 +13,8 @@ from typing import Any
 import click
 from pydantic_settings import BaseSettings
 
+from fastdecode.cli.errors import ErrorReportingGroup
+
 
 def settings_kwargs(**flags: Any) -> dict[str, Any]:
     """Only flags given on the command line; pydantic-settings fills the rest from FASTDECODE_*."""
@@ -76,7 +78,10 @@ def run_service(serve: Callable[[Any], Any], settings_cls: type, flags: dict[str
     asyncio.run(serve(settings))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(
+    cls=ErrorReportingGroup,  # one-line errors, no tracebacks, for user input and broken checkpoints
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
 @click.version_option(package_name="fastdecode-fleet")
 def main() -> None:
     """FastDecode fleet: LLM decoding split into a batched dense half and sharded attention on CPUs."""

@@ -30,6 +30,18 @@ import click
 )
 @click.option("--timeout", type=float, default=None, help="Deadline in seconds (default 600).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Send PROMPT as a user message through the model's chat template (read from --model).",
+)
+@click.option(
+    "--model",
+    type=click.Path(),
+    envvar="FASTDECODE_MODEL",
+    default=None,
+    help="With --chat: the fleet's checkpoint dir or .gguf, for its template (default: the default model).",
+)
 def generate_cmd(
     prompt: str,
     target: str,
@@ -45,12 +57,19 @@ def generate_cmd(
     tls_ca: str | None,
     timeout: float | None,
     as_json: bool,
+    chat: bool,
+    model: str | None,
 ) -> None:
     """Generate from PROMPT through the gateway at --target, streaming the text as it arrives."""
+    from fastdecode.cli.gguf import chat_token_ids, resolve_model
     from fastdecode.client import Client, Completion, FastDecodeError
 
+    text_or_ids: dict[str, Any] = {"prompt": prompt}
+    if chat:  # rendered and tokenized here, as the gateway's /v1/chat/completions does
+        messages = [{"role": "user", "content": prompt}]
+        text_or_ids = {"token_ids": chat_token_ids(resolve_model(model), messages)}
     args: dict[str, Any] = dict(
-        prompt=prompt,
+        **text_or_ids,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -67,9 +67,13 @@ def _parse_ids(text: str) -> list[int]:
 
 @click.command()
 @click.option(
-    "--model", type=click.Path(file_okay=False), default=None, help="Checkpoint dir (default: tiny)."
+    "--model",
+    type=click.Path(),
+    default=None,
+    help="Checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct, fetched once).",
 )
 @click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Send --prompt as a user message through the chat template.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids.")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
@@ -81,6 +85,7 @@ def _parse_ids(text: str) -> list[int]:
 def run(
     model: str | None,
     prompt: str | None,
+    chat: bool,
     prompt_ids: str | None,
     max_tokens: int,
     temperature: float,
@@ -91,7 +96,7 @@ def run(
     as_json: bool,
 ) -> None:
     """Generate in-process with LocalEngine (no servers)."""
-    from fastdecode.checkpoint import ensure_default_model
+    from fastdecode.cli.gguf import chat_token_ids, resolve_model
     from fastdecode.engine import LocalEngine
     from fastdecode.errors import ServiceError
     from fastdecode.sampling import SamplingParams
@@ -99,16 +104,22 @@ def run(
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    path = Path(model) if model else ensure_default_model()
+    if chat and prompt is None:
+        raise click.UsageError("--chat needs --prompt")
+    given_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None  # arguments before the model
+    path = resolve_model(model)
     tok = Tokenizer.from_pretrained(path)
-    ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids or "")
+    if chat:
+        ids = chat_token_ids(path, [{"role": "user", "content": prompt or ""}])
+    else:
+        ids = given_ids if given_ids is not None else tok.encode(prompt or "")
     try:
         engine = LocalEngine.from_pretrained(path, device=device)
         params = SamplingParams(temperature, top_p, top_k, seed)
         out_ids: list[int] = []
         finish = None
         stream = tok.stream()
-        if not as_json and prompt is not None:
+        if not as_json and prompt is not None and not chat:
             click.echo(prompt, nl=False)
         for events in engine.generate_stream([ids], max_tokens, params):
             for _, token, _, fin in events:

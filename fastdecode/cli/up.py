@@ -16,9 +16,10 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
         [
             click.option(
                 "--model",
-                type=click.Path(file_okay=False),
+                type=click.Path(),
                 default=None,
-                help="Checkpoint dir (default: the embedded tiny model, made on first use).",
+                help="Checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct, fetched and imported "
+                "on first use).",
             ),
             click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True),
             click.option("--device", default="auto", show_default=True, help="gpu_dense device."),
@@ -61,10 +62,10 @@ def _make_fleet(
     http_port: int | None = None,
     env: dict[str, str] | None = None,
 ) -> Any:
-    from fastdecode.checkpoint import ensure_default_model
+    from fastdecode.cli.gguf import resolve_model
     from fastdecode.fleet import Fleet
 
-    path = Path(model) if model else ensure_default_model()
+    path = resolve_model(model)  # before any service starts: a bad model is one clear line
     return Fleet(
         model=path,
         shards=shards,
@@ -166,17 +167,22 @@ def up(
 
 
 @click.command()
-@click.option("--prompt", default="The KV-cache never leaves the CPU shards, so", show_default=True)
-@click.option("--max-tokens", type=int, default=48, show_default=True)
-def demo(prompt: str, max_tokens: int) -> None:
-    """Start the fleet on the embedded tiny model, stream one generation through the SDK, stop."""
+@click.option("--question", default="What is the capital of France?", show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option(
+    "--model", type=click.Path(), default=None, help="Checkpoint dir or .gguf file (default: SmolLM2)."
+)
+def demo(question: str, max_tokens: int, model: str | None) -> None:
+    """Start the fleet on a real instruct model, stream the answer to one chat question, stop."""
     import time
 
+    from fastdecode.cli.gguf import chat_token_ids
     from fastdecode.client import Client
     from fastdecode.errors import ServiceError
 
     t0 = time.monotonic()
-    fleet = _make_fleet(None, 2, 0, "auto", 256 << 20, "float32", "naive")
+    fleet = _make_fleet(model, 2, 0, "auto", 256 << 20, "float32", "naive")
+    ids = chat_token_ids(fleet.model, [{"role": "user", "content": question}])
     try:
         fleet.start()
     except ServiceError as e:
@@ -184,14 +190,15 @@ def demo(prompt: str, max_tokens: int) -> None:
         sys.exit(1)
     try:
         click.echo(
-            f"fleet up in {time.monotonic() - t0:.1f}s: gateway {fleet.gateway.address}, "
-            f"{len(fleet.kv)} kv_attention shards (random-weight model: the text is gibberish)",
+            f"fleet up in {time.monotonic() - t0:.1f}s: model {fleet.model.name}, gateway "
+            f"{fleet.gateway.address}, {len(fleet.kv)} kv_attention shards",
             err=True,
         )
+        click.echo(f"user: {question}")
+        click.echo("assistant: ", nl=False)
         with Client(fleet.gateway.address) as client:
-            click.echo(prompt, nl=False)
             last = None
-            for chunk in client.stream(prompt=prompt, max_tokens=max_tokens):
+            for chunk in client.stream(token_ids=ids, max_tokens=max_tokens):
                 click.echo(chunk.text, nl=False)
                 last = chunk
             click.echo()

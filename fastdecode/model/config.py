@@ -68,7 +68,16 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            if heads <= 0:
+                raise ModelLoadError(f"config.json: num_attention_heads must be positive, got {heads}")
             head_dim = int(cfg.get("head_dim") or hidden // heads)
+            for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+                if int(cfg[name]) <= 0:
+                    raise ModelLoadError(f"config.json: {name} must be positive, got {cfg[name]}")
+            if heads <= 0 or kv_heads <= 0 or head_dim <= 0 or head_dim % 2:
+                raise ModelLoadError(
+                    f"config.json: bad attention: heads {heads}, kv heads {kv_heads}, head_dim {head_dim}"
+                )
             if heads % kv_heads:
                 raise ModelLoadError(f"num_attention_heads {heads} not divisible by kv heads {kv_heads}")
             attention_bias = bool(cfg.get("attention_bias", False))
@@ -96,6 +105,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:  # e.g. "hidden_size": "big" or null
+            raise ModelLoadError(f"config.json has a value of the wrong type: {e}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -103,10 +114,20 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ModelLoadError(f"no config.json in {path}")
-        cfg = json.loads(cfg_file.read_text())
+        cfg = _read_json(cfg_file)
         gen_file = path / "generation_config.json"
-        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+        gen = _read_json(gen_file) if gen_file.is_file() else None
         return cls.from_dict(cfg, gen)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ModelLoadError(f"{file} is not a JSON object")
+    return obj
 
 
 def _ids(value: Any) -> list[int]:

@@ -17,13 +17,19 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     """Map every tensor name to the file holding it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from None
         return {name: path / fname for name, fname in weight_map.items()}
     single = path / "model.safetensors"
     if not single.is_file():
         raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as e:  # SafetensorError on a truncated or corrupt file
+        raise ModelLoadError(f"cannot read {single}: {e}") from None
 
 
 def _stored_bytes(file: Path) -> dict[str, int]:
@@ -76,10 +82,15 @@ def load_weights(
         progress(0, total)
     out: dict[str, torch.Tensor] = {}
     for file, file_names in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            for name in file_names:
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-                if progress is not None:
-                    done += sizes[name]
-                    progress(done, total)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in file_names:
+                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    if progress is not None:
+                        done += sizes[name]
+                        progress(done, total)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # SafetensorError: a truncated or corrupt file
+            raise ModelLoadError(f"cannot read {file}: {e}") from None
     return out

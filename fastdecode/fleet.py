@@ -176,6 +176,11 @@ def stop_processes(services: list[ServiceProcess], grace: float = 25.0) -> None:
 CO_LOCATED_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 
+def shard_threads(shards: int) -> int:
+    """torch threads per co-located shard: the host's cores split between the shards."""
+    return max(1, (os.cpu_count() or 1) // shards)
+
+
 @dataclass
 class Fleet:
     """The four services plus N shards, started in dependency order."""
@@ -297,7 +302,7 @@ class Fleet:
 
     def _kv_args(self, i: int) -> list[str]:
         # Co-located shards split this host's cores between them instead of each taking all of them.
-        threads = max(1, (os.cpu_count() or 1) // self.shards)
+        threads = shard_threads(self.shards)
         return [
             "kv-attention",
             "--shard-id",

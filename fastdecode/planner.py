@@ -390,8 +390,11 @@ def measure_profile(
     *,
     context: int = 256,
     attn_batch: int = 8,
+    attn_threads: int | None = None,
 ) -> Profile:
-    """Measure T(B) on `device` and R on this host's CPU for the model in model_dir."""
+    """Measure T(B) on `device` and R on this host's CPU for the model in model_dir. `attn_threads`:
+    the torch threads one shard runs with (co-located shards split the host's cores, and R per
+    shard is what sets the step), default torch's."""
     import torch
 
     from fastdecode.model import DenseModel
@@ -399,7 +402,15 @@ def measure_profile(
     m = DenseModel.from_pretrained(model_dir, device=device, dtype=torch.float32)
     cfg = m.config
     t = _dense_times(m, batch_sizes, device)
-    r = measure_attention(cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, context, attn_batch)
+    before = torch.get_num_threads()
+    if attn_threads:
+        torch.set_num_threads(attn_threads)
+    try:
+        r = measure_attention(
+            cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, context, attn_batch
+        )
+    finally:
+        torch.set_num_threads(before)
     return Profile(
         t_dense=t,
         r_attn=r,
@@ -407,5 +418,10 @@ def measure_profile(
         kv_bytes_per_token=cfg.kv_bytes_per_token(4),
         device=str(device),
         model=str(model_dir),
-        notes={"dtype": "float32", "attn_context": context, "attn_batch": attn_batch},
+        notes={
+            "dtype": "float32",
+            "attn_context": context,
+            "attn_batch": attn_batch,
+            "attn_threads": attn_threads or before,
+        },
     )

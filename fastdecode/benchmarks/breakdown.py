@@ -116,16 +116,11 @@ def pieces(cfg: ModelConfig, batch: int, repeats: int = 200) -> dict[str, float]
     }
 
 
-def start_shards(n: int, workdir: Path, env: dict[str, str] | None = None) -> list[ServiceProcess]:
-    pending = [
-        spawn_service(
-            f"kv_attention-{i}",
-            ["kv-attention", "--kv-capacity", str(64 << 20), "--threads", "1"],
-            workdir,
-            env=env,
-        )
-        for i in range(n)
-    ]
+def start_shards(
+    n: int, workdir: Path, env: dict[str, str] | None = None, threads: int = 1
+) -> list[ServiceProcess]:
+    args = ["kv-attention", "--kv-capacity", str(64 << 20), "--threads", str(threads)]
+    pending = [spawn_service(f"kv_attention-{i}", args, workdir, env=env) for i in range(n)]
     return [wait_ready(p, 120.0) for p in pending]
 
 
@@ -207,6 +202,27 @@ def _shard_busy(shards: list[ServiceProcess]) -> float:
         )
         ch.close()
     return max(busy)
+
+
+def layer_transport_s(
+    cfg: ModelConfig,
+    batch: int,
+    shards: int,
+    threads: int,
+    repeats: int = 60,
+    env: dict[str, str] | None = None,
+) -> float:
+    """Seconds one layer's Attend round trips to `shards` shard processes add beyond the slowest
+    shard's attention, through gpu_dense's own ShardPlane: what the planner adds per layer."""
+    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-rtt-"))
+    procs = start_shards(shards, workdir, env, threads)
+    try:
+        before = _shard_busy(procs)
+        r = round_trips(cfg, batch, procs, repeats)
+        attention = (_shard_busy(procs) - before) / repeats
+    finally:
+        stop_processes(procs, 10.0)
+    return max(0.0, r["wall_ms"] / 1e3 - attention)
 
 
 def run_breakdown(

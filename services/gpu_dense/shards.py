@@ -61,7 +61,7 @@ class ShardLink:
             del self._streams[slot]  # the next item reopens the stream
         stream.call.cancel()
         if stream.expired:
-            reason = f"{self.name} did not answer within {self.timeout:.0f}s"
+            reason = f"{self.name} did not answer within {self.timeout:g}s"
         elif isinstance(exc, grpc.aio.AioRpcError):
             reason = f"{self.name} unavailable: {exc.code().name}: {exc.details()}"
         else:

@@ -52,6 +52,9 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         self.settings = settings
         self.shard = str(settings.shard_id)
         self.core = ShardCore(settings.kv_capacity, codec.DTYPE_NAMES[settings.kv_dtype], settings.block_size)
+        # per-item metrics, resolved once rather than by label on every item
+        self._attention_seconds = ATTENTION_SECONDS.labels(self.shard)
+        self._kv_bytes_read = KV_BYTES_READ.labels(self.shard)
 
     def _update_gauges(self) -> None:
         s = self.core.store
@@ -121,8 +124,8 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             r = self.core.attend(req)
             codec.encode(r.o, resp.o)
             resp.attend_seconds = r.seconds
-            ATTENTION_SECONDS.labels(self.shard).observe(r.seconds)
-            KV_BYTES_READ.labels(self.shard).inc(r.kv_bytes_read)
+            self._attention_seconds.observe(r.seconds)
+            self._kv_bytes_read.inc(r.kv_bytes_read)
         except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
             resp.error.CopyFrom(item_error(e))
             ATTEND_ERRORS.labels(self.shard, code_from_int(resp.error.code).name).inc()

@@ -118,8 +118,13 @@ class ShardLink:
 class ShardLinks:
     """The ShardPlane of gpu_dense: every shard's link, and the per-layer fan-out over them."""
 
-    def __init__(self, links: list[ShardLink]) -> None:
+    def __init__(self, links: list[ShardLink], concurrent: bool = False) -> None:
         self.links = links
+        # concurrent: with several shards in a layer, run their exchanges side by side (one task
+        # each), so every stream's write and read are posted at once and completions can share loop
+        # wake-ups; in order (the default, the measured path), each shard adds its poller round
+        # trips to the layer. Off until `bench transport --breakdown` shows it pays on a host.
+        self.concurrent = concurrent
         self._watchdog: asyncio.Task[None] | None = None
 
     @property
@@ -151,6 +156,8 @@ class ShardLinks:
     ) -> list[torch.Tensor | BaseException]:
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        if self.concurrent and len(items) > 1:
+            return list(await asyncio.gather(*(self._exchange(slot, layer, item) for item in items)))
         out: list[torch.Tensor | BaseException] = []
         sent: list[int | None] = []
         for item in items:  # all requests out before the first answer is awaited
@@ -171,6 +178,15 @@ class ShardLinks:
             except FastDecodeError as e:
                 out[i] = e
         return out
+
+    async def _exchange(self, slot: int, layer: int, item: AttendItem) -> torch.Tensor | BaseException:
+        req = self.request(layer, item)
+        link = self.links[item.shard]
+        try:
+            await link.send(slot, req)
+            return await link.receive(slot, req.request_id)
+        except FastDecodeError as e:
+            return e
 
     async def close(self) -> None:
         if self._watchdog is not None:

@@ -49,7 +49,8 @@ def _item(shard: int, value: float) -> AttendItem:
     return AttendItem(shard, ["a", "b"], [1, 1], [0, 0], q, kv, kv)
 
 
-def test_links_answer_time_out_and_recover() -> None:
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_links_answer_time_out_and_recover(concurrent: bool) -> None:
     async def run() -> None:
         shards = [EchoShard(), EchoShard(hangs=True)]
         servers, links = [], []
@@ -60,7 +61,7 @@ def test_links_answer_time_out_and_recover() -> None:
             await server.start()
             servers.append(server)
             links.append(ShardLink(i, f"127.0.0.1:{port}", timeout=0.5))
-        plane = ShardLinks(links)
+        plane = ShardLinks(links, concurrent=concurrent)
         try:
             outs = await asyncio.gather(
                 plane.attend_layer(0, 0, [_item(0, 1.0), _item(1, 2.0)]),

@@ -103,7 +103,8 @@ def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
 @click.option(
     "--breakdown",
     is_flag=True,
-    help="Also time each part of one Attend round trip, and the dense side's CPU at 1, 2, 4, 8 shards.",
+    help="Also time each part of one Attend round trip, and the dense side's CPU at 1, 2, 4, 8 shards "
+    "(in order and with the concurrent fan-out).",
 )
 @click.option("--rt-repeats", type=int, default=200, show_default=True, help="Round trips per measurement.")
 def transport_cmd(as_json: bool, service_env: tuple[str, ...], **kw: Any) -> None:

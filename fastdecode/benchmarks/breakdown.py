@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fastdecode import codec
-from fastdecode.benchmarks.common import median
+from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.dense import AttendItem, ShardPlane
 from fastdecode.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
@@ -39,10 +39,14 @@ PlaneFactory = Callable[[list[str]], ShardPlane]
 WINDOW = 16  # round trips per set of sequences
 
 
-def _default_plane(addresses: list[str]) -> ShardPlane:
+def _default_plane(addresses: list[str], concurrent: bool = False) -> ShardPlane:
     from services.gpu_dense.shards import ShardLink, ShardLinks
 
-    return ShardLinks([ShardLink(i, a) for i, a in enumerate(addresses)])
+    return ShardLinks([ShardLink(i, a) for i, a in enumerate(addresses)], concurrent)
+
+
+def _concurrent_plane(addresses: list[str]) -> ShardPlane:
+    return _default_plane(addresses, concurrent=True)
 
 
 def _timeit(fn: Callable[[], object], repeats: int) -> float:
@@ -74,7 +78,7 @@ def _hops(repeats: int) -> tuple[float, float]:
         pool.shutdown()
         return median(hop) * 1e3, median(wake) * 1e3
 
-    return asyncio.run(run())
+    return run_async(run())
 
 
 def _tensors(cfg: ModelConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,7 +197,7 @@ def round_trips(
         finally:
             await plane.close()  # type: ignore[attr-defined]
 
-    wall, cpu = asyncio.run(run())
+    wall, cpu = run_async(run())
     return {"wall_ms": median(wall) * 1e3, "cpu_ms": cpu * 1e3}
 
 
@@ -254,6 +258,10 @@ def run_breakdown(
                 out["shard_attention_ms"] = attention * 1e3
             out[f"layer_rt_ms_{n}_shards"] = r["wall_ms"]
             out[f"dense_cpu_ms_per_rt_{n}_shards"] = r["cpu_ms"]
+            if n > 1 and plane_factory is _default_plane:  # the links' concurrent fan-out, same shards
+                c = round_trips(cfg, batch, shards[:n], repeats, _concurrent_plane)
+                out[f"layer_rt_ms_{n}_shards_concurrent"] = c["wall_ms"]
+                out[f"dense_cpu_ms_per_rt_{n}_shards_concurrent"] = c["cpu_ms"]
     finally:
         stop_processes(shards, 10.0)
     out["attend_rt_vs_echo"] = out["attend_rt_ms"] / out["echo_rt_ms"]

@@ -91,6 +91,8 @@ def grpc_echo_s(out: int, back: int, repeats: int = 200) -> list[float]:
     """Seconds per round trip of `out` bytes out and `back` bytes back on one grpc.aio bidi stream."""
     import grpc
 
+    from fastdecode.benchmarks.common import run_async
+
     payload = b"\1" * out
 
     async def run(port: int) -> list[float]:
@@ -106,7 +108,7 @@ def grpc_echo_s(out: int, back: int, repeats: int = 200) -> list[float]:
             return times
 
     with _server("grpc", out, back) as port:
-        return asyncio.run(run(port))[repeats // 10 :]
+        return run_async(run(port))[repeats // 10 :]
 
 
 def tcp_echo_s(out: int, back: int, repeats: int = 200) -> list[float]:

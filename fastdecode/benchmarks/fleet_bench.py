@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fastdecode.benchmarks.common import median
+from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.transport import ensure_model
 
 
@@ -146,7 +146,7 @@ def run_fleet(
         kv_capacity=kv_capacity,
     )
     try:
-        tokens, total, ttft, itl = asyncio.run(_drive(up.target, prompts, gen_len))
+        tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len))
     finally:
         up.stop()
     return _summary("fleet", tokens, total, ttft, itl)

@@ -21,7 +21,7 @@ import torch
 
 from fastdecode import checkpoint, codec
 from fastdecode.benchmarks.attention import torch_threads
-from fastdecode.benchmarks.common import median
+from fastdecode.benchmarks.common import median, run_async
 from fastdecode.checkpoint import default_model_dir
 from fastdecode.engine import Chunk, LocalEngine
 from fastdecode.errors import FastDecodeError, InvalidInput
@@ -298,7 +298,7 @@ def run_transport_bench(
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-"))
     try:
         with torch_threads(local_threads):
-            out = asyncio.run(
+            out = run_async(
                 _run(
                     model,
                     batch,

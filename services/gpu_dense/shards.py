@@ -191,5 +191,6 @@ class ShardLinks:
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         for link in self.links:
             await link.close()

@@ -40,6 +40,7 @@ _TO_WIRE: dict[torch.dtype, int] = {
     torch.uint8: tensor_pb2.UINT8,
 }
 _FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _TO_WIRE}
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -66,7 +67,7 @@ def encode(t: torch.Tensor, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.
     """Serialize a tensor (any device) into a Tensor message; fills `out` when given."""
     msg = out if out is not None else tensor_pb2.Tensor()
     msg.dtype = wire_dtype(t.dtype)
-    msg.shape[:] = list(t.shape)
+    msg.shape[:] = t.shape
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -80,11 +81,10 @@ def encode(t: torch.Tensor, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.
 def decode(msg: tensor_pb2.Tensor, *, copy: bool = False) -> torch.Tensor:
     """Validate and deserialize. Without copy the result aliases msg.data and is read-only."""
     dtype = torch_dtype(msg.dtype)
-    shape = tuple(int(d) for d in msg.shape)
+    shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise TensorCodecError(f"negative dimension in shape {list(shape)}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    expected = math.prod(shape) * _ITEMSIZE[dtype]
     data = msg.data
     if len(data) != expected:
         raise TensorCodecError(

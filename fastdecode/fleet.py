@@ -183,6 +183,11 @@ def stop_processes(services: list[ServiceProcess], grace: float = 25.0) -> None:
 CO_LOCATED_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 
+def shard_threads(shards: int) -> int:
+    """torch threads per co-located shard: the host's cores split between the shards."""
+    return max(1, (os.cpu_count() or 1) // shards)
+
+
 @dataclass
 class Fleet:
     """The four services plus N shards, started in dependency order."""
@@ -196,8 +201,8 @@ class Fleet:
     metrics: bool = True
     auth_token: str | None = None
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP port (0: any free one)
-    # Two-mini-batch pipeline. None = auto: on when gpu_dense has its own device (CUDA); off when it
-    # computes on the same CPU cores as the shards here, where the two halves only compete for cores.
+    # Two-mini-batch pipeline. None = auto: the scheduler plans two mini-batches and gpu_dense runs
+    # them pipelined or as one batch, whichever its measurement on live steps finds faster here.
     pipeline: bool | None = None
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -247,6 +252,7 @@ class Fleet:
                     shard_list,
                     "--device",
                     self.device,
+                    *(["--pipeline-mode", "auto"] if self.pipeline is None else []),
                     *self.dense_args,
                 ],
                 w,
@@ -299,16 +305,11 @@ class Fleet:
         return self
 
     def _pipeline_flag(self) -> str:
-        pipeline = self.pipeline
-        if pipeline is None:
-            import torch
-
-            pipeline = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
-        return "--pipeline" if pipeline else "--no-pipeline"
+        return "--no-pipeline" if self.pipeline is False else "--pipeline"
 
     def _kv_args(self, i: int) -> list[str]:
         # Co-located shards split this host's cores between them instead of each taking all of them.
-        threads = max(1, (os.cpu_count() or 1) // self.shards)
+        threads = shard_threads(self.shards)
         return [
             "kv-attention",
             "--shard-id",

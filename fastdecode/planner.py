@@ -46,9 +46,14 @@ class Profile:
     # itself); measured on the real transport, 0 when unknown. The paper's iteration spent 10 of
     # 43 ms on copies and network.
     rtt_s: float = 0.0
+    # Once per step, not per layer: embedding, final norm, LM head and sampling at batch B (seconds,
+    # measured with T(B); empty when unknown). Small next to N layers on a 7B model, not on a
+    # 12-layer one.
+    t_head: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.t_dense = {int(b): float(t) for b, t in self.t_dense.items()}
+        self.t_head = {int(b): float(t) for b, t in self.t_head.items()}
         if not self.t_dense or any(b < 1 or t <= 0 for b, t in self.t_dense.items()):
             raise InvalidInput("profile needs T(B) > 0 samples at batch sizes >= 1")
         if self.r_attn <= 0 or self.num_layers < 1 or self.kv_bytes_per_token < 1:
@@ -60,24 +65,16 @@ class Profile:
 
     def t_at(self, batch: int) -> float:
         """T(B): piecewise linear between samples, linear beyond the last two, flat below the first."""
-        bs = self.batch_sizes
-        if batch in self.t_dense:
-            return self.t_dense[batch]
-        if batch <= bs[0]:
-            return self.t_dense[bs[0]]
-        if len(bs) == 1:  # one sample: assume time proportional to the batch (pessimistic)
-            return self.t_dense[bs[0]] * batch / bs[0]
-        for lo, hi in zip(bs, bs[1:], strict=False):
-            if lo <= batch <= hi:
-                f = (batch - lo) / (hi - lo)
-                return self.t_dense[lo] + f * (self.t_dense[hi] - self.t_dense[lo])
-        lo, hi = bs[-2], bs[-1]
-        slope = max(0.0, (self.t_dense[hi] - self.t_dense[lo]) / (hi - lo))
-        return self.t_dense[hi] + slope * (batch - hi)
+        return _interpolate(self.t_dense, batch)
+
+    def head_at(self, batch: int) -> float:
+        """The per-step head time at batch B (0 when not measured)."""
+        return _interpolate(self.t_head, batch) if self.t_head else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["t_dense"] = {str(b): t for b, t in sorted(self.t_dense.items())}
+        d["t_head"] = {str(b): t for b, t in sorted(self.t_head.items())}
         return d
 
     @classmethod
@@ -92,6 +89,7 @@ class Profile:
                 model=d.get("model"),
                 notes=dict(d.get("notes", {})),
                 rtt_s=float(d.get("rtt_s", 0.0)),
+                t_head={int(b): float(t) for b, t in d.get("t_head", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InvalidInput(f"bad profile: {e!r}") from e
@@ -105,6 +103,23 @@ class Profile:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except json.JSONDecodeError as e:
             raise InvalidInput(f"{path}: not JSON: {e}") from e
+
+
+def _interpolate(samples: dict[int, float], batch: int) -> float:
+    bs = sorted(samples)
+    if batch in samples:
+        return samples[batch]
+    if batch <= bs[0]:
+        return samples[bs[0]]
+    if len(bs) == 1:  # one sample: assume time proportional to the batch (pessimistic)
+        return samples[bs[0]] * batch / bs[0]
+    for lo, hi in zip(bs, bs[1:], strict=False):
+        if lo <= batch <= hi:
+            f = (batch - lo) / (hi - lo)
+            return samples[lo] + f * (samples[hi] - samples[lo])
+    lo, hi = bs[-2], bs[-1]
+    slope = max(0.0, (samples[hi] - samples[lo]) / (hi - lo))
+    return samples[hi] + slope * (batch - hi)
 
 
 @dataclass
@@ -135,9 +150,11 @@ def r_part_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
 
 
 def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int, overlap: bool = True) -> float:
-    """N layers of max(S, R) when the pipeline overlaps them on separate hardware, else of S + R."""
+    """N layers of max(S, R) when the pipeline overlaps them on separate hardware, else of S + R;
+    plus the step's head (LM head and sampling) when measured."""
     s_part, r_part = profile.t_at(batch), r_part_s(profile, batch, shards, seq_len)
-    return profile.num_layers * (max(s_part, r_part) if overlap else s_part + r_part)
+    layers = profile.num_layers * (max(s_part, r_part) if overlap else s_part + r_part)
+    return layers + profile.head_at(batch)
 
 
 def predicted_tokens_per_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
@@ -332,6 +349,28 @@ def _dense_times(
     return out
 
 
+def _head_times(m: Any, batch_sizes: Sequence[int], device: str, *, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one step's head at each B: final norm, LM head and greedy sampling."""
+    import torch
+
+    from fastdecode.sampling import SamplingParams, sample
+
+    sync = _sync_for(device)
+    gen = torch.Generator().manual_seed(0)
+    out: dict[int, float] = {}
+    with torch.inference_mode():
+        for b in sorted(set(int(x) for x in batch_sizes)):
+            h = torch.randn(b, m.config.hidden_size, generator=gen).to(device)
+            params = [SamplingParams()] * b
+            idx = [0] * b
+
+            def once(h: torch.Tensor = h, params: list = params, idx: list = idx) -> None:
+                sample(m.logits(h), params, idx)
+
+            out[b] = _median_time(once, repeats, 2, sync)
+    return out
+
+
 def measure_attention(
     num_kv_heads: int,
     num_heads: int,
@@ -390,8 +429,11 @@ def measure_profile(
     *,
     context: int = 256,
     attn_batch: int = 8,
+    attn_threads: int | None = None,
 ) -> Profile:
-    """Measure T(B) on `device` and R on this host's CPU for the model in model_dir."""
+    """Measure T(B) on `device` and R on this host's CPU for the model in model_dir. `attn_threads`:
+    the torch threads one shard runs with (co-located shards split the host's cores, and R per
+    shard is what sets the step), default torch's."""
     import torch
 
     from fastdecode.model import DenseModel
@@ -399,7 +441,16 @@ def measure_profile(
     m = DenseModel.from_pretrained(model_dir, device=device, dtype=torch.float32)
     cfg = m.config
     t = _dense_times(m, batch_sizes, device)
-    r = measure_attention(cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, context, attn_batch)
+    head = _head_times(m, batch_sizes, device)
+    before = torch.get_num_threads()
+    if attn_threads:
+        torch.set_num_threads(attn_threads)
+    try:
+        r = measure_attention(
+            cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, context, attn_batch
+        )
+    finally:
+        torch.set_num_threads(before)
     return Profile(
         t_dense=t,
         r_attn=r,
@@ -407,5 +458,11 @@ def measure_profile(
         kv_bytes_per_token=cfg.kv_bytes_per_token(4),
         device=str(device),
         model=str(model_dir),
-        notes={"dtype": "float32", "attn_context": context, "attn_batch": attn_batch},
+        t_head=head,
+        notes={
+            "dtype": "float32",
+            "attn_context": context,
+            "attn_batch": attn_batch,
+            "attn_threads": attn_threads or before,
+        },
     )

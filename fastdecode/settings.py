@@ -114,6 +114,11 @@ class DenseSettings(ServiceSettings):
     device: str = Field("auto", description="auto | cpu | cuda[:N].")
     dtype: DType = Field("float32", description="Weight and activation type.")
     shard_timeout: float = Field(60.0, gt=0, description="Seconds to wait for a shard's answer.")
+    pipeline_mode: Literal["plan", "auto"] = Field(
+        "plan",
+        description="plan: two mini-batches whenever the step plan asks; auto: the plan allows, a "
+        "measurement on live steps decides (fastdecode.dense.pipeline).",
+    )
     # Set by the supervisor: weight-loading progress for `fastdecode up`.
     progress_file: Path | None = Field(
         None, description="Weight-loading progress file.", json_schema_extra=_ENV_ONLY

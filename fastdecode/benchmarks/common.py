@@ -7,13 +7,16 @@ the thing measured so both see the same noise.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import torch
 
 GIB = 1 << 30
+T = TypeVar("T")
 
 
 def median(values: list[float]) -> float:
@@ -69,3 +72,15 @@ def format_pairs(result: dict[str, object]) -> str:
     return "\n".join(
         f"{k.ljust(width)}  {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in scalars.items()
     )
+
+
+_RUNNER: asyncio.Runner | None = None
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on one event loop kept for the process: grpc.aio binds its poller to a loop, and
+    channels of a closed loop then log "Event loop is closed" when a later loop runs."""
+    global _RUNNER
+    if _RUNNER is None:
+        _RUNNER = asyncio.Runner()
+    return _RUNNER.run(coro)

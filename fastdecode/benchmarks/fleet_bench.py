@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fastdecode.benchmarks.common import median
+from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.transport import ensure_model
 
 
@@ -151,53 +151,10 @@ def run_fleet(
         kv_capacity=kv_capacity,
     )
     try:
-        tokens, total, ttft, itl = asyncio.run(_drive(up.target, prompts, gen_len))
+        tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len))
     finally:
         up.stop()
     return _summary("fleet", tokens, total, ttft, itl)
-
-
-def measure_rtt(cfg: Any, batch: int, repeats: int = 40) -> float:
-    """Median seconds an Attend round trip to a real shard process adds beyond its attention time.
-
-    One decode item of `batch` sequences with this model's head shape, over gRPC on loopback:
-    codec, protobuf, HTTP/2 and both event loops, as gpu_dense sees them per layer and shard.
-    """
-    from fastdecode import codec
-    from fastdecode.fleet import start_service, stop_processes
-    from fastdecode.rpc import sync_channel
-    from fastdecode.v1 import kv_attention_pb2 as kv_pb
-    from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
-
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-rtt-"))
-    shard = start_service("kv_attention-rtt", ["kv-attention", "--kv-capacity", str(256 << 20)], workdir)
-    try:
-        stub = kv_grpc.KVAttentionStub(sync_channel(shard.address))
-        geometry = kv_pb.KVGeometry(num_layers=1, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-        ids = [f"s{i}" for i in range(batch)]
-        stub.Reserve(
-            kv_pb.ReserveRequest(
-                geometry=geometry,
-                sequences=[kv_pb.SequenceReservation(seq_id=i, max_tokens=repeats + 8) for i in ids],
-            ),
-            timeout=10,
-        )
-        q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim)
-        kv = torch.randn(batch, cfg.num_key_value_heads, cfg.head_dim)
-        extra: list[float] = []
-        for pos in range(repeats):
-            req = kv_pb.AttendRequest(
-                request_id=pos, layer=0, seq_ids=ids, num_tokens=[1] * batch, start_pos=[pos] * batch
-            )
-            t0 = time.perf_counter()
-            for t, field in ((q, req.q), (kv, req.k), (kv, req.v)):
-                codec.encode(t, field)
-            (resp,) = list(stub.Attend(iter([req]), timeout=30))
-            codec.decode(resp.o)
-            extra.append(time.perf_counter() - t0 - resp.attend_seconds)
-        return median(extra[repeats // 4 :])
-    finally:
-        stop_processes([shard], grace=5)
 
 
 def run_fleet_bench(
@@ -211,6 +168,8 @@ def run_fleet_bench(
     pipeline: str = "auto",
     kv_dtype: str = "float32",
 ) -> dict[str, Any]:
+    from fastdecode.benchmarks.breakdown import layer_transport_s
+    from fastdecode.fleet import CO_LOCATED_ENV, shard_threads
     from fastdecode.model import ModelConfig
     from fastdecode.planner import measure_profile, predicted_step_s
 
@@ -237,11 +196,16 @@ def run_fleet_bench(
     out.update(run_fleet(path, prompts, gen_len, shards, device, kv_capacity, pipeline, kv_dtype))
     # Planner: T(B) around B and R measured on this machine; the mean context of a decode step is
     # prompt + gen/2, which the planner's B * S / 2 load expresses with S = 2 * prompt + gen.
-    profile = measure_profile(path, sorted({max(1, batch // 2), batch, batch * 2}), device)
-    profile.rtt_s = measure_rtt(cfg, max(1, batch // shards))
-    # With the pipeline S and R overlap (separate hardware); without it (auto on a CPU-only host,
-    # where dense and shards share the cores) a layer costs S + R.
-    overlap = pipeline == "on" or (pipeline == "auto" and device.startswith("cuda"))
+    # R at the threads each shard gets on this host (the fleet splits the cores between its shards),
+    # and the round trip measured through gpu_dense's own links to `shards` real shard processes.
+    threads = shard_threads(shards)
+    profile = measure_profile(
+        path, sorted({max(1, batch // 2), batch, batch * 2}), device, attn_threads=threads
+    )
+    profile.rtt_s = layer_transport_s(cfg, batch, shards, threads, env=CO_LOCATED_ENV)
+    # S and R overlap only on separate hardware: where gpu_dense computes on the cores the shards
+    # attend on (a CPU-only host), a layer costs S + R whichever way the pipeline runs.
+    overlap = not device.startswith("cpu") and pipeline != "off"
     seq = 2 * prompt_len + gen_len
     out["predicted_step_ms"] = predicted_step_s(profile, batch, shards, seq, overlap=overlap) * 1e3
     out["measured_step_ms"] = out["fleet_itl_p50_ms"]
@@ -252,4 +216,5 @@ def run_fleet_bench(
     out["t_dense_layer_ms"] = profile.t_at(batch) * 1e3
     out["r_attn_ns_per_token_pair"] = profile.r_attn * 1e9
     out["rtt_ms_per_layer"] = profile.rtt_s * 1e3
+    out["shard_threads"] = threads
     return out

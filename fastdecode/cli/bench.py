@@ -100,8 +100,16 @@ def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
     metavar="KEY=VALUE",
     help="Environment of both services (default GOMP_SPINCOUNT=1000: short OpenMP spin-waits).",
 )
+@click.option(
+    "--breakdown",
+    is_flag=True,
+    help="Also time each part of one Attend round trip, and the dense side's CPU at 1, 2, 4, 8 shards "
+    "(in order and with the concurrent fan-out).",
+)
+@click.option("--rt-repeats", type=int, default=200, show_default=True, help="Round trips per measurement.")
 def transport_cmd(as_json: bool, service_env: tuple[str, ...], **kw: Any) -> None:
-    """Fleet decode step (gpu_dense + 1 shard, gRPC on loopback) vs LocalEngine (target overhead <= 0.25)."""
+    """Fleet decode step (gpu_dense + 1 shard, gRPC on loopback) vs LocalEngine (target overhead <= 0.15);
+    one Attend round trip (attend_rt_ms) vs a bare gRPC echo of the same bytes (echo_rt_ms)."""
     from fastdecode.benchmarks.transport import run_transport_bench
 
     env = None

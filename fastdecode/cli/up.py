@@ -40,8 +40,8 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 type=click.Choice(["auto", "on", "off"]),
                 default="auto",
                 show_default=True,
-                help="Two-mini-batch pipeline. auto: on when gpu_dense runs on CUDA, off when it shares "
-                "these CPU cores with the shards (the two halves would only compete for them).",
+                help="Two-mini-batch pipeline. auto: gpu_dense measures piped and plain steps on the live "
+                "load and keeps the faster (it pays when the halves run on separate hardware).",
             ),
         ]
     ):

@@ -11,18 +11,16 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from fastdecode import codec
+from fastdecode.dense import DenseSeq, PipelineChooser, StepRunner
 from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.model import DenseModel
 from fastdecode.progress import LOADING_WEIGHTS, ProgressFile
-from fastdecode.rpc import Server, abort, code_from_int, item_error
-from fastdecode.rpc import error_from_status as from_status
+from fastdecode.rpc import Server, abort, item_error
 from fastdecode.sampling import SamplingParams
 from fastdecode.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
-from fastdecode.v1 import kv_attention_pb2 as kv_pb
-from services.gpu_dense.runner import DenseSeq, StepRunner
-from services.gpu_dense.shards import ShardLink
+from services.gpu_dense.shards import ShardLink, ShardLinks
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
@@ -50,7 +48,7 @@ Settings = DenseSettings  # the one settings class: fastdecode.settings
 
 
 class DenseService(pb_grpc.DenseServicer):
-    def __init__(self, settings: Settings, links: list[ShardLink]) -> None:
+    def __init__(self, settings: Settings, links: ShardLinks) -> None:
         self.settings = settings
         self.links = links
         self.model: DenseModel | None = None  # set by load(); calls before that get UNAVAILABLE
@@ -62,34 +60,13 @@ class DenseService(pb_grpc.DenseServicer):
         self.model = await asyncio.to_thread(
             DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype], progress
         )
-        self.runner = StepRunner(self.model, self._attend, len(self.links))
+        chooser = PipelineChooser() if s.pipeline_mode == "auto" else None
+        self.runner = StepRunner(self.model, self.links, chooser)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[DenseModel, StepRunner]:
         if self.model is None or self.runner is None:
             await abort(context, Unavailable("gpu_dense is still loading its weights"))
         return self.model, self.runner  # type: ignore[return-value]
-
-    async def _attend(
-        self,
-        shard: int,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor:
-        req = kv_pb.AttendRequest(layer=layer, seq_ids=seq_ids, num_tokens=num_tokens, start_pos=start_pos)
-        codec.encode(q, req.q)
-        codec.encode(k, req.k)
-        codec.encode(v, req.v)
-        resp = await self.links[shard].attend(req)
-        if resp.error.code:
-            raise from_status(
-                code_from_int(resp.error.code), f"{self.links[shard].name}: {resp.error.message}"
-            )
-        return codec.decode(resp.o)
 
     def model_info(self, model: DenseModel) -> pb.ModelInfo:
         c = model.config
@@ -106,8 +83,8 @@ class DenseService(pb_grpc.DenseServicer):
             eos_token_ids=list(c.eos_token_ids),
             dtype=self.settings.dtype,
             device=str(model.device),
-            num_shards=len(self.links),
-            shards=[link.address for link in self.links],
+            num_shards=self.links.num_shards,
+            shards=[link.address for link in self.links.links],
         )
         if c.bos_token_id is not None:
             info.bos_token_id = c.bos_token_id
@@ -123,13 +100,11 @@ class DenseService(pb_grpc.DenseServicer):
         address = request.address.strip()
         if not address or ":" not in address:
             await abort(context, InvalidInput(f"shard address must be HOST:PORT, got {request.address!r}"))
-        for link in self.links:
+        for link in self.links.links:
             if link.address == address:
                 return pb.AddShardResponse(shard=link.index)
-        link = ShardLink(len(self.links), address, self.settings.tls, self.settings.shard_timeout)
-        self.links.append(link)
-        if self.runner is not None:
-            self.runner.num_shards = len(self.links)
+        link = ShardLink(self.links.num_shards, address, self.settings.tls, self.settings.shard_timeout)
+        self.links.add(link)
         log.info("added %s", link.name)
         return pb.AddShardResponse(shard=link.index)
 
@@ -209,7 +184,9 @@ async def serve(settings: Settings) -> None:
         settings.grace_seconds,
     )
     server.install_signal_handlers(settings.supervisor_pid)
-    links = [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
+    links = ShardLinks(
+        [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
+    )
     service = DenseService(settings, links)
     pb_grpc.add_DenseServicer_to_server(service, server.server)
     await server.start()  # NOT_SERVING while the weights load
@@ -221,10 +198,9 @@ async def serve(settings: Settings) -> None:
         settings.host,
         server.port,
         service.model.device if service.model else "?",
-        len(links),
+        links.num_shards,
     )
     await server.stopping.wait()
     log.info("stopping")
     await server.stop()
-    for link in links:
-        await link.close()
+    await links.close()

@@ -1,17 +1,29 @@
-"""Data-plane links from gpu_dense to the kv_attention shards: one persistent bidi
-Attend stream per shard, responses matched to requests by id."""
+"""Data-plane links from gpu_dense to the kv_attention shards (the gRPC ShardPlane).
+
+One persistent bidi Attend stream per shard and mini-batch slot. A slot has one layer in
+flight at a time and a shard answers a stream in order, so the dense side writes each item
+straight onto the stream and reads its answer straight back: no request iterator fed by a
+queue, no reader task, no future or timer per item. A layer's items go out to all its shards
+before the first answer is awaited. Timeouts are one watchdog per plane: a stream that keeps an
+item longer than the shard timeout is cancelled, and its item fails as UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import Sequence
 
 import grpc
+import torch
 
-from fastdecode.errors import Unavailable
-from fastdecode.rpc import TLSFiles, aio_channel
+from fastdecode import codec
+from fastdecode.dense import AttendItem
+from fastdecode.errors import FastDecodeError, Unavailable
+from fastdecode.rpc import TLSFiles, aio_channel, code_from_int
+from fastdecode.rpc import error_from_status as from_status
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
@@ -20,8 +32,17 @@ log = logging.getLogger("fastdecode.gpu_dense.shards")
 _ids = itertools.count(1)
 
 
+class _Stream:
+    """One Attend stream; `since` is when its unanswered item went out (None when idle)."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self.call = call
+        self.since: float | None = None
+        self.expired = False
+
+
 class ShardLink:
-    """A shard's Attend stream. A broken stream fails its pending items and reopens lazily."""
+    """A shard's Attend streams, one per slot. A broken stream fails its item and reopens lazily."""
 
     def __init__(self, index: int, address: str, tls: TLSFiles | None = None, timeout: float = 60.0) -> None:
         self.index = index
@@ -29,63 +50,147 @@ class ShardLink:
         self.timeout = timeout
         self.channel = aio_channel(address, tls)
         self.stub = kv_grpc.KVAttentionStub(self.channel)
-        self._queue: asyncio.Queue[kv_pb.AttendRequest | None] | None = None
-        self._pending: dict[int, asyncio.Future[kv_pb.AttendResponse]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._streams: dict[int, _Stream] = {}
 
     @property
     def name(self) -> str:
         return f"shard {self.index} ({self.address})"
 
-    async def _requests(
-        self, queue: asyncio.Queue[kv_pb.AttendRequest | None]
-    ) -> AsyncIterator[kv_pb.AttendRequest]:
-        while (item := await queue.get()) is not None:
-            yield item
+    def _lost(self, slot: int, stream: _Stream, exc: BaseException) -> Unavailable:
+        if self._streams.get(slot) is stream:
+            del self._streams[slot]  # the next item reopens the stream
+        stream.call.cancel()
+        if stream.expired:
+            reason = f"{self.name} did not answer within {self.timeout:g}s"
+        elif isinstance(exc, grpc.aio.AioRpcError):
+            reason = f"{self.name} unavailable: {exc.code().name}: {exc.details()}"
+        else:
+            reason = f"{self.name} unavailable: {exc or type(exc).__name__}"
+        log.warning("%s stream lost: %s", self.name, reason)
+        return Unavailable(reason)
 
-    def _open(self) -> asyncio.Queue[kv_pb.AttendRequest | None]:
-        queue: asyncio.Queue[kv_pb.AttendRequest | None] = asyncio.Queue()
-        call = self.stub.Attend(self._requests(queue))
-        self._queue = queue
-        self._reader = asyncio.create_task(self._read(call, queue))
-        return queue
-
-    async def _read(self, call: grpc.aio.StreamStreamCall, queue: asyncio.Queue) -> None:
-        reason = "stream ended"
-        try:
-            async for resp in call:
-                fut = self._pending.pop(resp.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(resp)
-        except grpc.aio.AioRpcError as e:
-            reason = f"{e.code().name}: {e.details()}"
-        except asyncio.CancelledError:
-            reason = "closed"
-        if self._queue is queue:
-            self._queue = None  # the next attend reopens the stream
-        err = Unavailable(f"{self.name} unavailable: {reason}")
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self._pending.clear()
-        if reason != "closed":
-            log.warning("%s stream lost: %s", self.name, reason)
-
-    async def attend(self, req: kv_pb.AttendRequest) -> kv_pb.AttendResponse:
-        queue = self._queue or self._open()
+    async def send(self, slot: int, req: kv_pb.AttendRequest) -> None:
+        stream = self._streams.get(slot)
+        if stream is None:
+            stream = self._streams[slot] = _Stream(self.stub.Attend())
         req.request_id = next(_ids)
-        fut: asyncio.Future[kv_pb.AttendResponse] = asyncio.get_running_loop().create_future()
-        self._pending[req.request_id] = fut
-        queue.put_nowait(req)
+        stream.since = time.monotonic()
         try:
-            return await asyncio.wait_for(fut, self.timeout)
-        except TimeoutError:
-            self._pending.pop(req.request_id, None)
-            raise Unavailable(f"{self.name} did not answer within {self.timeout:.0f}s") from None
+            await stream.call.write(req)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError) and not stream.expired:
+                raise
+            raise self._lost(slot, stream, e) from None
+
+    async def receive(self, slot: int, request_id: int) -> torch.Tensor:
+        stream = self._streams.get(slot)
+        if stream is None:  # send failed and already reported the loss
+            raise Unavailable(f"{self.name} unavailable: stream closed")
+        try:
+            resp = await stream.call.read()
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError) and not stream.expired:
+                raise
+            raise self._lost(slot, stream, e) from None
+        if resp is grpc.aio.EOF:
+            raise self._lost(slot, stream, Unavailable("stream ended"))
+        stream.since = None
+        if resp.request_id != request_id:  # a shard answers a stream in order; anything else is a bug
+            raise self._lost(slot, stream, Unavailable(f"answer {resp.request_id} for item {request_id}"))
+        if resp.error.code:
+            raise from_status(code_from_int(resp.error.code), f"{self.name}: {resp.error.message}")
+        return codec.decode(resp.o)
+
+    def expire(self, now: float) -> None:
+        """Cancel every stream whose item is older than the timeout (its reader then fails it)."""
+        for stream in self._streams.values():
+            if stream.since is not None and now - stream.since > self.timeout and not stream.expired:
+                stream.expired = True
+                stream.call.cancel()
 
     async def close(self) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(None)
-        if self._reader is not None:
-            self._reader.cancel()
+        for stream in self._streams.values():
+            stream.call.cancel()
+        self._streams.clear()
         await self.channel.close()
+
+
+class ShardLinks:
+    """The ShardPlane of gpu_dense: every shard's link, and the per-layer fan-out over them."""
+
+    def __init__(self, links: list[ShardLink], concurrent: bool = False) -> None:
+        self.links = links
+        # concurrent: with several shards in a layer, run their exchanges side by side (one task
+        # each), so every stream's write and read are posted at once and completions can share loop
+        # wake-ups; in order (the default, the measured path), each shard adds its poller round
+        # trips to the layer. Off until `bench transport --breakdown` shows it pays on a host.
+        self.concurrent = concurrent
+        self._watchdog: asyncio.Task[None] | None = None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.links)
+
+    def add(self, link: ShardLink) -> None:
+        self.links.append(link)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, min((x.timeout for x in self.links), default=1.0) / 4))
+            now = time.monotonic()
+            for link in self.links:
+                link.expire(now)
+
+    @staticmethod
+    def request(layer: int, item: AttendItem) -> kv_pb.AttendRequest:
+        req = kv_pb.AttendRequest(
+            layer=layer, seq_ids=item.seq_ids, num_tokens=item.num_tokens, start_pos=item.start_pos
+        )
+        codec.encode(item.q, req.q)
+        codec.encode(item.k, req.k)
+        codec.encode(item.v, req.v)
+        return req
+
+    async def attend_layer(
+        self, slot: int, layer: int, items: Sequence[AttendItem]
+    ) -> list[torch.Tensor | BaseException]:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        if self.concurrent and len(items) > 1:
+            return list(await asyncio.gather(*(self._exchange(slot, layer, item) for item in items)))
+        out: list[torch.Tensor | BaseException] = []
+        sent: list[int | None] = []
+        for item in items:  # all requests out before the first answer is awaited
+            req = self.request(layer, item)
+            try:
+                await self.links[item.shard].send(slot, req)
+                sent.append(req.request_id)
+            except FastDecodeError as e:
+                sent.append(None)
+                out.append(e)
+                continue
+            out.append(torch.empty(0))  # placeholder, replaced by the answer
+        for i, (item, rid) in enumerate(zip(items, sent, strict=True)):
+            if rid is None:
+                continue
+            try:
+                out[i] = await self.links[item.shard].receive(slot, rid)
+            except FastDecodeError as e:
+                out[i] = e
+        return out
+
+    async def _exchange(self, slot: int, layer: int, item: AttendItem) -> torch.Tensor | BaseException:
+        req = self.request(layer, item)
+        link = self.links[item.shard]
+        try:
+            await link.send(slot, req)
+            return await link.receive(slot, req.request_id)
+        except FastDecodeError as e:
+            return e
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        for link in self.links:
+            await link.close()

@@ -1,22 +1,18 @@
-"""kv_attention: the R-part service. A thin gRPC adapter around fastdecode.kv.KVStore."""
+"""kv_attention: the R-part service. A thin gRPC adapter around fastdecode.shard.ShardCore."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
 import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode import codec
-from fastdecode.errors import FailedPrecondition, InvalidInput
-from fastdecode.kv import KVStore
 from fastdecode.rpc import Server, abort, code_from_int, item_error, request_id_of
 from fastdecode.settings import ShardSettings
+from fastdecode.shard import ShardCore
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 
@@ -48,41 +44,13 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.shard = str(settings.shard_id)
-        self.dtype = codec.DTYPE_NAMES[settings.kv_dtype]
-        self.store: KVStore | None = None  # built from the geometry of the first reservation
-        # One compute thread: items of a stream run in order, and the event loop stays free
-        # for health checks and control calls while attention runs.
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attend")
-        self.lock = asyncio.Lock()
-        self.attended_pairs = 0.0
-
-    def _store_for(self, g: pb.KVGeometry) -> KVStore:
-        if min(g.num_layers, g.num_kv_heads, g.head_dim) < 1:
-            raise InvalidInput("reservation needs a positive KV geometry (layers, kv heads, head dim)")
-        if self.store is None:
-            self.store = KVStore(
-                g.num_layers,
-                g.num_kv_heads,
-                g.head_dim,
-                self.settings.kv_capacity,
-                self.dtype,
-                self.settings.block_size,
-            )
-            log.info(
-                "KV pool: %d tokens (%d bytes) of geometry %s",
-                self.store.capacity_tokens,
-                self.store.capacity_bytes,
-                (g.num_layers, g.num_kv_heads, g.head_dim),
-            )
-        elif not self.store.geometry_matches(g.num_layers, g.num_kv_heads, g.head_dim):
-            have = (self.store.num_layers, self.store.num_kv_heads, self.store.head_dim)
-            raise FailedPrecondition(
-                f"shard holds KV of geometry {have}, not {(g.num_layers, g.num_kv_heads, g.head_dim)}"
-            )
-        return self.store
+        self.core = ShardCore(settings.kv_capacity, codec.DTYPE_NAMES[settings.kv_dtype], settings.block_size)
+        # per-item metrics, resolved once rather than by label on every item
+        self._attention_seconds = ATTENTION_SECONDS.labels(self.shard)
+        self._kv_bytes_read = KV_BYTES_READ.labels(self.shard)
 
     def _update_gauges(self) -> None:
-        s = self.store
+        s = self.core.store
         if s is not None and s.capacity_tokens:
             KV_USAGE.labels(self.shard).set(s.tokens_reserved / s.capacity_tokens)
             KV_TOKENS.labels(self.shard).set(s.tokens_held)
@@ -93,42 +61,40 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
+        g, seqs = request.geometry, request.sequences
         try:
-            async with self.lock:
-                store = self._store_for(request.geometry)
-                store.reserve_many([(s.seq_id, s.max_tokens) for s in request.sequences])
-            self._update_gauges()
-            seqs = request.sequences
-            for rid, seq in zip(_request_ids(context, [s.seq_id for s in seqs]), seqs, strict=True):
-                log.info("reserved %d KV tokens", seq.max_tokens, extra={"request_id": rid})
-            return pb.ReserveResponse(free_tokens=store.free_tokens)
+            free = self.core.reserve(
+                (g.num_layers, g.num_kv_heads, g.head_dim), [(s.seq_id, s.max_tokens) for s in seqs]
+            )
         except Exception as e:  # noqa: BLE001 - mapped to a status in one place
             await abort(context, e)
             raise  # unreachable: abort raises
+        self._update_gauges()
+        for rid, seq in zip(_request_ids(context, [s.seq_id for s in seqs]), seqs, strict=True):
+            log.info("reserved %d KV tokens", seq.max_tokens, extra={"request_id": rid})
+        return pb.ReserveResponse(free_tokens=free)
 
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        released = 0
-        if self.store is not None:
-            async with self.lock:
-                ids = list(self.store.seqs) if request.all else list(request.seq_ids)
-                freed = [self.store.release(s) for s in ids]
-            released = sum(freed)
-            if request.all and released:
-                log.info("released all %d sequences on request", released)
-            elif not request.all:
-                for rid, done in zip(_request_ids(context, ids), freed, strict=True):
-                    if done:
-                        log.info("released", extra={"request_id": rid})
+        store = self.core.store
+        ids = (list(store.seqs) if store is not None else []) if request.all else list(request.seq_ids)
+        freed = self.core.release(None if request.all else ids)
+        released = sum(freed)
+        if request.all and released:
+            log.info("released all %d sequences on request", released)
+        elif not request.all:
+            for rid, done in zip(_request_ids(context, ids), freed, strict=False):
+                if done:
+                    log.info("released", extra={"request_id": rid})
         self._update_gauges()
         return pb.ReleaseResponse(released=released)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ShardStats:
-        s = self.store
+        s = self.core.store
         stats = pb.ShardStats(
             shard_id=self.settings.shard_id,
-            kv_dtype=codec.wire_dtype(self.dtype),
+            kv_dtype=codec.wire_dtype(self.core.dtype),
             block_size=self.settings.block_size,
         )
         if s is not None:
@@ -141,46 +107,32 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             stats.attention_busy_seconds = s.busy_seconds
             stats.attend_items = s.attend_calls
             stats.free_tokens = s.free_tokens
-            stats.attended_token_pairs = self.attended_pairs
+            stats.attended_token_pairs = self.core.attended_pairs
         else:
             stats.bytes_capacity = self.settings.kv_capacity
         return stats
 
-    def _attend(self, req: pb.AttendRequest) -> tuple[torch.Tensor, float]:
-        if self.store is None:
-            raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
-        q, k, v = codec.decode(req.q), codec.decode(req.k), codec.decode(req.v)
-        t0 = time.perf_counter()
-        o = self.store.attend(
-            req.layer, list(req.seq_ids), list(req.num_tokens), list(req.start_pos), q, k, v
-        )
-        seconds = time.perf_counter() - t0
-        # Each new token attends to every cached token of its sequence, its own chunk included.
-        context = pairs = 0
-        for p, n in zip(req.start_pos, req.num_tokens, strict=True):
-            context += p + n
-            pairs += n * (p + n)
-        self.attended_pairs += pairs
-        KV_BYTES_READ.labels(self.shard).inc(context * self.store.bytes_per_token // self.store.num_layers)
-        return o, seconds
+    def answer(self, req: pb.AttendRequest) -> pb.AttendResponse:
+        """One Attend item, run right here on the event loop: a hop to a worker thread and back
+        cost more than the item on this path (see `bench transport --breakdown`). Reserve and
+        Release run on this loop too, so they never interleave with an item."""
+        resp = pb.AttendResponse(request_id=req.request_id)
+        try:
+            r = self.core.attend(req)
+            codec.encode(r.o, resp.o)
+            resp.attend_seconds = r.seconds
+            self._attention_seconds.observe(r.seconds)
+            self._kv_bytes_read.inc(r.kv_bytes_read)
+        except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
+            resp.error.CopyFrom(item_error(e))
+            ATTEND_ERRORS.labels(self.shard, code_from_int(resp.error.code).name).inc()
+            log.debug("attend item %d failed: %s", req.request_id, e)
+        return resp
 
-    async def Attend(
-        self, request_iterator: AsyncIterator[pb.AttendRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.AttendResponse]:
-        loop = asyncio.get_running_loop()
-        async for req in request_iterator:
-            resp = pb.AttendResponse(request_id=req.request_id)
-            try:
-                async with self.lock:
-                    o, seconds = await loop.run_in_executor(self.pool, self._attend, req)
-                codec.encode(o, resp.o)
-                resp.attend_seconds = seconds
-                ATTENTION_SECONDS.labels(self.shard).observe(seconds)
-            except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
-                resp.error.CopyFrom(item_error(e))
-                ATTEND_ERRORS.labels(self.shard, code_from_int(resp.error.code).name).inc()
-                log.debug("attend item %d failed: %s", req.request_id, e)
-            yield resp
+    async def Attend(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        # Direct reads and writes on the stream: no async generator between us and gRPC.
+        while (req := await context.read()) is not grpc.aio.EOF:
+            await context.write(self.answer(req))
         self._update_gauges()
 
 
@@ -216,4 +168,3 @@ async def serve(settings: Settings) -> None:
     await server.stopping.wait()
     log.info("stopping")
     await server.stop()
-    service.pool.shutdown(wait=False)

@@ -15,7 +15,16 @@ from fastdecode.benchmarks.plot import fleet_bench_figure
 from fastdecode.benchmarks.transport import run_transport_bench
 from fastdecode.cli import main
 
-TRANSPORT_KEYS = {"fleet_step_ms", "local_step_ms", "fleet_s_part_ms", "shard_attend_ms"}
+TRANSPORT_KEYS = {
+    "fleet_step_ms",
+    "local_step_ms",
+    "fleet_s_part_ms",
+    "shard_attend_ms",
+    "fleet_dense_step_ms",
+    "attend_rt_ms",
+    "echo_rt_ms",
+    "tcp_echo_rt_ms",
+}
 
 
 def _finite_positive(d: dict, keys: set[str]) -> None:
@@ -24,7 +33,7 @@ def _finite_positive(d: dict, keys: set[str]) -> None:
 
 
 def test_transport_bench_tiny(model_factory: Callable) -> None:
-    r = run_transport_bench(model_factory("llama"), batch=4, context=8, steps=2, warmup=1)
+    r = run_transport_bench(model_factory("llama"), batch=4, context=8, steps=2, warmup=1, rt_repeats=20)
     assert TRANSPORT_KEYS <= r.keys()
     _finite_positive(r, TRANSPORT_KEYS)
     assert r["overhead"] > -1 and r["overhead"] == pytest.approx(r["fleet_step_ms"] / r["local_step_ms"] - 1)

@@ -170,3 +170,13 @@ def test_measure_on_a_tiny_model(tmp_path: Path) -> None:
     assert set(t) == {1, 4} and all(v > 0 for v in t.values())
     r = planner.measure_attention(2, 4, 16, context=32, batch=2, repeats=2, warmup=1)
     assert 0 < r < 1e-3
+
+
+def test_step_head_is_added_once_per_step_and_survives_json(tmp_path: Path) -> None:
+    p = Profile(t_dense={8: 1e-3, 16: 2e-3}, r_attn=1e-9, num_layers=4, kv_bytes_per_token=64)
+    without = planner.predicted_step_s(p, 16, 1, 100, overlap=False)
+    p.t_head = {8: 4e-3, 16: 6e-3}
+    assert p.head_at(12) == pytest.approx(5e-3)
+    assert planner.predicted_step_s(p, 16, 1, 100, overlap=False) == pytest.approx(without + 6e-3)
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").t_head == p.t_head

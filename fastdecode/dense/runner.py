@@ -1,22 +1,25 @@
 """The dense step: S-part layer by layer, attention on the shards, two mini-batches pipelined.
 
-Each mini-batch is a coroutine that loops over layers: pre_attention (compute thread) ->
-attend on its shards (network) -> post_attention (compute thread). The two coroutines share
-one compute thread, so while mini-batch A waits on the shards, B's S-part runs: the
-paper's two-mini-batch pipeline falls out of asyncio scheduling. No gRPC here.
+Each mini-batch is a coroutine that loops over layers: post_attention of layer l and
+pre_attention of l+1 (one compute call), then one `attend_layer` for all of its shards (one
+wake-up when the answers are in). The S-part runs right on the event loop: a hop to a worker
+thread and back per layer cost more than it saved (`bench transport --breakdown`), and the
+pipeline needs no thread: while mini-batch A waits on the network, the loop runs B's S-part,
+and the shards (other processes, other hardware) attend for A. Imports no gRPC: the shards
+sit behind the ShardPlane interface (services/gpu_dense/shards.py is the gRPC one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
+from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.engine import Chunk, pack
 from fastdecode.errors import InvalidInput
 from fastdecode.model import DenseModel
@@ -24,11 +27,31 @@ from fastdecode.sampling import SamplingParams, sample
 
 T = TypeVar("T")
 
-# attend(shard, layer, seq_ids, num_tokens, start_pos, q, k, v) -> o; raises on failure
-AttendCall = Callable[
-    [int, int, list[str], list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor],
-    Awaitable[torch.Tensor],
-]
+
+@dataclass
+class AttendItem:
+    """One shard's share of one layer of one mini-batch."""
+
+    shard: int
+    seq_ids: list[str]
+    num_tokens: list[int]
+    start_pos: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class ShardPlane(Protocol):
+    """The shards as the dense step sees them. `slot` names the mini-batch: a slot has at most one
+    layer in flight, so each (shard, slot) pair can be one ordered stream."""
+
+    num_shards: int
+
+    async def attend_layer(
+        self, slot: int, layer: int, items: Sequence[AttendItem]
+    ) -> list[torch.Tensor | BaseException]:
+        """o for each item, or the error that item met (the others still answer)."""
+        ...
 
 
 @dataclass
@@ -52,10 +75,11 @@ class Outcome:
 
 @dataclass
 class Timings:
-    s_part_seconds: float = 0.0  # compute-thread time (S-part and sampling)
+    s_part_seconds: float = 0.0  # S-part and sampling compute
     shard_wait_seconds: float = 0.0  # step time not covered by S-part work
     step_seconds: float = 0.0
     attend_seconds: float = 0.0  # time mini-batches spent awaiting the shards, summed over them
+    pipelined: bool = False  # whether this step ran two mini-batches
 
     @property
     def overlap_ratio(self) -> float:
@@ -70,43 +94,40 @@ class Timings:
 
 @dataclass
 class _Group:
+    """The rows of one shard in a mini-batch; the request fields are built once per step."""
+
     shard: int
     rows: slice
     seqs: list[DenseSeq]
     error: BaseException | None = None
 
-    def __post_init__(self) -> None:
-        self.finish()
-
     def finish(self) -> None:
-        """The per-shard request fields, computed once per step rather than once per layer."""
         self.seq_ids = [s.seq_id for s in self.seqs]
         self.num_tokens = [len(s.token_ids) for s in self.seqs]
         self.start_pos = [s.start_pos for s in self.seqs]
 
 
 class StepRunner:
-    def __init__(self, model: DenseModel, attend: AttendCall, num_shards: int) -> None:
+    def __init__(self, model: DenseModel, shards: ShardPlane, chooser: PipelineChooser | None = None) -> None:
         self.model = model
-        self.attend = attend
-        self.num_shards = num_shards
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense")
+        self.shards = shards
+        # None: follow each plan's pipeline flag; else the plan's flag allows, the chooser decides
+        self.chooser = chooser
         self._busy = 0.0
         self._attend_wait = 0.0
         self._failures: dict[str, BaseException] = {}
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
 
-    async def _compute(self, fn: Callable[[], T]) -> T:
-        def timed() -> T:
-            # Timed on the compute thread: with two mini-batches queued on one thread, the wait
-            # in the queue is not S-part time. Only this one thread writes _busy during a step.
-            t0 = time.perf_counter()
-            try:
-                return fn()
-            finally:
-                self._busy += time.perf_counter() - t0
+    @property
+    def num_shards(self) -> int:
+        return self.shards.num_shards
 
-        return await asyncio.get_running_loop().run_in_executor(self.pool, timed)
+    def _compute(self, fn: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self._busy += time.perf_counter() - t0
 
     def validate(self, s: DenseSeq) -> None:
         c = self.model.config
@@ -124,11 +145,8 @@ class StepRunner:
             raise InvalidInput(f"positions outside [0, {c.max_position_embeddings})")
         s.sampling.validate()
 
-    async def _mini_batch(self, seqs: list[DenseSeq]) -> torch.Tensor:
-        """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states."""
-        model = self.model
-        chunks = [Chunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs]
-        ids, pos, last = pack(chunks, model.device)
+    @staticmethod
+    def _groups(seqs: list[DenseSeq]) -> list[_Group]:
         groups: list[_Group] = []
         row = 0
         for s in seqs:
@@ -142,32 +160,28 @@ class StepRunner:
             row += n
         for g in groups:
             g.finish()
+        return groups
+
+    async def _mini_batch(self, slot: int, seqs: list[DenseSeq]) -> torch.Tensor:
+        """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states."""
+        model = self.model
+        ids, pos, last = pack([Chunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
+        groups = self._groups(seqs)
         num_layers = model.config.num_hidden_layers
 
         def first() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             h = model.embed(ids)
             return (h, *model.pre_attention(0, h, pos))
 
-        # One compute-thread hop per layer: post_attention of layer l and pre_attention of l+1
-        # run as one job, so the mini-batch goes back to the thread once per attention round trip.
-        hidden, q, k, v = await self._compute(first)
+        hidden, q, k, v = self._compute(first)
         for layer in range(num_layers):
             live = [g for g in groups if g.error is None]
-            calls = [
-                self.attend(
-                    g.shard,
-                    layer,
-                    g.seq_ids,
-                    g.num_tokens,
-                    g.start_pos,
-                    q[g.rows],
-                    k[g.rows],
-                    v[g.rows],
-                )
+            items = [
+                AttendItem(g.shard, g.seq_ids, g.num_tokens, g.start_pos, q[g.rows], k[g.rows], v[g.rows])
                 for g in live
             ]
             t_wait = time.perf_counter()
-            outs = await asyncio.gather(*calls, return_exceptions=True)
+            outs = await self.shards.attend_layer(slot, layer, items) if items else []
             self._attend_wait += time.perf_counter() - t_wait
             parts: list[tuple[slice, torch.Tensor]] = []
             for g, o in zip(live, outs, strict=True):
@@ -190,7 +204,7 @@ class StepRunner:
                     return h, None, None, None
                 return (h, *model.pre_attention(lyr + 1, h, pos))
 
-            hidden, q, k, v = await self._compute(post)  # type: ignore[assignment]
+            hidden, q, k, v = self._compute(post)  # type: ignore[assignment]
         self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
         return hidden.index_select(0, last)
 
@@ -216,9 +230,13 @@ class StepRunner:
                 outcomes[s.seq_id] = Outcome()
             except InvalidInput as e:
                 outcomes[s.seq_id] = Outcome(error=e)
-        batches = [[s for s in valid if s.mini_batch == mb] for mb in (0, 1)] if pipeline else [valid]
+        split = [[s for s in valid if s.mini_batch == mb] for mb in (0, 1)]
+        piped = pipeline and all(split)  # one empty half: nothing to overlap
+        if piped and self.chooser is not None:
+            piped = self.chooser.choose()
+        batches = split if piped else [valid]
         batches = [sorted(b, key=lambda s: s.shard) for b in batches if b]
-        hiddens = await asyncio.gather(*(self._mini_batch(b) for b in batches))
+        hiddens = await asyncio.gather(*(self._mini_batch(i, b) for i, b in enumerate(batches)))
         ordered = [s for b in batches for s in b]
         rows = [i for i, s in enumerate(ordered) if s.sample and s.seq_id not in self._failures]
         if rows:
@@ -232,10 +250,12 @@ class StepRunner:
                 )
                 return toks.tolist(), lps.tolist()
 
-            toks, lps = await self._compute(head)
+            toks, lps = self._compute(head)
             for i, tok, lp in zip(rows, toks, lps, strict=True):
                 outcomes[ordered[i].seq_id] = Outcome(tok, lp)
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
         step = time.perf_counter() - t0
-        return outcomes, Timings(self._busy, max(0.0, step - self._busy), step, self._attend_wait)
+        if pipeline and all(split) and self.chooser is not None and valid:
+            self.chooser.record(piped, step / len(valid))
+        return outcomes, Timings(self._busy, max(0.0, step - self._busy), step, self._attend_wait, piped)

@@ -1,0 +1,104 @@
+"""gpu_dense's shard links against an in-process gRPC shard: answers come back per item and slot, a
+shard that keeps an item past the timeout fails only that item (the watchdog cancels its stream),
+an in-band error stays in-band, and the next layer reopens the stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from fastdecode import codec
+from fastdecode.dense import AttendItem
+from fastdecode.errors import InvalidInput, Unavailable
+from fastdecode.rpc import item_error
+from fastdecode.v1 import kv_attention_pb2 as pb
+from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from services.gpu_dense.shards import ShardLink, ShardLinks
+
+HANG_LAYER = 7
+BAD_LAYER = 9
+
+
+class EchoShard(pb_grpc.KVAttentionServicer):
+    """o = q * 2 flattened; BAD_LAYER gets an in-band error; a `hangs` shard never answers HANG_LAYER."""
+
+    def __init__(self, hangs: bool = False) -> None:
+        self.streams = 0
+        self.hangs = hangs
+
+    async def Attend(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        self.streams += 1
+        while (req := await context.read()) is not grpc.aio.EOF:
+            if req.layer == HANG_LAYER and self.hangs:
+                await asyncio.sleep(3600)
+            resp = pb.AttendResponse(request_id=req.request_id)
+            if req.layer == BAD_LAYER:
+                resp.error.CopyFrom(item_error(InvalidInput("bad item")))
+            else:
+                q = codec.decode(req.q)
+                codec.encode((q * 2).reshape(q.shape[0], -1), resp.o)
+            await context.write(resp)
+
+
+def _item(shard: int, value: float) -> AttendItem:
+    q = torch.full((2, 3, 4), value)
+    kv = torch.zeros(2, 1, 4)
+    return AttendItem(shard, ["a", "b"], [1, 1], [0, 0], q, kv, kv)
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_links_answer_time_out_and_recover(concurrent: bool) -> None:
+    async def run() -> None:
+        shards = [EchoShard(), EchoShard(hangs=True)]
+        servers, links = [], []
+        for i, s in enumerate(shards):
+            server = grpc.aio.server()
+            pb_grpc.add_KVAttentionServicer_to_server(s, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+            links.append(ShardLink(i, f"127.0.0.1:{port}", timeout=0.5))
+        plane = ShardLinks(links, concurrent=concurrent)
+        try:
+            outs = await asyncio.gather(
+                plane.attend_layer(0, 0, [_item(0, 1.0), _item(1, 2.0)]),
+                plane.attend_layer(1, 0, [_item(0, 3.0), _item(1, 4.0)]),
+            )
+            for out, (x, y) in zip(outs, ((1.0, 2.0), (3.0, 4.0)), strict=True):
+                assert torch.equal(out[0], torch.full((2, 12), 2 * x))
+                assert torch.equal(out[1], torch.full((2, 12), 2 * y))
+            assert [s.streams for s in shards] == [2, 2]  # one stream per slot, reused
+
+            bad = await plane.attend_layer(0, BAD_LAYER, [_item(0, 1.0)])
+            assert isinstance(bad[0], InvalidInput) and "shard 0" in str(bad[0])
+            assert shards[0].streams == 2  # an in-band error keeps the stream
+
+            hung = _item(1, 1.0)
+            out = await asyncio.wait_for(plane.attend_layer(0, HANG_LAYER, [_item(0, 5.0), hung]), 10)
+            assert torch.equal(out[0], torch.full((2, 12), 10.0))
+            assert isinstance(out[1], Unavailable) and "did not answer within" in str(out[1])
+
+            out = await plane.attend_layer(0, 1, [_item(1, 6.0)])  # a new stream for the next layer
+            assert torch.equal(out[0], torch.full((2, 12), 12.0))
+            assert shards[1].streams == 3
+
+            await servers[0].stop(None)  # a lost shard fails its item as UNAVAILABLE, not the layer
+            out = await plane.attend_layer(1, 2, [_item(0, 1.0), _item(1, 1.0)])
+            assert isinstance(out[0], Unavailable) and "shard 0" in str(out[0])
+            assert torch.equal(out[1], torch.full((2, 12), 2.0))
+        finally:
+            await plane.close()
+            for server in servers:
+                await server.stop(None)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("layer", [0])
+def test_request_carries_the_item(layer: int) -> None:
+    req = ShardLinks.request(layer, _item(0, 1.5))
+    assert list(req.seq_ids) == ["a", "b"] and list(req.num_tokens) == [1, 1] and req.layer == layer
+    assert torch.equal(codec.decode(req.q), torch.full((2, 3, 4), 1.5))

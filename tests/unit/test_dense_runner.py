@@ -1,0 +1,118 @@
+"""The dense step runner against in-process shards (real KV stores behind the ShardPlane interface):
+token-exact with LocalEngine, pipeline on/off identical, a failing shard fails only its sequences,
+and the pipeline chooser's measurement."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdecode.dense import AttendItem, DenseSeq, PipelineChooser, StepRunner
+from fastdecode.engine import LocalEngine
+from fastdecode.errors import Unavailable
+from fastdecode.kv import KVStore
+from fastdecode.model import DenseModel
+
+
+class InProcessShards:
+    """ShardPlane over KV stores in this process; `dead` shards fail every item."""
+
+    def __init__(self, model: DenseModel, n: int) -> None:
+        c = model.config
+        self.num_shards = n
+        self.stores = [
+            KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64 << 20, torch.float32)
+            for _ in range(n)
+        ]
+        self.dead: set[int] = set()
+        self.slots_seen: set[int] = set()
+
+    async def attend_layer(
+        self, slot: int, layer: int, items: Sequence[AttendItem]
+    ) -> list[torch.Tensor | BaseException]:
+        self.slots_seen.add(slot)
+        await asyncio.sleep(0)  # a real plane yields here: the other mini-batch runs
+        out: list[torch.Tensor | BaseException] = []
+        for it in items:
+            if it.shard in self.dead:
+                out.append(Unavailable(f"shard {it.shard} unavailable"))
+                continue
+            store = self.stores[it.shard]
+            out.append(store.attend(layer, it.seq_ids, it.num_tokens, it.start_pos, it.q, it.k, it.v))
+        return out
+
+
+PROMPTS = [[1, 5, 9, 3], [1, 7, 2], [1, 4, 4, 8, 6], [1, 3]]
+
+
+def _decode(model_dir: Path, pipeline: bool, steps: int = 4, dead: int | None = None) -> dict[str, list]:
+    model = DenseModel.from_pretrained(model_dir, "cpu", torch.float32)
+    shards = InProcessShards(model, 2)
+    for i, _ in enumerate(PROMPTS):
+        shards.stores[i % 2].reserve(f"s{i}", 64)
+    runner = StepRunner(model, shards)
+    out: dict[str, list] = {f"s{i}": [] for i in range(len(PROMPTS))}
+    seqs = [DenseSeq(f"s{i}", i % 2, (i // 2) % 2, p, 0) for i, p in enumerate(PROMPTS)]
+
+    async def run() -> None:
+        nonlocal seqs
+        for step in range(steps):
+            if step == 1 and dead is not None:
+                shards.dead.add(dead)
+            outcomes, t = await runner.run(seqs, pipeline)
+            assert t.pipelined == pipeline and t.step_seconds > 0
+            nxt = []
+            for s in seqs:
+                o = outcomes[s.seq_id]
+                out[s.seq_id].append(o.error if o.error is not None else o.token_id)
+                if o.error is None:
+                    nxt.append(
+                        DenseSeq(
+                            s.seq_id, s.shard, s.mini_batch, [o.token_id], s.start_pos + len(s.token_ids)
+                        )
+                    )
+            seqs = nxt
+
+    asyncio.run(run())
+    assert shards.slots_seen == ({0, 1} if pipeline else {0})
+    return out
+
+
+def test_runner_is_token_exact_with_local_engine_piped_or_not(model_factory: Callable) -> None:
+    path = model_factory("llama")
+    engine = LocalEngine.from_pretrained(path)
+    ref = engine.generate(PROMPTS, 4, ignore_eos=True)
+    want = {f"s{i}": g.token_ids for i, g in enumerate(ref)}
+    assert _decode(path, pipeline=True) == want
+    assert _decode(path, pipeline=False) == want
+
+
+def test_a_failing_shard_fails_only_its_sequences(model_factory: Callable) -> None:
+    out = _decode(model_factory("llama"), pipeline=True, dead=1)
+    for sid in ("s0", "s2"):  # shard 0
+        assert all(isinstance(t, int) for t in out[sid]) and len(out[sid]) == 4
+    for sid in ("s1", "s3"):  # shard 1 dies before step 1
+        assert isinstance(out[sid][1], Unavailable) and len(out[sid]) == 2
+
+
+def test_pipeline_chooser_keeps_the_faster_and_probes_again() -> None:
+    c = PipelineChooser(probes=2, every=3)
+    tried = []
+    while c.choice is None:
+        piped = c.choose()
+        tried.append(piped)
+        c.record(piped, 1.0 if piped else 2.0)
+    assert tried == [True, False, True, False] and c.choice is True
+    assert [c.choose() for _ in range(2)] == [True, True]
+    c.choose()  # the third step after the decision starts a new probe
+    assert c.choice is None
+    while c.choice is None:
+        piped = c.choose()
+        c.record(piped, 3.0 if piped else 2.0)
+    assert c.choice is False
+    with pytest.raises(ValueError):
+        PipelineChooser(probes=0)

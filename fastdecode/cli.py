@@ -83,7 +83,13 @@ def serve() -> None:
 @_common_serve_options
 @click.option("--shard-id", type=int, default=None, help="This shard's index (FASTDECODE_SHARD_ID).")
 @click.option("--kv-capacity", type=int, default=None, help="KV pool budget in bytes (default 1 GiB).")
-@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]), default=None)
+@click.option(
+    "--attention-backend",
+    type=click.Choice(["native", "torch"]),
+    default=None,
+    help="native: the C++ kernel (default); torch: the SDPA reference.",
+)
 @click.option("--block-size", type=int, default=None, help="Tokens per KV block (default 16).")
 def serve_kv_attention(**flags: Any) -> None:
     """The R-part: a KV-cache shard that computes attention for its sequences."""

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from fastdecode import codec
 from fastdecode.errors import FailedPrecondition, InvalidInput
-from fastdecode.kv import KVStore
+from fastdecode.kv import KV_DTYPES, KVStore, native
 from fastdecode.rpc import Server, abort, code_from_int, item_error, request_id_of
 from fastdecode.settings import ServiceSettings
 from fastdecode.v1 import kv_attention_pb2 as pb
@@ -46,7 +46,8 @@ ATTEND_ERRORS = Counter(
 class Settings(ServiceSettings):
     shard_id: int = Field(0, ge=0)
     kv_capacity: int = Field(1 << 30, ge=0, description="KV pool budget in bytes")
-    kv_dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$")
+    kv_dtype: str = Field("float32", pattern="^(float32|float16|bfloat16|int8)$")
+    attention_backend: str = Field("native", pattern="^(native|torch)$", description="native | torch")
     block_size: int = Field(16, ge=1, le=4096)
     ready_file: Path | None = None
 
@@ -55,7 +56,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.shard = str(settings.shard_id)
-        self.dtype = codec.DTYPE_NAMES[settings.kv_dtype]
+        self.dtype = KV_DTYPES[settings.kv_dtype]
         self.store: KVStore | None = None  # built from the geometry of the first reservation
         # One compute thread: items of a stream run in order, and the event loop stays free
         # for health checks and control calls while attention runs.
@@ -74,6 +75,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
                 self.settings.kv_capacity,
                 self.dtype,
                 self.settings.block_size,
+                backend=self.settings.attention_backend,
             )
             log.info(
                 "KV pool: %d tokens (%d bytes) of geometry %s",
@@ -197,6 +199,11 @@ async def serve(settings: Settings) -> None:
     log = settings.configure_logging(f"kv_attention[{settings.shard_id}]")
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    if settings.attention_backend == "native":
+        try:  # fail at start with one line, not at the first reservation
+            log.info("native attention kernel: %s path", native.isa())
+        except native.NativeUnavailable as e:
+            raise SystemExit(f"kv_attention: {e}") from None
     server = Server(
         [pb.DESCRIPTOR.services_by_name["KVAttention"].full_name],
         settings.host,
@@ -210,11 +217,12 @@ async def serve(settings: Settings) -> None:
     await server.start()
     await server.announce(settings.host, settings.metrics_port, settings.ready_file)
     log.info(
-        "serving on %s:%d (capacity %d bytes, kv dtype %s)",
+        "serving on %s:%d (capacity %d bytes, kv dtype %s, %s attention)",
         settings.host,
         server.port,
         settings.kv_capacity,
         settings.kv_dtype,
+        settings.attention_backend,
     )
     await server.stopping.wait()
     log.info("stopping")

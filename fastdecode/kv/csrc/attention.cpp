@@ -235,6 +235,22 @@ inline void vacc_all(float* acc, const float* w, const void* vb, const int64_t* 
   }
 }
 
+constexpr int64_t kItemSize[4] = {4, 2, 2, 1};
+
+// Asks for rows off[0..n) of a pool (each `row_bytes` long) ahead of their use: the tile's V while
+// its scores are computed, the next tile's K while V is summed, so the loads of one tile overlap
+// the arithmetic of another instead of waiting for the hardware prefetcher to find each block.
+template <int K>
+inline void prefetch_rows(const void* base, const int64_t* off, int n, int64_t row_bytes) {
+  const char* b = static_cast<const char*>(base);
+  for (int j = 0; j < n; ++j) {
+    const char* p = b + off[j] * kItemSize[K];
+    for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+  }
+}
+
+std::atomic<bool> g_prefetch{true};
+
 template <int K>
 void job_avx2(const Args& a, const Job& jb, float* buf) {
   const int64_t D = a.D, G = a.G;
@@ -248,20 +264,33 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
   std::fill(l, l + rows, 0.f);
   const int32_t* tab = a.table + a.table_off[jb.seq];
   const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
-  int64_t slot[kTile], off[kTile];
+  int64_t slot[kTile], offs[2][kTile];
   alignas(32) float ksc[kTile], vsc[kTile];
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t p0 = 0; p0 < nkeys; p0 += kTile) {
+  const int64_t row_bytes = D * kItemSize[K];
+  const bool pf = g_prefetch.load(std::memory_order_relaxed);
+  auto tile_offsets = [&](int64_t p0, int64_t* off) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, nkeys - p0));
     slots_of(a, tab, p0, n, slot);
     for (int j = 0; j < n; ++j) off[j] = (hbase + slot[j]) * D;
     const int n8 = (n + 7) & ~7;
     for (int j = n; j < n8; ++j) off[j] = off[0];  // padding lanes read a valid row, then are masked
+    return n;
+  };
+  int n = tile_offsets(0, offs[0]);
+  if (pf) prefetch_rows<K>(a.k, offs[0], n, row_bytes);
+  for (int64_t p0 = 0, ti = 0; p0 < nkeys; p0 += kTile, ti ^= 1) {
+    const int64_t* off = offs[ti];
+    if (pf) prefetch_rows<K>(a.v, off, n, row_bytes);
     if constexpr (K == kI8) {
+      const int n8 = (n + 7) & ~7;
+      slots_of(a, tab, p0, n, slot);
       for (int j = 0; j < n; ++j) ksc[j] = a.ks[hbase + slot[j]], vsc[j] = a.vs[hbase + slot[j]];
       for (int j = n; j < n8; ++j) ksc[j] = 0.f, vsc[j] = 0.f;
     }
+    const int n_next = p0 + kTile < nkeys ? tile_offsets(p0 + kTile, offs[ti ^ 1]) : 0;
+    bool next_fetched = false;
     for (int r = 0; r < rows; ++r) {
       const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
       const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
@@ -298,8 +327,13 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
       }
       l[r] += hsum(lsum);
       m[r] = mn;
+      if (pf && !next_fetched) {
+        prefetch_rows<K>(a.k, offs[ti ^ 1], n_next, row_bytes);
+        next_fetched = true;
+      }
       vacc_all<K>(ar, s, a.v, off, nr, D);
     }
+    n = n_next;
   }
   for (int r = 0; r < rows; ++r) {
     const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
@@ -348,6 +382,8 @@ bool cpu_has_avx2() {
 std::atomic<bool> g_avx2{cpu_has_avx2()};
 
 std::string isa() { return g_avx2.load() ? "avx2" : "scalar"; }
+
+void set_prefetch(bool on) { g_prefetch = on; }
 
 void set_isa(const std::string& name) {
   if (name == "avx2") {
@@ -572,4 +608,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_read", &fd::stream_read, "sum a float32 tensor with attend's threads (bandwidth yardstick)");
   m.def("isa", &fd::isa, "vector path in use: 'avx2' or 'scalar'");
   m.def("set_isa", &fd::set_isa, "force 'avx2' or 'scalar' (tests)");
+  m.def("set_prefetch", &fd::set_prefetch, "software prefetch of the next tile on/off (A/B measurements)");
 }

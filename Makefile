@@ -9,9 +9,11 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned, so nothing can resolve a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# torch first, pinned, so nothing can resolve a CUDA build; then the project builds its
+	# attention kernel against that torch (--no-build-isolation: never a build env with its own torch).
+	$(BIN)/pip install -q torch==2.13.0 'setuptools>=77' wheel
+	$(BIN)/pip install -q --no-build-isolation -e '.[test]'
+	$(BIN)/python -c "from fastdecode.kv import native; print('attention kernel:', native.isa())"
 	touch $(STAMP)
 
 setup: $(STAMP)

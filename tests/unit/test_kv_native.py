@@ -226,7 +226,8 @@ def test_property_random_shapes(
     """Random geometry (head_dim not a multiple of 8 takes the scalar path), cached lengths and
     new tokens per sequence: every row matches fp64."""
     gen = torch.Generator().manual_seed(seed)
-    store = make(dtype, kv_heads, head_dim, sum(c + n for c, n in seqs), block_size=block_size)
+    room = sum(c + 1 + 40 + block_size for c, _ in seqs)  # fill() reserves 40 tokens beyond each length
+    store = make(dtype, kv_heads, head_dim, room, block_size=block_size)
     hist = fill(store, {f"s{i}": c + 1 for i, (c, _) in enumerate(seqs)}, gen)
     call = [(f"s{i}", c, min(n, 40)) for i, (c, n) in enumerate(seqs)]
     run_and_check(store, [call], kv_heads * group, hist, dtype, gen)

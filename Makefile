@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint protos bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned, so nothing can resolve a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[server,test]'
+	# torch first, pinned, so nothing can resolve a CUDA build; then the project builds its
+	# attention kernel against that torch (--no-build-isolation: never a build env with its own torch).
+	$(BIN)/pip install -q torch==2.13.0 'setuptools>=77' wheel
+	$(BIN)/pip install -q --no-build-isolation -e '.[server,test]'
+	$(BIN)/python -c "from fastdecode.kv import native; print('attention kernel:', native.isa())"
 	touch $(STAMP)
 
 setup: $(STAMP)

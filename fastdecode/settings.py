@@ -102,7 +102,12 @@ class ShardSettings(ServiceSettings):
 
     shard_id: int = Field(0, ge=0, description="This shard's index.")
     kv_capacity: int = Field(1 << 30, ge=0, description="KV pool budget in bytes.")
-    kv_dtype: DType = Field("float32", description="KV-cache element type.")
+    kv_dtype: Literal["float32", "float16", "bfloat16", "int8"] = Field(
+        "float32", description="KV-cache element type (int8: a scale per token and KV head)."
+    )
+    attention_backend: Literal["native", "torch"] = Field(
+        "native", description="native: the C++ kernel; torch: the SDPA reference."
+    )
     block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV block.")
 
 

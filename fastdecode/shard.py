@@ -31,8 +31,11 @@ class AttendResult:
 
 
 class ShardCore:
-    def __init__(self, kv_capacity: int, kv_dtype: torch.dtype, block_size: int) -> None:
+    def __init__(
+        self, kv_capacity: int, kv_dtype: torch.dtype, block_size: int, backend: str = "native"
+    ) -> None:
         self.kv_capacity = kv_capacity
+        self.backend = backend
         self.dtype = kv_dtype
         self.block_size = block_size
         self.store: KVStore | None = None  # built from the geometry of the first reservation
@@ -43,7 +46,9 @@ class ShardCore:
             raise InvalidInput("reservation needs a positive KV geometry (layers, kv heads, head dim)")
         geometry = (num_layers, num_kv_heads, head_dim)
         if self.store is None:
-            self.store = KVStore(*geometry, self.kv_capacity, self.dtype, self.block_size)
+            self.store = KVStore(
+                *geometry, self.kv_capacity, self.dtype, self.block_size, backend=self.backend
+            )
             log.info(
                 "KV pool: %d tokens (%d bytes) of geometry %s",
                 self.store.capacity_tokens,

@@ -28,9 +28,10 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             ),
             click.option(
                 "--kv-dtype",
-                type=click.Choice(["float32", "float16", "bfloat16"]),
+                type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
                 default="float32",
                 show_default=True,
+                help="Shard KV-cache storage (int8: a scale per token and head).",
             ),
             click.option(
                 "--admission", type=click.Choice(["naive", "stabilized"]), default="naive", show_default=True

@@ -1,5 +1,5 @@
 """KV-cache store and attention: the R-part core. Imports no gRPC."""
 
-from fastdecode.kv.store import BlockAllocator, KVStore
+from fastdecode.kv.store import BACKENDS, KV_DTYPES, BlockAllocator, KVStore, kv_bytes_per_element
 
-__all__ = ["BlockAllocator", "KVStore"]
+__all__ = ["BACKENDS", "KV_DTYPES", "BlockAllocator", "KVStore", "kv_bytes_per_element"]

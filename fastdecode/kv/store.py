@@ -1,16 +1,21 @@
 """The R-part core: a byte-bounded, block-based KV pool and attention over it.
 
 Layout: one pool per K and V of shape [layers, kv_heads, num_blocks * block_size, head_dim]
-(head-major: one head of one sequence is a contiguous [tokens, head_dim] run, which CPU
-attention streams ~1.3-1.6x faster than token-major rows strided by kv_heads * head_dim).
-A sequence reserves ceil(max_tokens / block_size) blocks up front (so decode never runs
-out of memory mid-generation); the allocator prefers one contiguous run of blocks so
-attention reads the cache in place as a strided view, and falls back to scattered blocks
-(gathered per step) only when the pool is fragmented. Nothing is reallocated per step.
+(head-major: one head of one sequence is a contiguous [tokens, head_dim] run within a block).
+Storage dtypes: float32, float16, bfloat16, and int8 with one float32 scale per (token, KV head)
+(pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks are its
+block table (`_Seq.blocks`); token `pos` lives in slot blocks[pos // block_size] * block_size +
+pos % block_size. A sequence reserves ceil(max_tokens / block_size) blocks up front (so decode
+never runs out of memory mid-generation). Nothing is reallocated per step.
 
-Decode fast path: when every sequence of a call decodes one token at the same position from
-contiguous, equally spaced reservations (a batch reserved together), the whole call is one
-batched SDPA over a strided view of the pool: no per-sequence Python loop.
+Two attention backends, one result:
+- "native" (default): fastdecode/kv/csrc/attention.cpp, one fused call per Attend item that
+  appends k, v and attends every sequence (decode and prefill chunks) through the block tables,
+  in place, threads split over (sequence, KV head) by length. Whoever changes how blocks are
+  allocated only has to keep `_Seq.blocks` the table and call `_blocks_changed`.
+- "torch": the reference. SDPA over a strided view when every sequence decodes one token at the
+  same position from contiguous, equally spaced reservations; otherwise per sequence (gathering
+  scattered blocks and dequantizing int8).
 Imports no gRPC.
 """
 
@@ -25,15 +30,41 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.kv import native
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
+BACKENDS = ("native", "torch")
+_INT8_MAX = 127.0
+
+
+def kv_bytes_per_element(dtype: torch.dtype, head_dim: int) -> float:
+    """Bytes one cached element costs, counting int8's float32 scale per (token, head) row."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return itemsize + (4 / head_dim if dtype == torch.int8 else 0)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of the last dim: x ~= q * scale. The native kernel does the same."""
+    x = x.float()
+    scale = x.abs().amax(-1) / _INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale[..., None] > 0, torch.round(x / safe[..., None]), torch.zeros_like(x))
+    return q.clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
 
 
 @dataclass
 class _Seq:
-    blocks: list[int]
+    blocks: list[int]  # the block table
     capacity: int
     lengths: list[int]  # tokens held per layer
     contiguous: bool
-    slots: torch.Tensor | None = field(default=None)  # token slot index when scattered
+    slots: torch.Tensor | None = field(default=None)  # token slot index when scattered (torch path)
+    table: torch.Tensor | None = field(default=None)  # int32 block table for the native kernel
 
 
 class BlockAllocator:
@@ -95,26 +126,40 @@ class KVStore:
         capacity_bytes: int,
         dtype: torch.dtype = torch.float32,
         block_size: int = 16,
+        backend: str = "native",
     ) -> None:
         if min(num_layers, num_kv_heads, head_dim, block_size) < 1:
             raise InvalidInput("KV geometry must be positive")
+        if dtype not in KV_DTYPES.values():
+            raise InvalidInput(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype}")
+        if backend not in BACKENDS:
+            raise InvalidInput(f"attention backend must be one of {list(BACKENDS)}, got {backend!r}")
+        # Fails here, with one line naming the fix, when the extension is not built.
+        self._native = native.load() if backend == "native" else None
+        self.backend = backend
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.block_size = block_size
+        self.quantized = dtype == torch.int8
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.itemsize
+        row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + int8's scale
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * row_bytes
         self.num_blocks = max(0, capacity_bytes // (self.bytes_per_token * block_size))
         self.capacity_bytes = self.num_blocks * block_size * self.bytes_per_token
         slots = self.num_blocks * block_size
         # torch.empty does not touch the pages: memory is committed as sequences write.
         self.k = torch.empty(num_layers, num_kv_heads, slots, head_dim, dtype=dtype)
         self.v = torch.empty(num_layers, num_kv_heads, slots, head_dim, dtype=dtype)
+        scale_shape = (num_layers, num_kv_heads, slots) if self.quantized else (0,)
+        self.k_scale = torch.empty(scale_shape, dtype=torch.float32)
+        self.v_scale = torch.empty(scale_shape, dtype=torch.float32)
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, _Seq] = {}
         self.busy_seconds = 0.0
         self.attend_calls = 0
+        self._tables: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -172,13 +217,45 @@ class KVStore:
             b = torch.tensor(blocks, dtype=torch.int64)
             slots = (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
         self.seqs[seq_id] = _Seq(blocks, n * self.block_size, [0] * self.num_layers, contiguous, slots)
+        self._tables = None
 
     def release(self, seq_id: str) -> bool:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return False
         self.alloc.release(seq.blocks)
+        self._tables = None
         return True
+
+    def _blocks_changed(self, seq: _Seq) -> None:
+        """Call after changing seq.blocks: drops the cached int32 tables the native kernel reads."""
+        seq.table = None
+        self._tables = None
+
+    def write(self, layer: int, seq_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, KVH, D] at positions start.. of one sequence without attending
+        (benchmarks and tests fill long caches this way; decode appends through attend)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"sequence {seq_id!r} is not held by this shard")
+        n = k.shape[0]
+        shape = (n, self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise InvalidInput(f"k/v must have shape {list(shape)}")
+        if not 0 <= layer < self.num_layers or not 0 <= start <= seq.lengths[layer]:
+            raise InvalidInput(f"layer {layer} / start {start} outside what sequence {seq_id!r} holds")
+        if start + n > seq.capacity:
+            raise OutOfRange(f"sequence {seq_id!r} exceeds its reservation of {seq.capacity} tokens")
+        pos = torch.arange(start, start + n)
+        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            rows = new.transpose(0, 1)  # [KVH, n, D]
+            if self.quantized:
+                pool[layer][:, slots], scales[layer][:, slots] = quantize_int8(rows)
+            else:
+                pool[layer][:, slots] = rows.to(self.dtype)
+        seq.lengths[layer] = max(seq.lengths[layer], start + n)
 
     # ---- attention --------------------------------------------------------------------------
     def _check(
@@ -245,12 +322,66 @@ class KVStore:
         self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self._attend_uniform_decode(layer, seq_ids, num_tokens, start_pos, q, k, v)
-            if out is None:
-                out = self._attend_each(layer, seq_ids, num_tokens, start_pos, q, k, v)
+            if self._native is not None:
+                out = self._attend_native(layer, seq_ids, num_tokens, start_pos, q, k, v)
+            else:
+                out = None
+                if not self.quantized:
+                    out = self._attend_uniform_decode(layer, seq_ids, num_tokens, start_pos, q, k, v)
+                if out is None:
+                    out = self._attend_each(layer, seq_ids, num_tokens, start_pos, q, k, v)
         self.busy_seconds += time.perf_counter() - t0
         self.attend_calls += 1
         return out
+
+    def _block_tables(self, seq_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated int32 block tables and their offsets; reused while the call's sequences
+        and their blocks stay the same (every layer of a step asks for the same ones)."""
+        key = tuple(seq_ids)
+        if self._tables is not None and self._tables[0] == key:
+            return self._tables[1], self._tables[2]
+        parts = []
+        for sid in seq_ids:
+            seq = self.seqs[sid]
+            if seq.table is None:
+                seq.table = torch.tensor(seq.blocks, dtype=torch.int32)
+            parts.append(seq.table)
+        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor([len(p) for p in parts], dtype=torch.int64), 0, out=offsets[1:])
+        table = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+        self._tables = (key, table, offsets)
+        return table, offsets
+
+    def _attend_native(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        table, offsets = self._block_tables(seq_ids)
+        scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+        o = self._native.attend(  # type: ignore[union-attr]
+            q.float().contiguous(),
+            k.float().contiguous(),
+            v.float().contiguous(),
+            self.k[layer],
+            self.v[layer],
+            *scales,
+            table,
+            offsets,
+            torch.tensor(start_pos, dtype=torch.int64),
+            torch.tensor(num_tokens, dtype=torch.int64),
+            self.block_size,
+            1.0 / math.sqrt(self.head_dim),
+        )
+        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
+            seq = self.seqs[sid]
+            seq.lengths[layer] = max(seq.lengths[layer], start + n)
+        return o.to(q.dtype)
 
     def _attend_uniform_decode(
         self,
@@ -319,6 +450,8 @@ class KVStore:
         group = heads // kvh
         out = torch.empty(total, heads * dim, dtype=q.dtype)
         kp, vp = self.k[layer], self.v[layer]  # [KVH, slots, D]
+        ksp, vsp = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+        compute = torch.float32 if self.quantized else self.dtype
         scale = 1.0 / math.sqrt(dim)
         row = 0
         for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
@@ -326,16 +459,25 @@ class KVStore:
             end = start + n
             if seq.contiguous:
                 base = seq.blocks[0] * self.block_size
-                kp[:, base + start : base + end] = k[row : row + n].transpose(0, 1)
-                vp[:, base + start : base + end] = v[row : row + n].transpose(0, 1)
-                keys, values = kp[:, base : base + end], vp[:, base : base + end]
+                idx = slice(base, base + end)
+                new = slice(base + start, base + end)
             else:
                 idx = seq.slots[:end]  # type: ignore[index]
-                kp[:, idx[start:end]] = k[row : row + n].transpose(0, 1).to(self.dtype)
-                vp[:, idx[start:end]] = v[row : row + n].transpose(0, 1).to(self.dtype)
+                new = idx[start:end]
+            knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+            if self.quantized:
+                (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = (
+                    quantize_int8(knew),
+                    quantize_int8(vnew),
+                )
+                keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
+                values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]
+            else:
+                kp[:, new] = knew.to(self.dtype)
+                vp[:, new] = vnew.to(self.dtype)
                 keys, values = kp[:, idx], vp[:, idx]
             seq.lengths[layer] = max(seq.lengths[layer], end)
-            qn = q[row : row + n].to(self.dtype)
+            qn = q[row : row + n].to(compute)
             if n == 1:  # decode: no mask; query heads of one kv head become its query rows
                 o = F.scaled_dot_product_attention(
                     qn.reshape(1, kvh, group, dim), keys.unsqueeze(0), values.unsqueeze(0), scale=scale

@@ -10,6 +10,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode import codec
+from fastdecode.kv import KV_DTYPES, native
 from fastdecode.rpc import Server, abort, code_from_int, item_error, request_id_of
 from fastdecode.settings import ShardSettings
 from fastdecode.shard import ShardCore
@@ -44,7 +45,12 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.shard = str(settings.shard_id)
-        self.core = ShardCore(settings.kv_capacity, codec.DTYPE_NAMES[settings.kv_dtype], settings.block_size)
+        self.core = ShardCore(
+            settings.kv_capacity,
+            KV_DTYPES[settings.kv_dtype],
+            settings.block_size,
+            backend=settings.attention_backend,
+        )
         # per-item metrics, resolved once rather than by label on every item
         self._attention_seconds = ATTENTION_SECONDS.labels(self.shard)
         self._kv_bytes_read = KV_BYTES_READ.labels(self.shard)
@@ -146,6 +152,11 @@ async def serve(settings: Settings) -> None:
     log = settings.configure_logging(f"kv_attention[{settings.shard_id}]")
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    if settings.attention_backend == "native":
+        try:  # fail at start with one line, not at the first reservation
+            log.info("native attention kernel: %s path", native.isa())
+        except native.NativeUnavailable as e:
+            raise SystemExit(f"kv_attention: {e}") from None
     server = Server(
         [pb.DESCRIPTOR.services_by_name["KVAttention"].full_name],
         settings.host,

@@ -306,9 +306,11 @@ class PrivateDockerd:
 
 
 # ---- base image ---------------------------------------------------------------------------------
-def debootstrap_rootfs_tarball(timeout: float = 600) -> Path:
-    """A minbase Debian with python3 + python3-venv as a tarball (cached)."""
-    tarball = cache_dir() / f"rootfs-{DEBIAN_SUITE}-minbase-py311.tar"
+def debootstrap_rootfs_tarball(timeout: float = 600, build: bool = False) -> Path:
+    """A minbase Debian with python3 + python3-venv as a tarball (cached); with `build`, also g++
+    and the Python headers (the image's build stage compiles the attention kernel)."""
+    packages = "python3,python3-venv" + (",python3-dev,g++" if build else "")
+    tarball = cache_dir() / f"rootfs-{DEBIAN_SUITE}-minbase-py311{'-build' if build else ''}.tar"
     if tarball.exists():
         log(f"using cached base rootfs {tarball}")
         return tarball
@@ -320,7 +322,7 @@ def debootstrap_rootfs_tarball(timeout: float = 600) -> Path:
             [
                 "debootstrap",
                 "--variant=minbase",
-                "--include=python3,python3-venv",
+                f"--include={packages}",
                 DEBIAN_SUITE,
                 str(rootfs),
                 mirror,
@@ -350,26 +352,28 @@ def debootstrap_rootfs_tarball(timeout: float = 600) -> Path:
     return tarball
 
 
-def debootstrap_base_image(client: Any, timeout: float = 600) -> str:
-    """Import the debootstrap rootfs as an image; returns its tag."""
-    tarball = debootstrap_rootfs_tarball(timeout=timeout)
+def debootstrap_base_image(client: Any, timeout: float = 600, build: bool = False) -> str:
+    """Import the debootstrap rootfs as an image; returns its tag (BASE_TAG, or BASE_TAG-build)."""
+    tarball = debootstrap_rootfs_tarball(timeout=timeout, build=build)
+    tag = BASE_TAG + ("-build" if build else "")
     client.api.import_image(
         src=str(tarball),
-        repository=BASE_TAG.split(":")[0],
-        tag=BASE_TAG.split(":")[1],
+        repository=tag.split(":")[0],
+        tag=tag.split(":")[1],
         changes=[
             "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "ENV LANG=C.UTF-8",
             'CMD ["/bin/bash"]',
         ],
     )
-    client.images.get(BASE_TAG)
-    return BASE_TAG
+    client.images.get(tag)
+    return tag
 
 
-def base_image(client: Any, timeout: float = 600) -> str:
-    """FASTDECODE_E2E_BASE_IMAGE if given (pulled when absent), else the debootstrap image."""
-    given = os.environ.get("FASTDECODE_E2E_BASE_IMAGE")
+def base_image(client: Any, timeout: float = 600, build: bool = False) -> str:
+    """FASTDECODE_E2E_BASE_IMAGE (FASTDECODE_E2E_BUILD_IMAGE with `build`) if given (pulled when
+    absent), else the debootstrap image (with a compiler and Python headers for `build`)."""
+    given = os.environ.get("FASTDECODE_E2E_BUILD_IMAGE" if build else "FASTDECODE_E2E_BASE_IMAGE")
     if given:
         import docker
 
@@ -378,7 +382,7 @@ def base_image(client: Any, timeout: float = 600) -> str:
         except docker.errors.ImageNotFound:
             client.images.pull(given)
         return given
-    return debootstrap_base_image(client, timeout=timeout)
+    return debootstrap_base_image(client, timeout=timeout, build=build)
 
 
 # ---- wheelhouse ---------------------------------------------------------------------------------
@@ -431,8 +435,11 @@ def build_wheelhouse(timeout: float = 600) -> Path:
 
 
 # ---- image --------------------------------------------------------------------------------------
-def build_image(client: Any, tag: str, base: str, wheelhouse: Path, timeout: float = 900) -> list[str]:
-    """Build deploy/docker/Dockerfile offline (network none); returns the build log lines."""
+def build_image(
+    client: Any, tag: str, base: str, wheelhouse: Path, timeout: float = 900, build_base: str | None = None
+) -> list[str]:
+    """Build deploy/docker/Dockerfile offline (network none); returns the build log lines.
+    `build_base` is the build stage's image (it compiles the attention kernel: g++, Python headers)."""
     from docker.errors import BuildError
 
     lines: list[str] = []
@@ -441,7 +448,11 @@ def build_image(client: Any, tag: str, base: str, wheelhouse: Path, timeout: flo
         path=str(REPO),
         dockerfile="deploy/docker/Dockerfile",
         tag=tag,
-        buildargs={"BASE_IMAGE": base, "WHEELHOUSE": str(wheelhouse.relative_to(REPO))},
+        buildargs={
+            "BASE_IMAGE": base,
+            "BUILD_IMAGE": build_base or base,
+            "WHEELHOUSE": str(wheelhouse.relative_to(REPO)),
+        },
         network_mode="none",
         pull=False,
         rm=True,

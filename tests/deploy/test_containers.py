@@ -109,11 +109,12 @@ def image(engine: Any, durations: dict[str, float]) -> str:
 
     with step("base image (debootstrap + docker import)", durations):
         base = base_image(engine.client, timeout=600)
+        build_base = base_image(engine.client, timeout=900, build=True)  # + g++, Python headers
     with step("wheelhouse (host pip)", durations):
         wheelhouse = build_wheelhouse(timeout=600)
     with step("image build (offline)", durations):
         try:
-            build_image(engine.client, IMAGE, base, wheelhouse, timeout=900)
+            build_image(engine.client, IMAGE, base, wheelhouse, timeout=900, build_base=build_base)
         except Exception:
             log("dockerd log tail:\n" + engine.log_tail())
             raise
@@ -234,6 +235,22 @@ def test_image_runs_as_non_root_with_grpc_healthcheck(engine: Any, image: str) -
     assert out.decode().strip() == config["User"].split(":")[0]
     out = engine.client.containers.run(image, command=["--help"], remove=True, network_mode="none")
     assert b"serve" in out
+
+
+def test_image_has_the_attention_kernel_and_no_compiler(engine: Any, image: str) -> None:
+    """The build stage compiled the kernel; the final image runs it but carries no compiler."""
+    probe = "from fastdecode.kv import native; print(native.isa())"
+    out = engine.client.containers.run(
+        image, entrypoint=["python", "-c", probe], remove=True, network_mode="none"
+    )
+    assert out.decode().strip() in ("avx2", "scalar")
+    out = engine.client.containers.run(
+        image,
+        entrypoint=["/bin/sh", "-c", "command -v g++ gcc cc c++ || echo none"],
+        remove=True,
+        network_mode="none",
+    )
+    assert out.decode().strip() == "none"
 
 
 @pytest.mark.timeout(1200)

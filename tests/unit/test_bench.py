@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from fastdecode.benchmarks.attention import run_attention_bench
+from fastdecode.benchmarks.attention import run_attention_bench, sequence_lengths
 from fastdecode.benchmarks.common import format_pairs, format_table
 from fastdecode.cli import main
 from fastdecode.errors import InvalidInput
@@ -19,17 +19,23 @@ def _finite_positive(d: dict, keys: set[str]) -> None:
         assert isinstance(d[k], int | float) and math.isfinite(d[k]) and d[k] > 0, (k, d[k])
 
 
-@pytest.mark.parametrize("ragged, kv_heads", [(False, 4), (True, 2)])
-def test_attention_bench_small(ragged: bool, kv_heads: int) -> None:
+@pytest.mark.parametrize(
+    "lengths, kv_heads, backend, kv_dtype",
+    [("uniform", 4, "native", "float32"), ("mixed", 2, "native", "int8"), ("mixed", 2, "torch", "bfloat16")],
+)
+def test_attention_bench_small(lengths: str, kv_heads: int, backend: str, kv_dtype: str) -> None:
     r = run_attention_bench(
         batch=4, context=40, heads=4, kv_heads=kv_heads, head_dim=8, layers=2, repeats=3,
-        ragged=ragged, memory_bytes=1 << 20,
+        lengths=lengths, backend=backend, kv_dtype=kv_dtype, memory_bytes=1 << 20,
     )  # fmt: skip
     assert ATTN_KEYS <= r.keys()
     _finite_positive(r, ATTN_KEYS)
-    lengths = [40 - (i % 16 if ragged else 0) for i in range(4)]
-    assert r["kv_bytes_per_layer"] == sum(lengths) * 2 * kv_heads * 8 * 4
+    lens = sequence_lengths(lengths, 4, 40, 0)
+    assert (len(set(lens)) == 1) == (lengths == "uniform") and all(2 <= n <= 80 for n in lens)
+    per_element = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 8}[kv_dtype]
+    assert r["kv_bytes_per_layer"] == int(sum(lens) * 2 * kv_heads * 8 * per_element)
     assert r["ratio"] == pytest.approx(r["effective_gbps"] / r["memory_gbps"])
+    assert r["memory_probe"] == "native stream_read" and r["backend"] == backend
 
 
 def test_attention_bench_rejects_bad_geometry() -> None:
@@ -40,6 +46,7 @@ def test_attention_bench_rejects_bad_geometry() -> None:
 def test_cli_bench_attention_json() -> None:
     args = ["bench", "attention", "--json", "-B", "2", "-L", "24", "--heads", "2", "--kv-heads", "1"]
     args += ["--head-dim", "8", "--repeats", "2", "--memory-mib", "1", "--kv-dtype", "bfloat16"]
+    args += ["--lengths", "uniform", "--backend", "torch"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)

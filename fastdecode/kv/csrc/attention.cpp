@@ -1,0 +1,612 @@
+// Fused decode/chunked-prefill attention over a block-table KV pool: the shard's R-part kernel.
+//
+// One call appends every new k, v into the pool and attends every query token of every sequence,
+// whatever the lengths. Keys and values are read in place through each sequence's block table
+// (slot = table[pos / block_size] * block_size + pos % block_size), once per KV head for all the
+// query heads that share it (GQA/MQA), with an online softmax in fp32. Storage types: float32,
+// float16 and bfloat16 (widened in registers) and int8 with one fp32 scale per (token, KV head).
+//
+// Work is split over (sequence, KV head, chunk of <= kQChunk query tokens) jobs, longest first,
+// taken from an atomic counter by torch's intra-op threads (at::parallel_for, so the shard's
+// torch.set_num_threads applies). Each job walks its keys in tiles of kTile: scores for the whole
+// tile first (8 keys per dot pass), one vectorized exp, then the weighted sum of V with the
+// accumulator in registers. The AVX2+FMA+F16C path is chosen at load time from CPUID; a portable
+// scalar path serves other CPUs (and the tests, through set_isa).
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FD_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace fd {
+
+enum Kind : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
+
+constexpr int kTile = 32;    // keys scored together before one softmax update
+constexpr int kQChunk = 16;  // query tokens of one sequence handled by one job (prefill chunks)
+
+struct Job {
+  int32_t seq, kvh, t0, t1;
+  int64_t cost;
+};
+
+struct Args {
+  const float* q;             // [T, H, D]
+  float* out;                 // [T, H * D]
+  const void* k;              // this layer's pools: [KVH, S, D]
+  const void* v;
+  const float* ks;            // int8 scales [KVH, S]; null for other kinds
+  const float* vs;
+  const int32_t* table;       // block tables of all sequences, concatenated
+  const int64_t* table_off;   // [B + 1]
+  const int64_t* start;       // [B] position of each sequence's first new token
+  const int64_t* row0;        // [B + 1] first row of each sequence in q / out
+  int64_t S, D, H, G, bs;
+  float scale;
+};
+
+// Slot offsets (in tokens) of keys [p0, p0 + n) of one sequence, walking its block table.
+inline void slots_of(const Args& a, const int32_t* tab, int64_t p0, int n, int64_t* slot) {
+  int64_t b = p0 / a.bs, o = p0 % a.bs;
+  int64_t base = static_cast<int64_t>(tab[b]) * a.bs;
+  for (int j = 0; j < n; ++j) {
+    slot[j] = base + o;
+    if (++o == a.bs && j + 1 < n) {  // never read past the last block of the table
+      o = 0;
+      base = static_cast<int64_t>(tab[++b]) * a.bs;
+    }
+  }
+}
+
+// ---- portable scalar path ---------------------------------------------------------------------
+template <int K>
+inline float load1(const void* base, int64_t i) {
+  if constexpr (K == kF32) return static_cast<const float*>(base)[i];
+  if constexpr (K == kF16) return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+  if constexpr (K == kBF16) return static_cast<float>(static_cast<const c10::BFloat16*>(base)[i]);
+  if constexpr (K == kI8) return static_cast<float>(static_cast<const int8_t*>(base)[i]);
+}
+
+template <int K>
+void job_scalar(const Args& a, const Job& jb, float* buf) {
+  const int64_t D = a.D, G = a.G;
+  const int rows = (jb.t1 - jb.t0) * static_cast<int>(G);
+  float* acc = buf;
+  float* m = acc + rows * D;
+  float* l = m + rows;
+  float* s = l + rows;
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  const int32_t* tab = a.table + a.table_off[jb.seq];
+  const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
+  int64_t slot[kTile];
+  for (int64_t p0 = 0; p0 < nkeys; p0 += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, nkeys - p0));
+    slots_of(a, tab, p0, n, slot);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
+      const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
+      if (nr <= 0) continue;
+      const float* qr = a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
+      float mt = -std::numeric_limits<float>::infinity();
+      for (int j = 0; j < nr; ++j) {
+        const int64_t off = (hbase + slot[j]) * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * load1<K>(a.k, off + d);
+        if constexpr (K == kI8) dot *= a.ks[hbase + slot[j]];
+        s[j] = dot * a.scale;
+        mt = std::max(mt, s[j]);
+      }
+      const float mn = std::max(m[r], mt);
+      const float corr = std::exp(m[r] - mn);
+      float* ar = acc + r * D;
+      l[r] *= corr;
+      for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+      for (int j = 0; j < nr; ++j) {
+        const float p = std::exp(s[j] - mn);
+        l[r] += p;
+        float w = p;
+        if constexpr (K == kI8) w *= a.vs[hbase + slot[j]];
+        const int64_t off = (hbase + slot[j]) * D;
+        for (int64_t d = 0; d < D; ++d) ar[d] += w * load1<K>(a.v, off + d);
+      }
+      m[r] = mn;
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
+    float* o = a.out + ((a.row0[jb.seq] + t) * a.H + h) * D;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+  }
+}
+
+// ---- AVX2 + FMA + F16C path -------------------------------------------------------------------
+#ifdef FD_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+template <int K>
+inline __m256 ld8(const void* base, int64_t i) {
+  if constexpr (K == kF32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  if constexpr (K == kF16)
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  if constexpr (K == kBF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i))),
+        16));
+  if constexpr (K == kI8)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
+}
+
+// e^x for 8 lanes (Cephes polynomial, ~2 ulp on the range softmax uses: x <= 0).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654475f)), _mm256_set1_ps(88.37626266f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504089f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Eight dot products q . k_j (j < 8) as one vector: eight accumulators, then a transposing sum.
+template <int K>
+inline __m256 dot8(const float* q, const void* kb, const int64_t* off, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[0] + d), a0);
+    a1 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[1] + d), a1);
+    a2 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[2] + d), a2);
+    a3 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[3] + d), a3);
+    a4 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[4] + d), a4);
+    a5 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[5] + d), a5);
+    a6 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[6] + d), a6);
+    a7 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[7] + d), a7);
+  }
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// acc[d0 .. d0 + 8*NC) += sum_j w[j] * v_j[d0 ..], the accumulator held in registers over the tile.
+template <int K, int NC>
+inline void vacc(float* acc, const float* w, const void* vb, const int64_t* off, int n, int64_t d0) {
+  __m256 r[NC];
+  for (int c = 0; c < NC; ++c) r[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+  for (int j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    const int64_t o = off[j] + d0;
+    for (int c = 0; c < NC; ++c) r[c] = _mm256_fmadd_ps(wj, ld8<K>(vb, o + 8 * c), r[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, r[c]);
+}
+
+template <int K>
+inline void vacc_all(float* acc, const float* w, const void* vb, const int64_t* off, int n, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) vacc<K, 8>(acc, w, vb, off, n, d0);
+  switch ((D - d0) / 8) {
+    case 1: vacc<K, 1>(acc, w, vb, off, n, d0); break;
+    case 2: vacc<K, 2>(acc, w, vb, off, n, d0); break;
+    case 3: vacc<K, 3>(acc, w, vb, off, n, d0); break;
+    case 4: vacc<K, 4>(acc, w, vb, off, n, d0); break;
+    case 5: vacc<K, 5>(acc, w, vb, off, n, d0); break;
+    case 6: vacc<K, 6>(acc, w, vb, off, n, d0); break;
+    case 7: vacc<K, 7>(acc, w, vb, off, n, d0); break;
+    default: break;
+  }
+}
+
+constexpr int64_t kItemSize[4] = {4, 2, 2, 1};
+
+// Asks for rows off[0..n) of a pool (each `row_bytes` long) ahead of their use: the tile's V while
+// its scores are computed, the next tile's K while V is summed, so the loads of one tile overlap
+// the arithmetic of another instead of waiting for the hardware prefetcher to find each block.
+template <int K>
+inline void prefetch_rows(const void* base, const int64_t* off, int n, int64_t row_bytes) {
+  const char* b = static_cast<const char*>(base);
+  for (int j = 0; j < n; ++j) {
+    const char* p = b + off[j] * kItemSize[K];
+    for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+  }
+}
+
+std::atomic<bool> g_prefetch{true};
+
+template <int K>
+void job_avx2(const Args& a, const Job& jb, float* buf) {
+  const int64_t D = a.D, G = a.G;
+  const int rows = (jb.t1 - jb.t0) * static_cast<int>(G);
+  float* acc = buf;
+  float* m = acc + rows * D;
+  float* l = m + rows;
+  float* s = l + rows;  // kTile scores, then weights
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  const int32_t* tab = a.table + a.table_off[jb.seq];
+  const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
+  int64_t slot[kTile], offs[2][kTile];
+  alignas(32) float ksc[kTile], vsc[kTile];
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t row_bytes = D * kItemSize[K];
+  const bool pf = g_prefetch.load(std::memory_order_relaxed);
+  auto tile_offsets = [&](int64_t p0, int64_t* off) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, nkeys - p0));
+    slots_of(a, tab, p0, n, slot);
+    for (int j = 0; j < n; ++j) off[j] = (hbase + slot[j]) * D;
+    const int n8 = (n + 7) & ~7;
+    for (int j = n; j < n8; ++j) off[j] = off[0];  // padding lanes read a valid row, then are masked
+    return n;
+  };
+  int n = tile_offsets(0, offs[0]);
+  if (pf) prefetch_rows<K>(a.k, offs[0], n, row_bytes);
+  for (int64_t p0 = 0, ti = 0; p0 < nkeys; p0 += kTile, ti ^= 1) {
+    const int64_t* off = offs[ti];
+    if (pf) prefetch_rows<K>(a.v, off, n, row_bytes);
+    if constexpr (K == kI8) {
+      const int n8 = (n + 7) & ~7;
+      slots_of(a, tab, p0, n, slot);
+      for (int j = 0; j < n; ++j) ksc[j] = a.ks[hbase + slot[j]], vsc[j] = a.vs[hbase + slot[j]];
+      for (int j = n; j < n8; ++j) ksc[j] = 0.f, vsc[j] = 0.f;
+    }
+    const int n_next = p0 + kTile < nkeys ? tile_offsets(p0 + kTile, offs[ti ^ 1]) : 0;
+    bool next_fetched = false;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
+      const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
+      if (nr <= 0) continue;
+      const float* qr = a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
+      const int g8 = (nr + 7) / 8;
+      const __m256 lim = _mm256_set1_ps(static_cast<float>(nr));
+      __m256 mt = ninf;
+      for (int g = 0; g < g8; ++g) {
+        __m256 sc = _mm256_mul_ps(dot8<K>(qr, a.k, off + 8 * g, D), _mm256_set1_ps(a.scale));
+        if constexpr (K == kI8) sc = _mm256_mul_ps(sc, _mm256_load_ps(ksc + 8 * g));
+        const __m256 idx = _mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(8 * g)));
+        sc = _mm256_blendv_ps(ninf, sc, _mm256_cmp_ps(idx, lim, _CMP_LT_OQ));
+        _mm256_storeu_ps(s + 8 * g, sc);
+        mt = _mm256_max_ps(mt, sc);
+      }
+      const float mn = std::max(m[r], hmax(mt));
+      float* ar = acc + r * D;
+      if (m[r] != mn) {
+        const float corr = std::exp(m[r] - mn);
+        l[r] *= corr;
+        const __m256 cv = _mm256_set1_ps(corr);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ar + d, _mm256_mul_ps(cv, _mm256_loadu_ps(ar + d)));
+      }
+      const __m256 mv = _mm256_set1_ps(mn);
+      __m256 lsum = _mm256_setzero_ps();
+      for (int g = 0; g < g8; ++g) {
+        const __m256 sc = _mm256_loadu_ps(s + 8 * g);
+        // masked lanes hold -inf: exp8 clamps to ~1e-38, so zero them exactly
+        __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sc, mv)), _mm256_cmp_ps(sc, ninf, _CMP_NEQ_OQ));
+        lsum = _mm256_add_ps(lsum, p);
+        if constexpr (K == kI8) p = _mm256_mul_ps(p, _mm256_load_ps(vsc + 8 * g));
+        _mm256_storeu_ps(s + 8 * g, p);
+      }
+      l[r] += hsum(lsum);
+      m[r] = mn;
+      if (pf && !next_fetched) {
+        prefetch_rows<K>(a.k, offs[ti ^ 1], n_next, row_bytes);
+        next_fetched = true;
+      }
+      vacc_all<K>(ar, s, a.v, off, nr, D);
+    }
+    n = n_next;
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
+    float* o = a.out + ((a.row0[jb.seq] + t) * a.H + h) * D;
+    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(inv, _mm256_loadu_ps(acc + r * D + d)));
+  }
+}
+
+// Sum of n floats with four independent accumulators: the memory-bandwidth yardstick's inner loop.
+float stream_sum_avx2(const float* x, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(x + i));
+    s1 = _mm256_add_ps(s1, _mm256_loadu_ps(x + i + 8));
+    s2 = _mm256_add_ps(s2, _mm256_loadu_ps(x + i + 16));
+    s3 = _mm256_add_ps(s3, _mm256_loadu_ps(x + i + 24));
+  }
+  float r = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  for (; i < n; ++i) r += x[i];
+  return r;
+}
+
+#pragma GCC pop_options
+#endif  // FD_AVX2
+
+float stream_sum_scalar(const float* x, int64_t n) {
+  float r0 = 0.f, r1 = 0.f, r2 = 0.f, r3 = 0.f;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) r0 += x[i], r1 += x[i + 1], r2 += x[i + 2], r3 += x[i + 3];
+  for (; i < n; ++i) r0 += x[i];
+  return r0 + r1 + r2 + r3;
+}
+
+// ---- dispatch ---------------------------------------------------------------------------------
+bool cpu_has_avx2() {
+#ifdef FD_AVX2
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> g_avx2{cpu_has_avx2()};
+
+std::string isa() { return g_avx2.load() ? "avx2" : "scalar"; }
+
+void set_prefetch(bool on) { g_prefetch = on; }
+
+void set_isa(const std::string& name) {
+  if (name == "avx2") {
+    TORCH_CHECK(cpu_has_avx2(), "this CPU lacks AVX2/FMA/F16C");
+    g_avx2 = true;
+  } else if (name == "scalar") {
+    g_avx2 = false;
+  } else {
+    TORCH_CHECK(false, "isa must be 'avx2' or 'scalar', got '", name, "'");
+  }
+}
+
+using JobFn = void (*)(const Args&, const Job&, float*);
+
+template <int K>
+JobFn job_fn(bool vec) {
+#ifdef FD_AVX2
+  if (vec) return job_avx2<K>;
+#endif
+  (void)vec;
+  return job_scalar<K>;
+}
+
+Kind kind_of(const at::Tensor& pool) {
+  switch (pool.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    case at::kChar: return kI8;
+    default: TORCH_CHECK(false, "KV pool dtype must be float32, float16, bfloat16 or int8, got ", pool.scalar_type());
+  }
+}
+
+// Writes rows [r0, r1) of new k (or v) [T, KVH, D] into the pool at their slots (quantizing for int8).
+void append_rows(const Args& a, Kind kind, const float* src, void* pool, float* scales, int64_t KVH,
+                 int64_t B, int64_t r0, int64_t r1) {
+  const int64_t D = a.D;
+  int64_t b = std::upper_bound(a.row0, a.row0 + B + 1, r0) - a.row0 - 1;
+  for (int64_t r = r0; r < r1; ++r) {
+    while (r >= a.row0[b + 1]) ++b;
+    const int64_t pos = a.start[b] + (r - a.row0[b]);
+    const int32_t* tab = a.table + a.table_off[b];
+    const int64_t slot = static_cast<int64_t>(tab[pos / a.bs]) * a.bs + pos % a.bs;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* x = src + (r * KVH + h) * D;
+      const int64_t dst = (h * a.S + slot) * D;
+      switch (kind) {
+        case kF32: std::memcpy(static_cast<float*>(pool) + dst, x, D * sizeof(float)); break;
+        case kF16: {
+          auto* p = static_cast<c10::Half*>(pool) + dst;
+          for (int64_t d = 0; d < D; ++d) p[d] = c10::Half(x[d]);
+          break;
+        }
+        case kBF16: {
+          auto* p = static_cast<c10::BFloat16*>(pool) + dst;
+          for (int64_t d = 0; d < D; ++d) p[d] = c10::BFloat16(x[d]);
+          break;
+        }
+        case kI8: {
+          float amax = 0.f;
+          for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+          const float sc = amax / 127.f;
+          auto* p = static_cast<int8_t*>(pool) + dst;
+          for (int64_t d = 0; d < D; ++d) {
+            const float qv = sc > 0.f ? std::nearbyint(x[d] / sc) : 0.f;
+            p[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, qv)));
+          }
+          scales[h * a.S + slot] = sc;
+          break;
+        }
+      }
+    }
+  }
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+void check_i64(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 &&
+                  t.size(0) == n,
+              name, " must be a contiguous int64 CPU tensor of ", n, " elements");
+}
+
+// q [T, H, D], k/v [T, KVH, D] float32; pools [KVH, S, D] of one layer; scales [KVH, S] (int8 only);
+// table int32 (concatenated block tables), table_off [B+1], start [B], ntok [B] int64.
+// Returns o [T, H * D] float32.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kpool,
+                  at::Tensor vpool, const c10::optional<at::Tensor>& kscale_opt,
+                  const c10::optional<at::Tensor>& vscale_opt, const at::Tensor& table,
+                  const at::Tensor& table_off, const at::Tensor& start, const at::Tensor& ntok,
+                  int64_t block_size, double scale) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
+  TORCH_CHECK(kpool.dim() == 3 && kpool.is_contiguous() && vpool.is_contiguous() &&
+                  kpool.sizes() == vpool.sizes() && kpool.scalar_type() == vpool.scalar_type(),
+              "pools must be contiguous [KVH, S, D] of one dtype");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = kpool.size(0), S = kpool.size(1);
+  TORCH_CHECK(kpool.size(2) == D && k.size(0) == T && k.size(1) == KVH && k.size(2) == D &&
+                  v.sizes() == k.sizes(),
+              "k/v must be [T, KVH, D] matching q and the pool");
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_size >= 1 && S % block_size == 0, "bad block size");
+  const Kind kind = kind_of(kpool);
+  at::Tensor kscale, vscale;
+  if (kind == kI8) {
+    TORCH_CHECK(kscale_opt.has_value() && vscale_opt.has_value(), "int8 pools need scales");
+    kscale = *kscale_opt;
+    vscale = *vscale_opt;
+    check_f32(kscale, "kscale");
+    check_f32(vscale, "vscale");
+    TORCH_CHECK(kscale.dim() == 2 && kscale.size(0) == KVH && kscale.size(1) == S &&
+                    vscale.sizes() == kscale.sizes(),
+                "scales must be [KVH, S]");
+  }
+  const int64_t B = start.numel();
+  check_i64(start, "start", B);
+  check_i64(ntok, "ntok", B);
+  check_i64(table_off, "table_off", B + 1);
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kInt && table.is_contiguous() &&
+                  table.dim() == 1,
+              "table must be a contiguous int32 CPU tensor");
+  const int64_t nblocks = S / block_size;
+  const int32_t* tab = table.data_ptr<int32_t>();
+  const int64_t* toff = table_off.data_ptr<int64_t>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* nt = ntok.data_ptr<int64_t>();
+  std::vector<int64_t> row0(B + 1, 0);
+  TORCH_CHECK(toff[0] == 0 && toff[B] == table.numel(), "table_off does not cover the table");
+  for (int64_t i = 0; i < table.numel(); ++i)
+    TORCH_CHECK(tab[i] >= 0 && tab[i] < nblocks, "block id ", tab[i], " outside the pool");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(nt[b] >= 1 && st[b] >= 0, "sequence ", b, ": needs >= 1 new token at a position >= 0");
+    TORCH_CHECK(toff[b + 1] >= toff[b] && st[b] + nt[b] <= (toff[b + 1] - toff[b]) * block_size,
+                "sequence ", b, ": tokens beyond its block table");
+    row0[b + 1] = row0[b] + nt[b];
+  }
+  TORCH_CHECK(row0[B] == T, "ntok sums to ", row0[B], " but q has ", T, " rows");
+
+  at::Tensor out = at::empty({T, H * D}, q.options());
+  Args a{q.data_ptr<float>(), out.data_ptr<float>(), kpool.data_ptr(), vpool.data_ptr(),
+         kind == kI8 ? kscale.data_ptr<float>() : nullptr, kind == kI8 ? vscale.data_ptr<float>() : nullptr,
+         tab, toff, st, row0.data(), S, D, H, H / KVH, block_size, static_cast<float>(scale)};
+
+  // 1. append the new k, v (rows in parallel: a prefill chunk brings thousands)
+  at::parallel_for(0, T, 64, [&](int64_t r0, int64_t r1) {
+    append_rows(a, kind, k.data_ptr<float>(), kpool.data_ptr(), kind == kI8 ? kscale.data_ptr<float>() : nullptr,
+                KVH, B, r0, r1);
+    append_rows(a, kind, v.data_ptr<float>(), vpool.data_ptr(), kind == kI8 ? vscale.data_ptr<float>() : nullptr,
+                KVH, B, r0, r1);
+  });
+
+  // 2. jobs: (sequence, KV head, chunk of query tokens), longest first
+  std::vector<Job> jobs;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < nt[b]; t0 += kQChunk) {
+      const int64_t t1 = std::min<int64_t>(nt[b], t0 + kQChunk);
+      const int64_t cost = (st[b] + t1) * (t1 - t0) + 64;
+      for (int64_t h = 0; h < KVH; ++h)
+        jobs.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(t0),
+                        static_cast<int32_t>(t1), cost});
+    }
+  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
+
+  const bool vec = g_avx2.load() && D % 8 == 0;
+  JobFn fn = nullptr;
+  switch (kind) {
+    case kF32: fn = job_fn<kF32>(vec); break;
+    case kF16: fn = job_fn<kF16>(vec); break;
+    case kBF16: fn = job_fn<kBF16>(vec); break;
+    case kI8: fn = job_fn<kI8>(vec); break;
+  }
+  const int64_t scratch = kQChunk * (H / KVH) * (D + 2) + kTile + 8;
+  std::atomic<int64_t> next{0};
+  const int64_t njobs = static_cast<int64_t>(jobs.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), njobs);
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> buf(scratch);
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < njobs;) fn(a, jobs[i], buf.data());
+  });
+  return out;
+}
+
+// Reads x once with the same threads as attend (torch's intra-op pool): the bandwidth yardstick.
+double stream_read(const at::Tensor& x) {
+  check_f32(x, "x");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel(), chunk = 1 << 16;
+  const int64_t nchunks = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nchunks));
+  std::vector<double> part(workers, 0.0);
+  const bool vec = g_avx2.load();
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) {
+        const int64_t len = std::min(chunk, n - c * chunk);
+#ifdef FD_AVX2
+        part[w] += vec ? stream_sum_avx2(p + c * chunk, len) : stream_sum_scalar(p + c * chunk, len);
+#else
+        (void)vec;
+        part[w] += stream_sum_scalar(p + c * chunk, len);
+#endif
+      }
+  });
+  double s = 0.0;
+  for (double v : part) s += v;
+  return s;
+}
+
+}  // namespace fd
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "FastDecode shard kernel: fused decode/chunked-prefill attention over a block-table KV pool";
+  m.def("attend", &fd::attend, "append new k, v and attend every query token (see attention.cpp)");
+  m.def("stream_read", &fd::stream_read, "sum a float32 tensor with attend's threads (bandwidth yardstick)");
+  m.def("isa", &fd::isa, "vector path in use: 'avx2' or 'scalar'");
+  m.def("set_isa", &fd::set_isa, "force 'avx2' or 'scalar' (tests)");
+  m.def("set_prefetch", &fd::set_prefetch, "software prefetch of the next tile on/off (A/B measurements)");
+}

@@ -1,0 +1,252 @@
+"""The native attention kernel (fastdecode/kv/csrc/attention.cpp) against an fp64 reference.
+
+Two tolerances per KV dtype:
+- KERNEL_TOL: the kernel's own arithmetic (fp32 online softmax, polynomial exp) against fp64
+  attention over the values the pool actually holds (rounded to fp16/bf16, or int8 * scale).
+  The same for every dtype: the kernel widens in registers and computes in fp32.
+- STORAGE_TOL: against fp64 attention over the original fp32 k, v, i.e. including what storing
+  them in the pool's dtype costs (unit-variance random q, k, v; documented in the README).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastdecode.errors import FailedPrecondition
+from fastdecode.kv import KV_DTYPES, KVStore, native
+from fastdecode.kv.store import kv_bytes_per_element
+
+kernel = native.load()  # the native backend's tests must run it: a missing build fails here
+
+KERNEL_TOL = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "int8": 2e-5}
+STORAGE_TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2.5e-2, "int8": 4e-2}
+DTYPES = list(KV_DTYPES)
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """fp64 causal attention. q [n, H, D] at positions start.., keys/values [L, KVH, D] -> [n, H*D]."""
+    n, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) / math.sqrt(dim)
+    mask = torch.arange(keys.shape[0])[None, :] > torch.arange(start, start + n)[:, None]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).reshape(n, heads * dim)
+
+
+def stored(store: KVStore, layer: int, seq_id: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the pool holds for a sequence, as fp64 [length, KVH, D] (int8 times its scales)."""
+    seq = store.seqs[seq_id]
+    pos = torch.arange(length)
+    blocks = torch.tensor(seq.blocks)
+    slots = blocks[pos // store.block_size] * store.block_size + pos % store.block_size
+    out = []
+    for pool, scales in ((store.k, store.k_scale), (store.v, store.v_scale)):
+        x = pool[layer][:, slots].double()
+        if store.quantized:
+            x = x * scales[layer][:, slots, None].double()
+        out.append(x.transpose(0, 1))
+    return out[0], out[1]
+
+
+def make(
+    dtype: str,
+    kv_heads: int,
+    head_dim: int,
+    tokens: int,
+    backend: str = "native",
+    block_size: int = 16,
+    layers: int = 1,
+) -> KVStore:
+    per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_element(KV_DTYPES[dtype], head_dim)
+    cap = int(per_token * (tokens + 64 * block_size)) + 4096
+    return KVStore(layers, kv_heads, head_dim, cap, KV_DTYPES[dtype], block_size, backend=backend)
+
+
+def run_and_check(
+    store: KVStore,
+    calls: list[list[tuple[str, int, int]]],
+    heads: int,
+    history: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    dtype: str,
+    gen: torch.Generator,
+    layer: int = 0,
+) -> None:
+    """Each call is a list of (seq, start, n); checks every output row against both references."""
+    kvh, dim = store.num_kv_heads, store.head_dim
+    for call in calls:
+        total = sum(n for *_, n in call)
+        q = torch.randn(total, heads, dim, generator=gen)
+        k = torch.cat([history[s][0][p : p + n] for s, p, n in call])
+        v = torch.cat([history[s][1][p : p + n] for s, p, n in call])
+        assert k.shape == (total, kvh, dim)
+        o = store.attend(
+            layer, [s for s, *_ in call], [n for *_, n in call], [p for _, p, _ in call], q, k, v
+        )
+        assert o.shape == (total, heads * dim) and o.dtype == torch.float32
+        row = 0
+        for s, p, n in call:
+            got = o[row : row + n].double()
+            sk, sv = stored(store, layer, s, p + n)
+            exact = reference(q[row : row + n], sk, sv, p)
+            torch.testing.assert_close(got, exact, atol=KERNEL_TOL[dtype], rtol=KERNEL_TOL[dtype])
+            orig = reference(q[row : row + n], history[s][0][: p + n], history[s][1][: p + n], p)
+            torch.testing.assert_close(got, orig, atol=STORAGE_TOL[dtype], rtol=STORAGE_TOL[dtype])
+            row += n
+
+
+def fill(store: KVStore, lengths: dict[str, int], gen: torch.Generator, layer: int = 0) -> dict:
+    """Reserve each sequence (room for a few more tokens), store length-1 tokens, return histories."""
+    kvh, dim = store.num_kv_heads, store.head_dim
+    hist = {}
+    for sid, n in lengths.items():
+        store.reserve(sid, n + 40)
+        hist[sid] = (
+            torch.randn(n + 40, kvh, dim, generator=gen),
+            torch.randn(n + 40, kvh, dim, generator=gen),
+        )
+        if n > 1:
+            store.write(layer, sid, 0, hist[sid][0][: n - 1], hist[sid][1][: n - 1])
+    return hist
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (8, 1, 128), (4, 4, 64), (8, 2, 128)])
+def test_mixed_lengths_one_decode_call(dtype: str, heads: int, kv_heads: int, head_dim: int) -> None:
+    """One call, lengths from 1 to 8k (block and tile boundaries among them), GQA 8:2, MQA, MHA."""
+    gen = torch.Generator().manual_seed(hash((dtype, heads, kv_heads, head_dim)) % 1000)
+    lengths = [1, 2, 15, 16, 17, 31, 32, 33, 100, 1023, 8192]
+    store = make(dtype, kv_heads, head_dim, sum(lengths) + 40 * len(lengths))
+    hist = fill(store, {f"s{i}": n for i, n in enumerate(lengths)}, gen)
+    calls = [[(f"s{i}", n - 1, 1) for i, n in enumerate(lengths)]]
+    calls.append([(f"s{i}", n, 1) for i, n in enumerate(lengths)])  # the next step: one token longer
+    run_and_check(store, calls, heads, hist, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_chunks_and_decode_in_one_call(dtype: str) -> None:
+    """Causal chunks (from 0 and from the middle of the cache) beside decodes; chunks > one job."""
+    gen = torch.Generator().manual_seed(3)
+    store = make(dtype, 2, 64, 4096)
+    hist = fill(store, {"a": 1, "b": 1, "c": 300, "d": 40}, gen)
+    calls = [
+        [("a", 0, 37), ("c", 299, 1), ("b", 0, 5), ("d", 39, 1)],
+        [("a", 37, 3), ("b", 5, 20), ("c", 300, 1), ("d", 40, 17)],
+    ]
+    run_and_check(store, calls, 8, hist, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 3, 16, 48])
+def test_scattered_reservations(dtype: str, block_size: int) -> None:
+    """A fragmented pool hands out scattered blocks: the kernel follows each block table."""
+    gen = torch.Generator().manual_seed(block_size)
+    lens = {"x": 2 * block_size + 2, "y": 3}  # fill() reserves 40 more tokens than it stores
+    need = sum(-(-(n + 40) // block_size) for n in lens.values())
+    store = make(dtype, 2, 64, 4 * need * block_size, block_size=block_size)
+    fillers = [f"f{i}" for i in range(2 * need + 2)]
+    for f in fillers:
+        store.reserve(f, block_size)
+    store.reserve("tail", store.free_tokens)
+    for f in fillers[::2]:
+        store.release(f)  # every other block free: the next reservations scatter
+    hist = fill(store, lens, gen)
+    assert not store.seqs["x"].contiguous
+    x = lens["x"]
+    calls = [[("x", x - 1, 1), ("y", 2, 1)], [("x", x, 30), ("y", 3, 1)], [("x", x + 30, 1), ("y", 4, 1)]]
+    run_and_check(store, calls, 4, hist, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_matches_torch_backend_over_steps(dtype: str) -> None:
+    """The same prefill + decode steps through both backends: same outputs, same stored bytes."""
+    gen = torch.Generator().manual_seed(11)
+    stores = [make(dtype, 2, 32, 4096, backend=b, layers=2) for b in ("native", "torch")]
+    lens = {"a": 45, "b": 3, "c": 130}
+    for s in stores:
+        for sid in lens:
+            s.reserve(sid, 200)
+    pos = dict.fromkeys(lens, 0)
+    for step in range(4):
+        ids = list(lens)
+        n = [lens[i] if step == 0 else 1 for i in ids]
+        total = sum(n)
+        q, k, v = (torch.randn(total, h, 32, generator=gen) for h in (8, 2, 2))
+        for layer in range(2):
+            outs = [s.attend(layer, ids, n, [pos[i] for i in ids], q, k, v) for s in stores]
+            tol = 2e-5 if dtype in ("float32", "int8") else 1e-2  # torch SDPA computes in the half type
+            torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+        for i, m in zip(ids, n, strict=True):
+            pos[i] += m
+    a, b = stores
+    for layer in range(2):
+        for sid, n in pos.items():
+            for x, y in zip(stored(a, layer, sid, n), stored(b, layer, sid, n), strict=True):
+                # int8: one quantizer in C++ and one in torch; a tie in x / scale may round apart
+                torch.testing.assert_close(x, y, atol=0 if dtype != "int8" else 0.05, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scalar_path_matches_vector_path(dtype: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    store = make(dtype, 2, 64, 4096)
+    hist = fill(store, {"a": 500, "b": 20}, gen)
+    q = torch.randn(2, 8, 64, generator=gen)
+    k, v = hist["a"][0][499:500].repeat(2, 1, 1), hist["a"][1][499:500].repeat(2, 1, 1)
+    outs = []
+    before = kernel.isa()
+    try:
+        for isa in ("scalar", before):
+            kernel.set_isa(isa)
+            outs.append(store.attend(0, ["a", "b"], [1, 1], [499, 19], q, k, v))
+    finally:
+        kernel.set_isa(before)
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(DTYPES),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([8, 12, 16, 24, 64]),
+    block_size=st.integers(1, 20),
+    seqs=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 20)), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(
+    dtype: str, kv_heads: int, group: int, head_dim: int, block_size: int, seqs: list, seed: int
+) -> None:
+    """Random geometry (head_dim not a multiple of 8 takes the scalar path), cached lengths and
+    new tokens per sequence: every row matches fp64."""
+    gen = torch.Generator().manual_seed(seed)
+    room = sum(c + 1 + 40 + block_size for c, _ in seqs)  # fill() reserves 40 tokens beyond each length
+    store = make(dtype, kv_heads, head_dim, room, block_size=block_size)
+    hist = fill(store, {f"s{i}": c + 1 for i, (c, _) in enumerate(seqs)}, gen)
+    call = [(f"s{i}", c, min(n, 40)) for i, (c, n) in enumerate(seqs)]
+    run_and_check(store, [call], kv_heads * group, hist, dtype, gen)
+
+
+def test_yardstick_reads_every_element() -> None:
+    x = torch.arange(1 << 20, dtype=torch.float32) % 7
+    assert kernel.stream_read(x) == pytest.approx(float(x.double().sum()), rel=1e-6)
+
+
+def test_missing_extension_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(name: str) -> None:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setattr(native.importlib, "import_module", fail)
+    with pytest.raises(FailedPrecondition) as e:
+        KVStore(1, 1, 8, 1 << 20, backend="native")
+    msg = str(e.value)
+    assert "\n" not in msg and "native attention kernel unavailable" in msg and "make setup" in msg
+    KVStore(1, 1, 8, 1 << 20, backend="torch")  # the reference still works

@@ -18,6 +18,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.transport",
     "fastdecode.benchmarks.fleet_bench",
     "fastdecode.benchmarks.load_bench",
+    "fastdecode.benchmarks.chaos",
 }
 
 BLOCK_GRPC = """

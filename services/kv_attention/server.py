@@ -133,7 +133,11 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ShardStats:
         s = self.store
-        stats = pb.ShardStats(shard_id=self.settings.shard_id, kv_dtype=codec.wire_dtype(self.dtype))
+        stats = pb.ShardStats(
+            shard_id=self.settings.shard_id,
+            kv_dtype=codec.wire_dtype(self.dtype),
+            block_size=self.settings.block_size,
+        )
         if s is not None:
             stats.configured = True
             stats.sequences = len(s.seqs)
@@ -145,6 +149,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             stats.attend_items = s.attend_calls
             stats.free_tokens = s.free_tokens
             stats.attended_token_pairs = self.attended_pairs
+            stats.blocks_in_use, stats.blocks_free = s.blocks_in_use, s.blocks_free
         else:
             stats.bytes_capacity = self.settings.kv_capacity
         return stats

@@ -199,7 +199,8 @@ class KVStore:
     def _set_blocks(self, seq: _Seq, blocks: list[int]) -> None:
         seq.blocks = blocks
         seq.capacity = len(blocks) * self.block_size
-        seq.contiguous = blocks[-1] - blocks[0] == len(blocks) - 1
+        # a grown table need not ascend: compare every block, not just the ends
+        seq.contiguous = all(b == blocks[0] + i for i, b in enumerate(blocks))
         seq.slots = None
         if not seq.contiguous:
             b = torch.tensor(blocks, dtype=torch.int64)

@@ -213,3 +213,21 @@ def test_allocator_extends_a_run_in_place_only_when_the_next_block_is_free() -> 
     assert not alloc.allocate_after(5)  # past the pool
     alloc.release([2, 3])
     assert alloc.allocate(2) == [2, 3]
+
+
+def test_a_grown_table_whose_ends_look_like_a_run_is_not_taken_for_one() -> None:
+    torch.manual_seed(4)
+    store, flat = make_store(tokens=16 * 6), make_store(tokens=16 * 6)
+    for sid in ("a", "x", "b", "c", "d"):
+        store.reserve(sid, 16)  # blocks 0..4
+    flat.reserve("x", 64)
+    q, k, v = torch.randn(64, 4, 8), torch.randn(64, 2, 8), torch.randn(64, 2, 8)
+    outs: list[list[torch.Tensor]] = [[], []]
+    for lo, hi, free in ((0, 16, "c"), (16, 32, "a"), (32, 48, "d"), (48, 64, None)):
+        for j, s in enumerate((store, flat)):
+            outs[j].append(s.attend(0, ["x"], [hi - lo], [lo], q[lo:hi], k[lo:hi], v[lo:hi]))
+        if free:
+            store.release(free)
+    # x grew into 3 (its next block was b's), then 0, then 4: its ends are 3 apart over 4 blocks
+    assert store.seqs["x"].blocks == [1, 3, 0, 4] and not store.seqs["x"].contiguous
+    torch.testing.assert_close(torch.cat(outs[0]), torch.cat(outs[1]))

@@ -60,6 +60,10 @@ SHARD_USAGE = Gauge(
 )
 SHARD_HEALTHY = Gauge("fastdecode_shard_healthy", "1 while the shard takes sequences", ["shard"])
 RECOVERIES = Counter("fastdecode_shard_recoveries_total", "Sequences re-prefilled after a shard loss")
+PREEMPTIONS = Counter(
+    "fastdecode_preemptions_total",
+    "Sequences preempted (KV freed, recomputed later) because a shard was full",
+)
 SHARD_LOSSES = Counter("fastdecode_shard_losses_total", "Shards detected lost")
 ADMISSIONS = Counter(
     "fastdecode_admission_decisions_total",
@@ -88,6 +92,9 @@ class Settings(ServiceSettings):
     max_running: int = Field(256, ge=1, description="most sequences decoding at once (the batch B)")
     max_waiting: int = Field(1024, ge=0, description="bounded waiting queue; full = RESOURCE_EXHAUSTED")
     prefill_token_budget: int = Field(2048, ge=1, description="prefill tokens per step (chunked prefill)")
+    kv_lookahead: int = Field(
+        64, ge=0, description="KV headroom: steps of growth admission leaves room for per running sequence"
+    )
     pipeline: bool = True
     health_interval: float = Field(1.0, gt=0)
     step_timeout: float = Field(120.0, gt=0)
@@ -161,7 +168,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             await shard.stub.Release(
                 kv_attention_pb2.ReleaseRequest(all=True), timeout=10, wait_for_ready=True
             )
-        specs = [ShardSpec(await self._capacity_tokens(i)) for i in range(len(self.shards))]
+        specs = [await self._shard_spec(i) for i in range(len(self.shards))]
         s = self.s
         admission = (
             StabilizedAdmission(w_limit=s.w_limit, micro_batch=s.micro_batch)
@@ -176,6 +183,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             prefill_token_budget=s.prefill_token_budget,
             admission=admission,
             max_context=int(self.info.max_position_embeddings),
+            kv_lookahead=s.kv_lookahead,
         )
         log.info(
             "model %s, %d layers; shard capacities (tokens): %s",
@@ -190,17 +198,21 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             num_layers=self.info.num_layers, num_kv_heads=self.info.num_kv_heads, head_dim=self.info.head_dim
         )
 
-    async def _capacity_tokens(self, shard: int) -> int:
+    async def _shard_spec(self, shard: int) -> ShardSpec:
+        """The shard's KV capacity in tokens and its block size (the core mirrors its blocks)."""
         assert self.info is not None
         stats = await self.shards[shard].stub.Stats(
             kv_attention_pb2.StatsRequest(), timeout=10, wait_for_ready=True
         )
+        block = stats.block_size or 16  # a shard that predates block_size in Stats used 16
         if stats.configured and stats.free_tokens + stats.tokens_reserved > 0:
-            return int(stats.free_tokens + stats.tokens_reserved)
+            return ShardSpec(int(stats.free_tokens + stats.tokens_reserved), block_size=block)
         itemsize = codec.torch_dtype(stats.kv_dtype).itemsize
         per_token = 2 * self.info.num_layers * self.info.num_kv_heads * self.info.head_dim * itemsize
-        block = 16  # the shard rounds down to whole blocks; stay on the safe side
-        return max(0, (stats.bytes_capacity // per_token) // block * block - block)
+        # the shard rounds down to whole blocks; stay on the safe side
+        return ShardSpec(
+            max(0, (stats.bytes_capacity // per_token) // block * block - block), block_size=block
+        )
 
     # ---- the step loop ---------------------------------------------------------------------------
     async def _run(self, plan: dense_pb2.StepPlan) -> dense_pb2.StepResult:
@@ -347,6 +359,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 await self.wake.wait()
                 continue
             t0 = time.perf_counter()
+            self._log_preempted(step.preempted)
             if step.release:
                 await self._release(step.release)
             if step.reserve:
@@ -363,6 +376,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 continue
             results: dict[str, tuple[int, float] | str] = {}
             lost: set[int] = set()
+            full: list[str] = []
             shard_of = {p.seq_id: p.shard for p in step.seqs}
             for r in result.results:
                 if r.error.code:
@@ -370,6 +384,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     shard = shard_of.get(r.seq_id)
                     if code == grpc.StatusCode.UNAVAILABLE and shard is not None:
                         lost.add(shard)  # not this sequence's fault: recover it
+                        continue
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and shard is not None:
+                        full.append(r.seq_id)  # no free KV block: retried, the core preempts
                         continue
                     results[r.seq_id] = f"{code.name}: {r.error.message}"
                 elif r.token_id >= 0:
@@ -379,10 +396,17 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 results = {p.seq_id: msg for p in step.seqs}
             for shard in lost:
                 self._shard_lost(shard, "attend stream failed")
+            if full and not result.error.code:
+                core.kv_exhausted(step, full)  # its preemptions are logged with the next step
             self._dispatch(core.apply(step, results))
             STEP_SECONDS.observe(time.perf_counter() - t0)
             BATCH_SIZE.observe(len(step.seqs))
             self._update_gauges()
+
+    def _log_preempted(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            log.info("preempted: KV freed, requeued to recompute from its history", extra={"request_id": sid})
+        PREEMPTIONS.inc(len(seq_ids))
 
     def _update_gauges(self) -> None:
         assert self.core is not None
@@ -545,6 +569,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             steps=st["steps"],
             finished=st["finished"],
             recoveries=st["recoveries"],
+            preemptions=st["preemptions"],
             kv_load_tokens=st["kv_load_tokens"],
             w_limit=st["w_limit"] or 0.0,
             admission=st["admission"],
@@ -558,6 +583,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                 tokens=sh["tokens"],
                 expected_tokens=sh["expected_tokens"],
                 capacity_tokens=sh["capacity_tokens"],
+                block_tokens=sh["reserved_tokens"],
             )
         return out
 
@@ -574,12 +600,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             return resp
         index = self._add_shard_link(request.address.strip())
         try:
-            capacity = await self._capacity_tokens(index)
+            spec = await self._shard_spec(index)
         except grpc.aio.AioRpcError as e:
             self.shards.pop()
             await abort(context, Unavailable(f"shard {request.address} unreachable: {e.details()}"))
-        self.core.add_shard(ShardSpec(capacity))  # type: ignore[union-attr]
-        log.info("added shard %d (%s), %d tokens", index, request.address, capacity)
+        self.core.add_shard(spec)  # type: ignore[union-attr]
+        log.info("added shard %d (%s), %d tokens", index, request.address, spec.capacity_tokens)
         self.wake.set()
         return resp
 

@@ -120,6 +120,12 @@ def serve_gpu_dense(**flags: Any) -> None:
 )
 @click.option("--pipeline/--no-pipeline", default=None, help="Two-mini-batch pipeline (default on).")
 @click.option("--health-interval", type=float, default=None, help="Seconds between shard health probes.")
+@click.option(
+    "--kv-lookahead",
+    type=int,
+    default=None,
+    help="KV headroom per running sequence, in steps of growth that admission leaves room for (default 64).",
+)
 def serve_scheduler(**flags: Any) -> None:
     """The brain: admits, places sequences on shards, forms steps, streams tokens."""
     from services.scheduler.server import Settings, serve

@@ -20,7 +20,7 @@ from fastdecode.rpc import sync_channel
 from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests_support import metric_total, scrape
 
-CONTEXT = 160  # a short context keeps 12 full-length generations fast on CPU
+CONTEXT = 96  # a short context keeps 12 full-length generations (and their oracle) fast on CPU
 BLOCK = 16
 PROMPTS = [[1, 5 + i, 300 + 7 * i, 45, 2 + i][: 2 + i % 4] for i in range(12)]
 
@@ -28,7 +28,7 @@ PROMPTS = [[1, 5 + i, 300 + 7 * i, 45, 2 + i][: 2 + i % 4] for i in range(12)]
 @pytest.fixture(scope="module")
 def short_model(model_factory: Callable, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with its context cut to CONTEXT (same weights: transformers agrees on them)."""
-    out = tmp_path_factory.mktemp("short") / "tiny-llama-160"
+    out = tmp_path_factory.mktemp("short") / f"tiny-llama-{CONTEXT}"
     shutil.copytree(model_factory("llama"), out)
     cfg = json.loads((out / "config.json").read_text())
     cfg["max_position_embeddings"] = CONTEXT
@@ -47,6 +47,8 @@ def fleet(short_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         device="cpu",
         kv_capacity=capacity,
         workdir=tmp_path_factory.mktemp("kvd"),
+        # 16 steps of headroom: a 2..5-token prompt commits 2 of a shard's 12 blocks
+        scheduler_args=["--kv-lookahead", "16"],
     )
     f.start()
     yield f

@@ -136,6 +136,9 @@ class SchedulerSettings(ServiceSettings):
     dense: str = Field(..., description="HOST:PORT of gpu_dense.")
     shards: str = Field(..., description="HOST:PORT,HOST:PORT of the shards, in gpu_dense's order.")
     admission: Literal["naive", "stabilized"] = Field("naive", description="Admission policy.")
+    kv_lookahead: int = Field(
+        64, ge=0, description="KV headroom: steps of growth admission leaves room for per running sequence."
+    )
     w_limit: float | None = Field(
         None, gt=0, description="W_lim in KV tokens for stabilized admission (derived if unset)."
     )

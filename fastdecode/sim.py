@@ -108,7 +108,9 @@ class SimConfig:
     max_running: int = DEFAULT_BATCH
     max_waiting: int = 1 << 20
     prefill_token_budget: int = 512
-    capacity_tokens: int | None = None  # per shard; None: room for 1.5x the batch's reservations
+    capacity_tokens: int | None = None  # per shard; None: room for 1.5x the batch's prompt + max_tokens
+    block_size: int = 16  # KV block: shards allocate blocks on demand, the core mirrors them
+    kv_lookahead: int | None = None  # steps of growth admission leaves room for; None: the core's default
     shard_speeds: Sequence[float] | None = None
     micro_batch: int | None = None
     w_limit: float | None = None
@@ -135,6 +137,8 @@ class SimResult:
     imbalance_peak: float  # ... and its maximum over steps
     mean_running: float  # time-weighted mean of sequences in a step
     w_limit: float | None
+    peak_running: int = 0  # most sequences in one step
+    preemptions: int = 0  # sequences preempted (KV freed, recomputed) because a shard was full
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -229,13 +233,17 @@ def make_core(config: SimConfig, workload: Sequence[WorkItem]) -> SchedulerCore:
     speeds = list(config.shard_speeds) if config.shard_speeds is not None else [1.0] * config.shards
     if len(speeds) != config.shards:
         raise InvalidInput("one speed per shard")
+    if config.block_size < 1:
+        raise InvalidInput("block_size must be >= 1")
+    extra = {} if config.kv_lookahead is None else {"kv_lookahead": config.kv_lookahead}
     return SchedulerCore(
-        [ShardSpec(cap, sp) for sp in speeds],
+        [ShardSpec(cap, sp, config.block_size) for sp in speeds],
         [EOS],
         max_running=config.max_running,
         max_waiting=config.max_waiting,
         prefill_token_budget=config.prefill_token_budget,
         admission=policy,
+        **extra,
     )
 
 
@@ -256,7 +264,7 @@ def simulate(workload: Sequence[WorkItem], config: SimConfig | None = None, *, s
     start = now
     nxt = 0
     tokens = steps = 0
-    peak = 0
+    peak = peak_running = 0
     load_time = imb_time = busy_time = run_time = 0.0
     imb_peak = 1.0
     sat_tokens, sat_time = 0, 0.0
@@ -295,6 +303,7 @@ def simulate(workload: Sequence[WorkItem], config: SimConfig | None = None, *, s
             busy_time += dt
             imb_peak = max(imb_peak, imb)
         run_time += len(step.seqs) * dt
+        peak_running = max(peak_running, len(step.seqs))
         now += dt
         steps += 1
         results: dict[str, tuple[int, float] | ServiceError] = {}
@@ -337,4 +346,6 @@ def simulate(workload: Sequence[WorkItem], config: SimConfig | None = None, *, s
         imbalance_peak=imb_peak,
         mean_running=run_time / makespan if makespan > 0 else 0.0,
         w_limit=core.admission.w_limit(core.steps),
+        peak_running=peak_running,
+        preemptions=core.preemptions,
     )

@@ -180,6 +180,20 @@ def fleet_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) ->
 @click.option("--shards", type=int, default=2, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--bound-s", type=float, default=300.0, show_default=True, help="Per-request time bound.")
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Chat-style: max_tokens = the rest of the context, EOS honoured; reports peak running, KV in use "
+    "vs capacity and preemptions (--gen-len is ignored).",
+)
+@click.option("--context", type=int, default=None, help="Chat: cut the model's context to this many tokens.")
+@click.option(
+    "--kv-contexts",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Chat: KV per shard, in full contexts (what full-context reservations would run per shard).",
+)
 def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     """Many concurrent streaming clients on the fleet: lost/hung requests, throughput, p99, peak RSS."""
     from fastdecode.benchmarks.load_bench import run_load_bench

@@ -19,6 +19,8 @@ SIM_KEYS = (
     "mean_kv_load",
     "imbalance_max_over_mean",
     "mean_running",
+    "peak_running",
+    "preemptions",
     "steps",
 )
 

@@ -5,8 +5,12 @@ Layout: one pool per K and V of shape [layers, kv_heads, num_blocks * block_size
 Storage dtypes: float32, float16, bfloat16, and int8 with one float32 scale per (token, KV head)
 (pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks are its
 block table (`_Seq.blocks`); token `pos` lives in slot blocks[pos // block_size] * block_size +
-pos % block_size. A sequence reserves ceil(max_tokens / block_size) blocks up front (so decode
-never runs out of memory mid-generation). Nothing is reallocated per step.
+pos % block_size. Blocks on demand: a sequence is admitted with the blocks for the tokens it holds
+(its prompt) and its block table grows one block at a time as attention appends past its last
+block, so the pool holds what sequences really use, not their max_tokens. When no block is free
+the call fails with ResourceExhausted and nothing of it is kept; the scheduler then preempts a
+sequence (frees its blocks, recomputes it later). A new block extends the sequence's run in place
+when the next block is free, so a sequence stays one contiguous run as long as its neighbours allow.
 
 Two attention backends, one result:
 - "native" (default): fastdecode/kv/csrc/attention.cpp, one fused call per Attend item that
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.kv import native
 
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -59,8 +63,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class _Seq:
-    blocks: list[int]  # the block table
-    capacity: int
+    blocks: list[int]  # the block table: blocks[i] holds positions i*block_size .. (i+1)*block_size-1
+    capacity: int  # tokens its blocks hold
     lengths: list[int]  # tokens held per layer
     contiguous: bool
     slots: torch.Tensor | None = field(default=None)  # token slot index when scattered (torch path)
@@ -101,6 +105,20 @@ class BlockAllocator:
                 self._lens[0] -= take
         self.free -= n
         return blocks
+
+    def allocate_after(self, block: int) -> bool:
+        """Take block + 1 when it is free (it then starts a free run); False when it is not."""
+        nxt = block + 1
+        i = bisect.bisect_left(self._starts, nxt)
+        if i == len(self._starts) or self._starts[i] != nxt:
+            return False
+        if self._lens[i] == 1:
+            del self._starts[i], self._lens[i]
+        else:
+            self._starts[i] += 1
+            self._lens[i] -= 1
+        self.free -= 1
+        return True
 
     def release(self, blocks: list[int]) -> None:
         for b in sorted(blocks):
@@ -175,8 +193,17 @@ class KVStore:
         return sum(s.lengths[-1] for s in self.seqs.values())
 
     @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.alloc.free
+
+    @property
+    def blocks_free(self) -> int:
+        return self.alloc.free
+
+    @property
     def tokens_reserved(self) -> int:
-        return sum(len(s.blocks) for s in self.seqs.values()) * self.block_size
+        """Tokens the blocks in use hold (tokens held, rounded up to whole blocks per sequence)."""
+        return self.blocks_in_use * self.block_size
 
     @property
     def bytes_used(self) -> int:
@@ -197,27 +224,68 @@ class KVStore:
                 self.release(seq_id)
             raise
 
-    def reserve(self, seq_id: str, max_tokens: int) -> None:
+    def reserve(self, seq_id: str, tokens: int) -> None:
+        """Admit a sequence with the blocks for `tokens` (its prompt); it grows on demand after that."""
         if not seq_id:
             raise InvalidInput("empty sequence id")
-        if max_tokens < 1:
-            raise InvalidInput(f"max_tokens must be >= 1, got {max_tokens}")
+        if tokens < 1:
+            raise InvalidInput(f"max_tokens must be >= 1, got {tokens}")
         if seq_id in self.seqs:
             raise FailedPrecondition(f"sequence {seq_id!r} is already reserved on this shard")
-        n = math.ceil(max_tokens / self.block_size)
+        n = math.ceil(tokens / self.block_size)
         blocks = self.alloc.allocate(n)
         if blocks is None:
             raise ResourceExhausted(
-                f"KV pool full: {max_tokens} tokens requested, {self.free_tokens} free "
-                f"of {self.capacity_tokens}"
+                f"KV pool full: {tokens} tokens requested, {self.free_tokens} free of {self.capacity_tokens}"
             )
-        contiguous = blocks[-1] - blocks[0] == n - 1
-        slots = None
-        if not contiguous:
+        seq = _Seq([], 0, [0] * self.num_layers, True)
+        self._set_blocks(seq, blocks)
+        self.seqs[seq_id] = seq
+
+    def _set_blocks(self, seq: _Seq, blocks: list[int]) -> None:
+        seq.blocks = blocks
+        seq.capacity = len(blocks) * self.block_size
+        # a grown table need not ascend: compare every block, not just the ends
+        seq.contiguous = all(b == blocks[0] + i for i, b in enumerate(blocks))
+        seq.slots = None
+        if not seq.contiguous:
             b = torch.tensor(blocks, dtype=torch.int64)
-            slots = (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
-        self.seqs[seq_id] = _Seq(blocks, n * self.block_size, [0] * self.num_layers, contiguous, slots)
-        self._tables = None
+            seq.slots = (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+        self._blocks_changed(seq)
+
+    def grow(self, seq_ids: list[str], ends: list[int]) -> None:
+        """Give each sequence the blocks to hold `ends` tokens, a block at a time; all or nothing.
+
+        ResourceExhausted (naming the sequences left short) when the pool runs out: every block taken
+        here is given back, so a failed call leaves the pool as it was.
+        """
+        taken: list[tuple[_Seq, list[int]]] = []
+        short: list[str] = []
+        for sid, end in zip(seq_ids, ends, strict=True):
+            seq = self.seqs[sid]
+            if end <= seq.capacity:
+                continue
+            blocks = list(seq.blocks)
+            while len(blocks) * self.block_size < end:
+                if self.alloc.allocate_after(blocks[-1]):
+                    blocks.append(blocks[-1] + 1)
+                    continue
+                one = self.alloc.allocate(1)
+                if one is None:
+                    break
+                blocks.extend(one)
+            taken.append((seq, blocks))
+            if len(blocks) * self.block_size < end:
+                short.append(sid)
+        if short:
+            for seq, blocks in taken:
+                self.alloc.release(blocks[len(seq.blocks) :])
+            raise ResourceExhausted(
+                f"KV pool full: no free block for sequence(s) {', '.join(map(repr, short))} "
+                f"({self.capacity_tokens} tokens, all in use)"
+            )
+        for seq, blocks in taken:
+            self._set_blocks(seq, blocks)
 
     def release(self, seq_id: str) -> bool:
         seq = self.seqs.pop(seq_id, None)
@@ -244,8 +312,7 @@ class KVStore:
             raise InvalidInput(f"k/v must have shape {list(shape)}")
         if not 0 <= layer < self.num_layers or not 0 <= start <= seq.lengths[layer]:
             raise InvalidInput(f"layer {layer} / start {start} outside what sequence {seq_id!r} holds")
-        if start + n > seq.capacity:
-            raise OutOfRange(f"sequence {seq_id!r} exceeds its reservation of {seq.capacity} tokens")
+        self.grow([seq_id], [start + n])
         pos = torch.arange(start, start + n)
         blocks = torch.tensor(seq.blocks, dtype=torch.int64)
         slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -293,7 +360,7 @@ class KVStore:
                 raise InvalidInput(f"q/k/v must be floating point, got {t.dtype}")
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidInput("a sequence appears twice in one attend call")
-        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
+        for sid, start in zip(seq_ids, start_pos, strict=True):
             seq = self.seqs.get(sid)
             if seq is None:
                 raise NotFound(f"sequence {sid!r} is not held by this shard")
@@ -302,8 +369,6 @@ class KVStore:
                     f"sequence {sid!r} layer {layer}: start_pos {start} leaves a gap "
                     f"(holds {seq.lengths[layer]} tokens)"
                 )
-            if start + n > seq.capacity:
-                raise OutOfRange(f"sequence {sid!r} exceeds its reservation of {seq.capacity} tokens")
 
     def attend(
         self,
@@ -320,6 +385,7 @@ class KVStore:
         q [T, H, D], k/v [T, KVH, D], packed in seq order; returns o [T, H*D] in q's dtype.
         """
         self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
+        self.grow(seq_ids, [s + n for s, n in zip(start_pos, num_tokens, strict=True)])
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self._native is not None:
@@ -409,7 +475,7 @@ class KVStore:
         for i, (seq, pos) in enumerate(zip(seqs, start_pos, strict=True)):
             if pos != start or not seq.contiguous or seq.blocks[0] * self.block_size != base0 + i * step:
                 return None
-        # Reservations are disjoint and each holds >= start + 1 tokens, so step >= end: no overlap.
+        # Block runs are disjoint and each holds >= end tokens (grown above), so step >= end: no overlap.
         end = start + 1
         kvh, dim = self.num_kv_heads, self.head_dim
         views = []

@@ -73,6 +73,10 @@ class AdmissionPolicy(Protocol):
         """The load limit in force at `step` (None when the policy has none)."""
         ...
 
+    def set_kv_capacity(self, tokens: int | None) -> None:
+        """KV tokens the healthy shards hold together (None: unknown); a load limit stays within it."""
+        ...
+
 
 class NaiveAdmission:
     """Admit whenever there is room in the running batch."""
@@ -90,6 +94,9 @@ class NaiveAdmission:
 
     def w_limit(self, step: int) -> float | None:
         return None
+
+    def set_kv_capacity(self, tokens: int | None) -> None:
+        pass
 
 
 def earliest_start(
@@ -200,6 +207,7 @@ class StabilizedAdmission:
         self._base = 0.0  # running mean of prompt length - 1
         self._seen = 0
         self._B = 1  # last max_running seen
+        self._kv_capacity: int | None = None
 
     # -- the numbers -------------------------------------------------------------------------
     def micro_batch(self, max_running: int | None = None) -> int:
@@ -217,13 +225,22 @@ class StabilizedAdmission:
             return self._slack
         return self.micro_batch() * self.spacing() / 2
 
+    def set_kv_capacity(self, tokens: int | None) -> None:
+        self._kv_capacity = tokens
+
     def full_limit(self) -> float | None:
+        """W_lim, never above the KV the shards hold: W counts tokens held (what blocks on demand
+        allocate), so a load within capacity is one that needs no preemption if the estimates hold."""
         if self._w_limit is not None:
-            return self._w_limit
-        if self._S is None:
+            limit = self._w_limit
+        elif self._S is None:
             return None
-        B, m, F = self._B, self.micro_batch(), self.spacing()
-        return B * (self._base + (self._S + F) / 2) + m + self.slack()
+        else:
+            B, m, F = self._B, self.micro_batch(), self.spacing()
+            limit = B * (self._base + (self._S + F) / 2) + m + self.slack()
+        if self._kv_capacity is not None:
+            limit = min(limit, float(self._kv_capacity))
+        return limit
 
     def w_limit(self, step: int) -> float | None:
         full = self.full_limit()

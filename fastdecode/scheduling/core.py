@@ -8,13 +8,26 @@ next_step, so a second outstanding step is allowed but never plans the same sequ
 with sequences must be applied (with typed errors when the dense side failed), or its sequences stay
 in flight.
 
-Placement: a new sequence goes to the healthy shard with room for prompt + max_tokens whose load over
+Placement: a new sequence goes to the healthy shard with room for what it commits, whose load over
 the sequence's expected life is least, weighted by speed and capacity (placement.choose_shard). The
 expected life is max_tokens scaled by a running generated/max_tokens ratio, since sequences stop early.
+
+KV on demand: shards allocate a sequence's KV a block at a time as it grows, and the core mirrors
+every shard's blocks exactly (blocks = ceil(tokens sent / block_size) per sequence). A sequence
+commits the blocks it holds plus its headroom: the tokens it is expected to add over the next
+`kv_lookahead` steps (capped by its expected remaining length, from the same generated/max_tokens
+ratio). Admission and placement need the new sequence's commitment to fit beside the shard's; a
+full-context max_tokens no longer pins a full context of KV. When a planned step would need more
+blocks than a shard has, the core preempts the youngest sequences there (least work to redo, and the
+oldest always progress): it releases their KV and puts them back at the head of the waiting queue;
+re-admitted, they re-prefill their token history (prompt + generated) as a lost shard's sequences do,
+so greedy tokens are those of a run that never filled. A shard that still answers "no free block"
+(our count was off) gets the same treatment through `kv_exhausted`.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +59,10 @@ from fastdecode.scheduling.types import (
 RESERVATION_BACKOFF_STEPS = 8
 # Weight of one finished sequence in the running generated/max_tokens ratio.
 RATIO_SMOOTHING = 0.05
+# Default headroom horizon: steps of growth each running sequence is expected to have room for. At
+# 64 steps (4 blocks of 16) a shard admits while its sequences can all grow for 64 more steps, so a
+# preemption (redoing one sequence's prefill) is rare next to the steps a full reservation wastes.
+DEFAULT_KV_LOOKAHEAD = 64
 ADMISSION_DECISIONS = ("admitted", "rejected", "deferred_policy", "deferred_capacity")
 
 
@@ -58,6 +75,8 @@ class _Seq:
     reserved_on: int | None = None  # shard holding a reservation we must release
     epoch: int = 0  # bumped when the seq loses its shard: results of older steps are ignored
     inflight: int | None = None  # step it is planned in, until applied
+    blocks: int = 0  # KV blocks its shard holds for it (mirrors the shard's allocation)
+    started: int = -1  # order of first admission: the highest is the youngest (preempted first)
 
     @property
     def generated(self) -> int:
@@ -68,7 +87,7 @@ class _Seq:
 class _Shard:
     spec: ShardSpec
     healthy: bool = True
-    reserved: int = 0
+    blocks: int = 0  # KV blocks its sequences hold (sum of _Seq.blocks)
     seqs: set[str] = field(default_factory=set)
     blocked_until: int = 0
 
@@ -77,6 +96,8 @@ class _Shard:
 class _Inflight:
     epoch: int
     sample: bool
+    start_pos: int  # where the planned chunk starts: a step the shard refused is retried from here
+    blocks: int  # blocks held before the chunk grew the sequence
 
 
 class SchedulerCore:
@@ -93,12 +114,17 @@ class SchedulerCore:
         admission: AdmissionPolicy | None = None,
         max_context: int | None = None,
         vocab_size: int | None = None,
+        kv_lookahead: int = DEFAULT_KV_LOOKAHEAD,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
         if max_context is not None and max_context < 2:
             raise InvalidInput("max_context must be >= 2")
         self._vocab_size = vocab_size
+        if kv_lookahead < 0:
+            raise InvalidInput("kv_lookahead must be >= 0")
+        self._lookahead = kv_lookahead
+        self._admission: AdmissionPolicy = admission if admission is not None else NaiveAdmission()
         self._shards: list[_Shard] = []
         for spec in shards:
             self.add_shard(spec)
@@ -106,7 +132,6 @@ class SchedulerCore:
         self._max_running = max_running
         self._max_waiting = max_waiting
         self._budget = prefill_token_budget
-        self._admission: AdmissionPolicy = admission if admission is not None else NaiveAdmission()
         self._max_context = max_context
         self._waiting: OrderedDict[str, _Seq] = OrderedDict()
         self._running: OrderedDict[str, _Seq] = OrderedDict()  # admission order
@@ -116,6 +141,10 @@ class SchedulerCore:
         self._ratio = 1.0  # running estimate of generated / max_tokens
         self._finished = 0
         self._recoveries = 0
+        self._started = 0  # admissions so far (orders sequences by age)
+        self.preemptions = 0
+        self._preempted: list[str] = []  # preempted since the last step was planned
+        self._capacity_changed()
         # Cumulative admission outcomes: sequences admitted or rejected (queue full), and steps in
         # which waiting sequences were held back by the admission policy or by shard capacity.
         self.decisions: dict[str, int] = dict.fromkeys(ADMISSION_DECISIONS, 0)
@@ -150,7 +179,10 @@ class SchedulerCore:
                 f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds the context"
                 f" ({self._max_context})"
             )
-        if self._shards and req.kv_tokens > max(s.spec.capacity_tokens for s in self._shards):
+        if self._shards and not any(
+            -(-req.kv_tokens // s.spec.block_size) <= s.spec.capacity_tokens // s.spec.block_size
+            for s in self._shards
+        ):
             raise OutOfRange(f"needs {req.kv_tokens} KV tokens, more than any shard holds")
 
     def cancel(self, seq_id: str) -> None:
@@ -165,10 +197,19 @@ class SchedulerCore:
     # ---------------------------------------------------------------- shards
     def add_shard(self, spec: ShardSpec) -> int:
         """Add a shard; it takes its share of new sequences from now on."""
-        if spec.capacity_tokens < 1 or not spec.speed > 0:
-            raise InvalidInput("a shard needs capacity_tokens >= 1 and speed > 0")
+        if spec.capacity_tokens < 1 or not spec.speed > 0 or spec.block_size < 1:
+            raise InvalidInput("a shard needs capacity_tokens >= 1, speed > 0 and block_size >= 1")
         self._shards.append(_Shard(spec=spec))
+        if hasattr(self, "_admission"):  # not while __init__ adds the first shards
+            self._capacity_changed()
         return len(self._shards) - 1
+
+    def _capacity_changed(self) -> None:
+        """Tell the admission policy how many KV tokens the healthy shards hold: the stabilizing
+        schedule keeps its load limit within them (the paper's memory bound B*S/2 <= C*P)."""
+        self._admission.set_kv_capacity(
+            sum(sh.spec.capacity_tokens for sh in self._shards if sh.healthy) or None
+        )
 
     def _shard(self, shard: int) -> _Shard:
         if not 0 <= shard < len(self._shards):
@@ -188,9 +229,10 @@ class SchedulerCore:
         moved = [sid for sid, s in self._running.items() if s.shard == shard]
         for sid in moved:
             self._unplace(self._running[sid])
-        sh.reserved, sh.seqs = 0, set()
+        sh.blocks, sh.seqs = 0, set()
         self._releases = [(sid, i) for sid, i in self._releases if i != shard]
         self._recoveries += len(moved)
+        self._capacity_changed()
         return moved
 
     def set_speed(self, shard: int, speed: float) -> None:
@@ -202,7 +244,8 @@ class SchedulerCore:
     def shard_recovered(self, shard: int) -> None:
         """The shard is healthy again, and empty: it takes new sequences."""
         sh = self._shard(shard)
-        sh.healthy, sh.reserved, sh.seqs, sh.blocked_until = True, 0, set(), 0
+        sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = True, 0, set(), 0
+        self._capacity_changed()
 
     def reservation_failed(self, seq_id: str) -> None:
         """The shard refused the reservation: un-place the sequence and put it back at the head.
@@ -228,9 +271,86 @@ class SchedulerCore:
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(seq.req.seq_id)
-            sh.reserved -= seq.req.kv_tokens
-        seq.shard, seq.reserved_on, seq.kv, seq.inflight = None, None, 0, None
+            sh.blocks -= seq.blocks
+        seq.shard, seq.reserved_on, seq.kv, seq.inflight, seq.blocks = None, None, 0, None, 0
         seq.epoch += 1
+
+    # ---------------------------------------------------------------- preemption
+    def _preempt(self, seq: _Seq, reserve: list[Reservation] | None = None) -> None:
+        """Free a running sequence's KV and queue it at the head of the waiting queue; re-admitted, it
+        re-prefills its token history (its generated tokens are kept)."""
+        sid = seq.req.seq_id
+        pending = [r for r in reserve or [] if r.seq_id == sid]
+        if pending:  # admitted in the step being planned: drop the reservation, nothing to release
+            reserve.remove(pending[0])  # type: ignore[union-attr]
+        elif seq.reserved_on is not None and self._shards[seq.reserved_on].healthy:
+            self._releases.append((sid, seq.reserved_on))
+        seq.reserved_on = None
+        self._unplace(seq)
+        del self._running[sid]
+        self._admission.finished(self._step, sid)
+        self._waiting[sid] = seq
+        self._waiting.move_to_end(sid, last=False)
+        self.preemptions += 1
+        self._preempted.append(sid)
+
+    def _youngest_on(self, shard: int) -> _Seq | None:
+        on = [self._running[sid] for sid in self._shards[shard].seqs]
+        return max(on, key=lambda s: s.started, default=None)
+
+    def kv_exhausted(self, step: Step, seq_ids: Sequence[str]) -> list[str]:
+        """A shard had no free block for these sequences of `step` (its Attend answered
+        RESOURCE_EXHAUSTED): nothing of their chunk was kept, so they retry it next step, and the
+        youngest sequence on each such shard is preempted to make room. Call before apply(); their
+        results in this step are ignored. Returns the preempted sequence ids."""
+        marks = self._inflight.get(step.step, {})
+        shards: set[int] = set()
+        for sid in seq_ids:
+            seq, mark = self._running.get(sid), marks.get(sid)
+            if seq is None or mark is None or seq.epoch != mark.epoch or seq.shard is None:
+                continue
+            sh = self._shards[seq.shard]
+            sh.blocks -= seq.blocks - mark.blocks
+            seq.blocks, seq.kv, seq.inflight = mark.blocks, mark.start_pos, None
+            seq.epoch += 1  # apply() skips it; the chunk is planned again
+            shards.add(seq.shard)
+        before = len(self._preempted)
+        for shard in sorted(shards):
+            victim = self._youngest_on(shard)
+            if victim is not None:
+                self._shards[shard].blocked_until = self._step + RESERVATION_BACKOFF_STEPS
+                self._preempt(victim)
+        return self._preempted[before:]
+
+    def _fit_growth(
+        self, planned: list[PlannedSeq], marks: dict[str, _Inflight], reserve: list[Reservation]
+    ) -> None:
+        """Grow the blocks of this step's sequences; where a shard lacks blocks, preempt its youngest
+        sequences (those planned in this step are taken out of it) until the growth fits."""
+        bs = {i: sh.spec.block_size for i, sh in enumerate(self._shards)}
+        grow: dict[str, int] = {}
+        need = [0] * len(self._shards)
+        for p in planned:
+            seq = self._running[p.seq_id]
+            after = -(-(p.start_pos + len(p.token_ids)) // bs[p.shard])
+            if after > seq.blocks:
+                grow[p.seq_id] = after - seq.blocks
+                need[p.shard] += after - seq.blocks
+        for i, sh in enumerate(self._shards):
+            cap = sh.spec.capacity_tokens // sh.spec.block_size
+            while sh.blocks + need[i] > cap:
+                victim = self._youngest_on(i)
+                if victim is None:
+                    break
+                need[i] -= grow.pop(victim.req.seq_id, 0)
+                marks.pop(victim.req.seq_id, None)
+                self._preempt(victim, reserve)
+        planned[:] = [p for p in planned if p.seq_id in marks]
+        for p in planned:
+            seq = self._running[p.seq_id]
+            g = grow.get(p.seq_id, 0)
+            seq.blocks += g
+            self._shards[p.shard].blocks += g
 
     # ---------------------------------------------------------------- planning
     def next_step(self) -> Step | None:
@@ -275,9 +395,10 @@ class SchedulerCore:
                     sample_index=seq.req.sample_offset + seq.generated,
                 )
             )
+            marks[sid] = _Inflight(seq.epoch, sample, seq.kv, seq.blocks)
             seq.kv += n
             seq.inflight = step_no
-            marks[sid] = _Inflight(seq.epoch, sample)
+        self._fit_growth(planned, marks, reserve)
         if not planned and not reserve and not self._releases:
             return None
         costs = [(p.shard, attention_cost(len(p.token_ids), p.start_pos)) for p in planned]
@@ -288,7 +409,8 @@ class SchedulerCore:
         if marks:
             self._inflight[step_no] = marks
         self._step += 1
-        return Step(step=step_no, seqs=planned, reserve=reserve, release=release)
+        preempted, self._preempted = self._preempted, []
+        return Step(step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted)
 
     def _expected_gen(self, seq: _Seq) -> float:
         mt = seq.req.max_tokens
@@ -301,16 +423,30 @@ class SchedulerCore:
         h = min(max(0.0, len(seq.req.prompt) + self._expected_gen(seq) - now), horizon)
         return h * (now + h / 2) / horizon
 
+    def _headroom(self, seq: _Seq) -> int:
+        """Tokens the sequence is expected to add over the next kv_lookahead steps: one a step, until
+        its expected end (max_tokens scaled by the running generated/max_tokens ratio)."""
+        left = len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens)
+        return int(min(self._lookahead, max(0, math.ceil(left))))
+
+    def _commitment(self, seq: _Seq, block_size: int) -> int:
+        """KV tokens a sequence counts against its shard: its blocks, or its history plus headroom
+        rounded up to whole blocks when that is more."""
+        grown = -(-(len(seq.tokens) + self._headroom(seq)) // block_size) * block_size
+        return max(seq.blocks * block_size, grown)
+
     def _loads(self, step_no: int, horizon: float) -> list[ShardLoad]:
         load = [0.0] * len(self._shards)
+        committed = [0] * len(self._shards)
         for seq in self._running.values():
             if seq.shard is not None:
                 load[seq.shard] += self._future_load(seq, horizon)
+                committed[seq.shard] += self._commitment(seq, self._shards[seq.shard].spec.block_size)
         return [
             ShardLoad(
                 capacity=sh.spec.capacity_tokens,
                 speed=sh.spec.speed,
-                reserved=sh.reserved,
+                reserved=committed[i],
                 load=load[i],
                 available=sh.healthy and sh.blocked_until <= step_no,
             )
@@ -323,15 +459,17 @@ class SchedulerCore:
         shard could ever hold it."""
         horizon = max(1.0, len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens))
         loads = self._loads(step_no, horizon)
-        need = seq.req.kv_tokens
+        need = self._commitment(seq, max(sh.spec.block_size for sh in self._shards))
         i = choose_shard(need, self._future_load(seq, horizon), loads)
         if i is None:
             return False if any(s.available and need <= s.capacity for s in loads) else None
         sh = self._shards[i]
-        sh.reserved += need
+        held = len(seq.tokens)  # the prompt, or the history a preempted / moved sequence recomputes
+        seq.blocks = -(-held // sh.spec.block_size)
+        sh.blocks += seq.blocks
         sh.seqs.add(seq.req.seq_id)
         seq.shard, seq.reserved_on, seq.kv = i, i, 0
-        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=need))
+        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=held))
         return True
 
     def _place_unplaced(self, step_no: int, reserve: list[Reservation]) -> None:
@@ -344,7 +482,11 @@ class SchedulerCore:
         if room <= 0 or not self._waiting:
             return
         heads = [s for _, s in zip(range(room), self._waiting.values(), strict=False)]
-        cands = [Candidate(s.req.seq_id, len(s.req.prompt), self._expected_gen(s)) for s in heads]
+        # A preempted sequence starts again from its history: that is its prompt now.
+        cands = [
+            Candidate(s.req.seq_id, len(s.tokens), max(1.0, self._expected_gen(s) - s.generated))
+            for s in heads
+        ]
         n = self._admission.admissible(step_no, cands, len(self._running), self._max_running)
         if n < len(heads):
             self.decisions["deferred_policy"] += 1
@@ -360,6 +502,8 @@ class SchedulerCore:
                 continue  # no healthy shard can hold it now: let the rest go
             del self._waiting[seq.req.seq_id]
             self._running[seq.req.seq_id] = seq
+            if seq.started < 0:  # a preempted sequence keeps its age
+                seq.started, self._started = self._started, self._started + 1
             started.append(cand)
         self.decisions["admitted"] += len(started)
         self._admission.started(step_no, started)
@@ -449,11 +593,11 @@ class SchedulerCore:
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(sid)
-            sh.reserved -= seq.req.kv_tokens
+            sh.blocks -= seq.blocks
             sh.blocked_until = 0  # it has room again
         if seq.reserved_on is not None and self._shards[seq.reserved_on].healthy:
             self._releases.append((sid, seq.reserved_on))
-        seq.shard, seq.reserved_on = None, None
+        seq.shard, seq.reserved_on, seq.blocks = None, None, 0
         self._finished += finished
         self._admission.finished(self._step, sid)
 
@@ -504,15 +648,18 @@ class SchedulerCore:
         """Counts and per-shard load, shaped like the SchedulerStats message."""
         tokens = self.kv_tokens_per_shard()
         expected = [0.0] * len(self._shards)
+        committed = [0] * len(self._shards)
         for seq in self._running.values():
             if seq.shard is not None:
                 expected[seq.shard] += len(seq.req.prompt) + self._expected_gen(seq)
+                committed[seq.shard] += self._commitment(seq, self._shards[seq.shard].spec.block_size)
         return {
             "running": self.running,
             "waiting": self.waiting,
             "steps": self._step,
             "finished": self._finished,
             "recoveries": self._recoveries,
+            "preemptions": self.preemptions,
             "admission": getattr(self._admission, "name", type(self._admission).__name__),
             "w_limit": self._admission.w_limit(self._step),
             "kv_load_tokens": float(sum(tokens)),
@@ -524,8 +671,12 @@ class SchedulerCore:
                     "sequences": len(sh.seqs),
                     "tokens": tokens[i],
                     "expected_tokens": int(round(expected[i])),
-                    "reserved_tokens": sh.reserved,
+                    # KV blocks allocated on the shard (tokens, whole blocks) and what admission
+                    # counts against it (blocks plus the running sequences' headroom)
+                    "reserved_tokens": sh.blocks * sh.spec.block_size,
+                    "committed_tokens": committed[i],
                     "capacity_tokens": sh.spec.capacity_tokens,
+                    "block_size": sh.spec.block_size,
                     "speed": sh.spec.speed,
                 }
                 for i, sh in enumerate(self._shards)

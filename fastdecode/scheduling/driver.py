@@ -113,6 +113,7 @@ class SchedulerMetrics:
     def step(self, seconds: float, batch: int) -> None: ...
     def state(self, stats: dict, decisions_delta: dict[str, int]) -> None: ...
     def dense_reconnected(self) -> None: ...
+    def preempted(self, sequences: int) -> None: ...
 
 
 def capacity_tokens(state: ShardState, geometry: KVGeometry) -> int:
@@ -193,7 +194,7 @@ class SchedulerDriver:
         await self._reconcile_shards(self.info)
         for shard in self.shards:  # KV left by a previous scheduler instance belongs to no one now
             await shard.link.release(None, self.s.control_timeout)
-        specs = [ShardSpec(await self._capacity(i)) for i in range(len(self.shards))]
+        specs = [await self._shard_spec(i) for i in range(len(self.shards))]
         s = self.s
         admission = (
             StabilizedAdmission(w_limit=s.w_limit, micro_batch=s.micro_batch)
@@ -209,6 +210,7 @@ class SchedulerDriver:
             admission=admission,
             max_context=self.info.max_position_embeddings,
             vocab_size=self.info.vocab_size,
+            kv_lookahead=s.kv_lookahead,
         )
         log.info(
             "model %s, %d layers; shard capacities (tokens): %s",
@@ -233,10 +235,12 @@ class SchedulerDriver:
         for i in range(info.num_shards, len(self.shards)):
             await self.dense.add_shard(self.shards[i].link.address, self.s.control_timeout)
 
-    async def _capacity(self, shard: int) -> int:
+    async def _shard_spec(self, shard: int) -> ShardSpec:
+        """The shard's KV capacity in tokens and its block size (the core mirrors its blocks)."""
         assert self.info is not None
         state = await self.shards[shard].link.stats(self.s.control_timeout)
-        return capacity_tokens(state, self.info.geometry)
+        block = state.block_size or DEFAULT_BLOCK_SIZE
+        return ShardSpec(capacity_tokens(state, self.info.geometry), block_size=block)
 
     # ---- requests ----------------------------------------------------------------------------------
     def new_id(self) -> str:
@@ -289,12 +293,12 @@ class SchedulerDriver:
             return index
         self.shards.append(ShardTrack(make_link(address)))
         try:
-            capacity = await self._capacity(len(self.shards) - 1)
+            spec = await self._shard_spec(len(self.shards) - 1)
         except ServiceError as e:
             self.shards.pop()
             raise Unavailable(f"shard {address} unreachable: {e.message}") from None
-        self.core.add_shard(ShardSpec(capacity))
-        log.info("added shard %d (%s), %d tokens", index, address, capacity)
+        self.core.add_shard(spec)
+        log.info("added shard %d (%s), %d tokens", index, address, spec.capacity_tokens)
         self.wake.set()
         return index
 
@@ -320,6 +324,7 @@ class SchedulerDriver:
         core = self.core
         assert core is not None
         t0 = time.perf_counter()
+        self._log_preempted(step.preempted)
         if step.release:
             await self._release(step.release)
         if step.reserve:
@@ -335,12 +340,16 @@ class SchedulerDriver:
             return
         results: dict[str, tuple[int, float] | ServiceError] = {}
         lost: set[int] = set()
+        full: list[str] = []
         shard_of = {p.seq_id: p.shard for p in step.seqs}
         for r in outcome.items:
             if r.error is not None:
                 shard = shard_of.get(r.seq_id)
                 if r.error.status is Status.UNAVAILABLE and shard is not None:
                     lost.add(shard)  # not this sequence's fault: recover it
+                    continue
+                if r.error.status is Status.RESOURCE_EXHAUSTED and shard is not None:
+                    full.append(r.seq_id)  # no free KV block: retried, the core preempts
                     continue
                 results[r.seq_id] = r.error
             elif r.token_id >= 0:
@@ -350,6 +359,8 @@ class SchedulerDriver:
             results = {p.seq_id: failed for p in step.seqs}
         for shard in lost:
             self._shard_lost(shard, "attend stream failed")
+        if full and outcome.error is None:
+            core.kv_exhausted(step, full)  # its preemptions are logged with the next step
         self._dispatch(core.apply(step, results))
         self.metrics.step(time.perf_counter() - t0, len(step.seqs))
         self._report()
@@ -453,6 +464,12 @@ class SchedulerDriver:
             stream = self.streams.get(ev.seq_id)
             if stream is not None:
                 stream.queue.put_nowait(ev)
+
+    def _log_preempted(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            log.info("preempted: KV freed, requeued to recompute from its history", extra={"request_id": sid})
+        if seq_ids:
+            self.metrics.preempted(len(seq_ids))
 
     def _report(self) -> None:
         assert self.core is not None

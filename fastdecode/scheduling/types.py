@@ -28,7 +28,7 @@ class Request:
 
     @property
     def kv_tokens(self) -> int:
-        """KV tokens to reserve for the whole life of the sequence."""
+        """KV tokens the sequence holds at most (prompt + max_tokens); it must fit on one shard."""
         return len(self.prompt) + self.max_tokens
 
 
@@ -48,7 +48,8 @@ class PlannedSeq:
 
 @dataclass
 class Reservation:
-    """Reserve `max_tokens` KV tokens (prompt + max_tokens) for seq_id on shard."""
+    """Admit seq_id on shard with the KV blocks for `max_tokens` tokens: the tokens it holds now (its
+    prompt, or its history when it is recomputed). The shard grows it a block at a time after that."""
 
     seq_id: str
     shard: int
@@ -62,13 +63,15 @@ class Step:
     The driver applies `release` first, then `reserve` (the core already counts released room as free),
     then runs `seqs` (two mini-batches). A Step may carry releases only (empty `seqs`): send them, skip
     the dense run. When a reservation fails, call `SchedulerCore.reservation_failed` and run
-    `step.without(...)` instead.
+    `step.without(...)` instead. `preempted` names the sequences the core preempted while planning
+    (their KV is in `release`, they wait at the head of the queue): for the driver's log and metrics.
     """
 
     step: int
     seqs: list[PlannedSeq]
     reserve: list[Reservation]
     release: list[tuple[str, int]]
+    preempted: list[str] = field(default_factory=list)
 
     def without(self, seq_ids: Iterable[str]) -> Step:
         """This step minus some sequences (and their reservations), e.g. after a failed reservation."""
@@ -78,6 +81,7 @@ class Step:
             seqs=[s for s in self.seqs if s.seq_id not in drop],
             reserve=[r for r in self.reserve if r.seq_id not in drop],
             release=list(self.release),
+            preempted=list(self.preempted),
         )
 
     def mini_batches(self) -> tuple[list[PlannedSeq], list[PlannedSeq]]:
@@ -108,7 +112,10 @@ class TokenEvent:
 
 @dataclass
 class ShardSpec:
-    """A KV shard: how many tokens it holds and its measured relative attention speed (> 0)."""
+    """A KV shard: how many tokens it holds, its measured relative attention speed (> 0), and the
+    tokens per KV block it allocates (a sequence holds whole blocks; the scheduler service passes the
+    shard's own, 1 counts exact tokens)."""
 
     capacity_tokens: int
     speed: float = 1.0
+    block_size: int = 1

@@ -90,7 +90,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size")
+    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size", "blocks_in_use", "blocks_free")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class ShardStats(_message.Message):
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     ATTENDED_TOKEN_PAIRS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     sequences: int
     tokens_held: int
@@ -117,4 +119,6 @@ class ShardStats(_message.Message):
     configured: bool
     attended_token_pairs: float
     block_size: int
-    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ...) -> None: ...
+    blocks_in_use: int
+    blocks_free: int
+    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ...) -> None: ...

@@ -48,7 +48,7 @@ class SchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardLoad(_message.Message):
-    __slots__ = ("shard", "address", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens")
+    __slots__ = ("shard", "address", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens", "block_tokens")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class ShardLoad(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     address: str
     healthy: bool
@@ -63,10 +64,11 @@ class ShardLoad(_message.Message):
     tokens: int
     expected_tokens: int
     capacity_tokens: int
-    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., expected_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
+    block_tokens: int
+    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., expected_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission", "not_ready_reason")
+    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission", "not_ready_reason", "preemptions")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class SchedulerStats(_message.Message):
     W_LIMIT_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     NOT_READY_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     steps: int
@@ -87,4 +90,5 @@ class SchedulerStats(_message.Message):
     w_limit: float
     admission: str
     not_ready_reason: str
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ..., not_ready_reason: _Optional[str] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ..., not_ready_reason: _Optional[str] = ..., preemptions: _Optional[int] = ...) -> None: ...

@@ -114,6 +114,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             stats.attend_items = s.attend_calls
             stats.free_tokens = s.free_tokens
             stats.attended_token_pairs = self.core.attended_pairs
+            stats.blocks_in_use, stats.blocks_free = s.blocks_in_use, s.blocks_free
         else:
             stats.bytes_capacity = self.settings.kv_capacity
         return stats

@@ -16,6 +16,10 @@ SHARD_USAGE = Gauge(
 SHARD_HEALTHY = Gauge("fastdecode_shard_healthy", "1 while the shard takes sequences", ["shard"])
 RECOVERIES = Counter("fastdecode_shard_recoveries_total", "Sequences re-prefilled after a shard loss")
 SHARD_LOSSES = Counter("fastdecode_shard_losses_total", "Shards detected lost")
+PREEMPTIONS = Counter(
+    "fastdecode_preemptions_total",
+    "Sequences preempted (KV freed, recomputed later) because a shard was full",
+)
 DENSE_RECONNECTS = Counter(
     "fastdecode_dense_reconnects_total", "Times gpu_dense was lost and the paused requests resumed"
 )
@@ -41,6 +45,9 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
     def shard_lost(self, recovered_sequences: int) -> None:
         SHARD_LOSSES.inc()
         RECOVERIES.inc(recovered_sequences)
+
+    def preempted(self, sequences: int) -> None:
+        PREEMPTIONS.inc(sequences)
 
     def dense_reconnected(self) -> None:
         DENSE_RECONNECTS.inc()

@@ -66,6 +66,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             steps=st["steps"],
             finished=st["finished"],
             recoveries=st["recoveries"],
+            preemptions=st["preemptions"],
             kv_load_tokens=st["kv_load_tokens"],
             w_limit=st["w_limit"] or 0.0,
             admission=st["admission"],
@@ -80,6 +81,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 tokens=sh["tokens"],
                 expected_tokens=sh["expected_tokens"],
                 capacity_tokens=sh["capacity_tokens"],
+                block_tokens=sh["reserved_tokens"],
             )
         return out
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.kv import BlockAllocator, KVStore
 
 
@@ -115,8 +115,6 @@ def test_errors_are_typed() -> None:
         store.attend(0, ["a"], [1], [2], q, k, k)
     with pytest.raises(InvalidInput, match="layer"):
         store.attend(7, ["a"], [1], [0], q, k, k)
-    with pytest.raises(OutOfRange):  # 17 tokens into a 16-token reservation
-        store.attend(0, ["a"], [17], [0], torch.randn(17, 4, 8), torch.randn(17, 2, 8), torch.randn(17, 2, 8))
     with pytest.raises(FailedPrecondition):
         store.reserve("a", 4)
 
@@ -131,3 +129,105 @@ def test_allocator_merges_free_runs() -> None:
     alloc.release([0, 1, 2, 6, 7])
     alloc.release(b)
     assert alloc.allocate(10) == list(range(10))
+
+
+# ------------------------------------------------------------------ blocks on demand
+
+
+def attend_all(store: KVStore, seq_ids: list[str], start: list[int], n: list[int]) -> torch.Tensor:
+    total = sum(n)
+    q, kv = torch.randn(total, 4, 8), torch.randn(total, 2, 8)
+    return store.attend(0, seq_ids, n, start, q, kv, kv)
+
+
+def test_sequences_grow_a_block_at_a_time_and_stats_count_blocks() -> None:
+    store = make_store(tokens=16 * 8)
+    store.reserve("a", 5)  # admitted with its prompt: one block, not its max_tokens
+    store.reserve("b", 20)
+    assert (store.blocks_in_use, store.blocks_free) == (3, 5)
+    attend_all(store, ["a"], [0], [5])
+    assert store.seqs["a"].blocks == [0]
+    for pos in range(5, 17):  # decode a into its second block
+        attend_all(store, ["a"], [pos], [1])
+    # block 1 (right after a's) belongs to b, so a's second block comes from the free pool
+    assert store.seqs["a"].blocks == [0, 3] and not store.seqs["a"].contiguous
+    assert store.tokens_reserved == 4 * 16 and store.seqs["a"].lengths[0] == 17
+    attend_all(store, ["b"], [0], [33])  # a prefill past b's admission grows it in place
+    assert store.seqs["b"].blocks == [1, 2, 4] and not store.seqs["b"].contiguous
+    store.reserve("c", 1)
+    assert store.seqs["c"].blocks == [5]
+    attend_all(store, ["c"], [0], [40])
+    assert store.seqs["c"].blocks == [5, 6, 7] and store.seqs["c"].contiguous  # extended in place
+    assert (store.blocks_in_use, store.blocks_free) == (8, 0)
+
+
+def test_scattered_growth_attends_like_one_contiguous_run() -> None:
+    torch.manual_seed(3)
+    grown, flat = make_store(tokens=16 * 8), make_store(tokens=16 * 8)
+    grown.reserve("x", 3)
+    grown.reserve("y", 3)  # x's next block is taken: x grows into scattered blocks
+    flat.reserve("x", 48)
+    q, k, v = torch.randn(40, 4, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    for store in (grown, flat):
+        for layer in range(3):
+            store.attend(layer, ["x"], [3], [0], q[:3], k[:3], v[:3])
+    outs = []
+    for store in (grown, flat):
+        got = []
+        for pos in range(3, 40):
+            for layer in range(3):
+                o = store.attend(
+                    layer, ["x"], [1], [pos], q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1]
+                )
+            got.append(o)
+        outs.append(torch.cat(got))
+    assert not grown.seqs["x"].contiguous and len(grown.seqs["x"].blocks) == 3
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_no_free_block_fails_the_call_and_keeps_nothing() -> None:
+    store = make_store(tokens=16 * 4)
+    store.reserve("a", 16)
+    store.reserve("b", 16)
+    store.reserve("c", 16)
+    for sid in "abc":
+        attend_all(store, [sid], [0], [16])
+    attend_all(store, ["a"], [16], [1])  # a takes the last block
+    assert store.blocks_free == 0
+    before = {s: (list(q.blocks), list(q.lengths)) for s, q in store.seqs.items()}
+    with pytest.raises(ResourceExhausted, match="'b'"):  # b needs a 2nd block; c does not
+        attend_all(store, ["c", "b"], [15, 16], [1, 1])
+    assert {s: (list(q.blocks), list(q.lengths)) for s, q in store.seqs.items()} == before
+    assert store.release("c")
+    attend_all(store, ["b"], [16], [1])  # a freed block is taken at once
+    assert len(store.seqs["b"].blocks) == 2 and store.blocks_free == 0
+
+
+def test_allocator_extends_a_run_in_place_only_when_the_next_block_is_free() -> None:
+    alloc = BlockAllocator(6)
+    assert alloc.allocate(2) == [0, 1]
+    assert alloc.allocate_after(1) and alloc.free == 3
+    assert alloc.allocate(1) == [3]
+    assert not alloc.allocate_after(2)  # block 3 is taken
+    assert alloc.allocate_after(3) and alloc.allocate_after(4) and alloc.free == 0
+    assert not alloc.allocate_after(5)  # past the pool
+    alloc.release([2, 3])
+    assert alloc.allocate(2) == [2, 3]
+
+
+def test_a_grown_table_whose_ends_look_like_a_run_is_not_taken_for_one() -> None:
+    torch.manual_seed(4)
+    store, flat = make_store(tokens=16 * 6), make_store(tokens=16 * 6)
+    for sid in ("a", "x", "b", "c", "d"):
+        store.reserve(sid, 16)  # blocks 0..4
+    flat.reserve("x", 64)
+    q, k, v = torch.randn(64, 4, 8), torch.randn(64, 2, 8), torch.randn(64, 2, 8)
+    outs: list[list[torch.Tensor]] = [[], []]
+    for lo, hi, free in ((0, 16, "c"), (16, 32, "a"), (32, 48, "d"), (48, 64, None)):
+        for j, s in enumerate((store, flat)):
+            outs[j].append(s.attend(0, ["x"], [hi - lo], [lo], q[lo:hi], k[lo:hi], v[lo:hi]))
+        if free:
+            store.release(free)
+    # x grew into 3 (its next block was b's), then 0, then 4: its ends are 3 apart over 4 blocks
+    assert store.seqs["x"].blocks == [1, 3, 0, 4] and not store.seqs["x"].contiguous
+    torch.testing.assert_close(torch.cat(outs[0]), torch.cat(outs[1]))

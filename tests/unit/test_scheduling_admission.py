@@ -159,3 +159,18 @@ def test_naive_admits_up_to_room() -> None:
     assert NaiveAdmission().admissible(0, cands, 3, 6) == 3
     assert NaiveAdmission().admissible(0, cands, 6, 6) == 0
     assert NaiveAdmission().w_limit(0) is None
+
+
+def test_w_limit_stays_within_the_kv_the_shards_hold() -> None:
+    from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
+
+    policy = StabilizedAdmission(w_limit=10_000)
+    core = SchedulerCore([ShardSpec(1000), ShardSpec(600)], [0], admission=policy)
+    assert policy.w_limit(0) == 1600  # W counts tokens held, and the shards hold 1600
+    core.shard_lost(1)
+    assert policy.w_limit(0) == 1000
+    core.shard_recovered(1)
+    core.add_shard(ShardSpec(400))
+    assert policy.w_limit(0) == 2000
+    core.submit(Request("a", [1] * 4, 8))
+    assert core.next_step() is not None

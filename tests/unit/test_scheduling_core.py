@@ -31,25 +31,49 @@ def model(kv: list[int], sample_index: int) -> int:
 
 
 class Fleet:
-    """Shards that hold token ids as their 'KV' and enforce reservations and exact positions."""
+    """Shards that hold token ids as their 'KV', allocate it in blocks on demand like KVStore (admitted
+    with the blocks of the reserved tokens, grown a block at a time), and enforce exact positions.
 
-    def __init__(self, core: SchedulerCore, nshards: int, eos_at: dict[str, int] | None = None) -> None:
+    `real_blocks` makes a shard smaller than the core believes: a chunk that needs a block it lacks
+    is refused whole (RESOURCE_EXHAUSTED), as KVStore.grow does."""
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        nshards: int,
+        eos_at: dict[str, int] | None = None,
+        real_blocks: dict[int, int] | None = None,
+    ) -> None:
         self.core = core
         self.kv: list[dict[str, list[int]]] = [{} for _ in range(nshards)]
-        self.reserved: list[dict[str, int]] = [{} for _ in range(nshards)]
+        self.reserved: list[dict[str, int]] = [{} for _ in range(nshards)]  # blocks per sequence
         self.eos_at = eos_at or {}  # seq -> emit EOS as its n-th generated token
         self.out: dict[str, list[int]] = {}
         self.finish: dict[str, str | None] = {}
         self.plans: list[Step] = []
         self.overwrite = False
+        shards = core.stats()["shards"]
+        self.bs = [sh["block_size"] for sh in shards]
+        self.cap = [sh["capacity_tokens"] // sh["block_size"] for sh in shards]
+        for j, n in (real_blocks or {}).items():
+            self.cap[j] = n
+        self.peak = [0] * nshards
+        self.refused: list[str] = []
 
     def add_shard(self) -> None:
         self.kv.append({})
         self.reserved.append({})
+        new = self.core.stats()["shards"][-1]
+        self.bs.append(new["block_size"])
+        self.cap.append(new["capacity_tokens"] // new["block_size"])
+        self.peak.append(0)
 
     def lose(self, shard: int) -> list[str]:
         self.kv[shard], self.reserved[shard] = {}, {}
         return self.core.shard_lost(shard)
+
+    def _blocks(self, shard: int) -> int:
+        return sum(self.reserved[shard].values())
 
     def execute(self, step: Step, skip_shard: int | None = None) -> dict[str, tuple[int, float] | str]:
         for sid, sh in step.release:
@@ -58,9 +82,11 @@ class Fleet:
             self.kv[sh].pop(sid, None)
         for r in step.reserve:
             assert r.seq_id not in self.reserved[r.shard], f"double reservation {r}"
-            self.reserved[r.shard][r.seq_id] = r.max_tokens
+            self.reserved[r.shard][r.seq_id] = -(-r.max_tokens // self.bs[r.shard])
             self.kv[r.shard][r.seq_id] = []
+            assert self._blocks(r.shard) <= self.cap[r.shard], "reservation over capacity"
         results: dict[str, tuple[int, float] | str] = {}
+        self.refused = []
         for p in step.seqs:
             if p.shard == skip_shard:
                 results[p.seq_id] = (12345, 0.0)  # garbage from a shard that is going away
@@ -70,12 +96,21 @@ class Fleet:
                 assert p.start_pos <= len(kv), f"{p.seq_id}: start_pos {p.start_pos} leaves a gap"
                 del kv[p.start_pos :]
             assert p.start_pos == len(kv), f"{p.seq_id}: start_pos {p.start_pos} but {len(kv)} cached"
+            need = -(-(len(kv) + len(p.token_ids)) // self.bs[p.shard])
+            grow = max(0, need - self.reserved[p.shard][p.seq_id])
+            if self._blocks(p.shard) + grow > self.cap[p.shard]:
+                self.refused.append(p.seq_id)  # no free block: nothing of the chunk is kept
+                results[p.seq_id] = ResourceExhausted("KV pool full")
+                continue
+            self.reserved[p.shard][p.seq_id] += grow
+            self.peak[p.shard] = max(self.peak[p.shard], self._blocks(p.shard))
             kv.extend(p.token_ids)
-            assert len(kv) <= self.reserved[p.shard][p.seq_id], "over the reservation"
             if p.sample:
                 n = p.sample_index + 1
                 tok = EOS if self.eos_at.get(p.seq_id) == n else model(kv, p.sample_index)
                 results[p.seq_id] = (tok, -0.25)
+        for j in range(len(self.kv)):
+            assert self._blocks(j) <= self.cap[j], f"shard {j} over capacity"
         return results
 
     def record(self, events: list[TokenEvent]) -> None:
@@ -90,7 +125,10 @@ class Fleet:
         if st is None:
             return None
         self.plans.append(st)
-        self.record(self.core.apply(st, self.execute(st)))
+        results = self.execute(st)
+        if self.refused:
+            self.core.kv_exhausted(st, self.refused)
+        self.record(self.core.apply(st, results))
         return st
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -127,7 +165,7 @@ def test_single_sequence_prefill_then_decode_exact_positions() -> None:
     fleet = Fleet(core, 1)
     core.submit(Request("a", [5, 6, 7], max_tokens=4))
     s0 = fleet.step()
-    assert s0 is not None and s0.reserve[0].max_tokens == 3 + 4
+    assert s0 is not None and s0.reserve[0].max_tokens == 3  # admitted with its prompt
     p = s0.seqs[0]
     assert (p.token_ids, p.start_pos, p.sample, p.sample_index) == ([5, 6, 7], 0, True, 0)
     s1 = fleet.step()
@@ -326,10 +364,11 @@ def test_max_running_caps_the_batch() -> None:
 def test_placement_balances_and_respects_capacity() -> None:
     core = SchedulerCore([ShardSpec(100), ShardSpec(100)], [EOS])
     for i in range(6):
-        core.submit(Request(f"s{i}", [1] * 10, 30))  # 40 tokens each: 2 fit per shard
+        core.submit(Request(f"s{i}", [1] * 10, 30))  # 40 tokens each (all growth in the lookahead)
     st = core.next_step()
     per = [sum(r.max_tokens for r in st.reserve if r.shard == j) for j in (0, 1)]
-    assert per == [80, 80] and core.waiting == 2
+    # admitted with their prompts; each commits prompt + 30 expected tokens: 2 fit per shard
+    assert per == [20, 20] and core.waiting == 2
 
 
 def test_placement_weights_shard_speed() -> None:
@@ -391,7 +430,8 @@ def test_shard_lost_reprefills_history_and_output_is_identical(budget: int) -> N
     st = fleet.step()
     for sid in moved:
         r = [x for x in st.reserve if x.seq_id == sid]
-        assert r and r[0].shard == 1 and r[0].max_tokens == len(prompts[sid]) + 12
+        # re-admitted with the blocks of its history, which it re-prefills
+        assert r and r[0].shard == 1 and r[0].max_tokens == len(prompts[sid]) + len(before[sid])
     first = {p.seq_id: p for p in st.seqs if p.seq_id in moved}
     for sid, p in first.items():
         history = prompts[sid] + before[sid]
@@ -563,3 +603,91 @@ def test_admission_decisions_are_counted() -> None:
     assert stab.decisions["admitted"] >= 1 and stab.decisions["deferred_policy"] >= 1
     fleet.run()
     assert stab.decisions["admitted"] == 4 and stab.decisions["rejected"] == 0
+
+
+# ------------------------------------------------------------------ KV on demand and preemption
+
+
+def test_admission_counts_tokens_held_not_max_tokens() -> None:
+    # 4 blocks of 16 per shard; full-context reservations (8 + 56 = 64 tokens) would fit 1 per shard
+    core = SchedulerCore([ShardSpec(64, block_size=16)] * 2, [EOS], kv_lookahead=8)
+    for i in range(6):
+        core.submit(Request(f"s{i}", [1] * 8, 56))
+    st = core.next_step()
+    assert st is not None
+    # each commits its prompt + 8 steps of growth = 1 block, so all 6 start (3 a shard)
+    assert [sum(1 for r in st.reserve if r.shard == j) for j in (0, 1)] == [3, 3]
+    assert core.running == 6 and core.waiting == 0
+    assert all(r.max_tokens == 8 for r in st.reserve)
+    assert [s["reserved_tokens"] for s in core.stats()["shards"]] == [48, 48]  # 3 prompts' blocks each
+
+
+def test_full_shard_preempts_the_youngest_and_tokens_equal_a_run_that_never_filled() -> None:
+    prompts = {f"s{i}": [1 + i, 2, 3 + i, 4, 5] for i in range(6)}
+
+    def run(cap: int) -> tuple[Fleet, SchedulerCore]:
+        core = SchedulerCore([ShardSpec(cap, block_size=4)], [EOS], kv_lookahead=4, max_running=6)
+        fleet = Fleet(core, 1)
+        for sid, p in prompts.items():
+            core.submit(Request(sid, p, 35))  # 40 tokens at the end: 10 blocks
+        fleet.run()
+        return fleet, core
+
+    roomy, roomy_core = run(6 * 40)
+    tight, tight_core = run(16 * 4)  # 16 blocks: room for 1.6 full sequences
+    assert roomy_core.preemptions == 0
+    assert tight_core.preemptions > 0
+    assert max(len(st.seqs) for st in tight.plans) > 1  # more than full reservations would allow
+    assert tight.out == roomy.out and all(v == "length" for v in tight.finish.values())
+    assert tight.peak[0] <= 16  # the fake shard asserts this every step too
+    preempted = [sid for st in tight.plans for sid in st.preempted]
+    assert len(preempted) == tight_core.preemptions
+    assert tight_core.stats()["preemptions"] == tight_core.preemptions
+
+
+def test_preemption_picks_the_youngest_and_requeues_it_at_the_head() -> None:
+    core = SchedulerCore([ShardSpec(32, block_size=4)], [EOS], kv_lookahead=0)
+    fleet = Fleet(core, 1)
+    for sid in ("old", "mid", "young"):
+        core.submit(Request(sid, [1, 2, 3, 4], 20))
+    fleet.step()  # all three admitted: 3 of 8 blocks
+    core.submit(Request("later", [9] * 4, 4))  # queued behind; 4 more blocks would not be free
+    while not any(st.preempted for st in fleet.plans):
+        assert fleet.step() is not None
+    st = next(st for st in fleet.plans if st.preempted)
+    assert st.preempted == ["young"]
+    assert ("young", 0) in st.release and all(p.seq_id != "young" for p in st.seqs)
+    assert list(core._waiting)[0] == "young"  # at the head, before "later"
+    fleet.run()
+    for sid in ("old", "mid", "young"):
+        assert fleet.out[sid] == reference([1, 2, 3, 4], 20)
+
+
+def test_shard_refusing_a_block_retries_the_chunk_and_preempts() -> None:
+    # The core believes in 10 blocks of 4; the shard really has 7: it refuses a block mid-decode.
+    core = SchedulerCore([ShardSpec(40, block_size=4)], [EOS], kv_lookahead=0)
+    fleet = Fleet(core, 1, real_blocks={0: 7})
+    prompts = {"a": [3, 1, 4], "b": [1, 5, 9], "c": [2, 6, 5]}
+    for sid, p in prompts.items():
+        core.submit(Request(sid, p, 9))  # 12 tokens at the end: 3 blocks each
+    refused = 0
+    for _ in range(500):
+        if fleet.step() is None:
+            break
+        refused += len(fleet.refused)
+    assert refused > 0 and core.preemptions > 0
+    for sid, p in prompts.items():
+        assert fleet.out[sid] == reference(p, 9) and fleet.finish[sid] == "length"
+
+
+def test_preempted_sequence_cancelled_while_waiting_leaves_nothing_behind() -> None:
+    core = SchedulerCore([ShardSpec(16, block_size=4)], [EOS], kv_lookahead=0)
+    fleet = Fleet(core, 1)
+    core.submit(Request("a", [1, 2, 3, 4], 11))
+    core.submit(Request("b", [5, 6, 7, 8], 11))
+    while core.preemptions == 0:
+        assert fleet.step() is not None
+    core.cancel("b")  # it waits with no KV anywhere: nothing to release
+    fleet.run()
+    assert fleet.out["a"] == reference([1, 2, 3, 4], 11)
+    assert fleet.reserved == [{}]

@@ -97,3 +97,21 @@ def test_step_time_is_the_pipelined_period() -> None:
     heavy = Step(0, [seq("a", 0, 0, 999), seq("b", 0, 1, 999)], [], [])
     assert step_seconds(heavy, cost, [1.0]) == pytest.approx(2 * 20.0)
     assert step_seconds(heavy, cost, [2.0]) == pytest.approx(2 * 10.0)  # a faster shard
+
+
+def test_chat_requests_with_full_context_max_tokens_share_shards() -> None:
+    # max_tokens = the rest of a 1024 context; they really generate 64..256. Shards hold 2 full
+    # contexts each: full reservations would run 2 per shard, KV on demand runs what they use.
+    import random
+
+    rng = random.Random(5)
+    wl = [WorkItem(0.0, 16, rng.randint(64, 256), max_tokens=1024 - 16) for _ in range(96)]
+    cfg = SimConfig(admission="naive", max_running=32, shards=2, capacity_tokens=2 * 1024, block_size=16)
+    res = simulate(wl, cfg)
+    assert res.tokens == sum(w.gen_len for w in wl)  # every request ran to its end
+    assert res.peak_running > 2 * 2
+    assert res.peak_kv_load <= 2 * 2 * 1024
+    # one full context per shard: sequences outgrow it, the youngest are preempted and recomputed
+    tight = simulate(wl, SimConfig(**{**cfg.__dict__, "capacity_tokens": 1024}))
+    assert tight.tokens == res.tokens and tight.preemptions > 0
+    assert tight.peak_running > 2 and tight.peak_kv_load <= 2 * 1024

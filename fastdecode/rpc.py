@@ -151,6 +151,129 @@ def handles_errors(method: F | None = None, *, trailers: tuple[tuple[str, str], 
     return wrap(method) if method is not None else wrap
 
 
+# ---- requests that do not parse -------------------------------------------------------------------
+class BadRequest:
+    """Stands in for a request whose bytes did not parse (truncated, garbage, invalid UTF-8)."""
+
+    def __init__(self, message_type: str, error: str) -> None:
+        self.message = f"the request is not a valid {message_type}: {error}"
+
+
+def guarded_parser(parse: Callable[[bytes], Any], message_type: str) -> Callable[[bytes], Any]:
+    """`parse`, with bytes that fail to parse turned into a BadRequest instead of an exception (which
+    gRPC would answer UNKNOWN, with a traceback in the log)."""
+
+    def guarded(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, or a UnicodeDecodeError in a string field
+            return BadRequest(message_type, str(e).split(": ")[-1] or "cannot parse")
+
+    return guarded
+
+
+async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: BadRequest) -> NoReturn:
+    log.warning("%s: %s", method, bad.message)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+    raise AssertionError("context.abort returned")
+
+
+class _GuardedContext:
+    """The call's context, whose read() refuses a message that did not parse."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        self._context, self._method = context, method
+
+    async def read(self) -> Any:
+        message = await self._context.read()
+        if isinstance(message, BadRequest):
+            await _refuse(self._context, self._method, message)
+        return message
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+class GuardedRequests(grpc.aio.ServerInterceptor):
+    """Every method parses its requests with a guarded deserializer: bytes that do not parse end the
+    call with INVALID_ARGUMENT naming the message type and one WARNING line; the server goes on."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method
+        inner = handler.request_deserializer
+        message_type = getattr(getattr(inner, "__self__", None), "DESCRIPTOR", None)
+        parse = guarded_parser(inner, message_type.full_name if message_type else method)
+        serialize = handler.response_serializer
+        if handler.unary_unary is not None:
+            fn = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, BadRequest):
+                    await _refuse(context, method, request)
+                return await fn(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, parse, serialize)
+        if handler.unary_stream is not None:
+            fn = handler.unary_stream
+            if inspect.isasyncgenfunction(fn):
+
+                async def unary_stream_gen(
+                    request: Any, context: grpc.aio.ServicerContext
+                ) -> AsyncIterator[Any]:
+                    if isinstance(request, BadRequest):
+                        await _refuse(context, method, request)
+                    async for item in fn(request, context):
+                        yield item
+
+                return grpc.unary_stream_rpc_method_handler(unary_stream_gen, parse, serialize)
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, BadRequest):
+                    await _refuse(context, method, request)
+                return await fn(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, parse, serialize)
+
+        def requests(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def checked() -> AsyncIterator[Any]:
+                async for message in iterator:
+                    if isinstance(message, BadRequest):
+                        await _refuse(context, method, message)
+                    yield message
+
+            return checked()
+
+        if handler.stream_unary is not None:
+            su = handler.stream_unary
+
+            async def stream_unary(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+                return await su(requests(iterator, context), _GuardedContext(context, method))
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, parse, serialize)
+        ss = handler.stream_stream
+        if inspect.isasyncgenfunction(ss):
+
+            async def stream_stream_gen(
+                iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                async for item in ss(requests(iterator, context), _GuardedContext(context, method)):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream_gen, parse, serialize)
+
+        async def stream_stream(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            return await ss(requests(iterator, context), _GuardedContext(context, method))
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
+
+
 # ---- channels -----------------------------------------------------------------------------------
 def aio_channel(target: str, tls: TLSFiles | None = None) -> grpc.aio.Channel:
     if tls is not None and (tls.enabled or tls.ca):
@@ -165,6 +288,9 @@ def sync_channel(target: str, tls: TLSFiles | None = None) -> grpc.Channel:
 
 
 # ---- server bootstrap ---------------------------------------------------------------------------
+# After the grace period, calls still running get this long to send the status they were ended with.
+STOP_TAIL_SECONDS = 1.0
+
 # The health service name that says only "this process works" (liveness), apart from readiness
 # ("" and the service's own names), which says whether it can do its work now.
 LIVENESS_SERVICE = "liveness"
@@ -186,9 +312,12 @@ class Server:
         require_client_cert: bool = True,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        guard_requests: bool = True,
     ) -> None:
+        # Undecodable bytes are INVALID_ARGUMENT everywhere (the gateway parses its own, guarded too).
+        guards = [GuardedRequests()] if guard_requests else []
         self.server = grpc.aio.server(
-            interceptors=list(interceptors) or None,
+            interceptors=[*interceptors, *guards] or None,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -267,12 +396,22 @@ class Server:
                 log.warning("supervisor %d is gone: stopping", pid)
                 self.stopping.set()
 
-    async def stop(self, drain: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Health NOT_SERVING, let `drain` finish in-flight work, then stop with the grace period."""
+    async def stop(
+        self, drain: Callable[[], Awaitable[None]] | None = None, cut_off: Callable[[], None] | None = None
+    ) -> None:
+        """Health NOT_SERVING and no new work; running calls finish until the grace period ends
+        (`drain` returns when they have); then `cut_off` ends the rest with UNAVAILABLE ("draining,
+        retry") and the server stops, so the whole stop takes at most grace + about a second (an
+        orchestrator's termination grace sized to the setting never has to SIGKILL us)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_seconds
         await self.set_serving(False)
         if drain is not None:
             try:
                 await asyncio.wait_for(drain(), self.grace_seconds)
             except TimeoutError:
-                log.warning("drain did not finish within %.0fs", self.grace_seconds)
-        await self.server.stop(self.grace_seconds)
+                log.warning("drain did not finish within %.0fs: ending the rest", self.grace_seconds)
+                if cut_off is not None:
+                    cut_off()
+        # What is still running gets what is left of the grace, at most a second to send its status.
+        await self.server.stop(min(STOP_TAIL_SECONDS, max(0.0, deadline - loop.time()) + STOP_TAIL_SECONDS))

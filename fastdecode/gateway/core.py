@@ -176,6 +176,8 @@ class GatewayCore:
         self.idle = asyncio.Event()
         self.idle.set()
         self.active_ids: set[str] = set()
+        self._tasks: set[asyncio.Task[object]] = set()  # tasks running a generation, for cut_off()
+        self._cut_off = False
 
     @contextlib.contextmanager
     def request_scope(self, candidate: str | None) -> Iterator[str]:
@@ -231,6 +233,9 @@ class GatewayCore:
                 raise ResourceExhausted(f"{self.inflight} requests in flight at the gateway")
             self.inflight += 1
             entered = True
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks.add(task)
             self.idle.clear()
             self.metrics.in_flight(+1)
 
@@ -283,8 +288,17 @@ class GatewayCore:
                     await self._await_scheduler(e, lost_at, deadline, len(received))
                     continue
                 raise RuntimeError("the scheduler ended the token stream without a finish reason")
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            if self._cut_off and not done:  # the drain's grace period ended: the client may retry
+                status = Status.UNAVAILABLE
+                log.info("ended by the drain after %.3fs", time.perf_counter() - arrival)
+                raise Unavailable("gateway is draining: retry the request") from None
             if not done:  # the client went away (or its deadline passed) before the end
+                status = Status.CANCELLED
+                log.info("cancelled after %.3fs", time.perf_counter() - arrival)
+            raise
+        except GeneratorExit:
+            if not done:
                 status = Status.CANCELLED
                 log.info("cancelled after %.3fs", time.perf_counter() - arrival)
             raise
@@ -294,6 +308,7 @@ class GatewayCore:
             log.info("failed: %s: %s", failed.status.name, failed.message)
             raise failed from None
         finally:
+            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
             self.metrics.answered(status, api)
             if entered:
                 self.inflight -= 1
@@ -417,6 +432,12 @@ class GatewayCore:
         """New generation requests get UNAVAILABLE; wait for the ones in flight."""
         self.draining = True
         await self.idle.wait()
+
+    def cut_off(self) -> None:
+        """The drain's grace period is over: every generation still running ends with UNAVAILABLE."""
+        self._cut_off = True
+        for task in list(self._tasks):
+            task.cancel()
 
     async def close(self) -> None:
         await self.scheduler.close()

@@ -212,6 +212,7 @@ class SchedulerDriver:
             vocab_size=self.info.vocab_size,
             kv_lookahead=s.kv_lookahead,
         )
+        self._report()  # every shard's and decision's metric exists from the first scrape
         log.info(
             "model %s, %d layers; shard capacities (tokens): %s",
             self.info.model_type,
@@ -301,6 +302,12 @@ class SchedulerDriver:
         log.info("added shard %d (%s), %d tokens", index, address, spec.capacity_tokens)
         self.wake.set()
         return index
+
+    def cut_off(self) -> None:
+        """The drain's grace period is over: every request still running ends with UNAVAILABLE (the
+        gateway resubmits it to the next scheduler from the tokens it already has)."""
+        for stream in list(self.streams.values()):
+            stream.queue.put_nowait(Unavailable("scheduler is draining: retry the request"))
 
     async def drain(self) -> None:
         """Stop admitting; let running sequences finish."""

@@ -207,6 +207,7 @@ async def serve(settings: GatewaySettings) -> None:
         require_client_cert=False,  # public port: clients authenticate with bearer tokens
         interceptors=[BearerAuthInterceptor(token)] if token else (),
         max_message_bytes=settings.max_message_bytes,
+        guard_requests=False,  # its handlers parse with their own guard (BadRequest, counted as rejected)
     )
     link = GrpcSchedulerLink(settings.scheduler, settings.tls)
     core = GatewayCore(settings, tokenizer, config, link, PrometheusGatewayMetrics())
@@ -240,7 +241,7 @@ async def serve(settings: GatewaySettings) -> None:
     await server.stopping.wait()
     readiness.cancel()
     log.info("draining %d requests in flight", core.inflight)
-    await server.stop(drain=core.drain)
+    await server.stop(drain=core.drain, cut_off=core.cut_off)
     if http is not None:
         await http.stop()
     await core.close()

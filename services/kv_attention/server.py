@@ -54,10 +54,17 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         # per-item metrics, resolved once rather than by label on every item
         self._attention_seconds = ATTENTION_SECONDS.labels(self.shard)
         self._kv_bytes_read = KV_BYTES_READ.labels(self.shard)
+        self._update_gauges()
 
     def _update_gauges(self) -> None:
         s = self.core.store
-        if s is not None and s.capacity_tokens:
+        if s is None:
+            # Visible from the first scrape, before any sequence: an idle shard is empty, not absent.
+            # Its pool is sized by the first reservation's geometry; until then the budget is its size.
+            for gauge in (KV_USAGE, KV_TOKENS, KV_BYTES_USED, KV_SEQUENCES):
+                gauge.labels(self.shard).set(0)
+            KV_BYTES_CAPACITY.labels(self.shard).set(self.settings.kv_capacity)
+        elif s.capacity_tokens:
             KV_USAGE.labels(self.shard).set(s.tokens_reserved / s.capacity_tokens)
             KV_TOKENS.labels(self.shard).set(s.tokens_held)
             KV_BYTES_USED.labels(self.shard).set(s.bytes_used)

@@ -136,6 +136,6 @@ async def serve(settings: SchedulerSettings) -> None:
         if t is not stop and t.exception():
             log.error("scheduler loop died: %r", t.exception())
     log.info("stopping: draining %d requests", len(driver.streams))
-    await server.stop(drain=driver.drain)
+    await server.stop(drain=driver.drain, cut_off=driver.cut_off)
     for t in tasks:
         t.cancel()

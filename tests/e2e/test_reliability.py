@@ -249,3 +249,33 @@ def test_overload_is_resource_exhausted_at_once(model_factory: Callable, tmp_pat
             results = list(pool.map(one, range(12)))
         assert results.count("ok") >= 2 and results.count("full") >= 1  # at least the queue's worth runs
         assert results.count("ok") + results.count("full") == 12
+
+
+def test_drain_ends_what_outlives_the_grace_with_unavailable_in_time(
+    model_factory: Callable, tmp_path: Path
+) -> None:
+    """SIGTERM with a stream longer than the grace period: the stream ends with UNAVAILABLE (draining,
+    retry) when the grace runs out, and the gateway exits by grace + 1 s (not 2x grace as before)."""
+    grace = 1.0  # short, so the 1000-token stream (several seconds here) outlives it
+    with Fleet(
+        model=model_factory("llama"),
+        shards=1,
+        device="cpu",
+        kv_capacity=64 << 20,
+        workdir=tmp_path,
+        env={"FASTDECODE_GRACE_SECONDS": str(grace)},
+    ) as f:
+        assert f.gateway
+        with Client(f.gateway.address, max_retries=0) as client:
+            stream = client.stream(token_ids=[0, 7, 8], max_tokens=1000, ignore_eos=True, timeout=120)
+            next(stream)
+            t0 = time.monotonic()
+            f.gateway.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(FastDecodeError) as info:
+                for _ in stream:
+                    pass
+            ended = time.monotonic() - t0
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details
+            assert f.gateway.proc.wait(timeout=30) == 0
+            exited = time.monotonic() - t0
+        assert grace - 0.5 <= ended and exited <= grace + 1.5, (ended, exited)

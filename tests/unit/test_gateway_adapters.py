@@ -239,3 +239,37 @@ def test_readiness_tells_why_the_fleet_cannot_generate(llama_dir: Path) -> None:
     assert asyncio.run(core.check_readiness()) is None
     core.draining = True
     assert asyncio.run(core.check_readiness()) == "gateway is draining"
+
+
+def test_cut_off_ends_running_generations_with_unavailable(llama_dir: Path) -> None:
+    """After the drain's grace period, what still runs ends with UNAVAILABLE (retry), not CANCELLED."""
+
+    class Stuck(FakeScheduler):
+        async def submit(self, request_id, request, timeout, sample_offset=0):  # type: ignore[override]
+            self.submitted.append((request_id, request))
+            yield UpstreamEvent([5])
+            await asyncio.Event().wait()  # never finishes on its own
+
+    core, answered = make_core(llama_dir, Stuck())
+
+    async def main() -> None:
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            async with contextlib.aclosing(
+                core.generate(
+                    GenerateParams(token_ids=[5], max_tokens=50, ignore_eos=True), "r1", None, "grpc"
+                )
+            ) as chunks:
+                async for _ in chunks:
+                    first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        core.cut_off()
+        with pytest.raises(Unavailable, match="draining"):
+            await task
+
+    asyncio.run(main())
+    assert answered == [(Status.UNAVAILABLE, "grpc")]
+    assert core.inflight == 0

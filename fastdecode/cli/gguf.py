@@ -76,8 +76,8 @@ def chat_token_ids(model_dir: Path, messages: Sequence[dict[str, str]]) -> list[
     """Prompt ids for `messages` through the model's chat template, as /v1/chat/completions makes
     them (the template writes any BOS itself, so no special tokens are added)."""
     from fastdecode.errors import InvalidInput
+    from fastdecode.gateway.chat import ChatTemplate
     from fastdecode.tokenizer import Tokenizer
-    from services.gateway.chat import ChatTemplate
 
     template = ChatTemplate.from_pretrained(model_dir)
     if template is None:

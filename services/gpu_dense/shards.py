@@ -21,7 +21,7 @@ import torch
 
 from fastdecode import codec
 from fastdecode.dense import AttendItem
-from fastdecode.errors import FastDecodeError, Unavailable
+from fastdecode.errors import ServiceError, Unavailable
 from fastdecode.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.rpc import error_from_status as from_status
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -165,7 +165,7 @@ class ShardLinks:
             try:
                 await self.links[item.shard].send(slot, req)
                 sent.append(req.request_id)
-            except FastDecodeError as e:
+            except ServiceError as e:
                 sent.append(None)
                 out.append(e)
                 continue
@@ -175,7 +175,7 @@ class ShardLinks:
                 continue
             try:
                 out[i] = await self.links[item.shard].receive(slot, rid)
-            except FastDecodeError as e:
+            except ServiceError as e:
                 out[i] = e
         return out
 
@@ -185,7 +185,7 @@ class ShardLinks:
         try:
             await link.send(slot, req)
             return await link.receive(slot, req.request_id)
-        except FastDecodeError as e:
+        except ServiceError as e:
             return e
 
     async def close(self) -> None:

@@ -14,6 +14,8 @@ from fastdecode.cli import main
 from fastdecode.errors import InvalidInput
 
 ATTN_KEYS = {"effective_gbps", "memory_gbps", "ratio", "attend_ms_per_layer", "kv_bytes_per_layer", "layers"}
+
+
 def _finite_positive(d: dict, keys: set[str]) -> None:
     for k in keys:
         assert isinstance(d[k], int | float) and math.isfinite(d[k]) and d[k] > 0, (k, d[k])

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from pydantic import SecretStr
 
 from fastdecode.convert import chunk_to_proto, model_card_to_proto, params_from_proto
@@ -19,7 +19,7 @@ from fastdecode.gateway.auth import bearer_matches
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.model import ModelConfig
 from fastdecode.protocol import ERROR_TRAILER, REQUEST_ID_KEY
-from fastdecode.rpc import Server, handles_errors, request_id_of
+from fastdecode.rpc import BadRequest, Server, guarded_parser, handles_errors, request_id_of
 from fastdecode.settings import GatewaySettings
 from fastdecode.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
@@ -32,21 +32,9 @@ __all__ = ["ERROR_TRAILER", "SERVICE_NAME", "GatewayServicer", "Settings", "serv
 
 
 # ---- requests that fail to parse ------------------------------------------------------------------
-class BadRequest:
-    """Stands in for a request whose bytes did not parse (e.g. invalid UTF-8 in a string field)."""
-
-    def __init__(self, message_type: str, error: str) -> None:
-        self.message = f"the request is not a valid {message_type}: {error}"
-
-
 def _parser(cls: type[Message]) -> Callable[[bytes], Message | BadRequest]:
-    def parse(data: bytes) -> Message | BadRequest:
-        try:
-            return cls.FromString(data)
-        except DecodeError as e:
-            return BadRequest(cls.DESCRIPTOR.full_name, str(e).split(": ")[-1] or "cannot parse")
-
-    return parse
+    """The gateway's handlers take a BadRequest for bytes that do not parse (rpc's one guard)."""
+    return guarded_parser(cls.FromString, cls.DESCRIPTOR.full_name)
 
 
 # ---- bearer-token auth ---------------------------------------------------------------------------

@@ -10,13 +10,12 @@ import grpc
 import torch
 from prometheus_client import Counter, Histogram
 
-from fastdecode import codec
+from fastdecode import codec, convert
 from fastdecode.dense import DenseSeq, PipelineChooser, StepRunner
 from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.model import DenseModel
 from fastdecode.progress import LOADING_WEIGHTS, ProgressFile
 from fastdecode.rpc import Server, abort, item_error
-from fastdecode.sampling import SamplingParams
 from fastdecode.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
@@ -110,16 +109,13 @@ class DenseService(pb_grpc.DenseServicer):
 
     @staticmethod
     def _seq(p: pb.PlannedSequence) -> DenseSeq:
-        sp = p.sampling
         return DenseSeq(
             seq_id=p.seq_id,
             shard=p.shard,
             mini_batch=p.mini_batch,
             token_ids=list(p.token_ids),
             start_pos=p.start_pos,
-            sampling=SamplingParams(
-                sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed if sp.HasField("seed") else None
-            ),
+            sampling=convert.sampling_from_proto(p.sampling),
             sample=p.sample,
             sample_index=p.sample_index,
         )

@@ -223,7 +223,7 @@ def test_scalar_path_matches_vector_path(dtype: str) -> None:
 def test_property_random_shapes(
     dtype: str, kv_heads: int, group: int, head_dim: int, block_size: int, seqs: list, seed: int
 ) -> None:
-    """Random geometry (head_dim not a multiple of 8 takes the scalar path), cached lengths and
+    """Random geometry (head_dim not a multiple of 8, or of 16 in bfloat16, takes the scalar path),
     new tokens per sequence: every row matches fp64."""
     gen = torch.Generator().manual_seed(seed)
     room = sum(c + 1 + 40 + block_size for c, _ in seqs)  # fill() reserves 40 tokens beyond each length

@@ -10,7 +10,9 @@
 // taken from an atomic counter by torch's intra-op threads (at::parallel_for, so the shard's
 // torch.set_num_threads applies). Each job walks its keys in tiles of kTile: scores for the whole
 // tile first (8 keys per dot pass), one vectorized exp, then the weighted sum of V with the
-// accumulator in registers. The AVX2+FMA+F16C path is chosen at load time from CPUID; a portable
+// accumulator in registers (bfloat16 rows are read 16 at a time as even and odd halves: two bit
+// operations instead of a widening shuffle per 8 values). Denormals flush to zero while a job
+// runs. The AVX2+FMA+F16C path is chosen at load time from CPUID; a portable
 // scalar path serves other CPUs (and the tests, through set_isa).
 
 #include <ATen/Parallel.h>
@@ -157,6 +159,26 @@ inline __m256 ld8(const void* base, int64_t i) {
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
 }
 
+// bfloat16 is the top half of a float32, so 16 of them load as 8 lanes of two: a shift gives the
+// even elements as floats, a mask the odd ones (no widening shuffle, which competes for one port).
+// q and the accumulator are kept in the same even/odd order, and put back in order at the end.
+inline void ld16_bf16(const void* base, int64_t i, __m256& even, __m256& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Puts 16-element chunks of x into (or, with back, out of) the even/odd order of ld16_bf16.
+inline void split_order(const float* x, float* y, int64_t D, bool back) {
+  for (int64_t c = 0; c < D; c += 16)
+    for (int i = 0; i < 8; ++i) {
+      if (back)
+        y[c + 2 * i] = x[c + i], y[c + 2 * i + 1] = x[c + 8 + i];
+      else
+        y[c + i] = x[c + 2 * i], y[c + 8 + i] = x[c + 2 * i + 1];
+    }
+}
+
 // e^x for 8 lanes (Cephes polynomial, ~2 ulp on the range softmax uses: x <= 0).
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654475f)), _mm256_set1_ps(88.37626266f));
@@ -187,9 +209,18 @@ inline float hmax(__m256 v) {
 }
 
 // Eight dot products q . k_j (j < 8) as one vector: eight accumulators, then a transposing sum.
-template <int K>
+template <int K, bool SPLIT>
 inline __m256 dot8(const float* q, const void* kb, const int64_t* off, int64_t D) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  if constexpr (SPLIT) {
+    __m256 e, o;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256 qe = _mm256_loadu_ps(q + d), qo = _mm256_loadu_ps(q + d + 8);
+#define FD_DOT(j) ld16_bf16(kb, off[j] + d, e, o), a##j = _mm256_fmadd_ps(qo, o, _mm256_fmadd_ps(qe, e, a##j))
+      FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+    }
+  } else
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
     a0 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[0] + d), a0);
@@ -207,21 +238,41 @@ inline __m256 dot8(const float* q, const void* kb, const int64_t* off, int64_t D
 }
 
 // acc[d0 .. d0 + 8*NC) += sum_j w[j] * v_j[d0 ..], the accumulator held in registers over the tile.
-template <int K, int NC>
+template <int K, int NC, bool SPLIT = false>
 inline void vacc(float* acc, const float* w, const void* vb, const int64_t* off, int n, int64_t d0) {
   __m256 r[NC];
   for (int c = 0; c < NC; ++c) r[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
   for (int j = 0; j < n; ++j) {
     const __m256 wj = _mm256_set1_ps(w[j]);
     const int64_t o = off[j] + d0;
-    for (int c = 0; c < NC; ++c) r[c] = _mm256_fmadd_ps(wj, ld8<K>(vb, o + 8 * c), r[c]);
+    if constexpr (SPLIT) {
+      static_assert(NC % 2 == 0);
+      __m256 e, od;
+      for (int c = 0; c < NC; c += 2) {
+        ld16_bf16(vb, o + 8 * c, e, od);
+        r[c] = _mm256_fmadd_ps(wj, e, r[c]);
+        r[c + 1] = _mm256_fmadd_ps(wj, od, r[c + 1]);
+      }
+    } else {
+      for (int c = 0; c < NC; ++c) r[c] = _mm256_fmadd_ps(wj, ld8<K>(vb, o + 8 * c), r[c]);
+    }
   }
   for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, r[c]);
 }
 
-template <int K>
+template <int K, bool SPLIT>
 inline void vacc_all(float* acc, const float* w, const void* vb, const int64_t* off, int n, int64_t D) {
   int64_t d0 = 0;
+  if constexpr (SPLIT) {  // D % 16 == 0
+    for (; d0 + 64 <= D; d0 += 64) vacc<K, 8, true>(acc, w, vb, off, n, d0);
+    switch ((D - d0) / 16) {
+      case 1: vacc<K, 2, true>(acc, w, vb, off, n, d0); break;
+      case 2: vacc<K, 4, true>(acc, w, vb, off, n, d0); break;
+      case 3: vacc<K, 6, true>(acc, w, vb, off, n, d0); break;
+      default: break;
+    }
+    return;
+  }
   for (; d0 + 64 <= D; d0 += 64) vacc<K, 8>(acc, w, vb, off, n, d0);
   switch ((D - d0) / 8) {
     case 1: vacc<K, 1>(acc, w, vb, off, n, d0); break;
@@ -254,11 +305,18 @@ std::atomic<bool> g_prefetch{true};
 template <int K>
 void job_avx2(const Args& a, const Job& jb, float* buf) {
   const int64_t D = a.D, G = a.G;
+  constexpr bool SPLIT = K == kBF16;  // attend() sends D % 16 != 0 bfloat16 to the scalar path
   const int rows = (jb.t1 - jb.t0) * static_cast<int>(G);
   float* acc = buf;
   float* m = acc + rows * D;
   float* l = m + rows;
   float* s = l + rows;  // kTile scores, then weights
+  float* qs = s + kTile + 8;  // SPLIT: the rows' queries in even/odd order
+  if constexpr (SPLIT)
+    for (int r = 0; r < rows; ++r) {
+      const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
+      split_order(a.q + ((a.row0[jb.seq] + t) * a.H + h) * D, qs + r * D, D, false);
+    }
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.f);
@@ -295,12 +353,12 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
       const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
       const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
       if (nr <= 0) continue;
-      const float* qr = a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
+      const float* qr = SPLIT ? qs + r * D : a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
       const int g8 = (nr + 7) / 8;
       const __m256 lim = _mm256_set1_ps(static_cast<float>(nr));
       __m256 mt = ninf;
       for (int g = 0; g < g8; ++g) {
-        __m256 sc = _mm256_mul_ps(dot8<K>(qr, a.k, off + 8 * g, D), _mm256_set1_ps(a.scale));
+        __m256 sc = _mm256_mul_ps(dot8<K, SPLIT>(qr, a.k, off + 8 * g, D), _mm256_set1_ps(a.scale));
         if constexpr (K == kI8) sc = _mm256_mul_ps(sc, _mm256_load_ps(ksc + 8 * g));
         const __m256 idx = _mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(8 * g)));
         sc = _mm256_blendv_ps(ninf, sc, _mm256_cmp_ps(idx, lim, _CMP_LT_OQ));
@@ -331,7 +389,7 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
         prefetch_rows<K>(a.k, offs[ti ^ 1], n_next, row_bytes);
         next_fetched = true;
       }
-      vacc_all<K>(ar, s, a.v, off, nr, D);
+      vacc_all<K, SPLIT>(ar, s, a.v, off, nr, D);
     }
     n = n_next;
   }
@@ -339,7 +397,12 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
     const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
     float* o = a.out + ((a.row0[jb.seq] + t) * a.H + h) * D;
     const __m256 inv = _mm256_set1_ps(1.f / l[r]);
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(inv, _mm256_loadu_ps(acc + r * D + d)));
+    float* ar = acc + r * D;
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ar + d, _mm256_mul_ps(inv, _mm256_loadu_ps(ar + d)));
+    if constexpr (SPLIT)
+      split_order(ar, o, D, true);
+    else
+      std::memcpy(o, ar, D * sizeof(float));
   }
 }
 
@@ -553,7 +616,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
 
-  const bool vec = g_avx2.load() && D % 8 == 0;
+  const bool vec = g_avx2.load() && D % (kind == kBF16 ? 16 : 8) == 0;
   JobFn fn = nullptr;
   switch (kind) {
     case kF32: fn = job_fn<kF32>(vec); break;
@@ -561,14 +624,23 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     case kBF16: fn = job_fn<kBF16>(vec); break;
     case kI8: fn = job_fn<kI8>(vec); break;
   }
-  const int64_t scratch = kQChunk * (H / KVH) * (D + 2) + kTile + 8;
+  const int64_t scratch = kQChunk * (H / KVH) * (2 * D + 2) + kTile + 8;
   std::atomic<int64_t> next{0};
   const int64_t njobs = static_cast<int64_t>(jobs.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), njobs);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> buf(scratch);
+#ifdef FD_AVX2
+    // Flush denormals to zero while attending: weights of keys far below the row's max reach the
+    // denormal range, and each multiply by one costs a microcode assist (~100 cycles).
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+#endif
     for (int64_t w = w0; w < w1; ++w)
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < njobs;) fn(a, jobs[i], buf.data());
+#ifdef FD_AVX2
+    _mm_setcsr(csr);
+#endif
   });
   return out;
 }

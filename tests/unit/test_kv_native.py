@@ -77,8 +77,10 @@ def run_and_check(
     dtype: str,
     gen: torch.Generator,
     layer: int = 0,
+    storage: bool = True,
 ) -> None:
-    """Each call is a list of (seq, start, n); checks every output row against both references."""
+    """Each call is a list of (seq, start, n); checks every output row against both references
+    (storage=False: only against the stored values, when the scores are too sharp for STORAGE_TOL)."""
     kvh, dim = store.num_kv_heads, store.head_dim
     for call in calls:
         total = sum(n for *_, n in call)
@@ -96,8 +98,9 @@ def run_and_check(
             sk, sv = stored(store, layer, s, p + n)
             exact = reference(q[row : row + n], sk, sv, p)
             torch.testing.assert_close(got, exact, atol=KERNEL_TOL[dtype], rtol=KERNEL_TOL[dtype])
-            orig = reference(q[row : row + n], history[s][0][: p + n], history[s][1][: p + n], p)
-            torch.testing.assert_close(got, orig, atol=STORAGE_TOL[dtype], rtol=STORAGE_TOL[dtype])
+            if storage:
+                orig = reference(q[row : row + n], history[s][0][: p + n], history[s][1][: p + n], p)
+                torch.testing.assert_close(got, orig, atol=STORAGE_TOL[dtype], rtol=STORAGE_TOL[dtype])
             row += n
 
 
@@ -231,6 +234,21 @@ def test_property_random_shapes(
     hist = fill(store, {f"s{i}": c + 1 for i, (c, _) in enumerate(seqs)}, gen)
     call = [(f"s{i}", c, min(n, 40)) for i, (c, n) in enumerate(seqs)]
     run_and_check(store, [call], kv_heads * group, hist, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_far_keys_weigh_zero_and_the_callers_float_mode_is_kept(dtype: str) -> None:
+    """Scores 100+ below a row's max give denormal weights, which the kernel flushes to zero in its
+    workers; the result still matches fp64, and the calling thread's own denormals still work after."""
+    gen = torch.Generator().manual_seed(7)
+    store = make(dtype, 2, 64, 600)
+    hist = fill(store, {"a": 300, "b": 5}, gen)
+    for sid, n in (("a", 300), ("b", 5)):  # keys x30: scores spread ~30, most weights below e^-87
+        hist[sid][0].mul_(30)
+        store.write(0, sid, 0, hist[sid][0][: n - 1], hist[sid][1][: n - 1])
+    run_and_check(store, [[("a", 299, 1), ("b", 4, 1)]], 4, hist, dtype, gen, storage=False)
+    tiny = 1e-38
+    assert tiny * 1e-3 > 0.0  # a flush-to-zero mode left set would make this 0.0
 
 
 def test_yardstick_reads_every_element() -> None:

@@ -517,10 +517,14 @@ def launch_up(
     shards: int = 2,
     device: str = "cpu",
     kv_capacity: int = 128 << 20,
+    kv_dtype: str = "float32",
     env: dict[str, str] | None = None,
     timeout: float = 180,
 ) -> UpProcess:
-    """Run `fastdecode up` in the background and wait for its state file (the fleet is healthy then)."""
+    """Run `fastdecode up` in the background and wait for its state file (the fleet is healthy then).
+
+    KV is float32 unless asked: tests and benchmarks compare tokens with transformers' fp32 output
+    or with a fault-free run, which only fp32 KV reproduces exactly (`up` itself defaults to bf16)."""
     state_file = workdir / "fleet.json"
     log = workdir / "up.log"
     cmd = [
@@ -538,6 +542,8 @@ def launch_up(
         str(free_port()),
         "--kv-capacity",
         str(kv_capacity),
+        "--kv-dtype",
+        kv_dtype,
         "--state-file",
         str(state_file),
         *extra,

@@ -71,6 +71,12 @@ class ShardLink:
 
     async def send(self, slot: int, req: kv_pb.AttendRequest) -> None:
         stream = self._streams.get(slot)
+        if stream is not None and stream.since is not None:
+            # The last item's answer was never read: its step was cancelled (a scheduler that
+            # died mid-step) between send and receive. Its answer would arrive first and be taken
+            # for this item's, so this item goes out on a fresh stream instead.
+            stream.call.cancel()
+            stream = None
         if stream is None:
             stream = self._streams[slot] = _Stream(self.stub.Attend())
         req.request_id = next(_ids)

@@ -20,6 +20,7 @@ from services.gpu_dense.shards import ShardLink, ShardLinks
 
 HANG_LAYER = 7
 BAD_LAYER = 9
+SLOW_LAYER = 11
 
 
 class EchoShard(pb_grpc.KVAttentionServicer):
@@ -34,6 +35,8 @@ class EchoShard(pb_grpc.KVAttentionServicer):
         while (req := await context.read()) is not grpc.aio.EOF:
             if req.layer == HANG_LAYER and self.hangs:
                 await asyncio.sleep(3600)
+            if req.layer == SLOW_LAYER:
+                await asyncio.sleep(0.3)
             resp = pb.AttendResponse(request_id=req.request_id)
             if req.layer == BAD_LAYER:
                 resp.error.CopyFrom(item_error(InvalidInput("bad item")))
@@ -102,3 +105,30 @@ def test_request_carries_the_item(layer: int) -> None:
     req = ShardLinks.request(layer, _item(0, 1.5))
     assert list(req.seq_ids) == ["a", "b"] and list(req.num_tokens) == [1, 1] and req.layer == layer
     assert torch.equal(codec.decode(req.q), torch.full((2, 3, 4), 1.5))
+
+
+def test_a_step_cancelled_mid_layer_leaves_no_stale_answer() -> None:
+    """A step cancelled after its items went out (its scheduler died) leaves their answers unread;
+    the next layer on the same slot must get its own answers, not be failed by the stale ones."""
+
+    async def run() -> None:
+        shard = EchoShard()
+        server = grpc.aio.server()
+        pb_grpc.add_KVAttentionServicer_to_server(shard, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        plane = ShardLinks([ShardLink(0, f"127.0.0.1:{port}", timeout=5.0)])
+        try:
+            step = asyncio.ensure_future(plane.attend_layer(0, SLOW_LAYER, [_item(0, 1.0)]))
+            await asyncio.sleep(0.1)  # the item is out, its answer 0.2 s away
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+            out = await plane.attend_layer(0, 0, [_item(0, 7.0)])
+            assert torch.equal(out[0], torch.full((2, 12), 14.0))
+            assert shard.streams == 2  # the cancelled step's stream was replaced
+        finally:
+            await plane.close()
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(run(), 30))

@@ -513,7 +513,25 @@ class SchedulerDriver:
             except ServiceError as e:  # SERVING but cannot say what it holds: still lost, ask again later
                 log.warning("shard %d answers health but not Stats (%s); still lost", index, e.status.name)
                 return
-            if state.sequences == 0:  # a restarted, empty shard
+            if state.sequences:
+                # Alive but marked lost (its stream failed, not the process): every sequence it holds
+                # was moved away when it was lost, so free them and take the shard back. Waiting for it
+                # to empty itself would wait forever, and with every shard lost, stall the fleet.
+                try:
+                    await track.link.release(None, self.s.control_timeout)
+                    held, state = state.sequences, await track.link.stats(self.s.probe_timeout)
+                except ServiceError as e:  # gone again: still lost, ask again later
+                    log.warning(
+                        "shard %d answers health but not Release (%s); still lost", index, e.status.name
+                    )
+                    return
+                log.info(
+                    "shard %d (%s) answers again: freed the %d sequences it held",
+                    index,
+                    track.link.address,
+                    held,
+                )
+            if state.sequences == 0:  # a restarted or freed, empty shard
                 track.healthy = True
                 self.core.shard_recovered(index)
                 log.info("shard %d (%s) is back", index, track.link.address)

@@ -200,6 +200,36 @@ def test_a_restarted_gpu_dense_gets_the_shards_added_at_run_time_again() -> None
     asyncio.run(main())
 
 
+def test_shards_lost_to_a_failed_stream_come_back_and_requests_complete() -> None:
+    """Every shard's stream fails for one step while the shard processes stay up holding their
+    sequences (gpu_dense saw this when a scheduler died mid-step): the health loop frees what they
+    hold and takes them back, and every request completes instead of waiting for a shard forever."""
+
+    async def main() -> None:
+        dense = FakeDense()
+        shards = [FakeShard("fake:2"), FakeShard("fake:3")]
+        driver = driver_with(*shards, dense=dense)
+        await driver.connect()
+        dense.fail_items = {0: Unavailable("stream lost"), 1: Unavailable("stream lost")}
+
+        async def transient() -> None:
+            while not dense.steps:
+                await asyncio.sleep(0.001)
+            dense.fail_items = {}
+
+        tasks = [asyncio.create_task(t) for t in (driver.step_loop(), driver.health_loop(), transient())]
+        try:
+            reqs = [_collect(driver, Request(f"r{i}", [3, 4], max_tokens=3)) for i in range(4)]
+            outs = await asyncio.wait_for(asyncio.gather(*reqs), 10)
+        finally:
+            for t in tasks:
+                t.cancel()
+        assert outs == [[1, 2, 3]] * 4
+        assert all(track.healthy for track in driver.shards)
+
+    asyncio.run(main())
+
+
 def test_not_ready_without_a_healthy_shard() -> None:
     async def main() -> None:
         shards = [FakeShard("fake:2"), FakeShard("fake:3")]

@@ -52,6 +52,14 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    """Whole or not at all: readers poll the file while `up` rewrites it after a restart, and a
+    truncate-then-write let them read it empty."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)
+
+
 def _make_fleet(
     model: str | None,
     shards: int,
@@ -149,7 +157,7 @@ def up(
         sys.exit(1)
     try:
         if state_file:
-            Path(state_file).write_text(json.dumps(fleet.state(), indent=2))
+            _write_state(Path(state_file), fleet.state())
         click.echo(f"gateway listening on {fleet.gateway.address}", err=False)
         if fleet.gateway.http:
             click.echo(f"OpenAI-compatible HTTP on http://{fleet.gateway.http}/v1", err=False)
@@ -161,7 +169,7 @@ def up(
             for event in events:
                 click.echo(f"{'' if event.kind == 'restarted' else 'warning: '}{event.message}", err=True)
             if events and state_file:
-                Path(state_file).write_text(json.dumps(fleet.state(), indent=2))
+                _write_state(Path(state_file), fleet.state())
     finally:
         click.echo("stopping the fleet", err=True)
         fleet.stop()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +142,17 @@ def test_no_restart_when_the_policy_or_a_clean_exit_says_so(mode: str, code: int
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="on-failure"):
         RestartPolicy("always-ish")
+
+
+def test_up_replaces_its_state_file_whole(tmp_path: Path) -> None:
+    """`up` rewrites the state file after every restart while tests and tools poll it: the new
+    content arrives by rename (a new inode), never by truncating the file readers have open."""
+    from fastdecode.cli.up import _write_state
+
+    path = tmp_path / "fleet.json"
+    _write_state(path, {"gateway": {"pid": 1}})
+    before = path.stat().st_ino
+    _write_state(path, {"gateway": {"pid": 2}})
+    assert path.stat().st_ino != before
+    assert json.loads(path.read_text()) == {"gateway": {"pid": 2}}
+    assert [p.name for p in tmp_path.iterdir()] == ["fleet.json"]

@@ -398,11 +398,9 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
     float* o = a.out + ((a.row0[jb.seq] + t) * a.H + h) * D;
     const __m256 inv = _mm256_set1_ps(1.f / l[r]);
     float* ar = acc + r * D;
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ar + d, _mm256_mul_ps(inv, _mm256_loadu_ps(ar + d)));
-    if constexpr (SPLIT)
-      split_order(ar, o, D, true);
-    else
-      std::memcpy(o, ar, D * sizeof(float));
+    float* dst = SPLIT ? ar : o;  // bfloat16: scaled in place, then put back in order into o
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_loadu_ps(ar + d)));
+    if constexpr (SPLIT) split_order(ar, o, D, true);
   }
 }
 

@@ -3,7 +3,9 @@
 Two tolerances per KV dtype:
 - KERNEL_TOL: the kernel's own arithmetic (fp32 online softmax, polynomial exp) against fp64
   attention over the values the pool actually holds (rounded to fp16/bf16, or int8 * scale).
-  The same for every dtype: the kernel widens in registers and computes in fp32.
+  The same for every float dtype: the kernel widens in registers and computes in fp32. int8 keys
+  meet q rounded to int16 per row (an integer dot product), an error that grows with the scores:
+  ~3e-5 at unit variance, ~2e-4 with scores spread by 30; int8 storage itself costs 100x more.
 - STORAGE_TOL: against fp64 attention over the original fp32 k, v, i.e. including what storing
   them in the pool's dtype costs (unit-variance random q, k, v; documented in the README).
 """
@@ -23,7 +25,7 @@ from fastdecode.kv.store import kv_bytes_per_element
 
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
 
-KERNEL_TOL = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "int8": 2e-5}
+KERNEL_TOL = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "int8": 5e-4}
 STORAGE_TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2.5e-2, "int8": 4e-2}
 DTYPES = list(KV_DTYPES)
 
@@ -183,7 +185,7 @@ def test_native_matches_torch_backend_over_steps(dtype: str) -> None:
         q, k, v = (torch.randn(total, h, 32, generator=gen) for h in (8, 2, 2))
         for layer in range(2):
             outs = [s.attend(layer, ids, n, [pos[i] for i in ids], q, k, v) for s in stores]
-            tol = 2e-5 if dtype in ("float32", "int8") else 1e-2  # torch SDPA computes in the half type
+            tol = KERNEL_TOL[dtype] if dtype in ("float32", "int8") else 1e-2  # SDPA: in the half type
             torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
         for i, m in zip(ids, n, strict=True):
             pos[i] += m

@@ -270,3 +270,21 @@ def test_missing_extension_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
     msg = str(e.value)
     assert "\n" not in msg and "native attention kernel unavailable" in msg and "make setup" in msg
     KVStore(1, 1, 8, 1 << 20, backend="torch")  # the reference still works
+
+
+def test_int8_wide_heads_do_not_overflow_the_integer_dot() -> None:
+    """int8 keys are dotted on integers (q rounded to int16), exact in int32 up to head_dim 512;
+    wider heads take the scalar path. q and k at full scale make an overflow visible: key 0's
+    score would wrap from +23 to about -23 and the output would follow key 1's value instead."""
+    dim = 528
+    store = make("int8", 1, dim, 8)
+    store.reserve("a", 8)
+    k = torch.ones(3, 1, dim)
+    k[1] = -1.0
+    v = torch.randn(3, 1, dim, generator=torch.Generator().manual_seed(3))
+    store.write(0, "a", 0, k[:2], v[:2])
+    q = torch.ones(1, 1, dim)
+    o = store.attend(0, ["a"], [1], [2], q, k[2:], v[2:])
+    sk, sv = stored(store, 0, "a", 3)
+    exact = reference(q, sk, sv, 2)
+    torch.testing.assert_close(o.double(), exact, atol=KERNEL_TOL["int8"], rtol=KERNEL_TOL["int8"])

@@ -243,7 +243,8 @@ inline __m256 dot8(const float* q, const void* kb, const int64_t* off, int64_t D
 
 // int8 keys: q . k_j for 8 keys on integers. q comes quantized to int16 per row (error ~1.5e-5 of
 // the row's max |q|, far below int8 K's own 1/254), so 16 values cost one widening of k and one
-// vpmaddwd instead of two widenings, two conversions and two FMAs. |sum| < 2^31 for D < 4096.
+// vpmaddwd instead of two widenings, two conversions and two FMAs. |q . k| <= D * 127 * 32767 fits
+// int32 for D <= 512; attend() sends larger head dims to the scalar path.
 inline __m256 dot8_i8(const int16_t* q, const void* kb, const int64_t* off, int64_t D) {
   const int8_t* k = static_cast<const int8_t*>(kb);
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -671,7 +672,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
 
-  const bool vec = g_avx2.load() && D % (kind == kBF16 || kind == kI8 ? 16 : 8) == 0;
+  const bool vec = g_avx2.load() && D % (kind == kBF16 || kind == kI8 ? 16 : 8) == 0 && (kind != kI8 || D <= 512);
   JobFn fn = nullptr;
   switch (kind) {
     case kF32: fn = job_fn<kF32>(vec); break;

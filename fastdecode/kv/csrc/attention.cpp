@@ -265,7 +265,7 @@ inline __m256 dot8_i8(const int16_t* q, const void* kb, const int64_t* off, int6
 // acc[d0 .. d0 + 8*NC) += sum_j w[j] * v_j[d0 ..], the accumulator held in registers over the tile.
 template <int K, int NC, bool SPLIT = false>
 inline void vacc(float* acc, const float* w, const void* vb, const int64_t* off, int n, int64_t d0,
-                 const char* pk = nullptr, const int64_t* poff = nullptr, int pn = 0, int64_t prow = 0) {
+                 const char* pk, const int64_t* poff, int pn, int64_t prow) {
   __m256 r[NC];
   for (int c = 0; c < NC; ++c) r[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
   const intptr_t dv = static_cast<const char*>(vb) - pk;
@@ -365,14 +365,14 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
   const int32_t* tab = a.table + a.table_off[jb.seq];
   const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
   constexpr int kRing = kPrefetchTiles + 1;
-  int64_t slot[kTile], offs[kRing][kTile];
+  int64_t slots[kRing][kTile], offs[kRing][kTile];
   int cnt[kRing];
   alignas(32) float ksc[kTile], vsc[kTile];
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t row_bytes = D * kItemSize[K];
   const bool pf = g_prefetch.load(std::memory_order_relaxed);
-  auto tile_offsets = [&](int64_t p0, int64_t* off) {
+  auto tile_offsets = [&](int64_t p0, int64_t* off, int64_t* slot) {
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, nkeys - p0)));
     if (n == 0) return 0;
     slots_of(a, tab, p0, n, slot);
@@ -385,7 +385,7 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
   // ones one key's K and V rows per key summed (vacc), so the requests trickle out with the work
   // instead of in bursts that fill the line-fill buffers (bursts were 0.9-1.1x slower here).
   for (int i = 0; i < kPrefetchTiles; ++i) {
-    cnt[i] = tile_offsets(i * kTile, offs[i]);
+    cnt[i] = tile_offsets(i * kTile, offs[i], slots[i]);
     if (pf) {
       prefetch_rows<K>(a.k, offs[i], cnt[i], row_bytes);
       prefetch_rows<K>(a.v, offs[i], cnt[i], row_bytes);
@@ -395,11 +395,11 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
     const int64_t* off = offs[ti];
     const int n = cnt[ti];
     const int ahead = (ti + kPrefetchTiles) % kRing;
-    cnt[ahead] = tile_offsets(p0 + kPrefetchTiles * kTile, offs[ahead]);
+    cnt[ahead] = tile_offsets(p0 + kPrefetchTiles * kTile, offs[ahead], slots[ahead]);
     int pn = pf ? cnt[ahead] : 0;
     if constexpr (K == kI8) {
       const int n8 = (n + 7) & ~7;
-      slots_of(a, tab, p0, n, slot);
+      const int64_t* slot = slots[ti];
       for (int j = 0; j < n; ++j) ksc[j] = a.ks[hbase + slot[j]], vsc[j] = a.vs[hbase + slot[j]];
       for (int j = n; j < n8; ++j) ksc[j] = 0.f, vsc[j] = 0.f;
     }

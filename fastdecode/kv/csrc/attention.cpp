@@ -86,7 +86,7 @@ inline float load1(const void* base, int64_t i) {
 }
 
 template <int K>
-void job_scalar(const Args& a, const Job& jb, float* buf) {
+bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/, float* buf) {
   const int64_t D = a.D, G = a.G;
   const int rows = (jb.t1 - jb.t0) * static_cast<int>(G);
   float* acc = buf;
@@ -138,6 +138,7 @@ void job_scalar(const Args& a, const Job& jb, float* buf) {
     const float inv = 1.f / l[r];
     for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
   }
+  return false;
 }
 
 constexpr int64_t kItemSize[4] = {4, 2, 2, 1};
@@ -332,8 +333,24 @@ inline void prefetch_rows(const void* base, const int64_t* off, int n, int64_t r
 
 std::atomic<bool> g_prefetch{true};
 
+// Offsets of keys [p0, p0 + kTile) of one job (as many as it has), padded to a multiple of 8 with
+// the first row (padding lanes read a valid row, then are masked); returns how many keys.
+inline int tile_offsets(const Args& a, const Job& jb, int64_t p0, int64_t* off, int64_t* slot) {
+  const int64_t nkeys = a.start[jb.seq] + jb.t1, hbase = jb.kvh * a.S;
+  const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, nkeys - p0)));
+  if (n == 0) return 0;
+  slots_of(a, a.table + a.table_off[jb.seq], p0, n, slot);
+  for (int j = 0; j < n; ++j) off[j] = (hbase + slot[j]) * a.D;
+  const int n8 = (n + 7) & ~7;
+  for (int j = n; j < n8; ++j) off[j] = off[0];
+  return n;
+}
+
+// One job; `next` is the job this worker runs after it (null when none). While the last tile is
+// summed, next's first tile is prefetched the way later tiles are, so a job no longer starts on a
+// burst of misses; returns whether it did (next's `warm`: its first tile is already asked for).
 template <int K>
-void job_avx2(const Args& a, const Job& jb, float* buf) {
+bool job_avx2(const Args& a, const Job& jb, const Job* next, bool warm, float* buf) {
   const int64_t D = a.D, G = a.G;
   constexpr bool SPLIT = K == kBF16;  // attend() sends D % 16 != 0 bfloat16 and int8 to the scalar path
   const int rows = (jb.t1 - jb.t0) * static_cast<int>(G);
@@ -362,7 +379,6 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.f);
-  const int32_t* tab = a.table + a.table_off[jb.seq];
   const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
   constexpr int kRing = kPrefetchTiles + 1;
   int64_t slots[kRing][kTile], offs[kRing][kTile];
@@ -372,21 +388,14 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t row_bytes = D * kItemSize[K];
   const bool pf = g_prefetch.load(std::memory_order_relaxed);
-  auto tile_offsets = [&](int64_t p0, int64_t* off, int64_t* slot) {
-    const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTile, nkeys - p0)));
-    if (n == 0) return 0;
-    slots_of(a, tab, p0, n, slot);
-    for (int j = 0; j < n; ++j) off[j] = (hbase + slot[j]) * D;
-    const int n8 = (n + 7) & ~7;
-    for (int j = n; j < n8; ++j) off[j] = off[0];  // padding lanes read a valid row, then are masked
-    return n;
-  };
-  // Software prefetch, kPrefetchTiles tiles ahead: the first tiles are asked for at once, later
-  // ones one key's K and V rows per key summed (vacc), so the requests trickle out with the work
-  // instead of in bursts that fill the line-fill buffers (bursts were 0.9-1.1x slower here).
+  bool next_warm = false;
+  // Software prefetch, kPrefetchTiles tiles ahead: the first tiles are asked for at once (unless
+  // the previous job did), later ones one key's K and V rows per key summed (vacc), so the requests
+  // trickle out with the work instead of in bursts that fill the line-fill buffers (bursts were
+  // 0.9-1.1x slower here).
   for (int i = 0; i < kPrefetchTiles; ++i) {
-    cnt[i] = tile_offsets(i * kTile, offs[i], slots[i]);
-    if (pf) {
+    cnt[i] = tile_offsets(a, jb, i * kTile, offs[i], slots[i]);
+    if (pf && !(warm && i == 0)) {
       prefetch_rows<K>(a.k, offs[i], cnt[i], row_bytes);
       prefetch_rows<K>(a.v, offs[i], cnt[i], row_bytes);
     }
@@ -395,7 +404,11 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
     const int64_t* off = offs[ti];
     const int n = cnt[ti];
     const int ahead = (ti + kPrefetchTiles) % kRing;
-    cnt[ahead] = tile_offsets(p0 + kPrefetchTiles * kTile, offs[ahead], slots[ahead]);
+    cnt[ahead] = tile_offsets(a, jb, p0 + kPrefetchTiles * kTile, offs[ahead], slots[ahead]);
+    if (cnt[ahead] == 0 && next != nullptr && pf && kPrefetchTiles == 1) {  // the last tile
+      cnt[ahead] = tile_offsets(a, *next, 0, offs[ahead], slots[ahead]);
+      next_warm = true;
+    }
     int pn = pf ? cnt[ahead] : 0;
     if constexpr (K == kI8) {
       const int n8 = (n + 7) & ~7;
@@ -460,6 +473,7 @@ void job_avx2(const Args& a, const Job& jb, float* buf) {
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_loadu_ps(ar + d)));
     if constexpr (SPLIT) split_order(ar, o, D, true);
   }
+  return next_warm;
 }
 
 // Sum of n floats with four independent accumulators: the memory-bandwidth yardstick's inner loop.
@@ -515,7 +529,7 @@ void set_isa(const std::string& name) {
   }
 }
 
-using JobFn = void (*)(const Args&, const Job&, float*);
+using JobFn = bool (*)(const Args&, const Job&, const Job*, bool, float*);
 
 template <int K>
 JobFn job_fn(bool vec) {
@@ -692,8 +706,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);
 #endif
-    for (int64_t w = w0; w < w1; ++w)
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < njobs;) fn(a, jobs[i], buf.data());
+    for (int64_t w = w0; w < w1; ++w) {
+      // Each worker claims its next job before running the current one, so the current job can
+      // prefetch the next one's first tile.
+      bool warm = false;
+      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < njobs;) {
+        const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+        warm = fn(a, jobs[i], j < njobs ? &jobs[j] : nullptr, warm, buf.data());
+        i = j;
+      }
+    }
 #ifdef FD_AVX2
     _mm_setcsr(csr);
 #endif

@@ -2,9 +2,10 @@
 
 One decode item of `batch` sequences with the model's head shape (q, k, v out, o back), against
 real shard processes on loopback, through gpu_dense's own ShardPlane (services/gpu_dense/shards):
-- the pieces, each timed alone in this process: tensor codec (encode includes the copy into the
-  message), protobuf serialize and parse of request and response, a thread hop (executor round
-  trip) and an event-loop wake-up from another thread, which is what each hand-off costs;
+- the pieces, each timed alone in this process: the request built as wire bytes (q, k, v encoded
+  straight into them: codec.serialize_with), its parse and decode on the shard, the response's
+  encode, serialize and parse, a thread hop (executor round trip) and an event-loop wake-up from
+  another thread, which is what each hand-off costs;
 - the whole: `attend_rt_ms` = one round trip as gpu_dense makes it, the shard's attention time
   excluded; yardsticks measured in the same run: a bare grpc.aio bidi echo of the same byte
   sizes (`echo_rt_ms`) and a raw TCP echo;
@@ -93,10 +94,9 @@ def pieces(cfg: ModelConfig, batch: int, repeats: int = 200) -> dict[str, float]
     q, k, v = _tensors(cfg, batch)
     ids = [f"s{i}" for i in range(batch)]
     item = AttendItem(0, ids, [1] * batch, [512] * batch, q, k, v)
-    from services.gpu_dense.shards import ShardLinks
+    from services.gpu_dense.shards import attend_request
 
-    req = ShardLinks.request(0, item)
-    wire = req.SerializeToString()
+    wire = attend_request(0, item, 1)
     o = torch.randn(batch, cfg.num_attention_heads * cfg.head_dim)
     resp = kv_pb.AttendResponse(request_id=1)
     codec.encode(o, resp.o)
@@ -106,8 +106,8 @@ def pieces(cfg: ModelConfig, batch: int, repeats: int = 200) -> dict[str, float]
     return {
         "request_bytes": len(wire),
         "response_bytes": len(back),
-        "dense_encode_qkv_ms": _timeit(lambda: ShardLinks.request(0, item), repeats),
-        "dense_serialize_ms": _timeit(req.SerializeToString, repeats),
+        # q, k, v encoded straight into the request's wire bytes (codec.serialize_with): one step
+        "dense_encode_qkv_ms": _timeit(lambda: attend_request(0, item, 1), repeats),
         "shard_parse_ms": _timeit(lambda: kv_pb.AttendRequest.FromString(wire), repeats),
         "shard_decode_qkv_ms": _timeit(
             lambda: (codec.decode(parsed.q), codec.decode(parsed.k), codec.decode(parsed.v)), repeats

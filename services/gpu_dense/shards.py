@@ -5,7 +5,9 @@ flight at a time and a shard answers a stream in order, so the dense side writes
 straight onto the stream and reads its answer straight back: no request iterator fed by a
 queue, no reader task, no future or timer per item. A layer's items go out to all its shards
 before the first answer is awaited. Timeouts are one watchdog per plane: a stream that keeps an
-item longer than the shard timeout is cancelled, and its item fails as UNAVAILABLE.
+item longer than the shard timeout is cancelled, and its item fails as UNAVAILABLE. Requests go
+out as wire bytes built by codec.serialize_with (q, k and v copied once, from the tensors into the
+bytes); answers are parsed as AttendResponse messages.
 """
 
 from __future__ import annotations
@@ -25,11 +27,23 @@ from fastdecode.errors import ServiceError, Unavailable
 from fastdecode.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.rpc import error_from_status as from_status
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
-from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
 log = logging.getLogger("fastdecode.gpu_dense.shards")
 
 _ids = itertools.count(1)
+ATTEND_METHOD = f"/{kv_pb.DESCRIPTOR.services_by_name['KVAttention'].full_name}/Attend"
+
+
+def attend_request(layer: int, item: AttendItem, request_id: int) -> bytes:
+    """One item's AttendRequest as wire bytes."""
+    head = kv_pb.AttendRequest(
+        request_id=request_id,
+        layer=layer,
+        seq_ids=item.seq_ids,
+        num_tokens=item.num_tokens,
+        start_pos=item.start_pos,
+    )
+    return codec.serialize_with(head, q=item.q, k=item.k, v=item.v)
 
 
 class _Stream:
@@ -49,7 +63,10 @@ class ShardLink:
         self.address = address
         self.timeout = timeout
         self.channel = aio_channel(address, tls)
-        self.stub = kv_grpc.KVAttentionStub(self.channel)
+        # requests are already wire bytes (no serializer); answers parse as AttendResponse
+        self._attend = self.channel.stream_stream(
+            ATTEND_METHOD, request_serializer=None, response_deserializer=kv_pb.AttendResponse.FromString
+        )
         self._streams: dict[int, _Stream] = {}
 
     @property
@@ -69,7 +86,8 @@ class ShardLink:
         log.warning("%s stream lost: %s", self.name, reason)
         return Unavailable(reason)
 
-    async def send(self, slot: int, req: kv_pb.AttendRequest) -> None:
+    async def send(self, slot: int, layer: int, item: AttendItem) -> int:
+        """Write one item on the slot's stream; returns its request id."""
         stream = self._streams.get(slot)
         if stream is not None and stream.since is not None:
             # The last item's answer was never read: its step was cancelled (a scheduler that
@@ -78,11 +96,13 @@ class ShardLink:
             stream.call.cancel()
             stream = None
         if stream is None:
-            stream = self._streams[slot] = _Stream(self.stub.Attend())
-        req.request_id = next(_ids)
+            stream = self._streams[slot] = _Stream(self._attend())
+        request_id = next(_ids)
+        data = attend_request(layer, item, request_id)
         stream.since = time.monotonic()
         try:
-            await stream.call.write(req)
+            await stream.call.write(data)
+            return request_id
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.CancelledError) as e:
             if isinstance(e, asyncio.CancelledError) and not stream.expired:
                 raise
@@ -147,16 +167,6 @@ class ShardLinks:
             for link in self.links:
                 link.expire(now)
 
-    @staticmethod
-    def request(layer: int, item: AttendItem) -> kv_pb.AttendRequest:
-        req = kv_pb.AttendRequest(
-            layer=layer, seq_ids=item.seq_ids, num_tokens=item.num_tokens, start_pos=item.start_pos
-        )
-        codec.encode(item.q, req.q)
-        codec.encode(item.k, req.k)
-        codec.encode(item.v, req.v)
-        return req
-
     async def attend_layer(
         self, slot: int, layer: int, items: Sequence[AttendItem]
     ) -> list[torch.Tensor | BaseException]:
@@ -167,10 +177,8 @@ class ShardLinks:
         out: list[torch.Tensor | BaseException] = []
         sent: list[int | None] = []
         for item in items:  # all requests out before the first answer is awaited
-            req = self.request(layer, item)
             try:
-                await self.links[item.shard].send(slot, req)
-                sent.append(req.request_id)
+                sent.append(await self.links[item.shard].send(slot, layer, item))
             except ServiceError as e:
                 sent.append(None)
                 out.append(e)
@@ -186,11 +194,9 @@ class ShardLinks:
         return out
 
     async def _exchange(self, slot: int, layer: int, item: AttendItem) -> torch.Tensor | BaseException:
-        req = self.request(layer, item)
         link = self.links[item.shard]
         try:
-            await link.send(slot, req)
-            return await link.receive(slot, req.request_id)
+            return await link.receive(slot, await link.send(slot, layer, item))
         except ServiceError as e:
             return e
 

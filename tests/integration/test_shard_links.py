@@ -16,7 +16,7 @@ from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.rpc import item_error
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
-from services.gpu_dense.shards import ShardLink, ShardLinks
+from services.gpu_dense.shards import ShardLink, ShardLinks, attend_request
 
 HANG_LAYER = 7
 BAD_LAYER = 9
@@ -102,7 +102,8 @@ def test_links_answer_time_out_and_recover(concurrent: bool) -> None:
 
 @pytest.mark.parametrize("layer", [0])
 def test_request_carries_the_item(layer: int) -> None:
-    req = ShardLinks.request(layer, _item(0, 1.5))
+    req = pb.AttendRequest.FromString(attend_request(layer, _item(0, 1.5), 9))
+    assert req.request_id == 9
     assert list(req.seq_ids) == ["a", "b"] and list(req.num_tokens) == [1, 1] and req.layer == layer
     assert torch.equal(codec.decode(req.q), torch.full((2, 3, 4), 1.5))
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from fastdecode import codec
 from fastdecode.codec import TensorCodecError
 from fastdecode.errors import InvalidInput
-from fastdecode.v1 import tensor_pb2
+from fastdecode.v1 import kv_attention_pb2, tensor_pb2
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.uint8]
 
@@ -31,6 +31,32 @@ def test_round_trip_is_exact(dtype: torch.dtype, shape: list[int], seed: int) ->
     assert back.dtype == dtype and tuple(back.shape) == tuple(shape)
     assert torch.equal(back, t)
     assert len(msg.data) == math.prod(shape) * t.element_size()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    ids=st.lists(st.text(max_size=4), max_size=3),
+    big=st.integers(0, 2**62),
+    transpose=st.booleans(),
+)
+def test_serialize_with_parses_as_encode_then_serialize(
+    dtype: torch.dtype, shape: list[int], ids: list[str], big: int, transpose: bool
+) -> None:
+    """The hot path's wire bytes parse to the message encode + SerializeToString would have sent."""
+    t = (torch.arange(math.prod(shape)).reshape(shape) % 100).to(dtype)
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, 1)  # non-contiguous
+    fields = dict(request_id=big, layer=3, seq_ids=ids, num_tokens=[1] * len(ids), start_pos=[big] * len(ids))
+    want = kv_attention_pb2.AttendRequest(**fields)
+    for name in ("q", "v"):
+        codec.encode(t, getattr(want, name))
+    wire = codec.serialize_with(kv_attention_pb2.AttendRequest(**fields), q=t, v=t)
+    got = kv_attention_pb2.AttendRequest.FromString(wire)
+    assert got == want and not got.HasField("k")
+    assert len(wire) == len(want.SerializeToString())
+    assert torch.equal(codec.decode(got.v), t)
 
 
 def test_non_contiguous_and_bf16_bit_patterns() -> None:

@@ -275,10 +275,14 @@ class GuardedRequests(grpc.aio.ServerInterceptor):
 
 
 # ---- channels -----------------------------------------------------------------------------------
-def aio_channel(target: str, tls: TLSFiles | None = None) -> grpc.aio.Channel:
+def aio_channel(
+    target: str, tls: TLSFiles | None = None, options: Sequence[tuple[str, int]] = ()
+) -> grpc.aio.Channel:
+    """A channel with CHANNEL_OPTIONS plus `options` (DATA_PLANE_OPTIONS for Attend links)."""
+    opts = [*CHANNEL_OPTIONS, *options]
     if tls is not None and (tls.enabled or tls.ca):
-        return grpc.aio.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
+    return grpc.aio.insecure_channel(target, options=opts)
 
 
 def sync_channel(target: str, tls: TLSFiles | None = None) -> grpc.Channel:
@@ -313,6 +317,7 @@ class Server:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         guard_requests: bool = True,
+        options: Sequence[tuple[str, int]] = (),
     ) -> None:
         # Undecodable bytes are INVALID_ARGUMENT everywhere (the gateway parses its own, guarded too).
         guards = [GuardedRequests()] if guard_requests else []
@@ -324,6 +329,7 @@ class Server:
                 ("grpc.so_reuseport", 0),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                *options,
             ],
         )
         self.service_names = list(service_names)

@@ -24,6 +24,7 @@ import torch
 from fastdecode import codec
 from fastdecode.dense import AttendItem
 from fastdecode.errors import ServiceError, Unavailable
+from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.rpc import error_from_status as from_status
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -62,7 +63,7 @@ class ShardLink:
         self.index = index
         self.address = address
         self.timeout = timeout
-        self.channel = aio_channel(address, tls)
+        self.channel = aio_channel(address, tls, DATA_PLANE_OPTIONS)
         # requests are already wire bytes (no serializer); answers parse as AttendResponse
         self._attend = self.channel.stream_stream(
             ATTEND_METHOD, request_serializer=None, response_deserializer=kv_pb.AttendResponse.FromString

@@ -11,6 +11,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode import codec
 from fastdecode.kv import KV_DTYPES, native
+from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.rpc import Server, abort, code_from_int, item_error, request_id_of
 from fastdecode.settings import ShardSettings
 from fastdecode.shard import ShardCore
@@ -171,6 +172,7 @@ async def serve(settings: Settings) -> None:
         settings.port,
         settings.tls,
         settings.grace_seconds,
+        options=DATA_PLANE_OPTIONS,
     )
     service = KVAttentionService(settings)
     pb_grpc.add_KVAttentionServicer_to_server(service, server.server)

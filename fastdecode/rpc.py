@@ -194,9 +194,18 @@ class _GuardedContext:
         return getattr(self._context, name)
 
 
+def _bytes_or(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """`serialize`, passing through a response the handler already made wire bytes (the shard's
+    Attend answers, built by codec.serialize_with)."""
+    if serialize is None:
+        return None
+    return lambda message: message if isinstance(message, bytes) else serialize(message)
+
+
 class GuardedRequests(grpc.aio.ServerInterceptor):
     """Every method parses its requests with a guarded deserializer: bytes that do not parse end the
-    call with INVALID_ARGUMENT naming the message type and one WARNING line; the server goes on."""
+    call with INVALID_ARGUMENT naming the message type and one WARNING line; the server goes on.
+    A handler may also answer with wire bytes it serialized itself (they go out as they are)."""
 
     async def intercept_service(
         self,
@@ -210,7 +219,7 @@ class GuardedRequests(grpc.aio.ServerInterceptor):
         inner = handler.request_deserializer
         message_type = getattr(getattr(inner, "__self__", None), "DESCRIPTOR", None)
         parse = guarded_parser(inner, message_type.full_name if message_type else method)
-        serialize = handler.response_serializer
+        serialize = _bytes_or(handler.response_serializer)
         if handler.unary_unary is not None:
             fn = handler.unary_unary
 

@@ -9,6 +9,7 @@ latency every decode step pays once per layer.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,9 +86,6 @@ class ShardCore:
         o = store.attend(req.layer, list(req.seq_ids), num_tokens, start_pos, q, k, v)
         seconds = time.perf_counter() - t0
         # Each new token attends to every cached token of its sequence, its own chunk included.
-        context = pairs = 0
-        for p, n in zip(start_pos, num_tokens, strict=True):
-            context += p + n
-            pairs += n * (p + n)
-        self.attended_pairs += pairs
-        return AttendResult(o, seconds, context * store.bytes_per_token // store.num_layers)
+        ends = list(map(operator.add, start_pos, num_tokens))
+        self.attended_pairs += sum(map(operator.mul, num_tokens, ends))
+        return AttendResult(o, seconds, sum(ends) * store.bytes_per_token // store.num_layers)

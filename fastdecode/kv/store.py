@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -259,10 +261,12 @@ class KVStore:
         ResourceExhausted (naming the sequences left short) when the pool runs out: every block taken
         here is given back, so a failed call leaves the pool as it was.
         """
+        self._grow([self.seqs[sid] for sid in seq_ids], seq_ids, ends)
+
+    def _grow(self, seqs: list[_Seq], seq_ids: list[str], ends: list[int]) -> None:
         taken: list[tuple[_Seq, list[int]]] = []
         short: list[str] = []
-        for sid, end in zip(seq_ids, ends, strict=True):
-            seq = self.seqs[sid]
+        for seq, sid, end in zip(seqs, seq_ids, ends, strict=True):
             if end <= seq.capacity:
                 continue
             blocks = list(seq.blocks)
@@ -334,7 +338,8 @@ class KVStore:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-    ) -> None:
+    ) -> list[_Seq]:
+        """Validates one attend call; returns its sequences, in order."""
         if not 0 <= layer < self.num_layers:
             raise InvalidInput(f"layer {layer} outside [0, {self.num_layers})")
         if not (len(seq_ids) == len(num_tokens) == len(start_pos)):
@@ -360,8 +365,8 @@ class KVStore:
                 raise InvalidInput(f"q/k/v must be floating point, got {t.dtype}")
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidInput("a sequence appears twice in one attend call")
-        for sid, start in zip(seq_ids, start_pos, strict=True):
-            seq = self.seqs.get(sid)
+        seqs = [self.seqs.get(sid) for sid in seq_ids]
+        for seq, sid, start in zip(seqs, seq_ids, start_pos, strict=True):
             if seq is None:
                 raise NotFound(f"sequence {sid!r} is not held by this shard")
             if not 0 <= start <= seq.lengths[layer]:
@@ -369,6 +374,7 @@ class KVStore:
                     f"sequence {sid!r} layer {layer}: start_pos {start} leaves a gap "
                     f"(holds {seq.lengths[layer]} tokens)"
                 )
+        return seqs  # type: ignore[return-value]  # None raised above
 
     def attend(
         self,
@@ -384,12 +390,17 @@ class KVStore:
 
         q [T, H, D], k/v [T, KVH, D], packed in seq order; returns o [T, H*D] in q's dtype.
         """
-        self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
-        self.grow(seq_ids, [s + n for s, n in zip(start_pos, num_tokens, strict=True)])
+        seqs = self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
+        ends = list(map(operator.add, start_pos, num_tokens))
+        self._grow(seqs, seq_ids, ends)
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self._native is not None:
                 out = self._attend_native(layer, seq_ids, num_tokens, start_pos, q, k, v)
+                for seq, end in zip(seqs, ends, strict=True):
+                    held = seq.lengths
+                    if held[layer] < end:
+                        held[layer] = end
             else:
                 out = None
                 if not self.quantized:
@@ -439,15 +450,13 @@ class KVStore:
             *scales,
             table,
             offsets,
-            torch.tensor(start_pos, dtype=torch.int64),
-            torch.tensor(num_tokens, dtype=torch.int64),
+            # through numpy: a third of torch.tensor's time for a list of ints
+            torch.from_numpy(np.array(start_pos, dtype=np.int64)),
+            torch.from_numpy(np.array(num_tokens, dtype=np.int64)),
             self.block_size,
             1.0 / math.sqrt(self.head_dim),
         )
-        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
-            seq = self.seqs[sid]
-            seq.lengths[layer] = max(seq.lengths[layer], start + n)
-        return o.to(q.dtype)
+        return o.to(q.dtype)  # attend() records the new lengths
 
     def _attend_uniform_decode(
         self,

@@ -127,22 +127,24 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             stats.bytes_capacity = self.settings.kv_capacity
         return stats
 
-    def answer(self, req: pb.AttendRequest) -> pb.AttendResponse:
+    def answer(self, req: pb.AttendRequest) -> bytes | pb.AttendResponse:
         """One Attend item, run right here on the event loop: a hop to a worker thread and back
         cost more than the item on this path (see `bench transport --breakdown`). Reserve and
-        Release run on this loop too, so they never interleave with an item."""
-        resp = pb.AttendResponse(request_id=req.request_id)
+        Release run on this loop too, so they never interleave with an item. An answer goes out
+        as wire bytes (o copied once, by codec.serialize_with; the server's guard passes bytes
+        through), an error as an AttendResponse message."""
         try:
             r = self.core.attend(req)
-            codec.encode(r.o, resp.o)
-            resp.attend_seconds = r.seconds
             self._attention_seconds.observe(r.seconds)
             self._kv_bytes_read.inc(r.kv_bytes_read)
+            head = pb.AttendResponse(request_id=req.request_id, attend_seconds=r.seconds)
+            return codec.serialize_with(head, o=r.o)
         except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
+            resp = pb.AttendResponse(request_id=req.request_id)
             resp.error.CopyFrom(item_error(e))
             ATTEND_ERRORS.labels(self.shard, code_from_int(resp.error.code).name).inc()
             log.debug("attend item %d failed: %s", req.request_id, e)
-        return resp
+            return resp
 
     async def Attend(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         # Direct reads and writes on the stream: no async generator between us and gRPC.

@@ -365,8 +365,9 @@ class KVStore:
                 raise InvalidInput(f"q/k/v must be floating point, got {t.dtype}")
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidInput("a sequence appears twice in one attend call")
-        seqs = [self.seqs.get(sid) for sid in seq_ids]
-        for seq, sid, start in zip(seqs, seq_ids, start_pos, strict=True):
+        seqs: list[_Seq] = []
+        for sid, start in zip(seq_ids, start_pos, strict=True):
+            seq = self.seqs.get(sid)
             if seq is None:
                 raise NotFound(f"sequence {sid!r} is not held by this shard")
             if not 0 <= start <= seq.lengths[layer]:
@@ -374,7 +375,8 @@ class KVStore:
                     f"sequence {sid!r} layer {layer}: start_pos {start} leaves a gap "
                     f"(holds {seq.lengths[layer]} tokens)"
                 )
-        return seqs  # type: ignore[return-value]  # None raised above
+            seqs.append(seq)
+        return seqs
 
     def attend(
         self,

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fastdecode.benchmarks.common import median, run_async
-from fastdecode.benchmarks.transport import ensure_model
+from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,9 +99,13 @@ def run_local(
 
 
 async def _drive(
-    target: str, prompts: list[list[int]], gen_len: int
+    target: str, prompts: list[list[int]], gen_len: int, window: Callable[[int], None] | None = None
 ) -> tuple[int, float, list[float], list[float]]:
+    """`window(tokens)` is called when the streams have produced a quarter and three quarters of
+    their tokens: the steady decode between those marks, without prefill or the last stragglers."""
     from fastdecode.client import AsyncClient
+
+    marks = [len(prompts) * gen_len // 4, 3 * len(prompts) * gen_len // 4]
 
     ttft: list[float] = []
     itl: list[float] = []
@@ -118,6 +123,10 @@ async def _drive(
                     (ttft if first else itl).append(now - (t0 if first else last))
                     first, last = False, now
                     tokens += len(chunk.token_ids)
+                    while marks and tokens >= marks[0]:
+                        marks.pop(0)
+                        if window is not None:
+                            window(tokens)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(p) for p in prompts))
@@ -149,11 +158,39 @@ def run_fleet(
         device=device,
         kv_capacity=kv_capacity,
     )
+    pids = up.pids()
+    marks: list[tuple[int, float, list[float]]] = []
+
+    def window(tokens: int) -> None:  # the bench process itself is the fleet's client
+        marks.append(
+            (tokens, time.perf_counter(), [process_cpu_seconds(p) for p in pids] + [time.process_time()])
+        )
+
     try:
-        tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len))
+        tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len, window))
     finally:
         up.stop()
-    return _summary("fleet", tokens, total, ttft, itl)
+    out = _summary("fleet", tokens, total, ttft, itl)
+    if len(marks) == 2:
+        out.update(cpu_per_step(marks[0], marks[1], len(prompts), len(pids) - 3))
+    return out
+
+
+def cpu_per_step(
+    start: tuple[int, float, list[float]], end: tuple[int, float, list[float]], batch: int, shards: int
+) -> dict[str, float]:
+    """CPU ms each process spent per decode step (`batch` tokens) between two marks of
+    (tokens so far, wall seconds, CPU seconds of gateway, scheduler, gpu_dense, each shard, client),
+    and how many cores they kept busy together: on a host the services share, where the step goes."""
+    steps = (end[0] - start[0]) / batch
+    cpu = [(b - a) * 1e3 / steps for a, b in zip(start[2], end[2], strict=True)]
+    names = ["gateway", "scheduler", "gpu_dense"]
+    out = {f"fleet_cpu_ms_{n}": c for n, c in zip(names, cpu, strict=False)}
+    out["fleet_cpu_ms_shards"] = sum(cpu[3 : 3 + shards])
+    out["fleet_cpu_ms_client"] = cpu[-1]
+    out["fleet_cpu_ms_per_step"] = sum(cpu)
+    out["fleet_cores_busy"] = sum(b - a for a, b in zip(start[2], end[2], strict=True)) / (end[1] - start[1])
+    return out
 
 
 def run_fleet_bench(

@@ -44,7 +44,7 @@ def ensure_model(arch: str = "llama", preset: str = "small", root: Path | None =
     return checkpoint.ensure_model(arch, preset, (root or default_model_dir().parent) / f"{preset}-{arch}")
 
 
-def _cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process (all its threads); nan where /proc is missing."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -188,12 +188,12 @@ async def _run(
             pos = context + step
             plan = _plan(step, ids, tokens, pos, pipeline)
             await asyncio.sleep(_SETTLE_S)
-            cpu0 = sum(_cpu_seconds(p.pid) for p in procs)
+            cpu0 = sum(process_cpu_seconds(p.pid) for p in procs)
             t0 = time.perf_counter()
             await call.write(plan)
             res = await call.read()
             dt = time.perf_counter() - t0
-            cpu1 = sum(_cpu_seconds(p.pid) for p in procs)
+            cpu1 = sum(process_cpu_seconds(p.pid) for p in procs)
             if res.error.code:
                 raise ServiceError(f"step {step} failed: {res.error.message}")
             for r in res.results:

@@ -49,6 +49,12 @@ def test_cli_bench_fleet_plot(model_factory: Callable, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout.strip().splitlines()[-1])
     assert {f"{s}_itl_p{q}_ms" for s in ("hf", "local", "fleet") for q in (10, 50, 90, 99)} <= result.keys()
+    # per-process CPU over the steady window (clock ticks are 10 ms: toy sizes may read 0)
+    cpu = {f"fleet_cpu_ms_{n}" for n in ("gateway", "scheduler", "gpu_dense", "shards", "client", "per_step")}
+    assert all(result[k] >= 0 for k in cpu | {"fleet_cores_busy"})
+    assert result["fleet_cpu_ms_per_step"] == pytest.approx(
+        sum(result[k] for k in cpu - {"fleet_cpu_ms_per_step"})
+    )
     assert f"plot written to {png}" in res.stderr
     assert imread(png).size > 0
     assert len(fleet_bench_figure(result).axes) == 2

@@ -63,3 +63,19 @@ def test_cli_bench_table_and_errors() -> None:
     assert res.exit_code != 0 and "KEY=VALUE" in res.output
     assert format_pairs({"a": 1.23456, "bb": "x", "skip": {}}) == "a   1.235\nbb  x"
     assert format_table([{"a": 1, "b": 2.0}]).splitlines() == ["a  b", "1  2"]
+
+
+def test_fleet_cpu_per_step_splits_the_window_by_process() -> None:
+    from fastdecode.benchmarks.fleet_bench import cpu_per_step
+
+    # 2 shards; 64 tokens at batch 32 = 2 steps in 0.5 s of wall time
+    start = (32, 10.0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    end = (96, 10.5, [1.01, 2.02, 3.2, 4.04, 5.06, 6.008])
+    r = cpu_per_step(start, end, batch=32, shards=2)
+    assert r["fleet_cpu_ms_gateway"] == pytest.approx(5.0)
+    assert r["fleet_cpu_ms_scheduler"] == pytest.approx(10.0)
+    assert r["fleet_cpu_ms_gpu_dense"] == pytest.approx(100.0)
+    assert r["fleet_cpu_ms_shards"] == pytest.approx(50.0)
+    assert r["fleet_cpu_ms_client"] == pytest.approx(4.0)
+    assert r["fleet_cpu_ms_per_step"] == pytest.approx(169.0)
+    assert r["fleet_cores_busy"] == pytest.approx(0.338 / 0.5)

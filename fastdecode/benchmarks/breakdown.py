@@ -150,14 +150,24 @@ def round_trips(
     shards: list[ServiceProcess],
     repeats: int,
     plane_factory: PlaneFactory = _default_plane,
+    busy_s: float = 0.0,
 ) -> dict[str, float]:
     """One layer's Attend round trips to len(shards) shards through the dense side's ShardPlane.
 
+    `busy_s`: matrix products on this process's torch threads before each round trip, as the dense
+    S-part runs between a step's layers: the shards' and pollers' threads have gone idle and wake on
+    busy cores (on a 2-core host 0.4-1.1 ms more per layer than back-to-back round trips).
     Returns wall ms per layer and this process's CPU ms per round trip (per shard item)."""
     n = len(shards)
     per = [list(range(i * batch // n, (i + 1) * batch // n)) for i in range(n)]
     ids = [[f"s{j}" for j in rows] for rows in per]
     q, k, v = _tensors(cfg, batch)
+    x, w = torch.randn(batch, cfg.hidden_size), torch.randn(cfg.hidden_size, cfg.intermediate_size)
+
+    def busy() -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < busy_s:
+            torch.mm(x, w)
 
     async def run() -> tuple[list[float], float]:
         plane = plane_factory([s.address for s in shards])
@@ -182,6 +192,7 @@ def round_trips(
                     )
                     for i, r in enumerate(per)
                 ]
+                busy()
                 c0 = time.process_time()
                 t0 = time.perf_counter()
                 outs = await plane.attend_layer(0, 0, items)
@@ -220,14 +231,16 @@ def layer_transport_s(
     threads: int,
     repeats: int = 60,
     env: dict[str, str] | None = None,
+    busy_s: float = 0.0,
 ) -> float:
     """Seconds one layer's Attend round trips to `shards` shard processes add beyond the slowest
-    shard's attention, through gpu_dense's own ShardPlane: what the planner adds per layer."""
+    shard's attention, through gpu_dense's own ShardPlane: what the planner adds per layer
+    (`busy_s`: the dense compute between round trips, see round_trips)."""
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-rtt-"))
     procs = start_shards(shards, workdir, env, threads)
     try:
         before = _shard_busy(procs)
-        r = round_trips(cfg, batch, procs, repeats)
+        r = round_trips(cfg, batch, procs, repeats, busy_s=busy_s)
         attention = (_shard_busy(procs) - before) / repeats
     finally:
         stop_processes(procs, 10.0)

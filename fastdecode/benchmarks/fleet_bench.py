@@ -200,24 +200,41 @@ def cpu_per_step(
     return out
 
 
-def profile_as_services(model: Path, batch_sizes: list[int], device: str, attn_threads: int) -> Profile:
-    """planner.measure_profile in a child process started with the environment `fastdecode up` gives
-    its services (CO_LOCATED_ENV, where the user has not set those variables): libgomp reads
-    GOMP_SPINCOUNT once when it loads, and gpu_dense's S-part with the short spin measured 12% and
-    more slower than in a process with the default one."""
+def planner_profile(model: str, batch: int, shards: int, device: str) -> Profile:
+    """T(B) around B, R at the threads each co-located shard gets (the fleet splits the cores between
+    its shards), and the layer round trip through gpu_dense's own links to `shards` real shard
+    processes; on a CPU host each round trip follows one layer's S-part of compute on the cores the
+    shards share, as in a step (the shards' threads have gone idle and wake on busy cores)."""
+    from fastdecode.benchmarks.breakdown import layer_transport_s
+    from fastdecode.fleet import CO_LOCATED_ENV, shard_threads
+    from fastdecode.model import ModelConfig
+    from fastdecode.planner import measure_profile
+
+    threads = shard_threads(shards)
+    profile = measure_profile(
+        model, sorted({max(1, batch // 2), batch, batch * 2}), device, attn_threads=threads
+    )
+    busy = profile.t_at(batch) if device.startswith("cpu") else 0.0
+    cfg = ModelConfig.from_pretrained(model)
+    profile.rtt_s = layer_transport_s(cfg, batch, shards, threads, env=CO_LOCATED_ENV, busy_s=busy)
+    return profile
+
+
+def planner_profile_as_services(model: Path, batch: int, shards: int, device: str) -> Profile:
+    """planner_profile in a child process started with the environment `fastdecode up` gives its
+    services (CO_LOCATED_ENV, where the user has not set those variables): libgomp reads
+    GOMP_SPINCOUNT once when it loads. With the short spin gpu_dense's S-part measured 12% and more
+    slower than with the default one, and a long-spinning thread left over from the S-part stand-in
+    would take a core from the shards during the round trip (0.4-1.1 ms more per layer, 0.2-0.5
+    with the services' spin)."""
     from fastdecode.fleet import CO_LOCATED_ENV
     from fastdecode.planner import Profile
 
-    args = {
-        "model_dir": str(model),
-        "batch_sizes": batch_sizes,
-        "device": device,
-        "attn_threads": attn_threads,
-    }
+    args = [str(model), batch, shards, device]
     code = (
         "import json, sys\n"
-        "from fastdecode.planner import measure_profile\n"
-        "print(json.dumps(measure_profile(**json.loads(sys.argv[1])).to_dict()))"
+        "from fastdecode.benchmarks.fleet_bench import planner_profile\n"
+        "print(json.dumps(planner_profile(*json.loads(sys.argv[1])).to_dict()))"
     )
     env = {**os.environ, **{k: v for k, v in CO_LOCATED_ENV.items() if k not in os.environ}}
     res = subprocess.run(
@@ -239,8 +256,7 @@ def run_fleet_bench(
     pipeline: str = "auto",
     kv_dtype: str = "float32",
 ) -> dict[str, Any]:
-    from fastdecode.benchmarks.breakdown import layer_transport_s
-    from fastdecode.fleet import CO_LOCATED_ENV, shard_threads
+    from fastdecode.fleet import shard_threads
     from fastdecode.model import ModelConfig
     from fastdecode.planner import predicted_step_s
 
@@ -265,15 +281,10 @@ def run_fleet_bench(
         out.update(run_hf(path, prompts, gen_len))
     out.update(run_local(path, prompts, gen_len, device, kv_dtype))
     out.update(run_fleet(path, prompts, gen_len, shards, device, kv_capacity, pipeline, kv_dtype))
-    # Planner: T(B) around B and R measured on this machine; the mean context of a decode step is
-    # prompt + gen/2, which the planner's B * S / 2 load expresses with S = 2 * prompt + gen.
-    # R at the threads each shard gets on this host (the fleet splits the cores between its shards),
-    # and the round trip measured through gpu_dense's own links to `shards` real shard processes.
+    # Planner: the mean context of a decode step is prompt + gen/2, which the planner's B * S / 2
+    # load expresses with S = 2 * prompt + gen.
     threads = shard_threads(shards)
-    profile = profile_as_services(path, sorted({max(1, batch // 2), batch, batch * 2}), device, threads)
-    # On a CPU host each round trip follows one layer's S-part on the cores the shards share.
-    busy = profile.t_at(batch) if device.startswith("cpu") else 0.0
-    profile.rtt_s = layer_transport_s(cfg, batch, shards, threads, env=CO_LOCATED_ENV, busy_s=busy)
+    profile = planner_profile_as_services(path, batch, shards, device)
     # S and R overlap only on separate hardware: where gpu_dense computes on the cores the shards
     # attend on (a CPU-only host), a layer costs S + R whichever way the pipeline runs.
     overlap = not device.startswith("cpu") and pipeline != "off"

@@ -385,9 +385,15 @@ def measure_attention(
     *,
     repeats: int = 5,
     warmup: int = 2,
+    kv_dtype: Any = None,
+    flush_bytes: int = 1 << 30,
 ) -> float:
     """R: seconds per new token per cached token for one KV store (one layer), from decode steps of
-    `batch` sequences holding `context` tokens each."""
+    `batch` sequences holding `context` tokens each, KV in `kv_dtype` (default float32).
+
+    Before each timed step a `flush_bytes` buffer is read: in a real step a layer's KV was last read
+    one step ago, with every other layer and the dense weights read since, so it comes from DRAM.
+    Timed back to back, a small store stays in a large L3 and R reads 2-3x fast."""
     import torch
 
     from fastdecode.kv import KVStore
@@ -395,9 +401,9 @@ def measure_attention(
     if min(num_kv_heads, num_heads, head_dim, context, batch) < 1:
         raise InvalidInput("measure_attention needs positive sizes")
     steps = repeats + warmup
-    per_token = 2 * num_kv_heads * head_dim * 4
+    per_token = 2 * num_kv_heads * (head_dim + 1) * 4  # room for any KV dtype, int8's scales included
     capacity = int(per_token * batch * (context + steps + 1) * 2) + (1 << 20)
-    kv = KVStore(1, num_kv_heads, head_dim, capacity, dtype=torch.float32)
+    kv = KVStore(1, num_kv_heads, head_dim, capacity, dtype=kv_dtype or torch.float32)
     ids = [f"m{i}" for i in range(batch)]
     for s in ids:
         kv.reserve(s, context + steps + 1)
@@ -410,21 +416,20 @@ def measure_attention(
             torch.randn(t, num_kv_heads, head_dim, generator=gen),
         )
 
+    flush = torch.ones(max(1, flush_bytes // 4))
+    times = []
     with torch.inference_mode():
         for s in ids:  # fill each cache with `context` tokens, one sequence at a time to bound memory
             q, k, v = qkv(context)
             kv.attend(0, [s], [context], [0], q, k, v)
-        pos = [context]
-        inputs = [qkv(batch) for _ in range(steps)]
-        it = iter(inputs)
-
-        def once() -> None:
-            q, k, v = next(it)
-            kv.attend(0, ids, [1] * batch, [pos[0]] * batch, q, k, v)
-            pos[0] += 1
-
-        t = _median_time(once, repeats, warmup)
-    return t / (batch * (context + warmup + repeats / 2))
+        for step in range(steps):
+            q, k, v = qkv(batch)
+            flush.sum()
+            t0 = time.perf_counter()
+            kv.attend(0, ids, [1] * batch, [context + step] * batch, q, k, v)
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times) / (batch * (context + warmup + repeats / 2))
 
 
 def measure_profile(
@@ -435,10 +440,11 @@ def measure_profile(
     context: int = 256,
     attn_batch: int = 8,
     attn_threads: int | None = None,
+    kv_dtype: str = "float32",
 ) -> Profile:
     """Measure T(B) on `device` and R on this host's CPU for the model in model_dir. `attn_threads`:
     the torch threads one shard runs with (co-located shards split the host's cores, and R per
-    shard is what sets the step), default torch's."""
+    shard is what sets the step), default torch's; `kv_dtype`: the shards' KV storage type."""
     import torch
 
     from fastdecode.model import DenseModel
@@ -452,7 +458,12 @@ def measure_profile(
         torch.set_num_threads(attn_threads)
     try:
         r = measure_attention(
-            cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, context, attn_batch
+            cfg.num_key_value_heads,
+            cfg.num_attention_heads,
+            cfg.head_dim,
+            context,
+            attn_batch,
+            kv_dtype=getattr(torch, kv_dtype),
         )
     finally:
         torch.set_num_threads(before)
@@ -466,6 +477,7 @@ def measure_profile(
         t_head=head,
         notes={
             "dtype": "float32",
+            "kv_dtype": kv_dtype,
             "attn_context": context,
             "attn_batch": attn_batch,
             "attn_threads": attn_threads or before,

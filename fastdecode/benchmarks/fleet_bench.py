@@ -200,11 +200,12 @@ def cpu_per_step(
     return out
 
 
-def planner_profile(model: str, batch: int, shards: int, device: str) -> Profile:
-    """T(B) around B, R at the threads each co-located shard gets (the fleet splits the cores between
-    its shards), and the layer round trip through gpu_dense's own links to `shards` real shard
-    processes; on a CPU host each round trip follows one layer's S-part of compute on the cores the
-    shards share, as in a step (the shards' threads have gone idle and wake on busy cores)."""
+def planner_profile(model: str, batch: int, shards: int, device: str, context: int, kv_dtype: str) -> Profile:
+    """T(B) around B; R at the threads each co-located shard gets (the fleet splits the cores between
+    its shards), on one shard's share of the batch at the step's mean `context` in `kv_dtype`; and
+    the layer round trip through gpu_dense's own links to `shards` real shard processes. On a CPU
+    host each round trip follows one layer's S-part of compute on the cores the shards share, as in
+    a step (the shards' threads have gone idle and wake on busy cores)."""
     from fastdecode.benchmarks.breakdown import layer_transport_s
     from fastdecode.fleet import CO_LOCATED_ENV, shard_threads
     from fastdecode.model import ModelConfig
@@ -212,7 +213,13 @@ def planner_profile(model: str, batch: int, shards: int, device: str) -> Profile
 
     threads = shard_threads(shards)
     profile = measure_profile(
-        model, sorted({max(1, batch // 2), batch, batch * 2}), device, attn_threads=threads
+        model,
+        sorted({max(1, batch // 2), batch, batch * 2}),
+        device,
+        context=context,
+        attn_batch=max(1, batch // shards),
+        attn_threads=threads,
+        kv_dtype=kv_dtype,
     )
     busy = profile.t_at(batch) if device.startswith("cpu") else 0.0
     cfg = ModelConfig.from_pretrained(model)
@@ -220,7 +227,9 @@ def planner_profile(model: str, batch: int, shards: int, device: str) -> Profile
     return profile
 
 
-def planner_profile_as_services(model: Path, batch: int, shards: int, device: str) -> Profile:
+def planner_profile_as_services(
+    model: Path, batch: int, shards: int, device: str, context: int, kv_dtype: str
+) -> Profile:
     """planner_profile in a child process started with the environment `fastdecode up` gives its
     services (CO_LOCATED_ENV, where the user has not set those variables): libgomp reads
     GOMP_SPINCOUNT once when it loads. With the short spin gpu_dense's S-part measured 12% and more
@@ -230,7 +239,7 @@ def planner_profile_as_services(model: Path, batch: int, shards: int, device: st
     from fastdecode.fleet import CO_LOCATED_ENV
     from fastdecode.planner import Profile
 
-    args = [str(model), batch, shards, device]
+    args = [str(model), batch, shards, device, context, kv_dtype]
     code = (
         "import json, sys\n"
         "from fastdecode.benchmarks.fleet_bench import planner_profile\n"
@@ -284,7 +293,7 @@ def run_fleet_bench(
     # Planner: the mean context of a decode step is prompt + gen/2, which the planner's B * S / 2
     # load expresses with S = 2 * prompt + gen.
     threads = shard_threads(shards)
-    profile = planner_profile_as_services(path, batch, shards, device)
+    profile = planner_profile_as_services(path, batch, shards, device, prompt_len + gen_len // 2, kv_dtype)
     # S and R overlap only on separate hardware: where gpu_dense computes on the cores the shards
     # attend on (a CPU-only host), a layer costs S + R whichever way the pipeline runs.
     overlap = not device.startswith("cpu") and pipeline != "off"

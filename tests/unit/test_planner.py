@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from fastdecode import planner
@@ -168,8 +169,11 @@ def test_measure_on_a_tiny_model(tmp_path: Path) -> None:
     d = make_model("llama", "tiny", tmp_path / "m", seed=1)
     t = planner.measure_dense(d, [1, 4], "cpu", repeats=2, warmup=1)
     assert set(t) == {1, 4} and all(v > 0 for v in t.values())
-    r = planner.measure_attention(2, 4, 16, context=32, batch=2, repeats=2, warmup=1)
-    assert 0 < r < 1e-3
+    for kv_dtype in (torch.float32, torch.bfloat16, torch.int8):
+        r = planner.measure_attention(
+            2, 4, 16, context=32, batch=2, repeats=2, warmup=1, kv_dtype=kv_dtype, flush_bytes=1 << 20
+        )
+        assert 0 < r < 1e-3
 
 
 def test_step_head_is_added_once_per_step_and_survives_json(tmp_path: Path) -> None:

@@ -156,7 +156,9 @@ def round_trips(
 
     `busy_s`: matrix products on this process's torch threads before each round trip, as the dense
     S-part runs between a step's layers: the shards' and pollers' threads have gone idle and wake on
-    busy cores (on a 2-core host 0.4-1.1 ms more per layer than back-to-back round trips).
+    busy cores (on a 2-core host 0.2-0.5 ms more per layer than back-to-back round trips when this
+    process has the services' short OpenMP spin, 0.4-1.1 ms with the default, whose spinning
+    threads outlast the products and take a core from the shards).
     Returns wall ms per layer and this process's CPU ms per round trip (per shard item)."""
     n = len(shards)
     per = [list(range(i * batch // n, (i + 1) * batch // n)) for i in range(n)]

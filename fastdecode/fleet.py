@@ -183,6 +183,11 @@ def stop_processes(services: list[ServiceProcess], grace: float = 25.0) -> None:
 CO_LOCATED_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 
+def co_located_env() -> dict[str, str]:
+    """CO_LOCATED_ENV less what the user's environment already sets (theirs wins)."""
+    return {k: v for k, v in CO_LOCATED_ENV.items() if k not in os.environ}
+
+
 def shard_threads(shards: int) -> int:
     """torch threads per co-located shard: the host's cores split between the shards."""
     return max(1, (os.cpu_count() or 1) // shards)
@@ -226,7 +231,7 @@ class Fleet:
         w = self.workdir
         # The services share this host's cores: OpenMP workers that spin after every parallel region
         # steal them from the other processes (measured: 3.4x slower decode on 2 cores). Spin briefly.
-        env = {**{k: v for k, v in CO_LOCATED_ENV.items() if k not in os.environ}, **self.env}
+        env = {**co_located_env(), **self.env}
         try:
             pending = [
                 spawn_service(

@@ -236,7 +236,7 @@ def planner_profile_as_services(
     slower than with the default one, and a long-spinning thread left over from the S-part stand-in
     would take a core from the shards during the round trip (0.4-1.1 ms more per layer, 0.2-0.5
     with the services' spin)."""
-    from fastdecode.fleet import CO_LOCATED_ENV
+    from fastdecode.fleet import co_located_env
     from fastdecode.planner import Profile
 
     args = [str(model), batch, shards, device, context, kv_dtype]
@@ -245,7 +245,7 @@ def planner_profile_as_services(
         "from fastdecode.benchmarks.fleet_bench import planner_profile\n"
         "print(json.dumps(planner_profile(*json.loads(sys.argv[1])).to_dict()))"
     )
-    env = {**os.environ, **{k: v for k, v in CO_LOCATED_ENV.items() if k not in os.environ}}
+    env = {**os.environ, **co_located_env()}
     res = subprocess.run(
         [sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True, timeout=900
     )

@@ -184,3 +184,26 @@ def test_step_head_is_added_once_per_step_and_survives_json(tmp_path: Path) -> N
     assert planner.predicted_step_s(p, 16, 1, 100, overlap=False) == pytest.approx(without + 6e-3)
     p.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json").t_head == p.t_head
+
+
+def test_dense_times_walk_the_layers() -> None:
+    """T(B) is timed over different layers, as a step walks them, not one layer's cached weights."""
+    from types import SimpleNamespace
+
+    seen: list[int] = []
+
+    class Recorder:
+        config = SimpleNamespace(num_attention_heads=2, head_dim=4, vocab_size=8, num_hidden_layers=3)
+
+        def embed(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(len(ids), 8)
+
+        def pre_attention(self, layer: int, h: torch.Tensor, pos: torch.Tensor) -> None:
+            seen.append(layer)
+
+        def post_attention(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> None:
+            pass
+
+    t = planner._dense_times(Recorder(), [1, 2], "cpu", repeats=2, warmup=1)
+    assert set(t) == {1, 2} and all(v > 0 for v in t.values())
+    assert seen == [0, 1, 2, 0, 1, 2]

@@ -12,6 +12,7 @@ sit behind the ShardPlane interface (services/gpu_dense/shards.py is the gRPC on
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from fastdecode.model import DenseModel
 from fastdecode.sampling import SamplingParams, sample
 
 T = TypeVar("T")
+log = logging.getLogger("fastdecode.gpu_dense.runner")
 
 
 @dataclass
@@ -256,6 +258,18 @@ class StepRunner:
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
         step = time.perf_counter() - t0
-        if pipeline and all(split) and self.chooser is not None and valid:
+        # Only decode-only steps are compared: a prefill chunk's step costs far more per sequence,
+        # and the probes would compare admission waves instead of the two modes.
+        decode_only = all(len(s.token_ids) == 1 for s in valid)
+        if pipeline and all(split) and self.chooser is not None and valid and decode_only:
+            decided = self.chooser.choice is not None
             self.chooser.record(piped, step / len(valid))
+            if not decided and self.chooser.medians is not None and self.chooser.choice is not None:
+                on, off = self.chooser.medians
+                log.info(
+                    "pipeline auto: %s (median ms per sequence: piped %.2f, plain %.2f)",
+                    "on" if self.chooser.choice else "off",
+                    on * 1e3,
+                    off * 1e3,
+                )
         return outcomes, Timings(self._busy, max(0.0, step - self._busy), step, self._attend_wait, piped)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import urllib.request
 
 from prometheus_client import start_http_server
 
@@ -17,3 +18,24 @@ def start_metrics_server(port: int | None, host: str = "127.0.0.1") -> int | Non
     bound = server.server_port
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(address: str, timeout: float = 5) -> Samples:
+    """A /metrics endpoint's samples (HOST:PORT): (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric_total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))

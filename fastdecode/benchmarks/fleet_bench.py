@@ -25,6 +25,7 @@ import torch
 
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds
+from fastdecode.metrics import metric_total, scrape
 
 if TYPE_CHECKING:
     from fastdecode.planner import Profile
@@ -175,9 +176,13 @@ def run_fleet(
 
     try:
         tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len, window))
+        steps = scrape(up.state["gpu_dense"]["metrics"]) if up.state["gpu_dense"].get("metrics") else {}
     finally:
         up.stop()
     out = _summary("fleet", tokens, total, ttft, itl)
+    if steps:  # what `--pipeline auto` chose: its probes run both modes, then the faster
+        for mode in ("piped", "plain"):
+            out[f"fleet_{mode}_steps"] = metric_total(steps, "fastdecode_dense_steps_total", mode=mode)
     if len(marks) == 2:
         out.update(cpu_per_step(marks[0], marks[1], len(prompts), len(pids) - 3))
     return out

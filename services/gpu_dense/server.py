@@ -38,6 +38,11 @@ OVERLAP_RATIO = Histogram(
     "Per step, the share of the shorter half (S-part or attention) hidden behind the other",
     buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
 )
+STEPS = Counter(
+    "fastdecode_dense_steps_total",
+    "Dense steps, by mode: piped (two mini-batches) or plain (what --pipeline auto chose shows here)",
+    ["mode"],
+)
 STEP_SEQUENCES = Counter(
     "fastdecode_dense_sequences_total", "Sequences computed in steps, by outcome", ["outcome"]
 )
@@ -140,6 +145,7 @@ class DenseService(pb_grpc.DenseServicer):
         result.timings.step_seconds = t.step_seconds
         result.timings.attend_seconds = t.attend_seconds
         result.timings.overlap_ratio = t.overlap_ratio
+        STEPS.labels("piped" if t.pipelined else "plain").inc()
         STEP_SECONDS.observe(t.step_seconds)
         S_PART_SECONDS.observe(t.s_part_seconds)
         SHARD_WAIT_SECONDS.observe(t.shard_wait_seconds)

@@ -55,6 +55,8 @@ def test_cli_bench_fleet_plot(model_factory: Callable, tmp_path: Path) -> None:
     assert result["fleet_cpu_ms_per_step"] == pytest.approx(
         sum(result[k] for k in cpu - {"fleet_cpu_ms_per_step"})
     )
+    # every dense step counted once, by the mode it ran in (what --pipeline auto chose)
+    assert result["fleet_piped_steps"] + result["fleet_plain_steps"] >= 6
     assert f"plot written to {png}" in res.stderr
     assert imread(png).size > 0
     assert len(fleet_bench_figure(result).axes) == 2

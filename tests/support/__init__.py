@@ -4,10 +4,12 @@ sys.path: see pyproject's pythonpath). In-process fakes of the services live in 
 from __future__ import annotations
 
 import os
-import urllib.request
 from pathlib import Path
 
 from fastdecode.fleet import UpProcess, launch_up
+from fastdecode.metrics import Samples as Samples  # re-exported: tests import these from here
+from fastdecode.metrics import metric_total as metric_total
+from fastdecode.metrics import scrape as scrape
 
 PROMPTS: list[list[int]] = [
     [1, 17, 300, 45],
@@ -24,27 +26,6 @@ def start_up(
     model: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 180
 ) -> UpProcess:
     return launch_up(model, workdir, *extra, env=env, timeout=timeout)
-
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(address: str) -> Samples:
-    """A /metrics endpoint's samples: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def metric_total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum of the samples named `name` whose labels include `labels`."""
-    want = set(labels.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
 
 
 def pid_alive(pid: int) -> bool:

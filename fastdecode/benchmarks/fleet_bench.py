@@ -167,16 +167,27 @@ def run_fleet(
         kv_capacity=kv_capacity,
     )
     pids = up.pids()
+    dense_metrics = up.state["gpu_dense"].get("metrics")
     marks: list[tuple[int, float, list[float]]] = []
+    dense_marks: list[tuple[float, float, float]] = []
 
     def window(tokens: int) -> None:  # the bench process itself is the fleet's client
         marks.append(
             (tokens, time.perf_counter(), [process_cpu_seconds(p) for p in pids] + [time.process_time()])
         )
+        if dense_metrics:
+            m = scrape(dense_metrics)
+            dense_marks.append(
+                (
+                    time.perf_counter(),
+                    metric_total(m, "fastdecode_dense_step_seconds_sum"),
+                    metric_total(m, "fastdecode_dense_step_seconds_count"),
+                )
+            )
 
     try:
         tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len, window))
-        steps = scrape(up.state["gpu_dense"]["metrics"]) if up.state["gpu_dense"].get("metrics") else {}
+        steps = scrape(dense_metrics) if dense_metrics else {}
     finally:
         up.stop()
     out = _summary("fleet", tokens, total, ttft, itl)
@@ -185,7 +196,25 @@ def run_fleet(
             out[f"fleet_{mode}_steps"] = metric_total(steps, "fastdecode_dense_steps_total", mode=mode)
     if len(marks) == 2:
         out.update(cpu_per_step(marks[0], marks[1], len(prompts), len(pids) - 3))
+    if len(dense_marks) == 2:
+        out.update(dense_step_gap(dense_marks[0], dense_marks[1]))
     return out
+
+
+def dense_step_gap(start: tuple[float, float, float], end: tuple[float, float, float]) -> dict[str, float]:
+    """Between two marks of (wall seconds, gpu_dense's summed step seconds, its step count): the wall
+    time per step, the part gpu_dense spent in its steps, and the rest, when it sat idle between
+    steps waiting for the scheduler's next plan (the step round trip and the scheduler's work)."""
+    steps = end[2] - start[2]
+    if steps <= 0:
+        return {}
+    wall = (end[0] - start[0]) * 1e3 / steps
+    dense = (end[1] - start[1]) * 1e3 / steps
+    return {
+        "fleet_window_step_ms": wall,
+        "fleet_dense_step_ms": dense,
+        "fleet_between_steps_ms": wall - dense,
+    }
 
 
 def cpu_per_step(

@@ -57,6 +57,10 @@ def test_cli_bench_fleet_plot(model_factory: Callable, tmp_path: Path) -> None:
     )
     # every dense step counted once, by the mode it ran in (what --pipeline auto chose)
     assert result["fleet_piped_steps"] + result["fleet_plain_steps"] >= 6
+    assert result["fleet_window_step_ms"] > 0 and result["fleet_dense_step_ms"] > 0
+    assert result["fleet_between_steps_ms"] == pytest.approx(
+        result["fleet_window_step_ms"] - result["fleet_dense_step_ms"]
+    )
     assert f"plot written to {png}" in res.stderr
     assert imread(png).size > 0
     assert len(fleet_bench_figure(result).axes) == 2

@@ -169,7 +169,7 @@ def run_fleet(
     pids = up.pids()
     dense_metrics = up.state["gpu_dense"].get("metrics")
     marks: list[tuple[int, float, list[float]]] = []
-    dense_marks: list[tuple[float, float, float]] = []
+    dense_marks: list[tuple[float, float, float, float]] = []
 
     def window(tokens: int) -> None:  # the bench process itself is the fleet's client
         marks.append(
@@ -182,6 +182,7 @@ def run_fleet(
                     time.perf_counter(),
                     metric_total(m, "fastdecode_dense_step_seconds_sum"),
                     metric_total(m, "fastdecode_dense_step_seconds_count"),
+                    metric_total(m, "fastdecode_dense_s_part_seconds_sum"),
                 )
             )
 
@@ -201,10 +202,13 @@ def run_fleet(
     return out
 
 
-def dense_step_gap(start: tuple[float, float, float], end: tuple[float, float, float]) -> dict[str, float]:
-    """Between two marks of (wall seconds, gpu_dense's summed step seconds, its step count): the wall
-    time per step, the part gpu_dense spent in its steps, and the rest, when it sat idle between
-    steps waiting for the scheduler's next plan (the step round trip and the scheduler's work)."""
+def dense_step_gap(
+    start: tuple[float, float, float, float], end: tuple[float, float, float, float]
+) -> dict[str, float]:
+    """Between two marks of (wall seconds, gpu_dense's summed step seconds, its step count, its
+    summed S-part seconds): the wall time per step, the part gpu_dense spent in its steps, of that
+    the S-part (dense compute and sampling), and the rest of the wall time, when gpu_dense sat idle
+    between steps waiting for the scheduler's next plan (the step round trip, the scheduler's work)."""
     steps = end[2] - start[2]
     if steps <= 0:
         return {}
@@ -213,6 +217,7 @@ def dense_step_gap(start: tuple[float, float, float], end: tuple[float, float, f
     return {
         "fleet_window_step_ms": wall,
         "fleet_dense_step_ms": dense,
+        "fleet_s_part_ms": (end[3] - start[3]) * 1e3 / steps,
         "fleet_between_steps_ms": wall - dense,
     }
 

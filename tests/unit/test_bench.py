@@ -84,9 +84,11 @@ def test_fleet_cpu_per_step_splits_the_window_by_process() -> None:
 def test_dense_step_gap_is_the_wall_per_step_beyond_gpu_dense_steps() -> None:
     from fastdecode.benchmarks.fleet_bench import dense_step_gap
 
-    # 4 steps in 1 s of wall time, gpu_dense busy in them for 0.9 s: 250 ms a step, 25 idle between
-    r = dense_step_gap((10.0, 3.0, 100.0), (11.0, 3.9, 104.0))
+    # 4 steps in 1 s of wall time, gpu_dense busy in them for 0.9 s (0.6 s S-part): 250 ms a
+    # step, 150 of it S-part, 25 idle between
+    r = dense_step_gap((10.0, 3.0, 100.0, 2.0), (11.0, 3.9, 104.0, 2.6))
+    assert r["fleet_s_part_ms"] == pytest.approx(150.0)
     assert r["fleet_window_step_ms"] == pytest.approx(250.0)
     assert r["fleet_dense_step_ms"] == pytest.approx(225.0)
     assert r["fleet_between_steps_ms"] == pytest.approx(25.0)
-    assert dense_step_gap((10.0, 3.0, 100.0), (11.0, 3.0, 100.0)) == {}
+    assert dense_step_gap((10.0, 3.0, 100.0, 2.0), (11.0, 3.0, 100.0, 2.0)) == {}

@@ -258,12 +258,10 @@ class StepRunner:
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
         step = time.perf_counter() - t0
-        # Only decode-only steps are compared: a prefill chunk's step costs far more per sequence,
-        # and the probes would compare admission waves instead of the two modes.
-        decode_only = all(len(s.token_ids) == 1 for s in valid)
-        if pipeline and all(split) and self.chooser is not None and valid and decode_only:
+        if pipeline and all(split) and self.chooser is not None and valid:
             decided = self.chooser.choice is not None
-            self.chooser.record(piped, step / len(valid))
+            # steps with prefill chunks cost far more per sequence: compared apart (pipeline.py)
+            self.chooser.record(piped, step / len(valid), all(len(s.token_ids) == 1 for s in valid))
             if not decided and self.chooser.medians is not None and self.chooser.choice is not None:
                 on, off = self.chooser.medians
                 log.info(

@@ -124,20 +124,38 @@ def test_pipeline_chooser_keeps_the_faster_and_probes_again() -> None:
         PipelineChooser(probes=0)
 
 
+def test_pipeline_chooser_compares_prefill_steps_apart_from_decode_steps() -> None:
+    c = PipelineChooser(probes=2)
+    # an admission wave: its prefill steps cost several decode steps; counted with the decode
+    # steps they would tie the two modes here (medians 5.0 and 5.0) and pick plain
+    c.record(True, 9.0, decode_only=False)
+    c.record(False, 8.0, decode_only=False)
+    c.record(True, 1.0)
+    c.record(False, 2.0)
+    assert c.choice is None  # one probe a mode of each kind so far
+    c.record(True, 1.0)
+    c.record(False, 2.0)
+    assert c.choice is True and c.medians == (1.0, 2.0)
+    # under steady arrivals most steps carry a chunk: those decide among themselves
+    c = PipelineChooser(probes=2)
+    for piped, sec in [(True, 3.0), (False, 2.0), (True, 3.0), (False, 2.0)]:
+        c.record(piped, sec, decode_only=False)
+    assert c.choice is False
+
+
 class RecordingChooser(PipelineChooser):
     def __init__(self) -> None:
         super().__init__(probes=2)
-        self.recorded: list[bool] = []
+        self.recorded: list[tuple[bool, bool]] = []
 
-    def record(self, piped: bool, seconds_per_seq: float) -> None:
-        self.recorded.append(piped)
-        super().record(piped, seconds_per_seq)
+    def record(self, piped: bool, seconds_per_seq: float, decode_only: bool = True) -> None:
+        self.recorded.append((piped, decode_only))
+        super().record(piped, seconds_per_seq, decode_only)
 
 
-def test_the_chooser_compares_decode_steps_only(model_factory: Callable) -> None:
-    # Step 0 prefills every prompt (several tokens a sequence): it would make whichever mode it
-    # ran in look slow, so it is left out; steps 1-3 decode one token each and are compared, so
-    # two probes a mode are not complete yet.
+def test_the_runner_tells_the_chooser_which_steps_prefill(model_factory: Callable) -> None:
+    # Step 0 prefills every prompt (several tokens a sequence); steps 1-3 decode one token each.
     chooser = RecordingChooser()
     _decode(model_factory("llama"), pipeline=True, steps=4, chooser=chooser)
-    assert chooser.recorded == [True, False, True] and chooser.choice is None
+    assert chooser.recorded == [(True, False), (False, True), (True, True), (False, True)]
+    assert chooser.choice is None  # decode steps: one piped, two plain; prefill: one piped

@@ -298,7 +298,11 @@ class GatewayCore:
                 log.info("cancelled after %.3fs", time.perf_counter() - arrival)
             raise
         except GeneratorExit:
-            if not done:
+            # Closed by the adapter: its own wait (a write to the client) took the drain's cancel.
+            if self._cut_off and not done:
+                status = Status.UNAVAILABLE
+                log.info("ended by the drain after %.3fs", time.perf_counter() - arrival)
+            elif not done:
                 status = Status.CANCELLED
                 log.info("cancelled after %.3fs", time.perf_counter() - arrival)
             raise
@@ -434,10 +438,16 @@ class GatewayCore:
         await self.idle.wait()
 
     def cut_off(self) -> None:
-        """The drain's grace period is over: every generation still running ends with UNAVAILABLE."""
+        """The drain's grace period is over: every generation still running ends with UNAVAILABLE.
+        The cancel lands wherever the task waits: in `generate` (which raises Unavailable) or in the
+        adapter's write to its client, which asks `is_cut_off` to answer the same."""
         self._cut_off = True
         for task in list(self._tasks):
             task.cancel()
+
+    @property
+    def is_cut_off(self) -> bool:
+        return self._cut_off
 
     async def close(self) -> None:
         await self.scheduler.close()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import grpc
 import pytest
 from pydantic import SecretStr
 
@@ -18,7 +19,7 @@ from fastdecode.model import ModelConfig
 from fastdecode.settings import GatewaySettings
 from fastdecode.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
-from services.gateway.server import BadRequest, BearerAuthInterceptor, _parser
+from services.gateway.server import BadRequest, BearerAuthInterceptor, GatewayServicer, _parser
 from tests.support.fakes import FakeScheduler
 
 TOKEN = "t0ps3cret-token"
@@ -271,5 +272,56 @@ def test_cut_off_ends_running_generations_with_unavailable(llama_dir: Path) -> N
             await task
 
     asyncio.run(main())
+    assert answered == [(Status.UNAVAILABLE, "grpc")]
+    assert core.inflight == 0
+
+
+def test_cut_off_while_the_servicer_writes_still_ends_with_unavailable(llama_dir: Path) -> None:
+    """The drain's cancel can land in the servicer's write to a slow client instead of in the
+    producer: the call must still end UNAVAILABLE "draining" (retry), not be cancelled (a client then
+    saw the server's "Cancelling all calls" once the stop's tail ran out)."""
+
+    class Forever(FakeScheduler):
+        async def submit(self, request_id, request, timeout, sample_offset=0):  # type: ignore[override]
+            for _ in range(1000):
+                yield UpstreamEvent([5])
+
+    class SlowClientContext:
+        def __init__(self) -> None:
+            self.writes, self.aborted = 0, None
+            self.blocked = asyncio.Event()
+
+        def invocation_metadata(self) -> tuple:
+            return ()
+
+        def time_remaining(self) -> None:
+            return None
+
+        async def send_initial_metadata(self, metadata: object) -> None:
+            pass
+
+        async def write(self, message: object) -> None:
+            self.writes += 1
+            if self.writes > 1:  # the client stops reading: flow control holds the write
+                self.blocked.set()
+                await asyncio.Event().wait()
+
+        async def abort(self, code: grpc.StatusCode, details: str, trailers: object = ()) -> None:
+            self.aborted = (code, details)
+            raise grpc.aio.AbortError()
+
+    core, answered = make_core(llama_dir, Forever())
+    context = SlowClientContext()
+
+    async def main() -> None:
+        call = asyncio.create_task(GatewayServicer(core).Generate(pb.GenerateRequest(prompt="hi"), context))
+        await context.blocked.wait()
+        core.cut_off()
+        with pytest.raises(grpc.aio.AbortError):
+            await call
+
+    asyncio.run(main())
+    assert context.aborted is not None
+    assert context.aborted[0] == grpc.StatusCode.UNAVAILABLE and "draining" in context.aborted[1]
     assert answered == [(Status.UNAVAILABLE, "grpc")]
     assert core.inflight == 0

@@ -54,9 +54,13 @@ class _Front:
             scope.setdefault("state", {})["request_id"] = rid
             tag = (REQUEST_ID_KEY.encode(), rid.encode())
 
+            started = False
+
             async def send_with_id(message: Message) -> None:
+                nonlocal started
                 if message["type"] == "http.response.start":
                     message["headers"] = [*message.get("headers", ()), tag]
+                    started = True
                 await send(message)
 
             refused = self._refusal(scope, headers)
@@ -66,7 +70,18 @@ class _Front:
                     self.core.metrics.answered(err.status, "http")
                 await error_response(err, status)(scope, receive, send_with_id)
                 return
-            await self.app(scope, receive, send_with_id)
+            try:
+                await self.app(scope, receive, send_with_id)
+            except asyncio.CancelledError:
+                # The drain's cut-off cancels a stream's request task: its SSE stream has already
+                # ended with an error event and [DONE]; before any response, answer 503 (retry).
+                # Either way no "Exception in ASGI application" traceback for a planned stop.
+                if not self.core.is_cut_off:
+                    raise
+                if not started:
+                    await error_response(Unavailable("gateway is draining: retry the request"))(
+                        scope, receive, send_with_id
+                    )
 
 
 # ---- the server --------------------------------------------------------------------------------

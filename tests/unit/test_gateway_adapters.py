@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,8 @@ from fastdecode.model import ModelConfig
 from fastdecode.settings import GatewaySettings
 from fastdecode.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
+from services.gateway.http_server import _Front
+from services.gateway.openai_api import OpenAIApp
 from services.gateway.server import BadRequest, BearerAuthInterceptor, GatewayServicer, _parser
 from tests.support.fakes import FakeScheduler
 
@@ -325,3 +328,63 @@ def test_cut_off_while_the_servicer_writes_still_ends_with_unavailable(llama_dir
     assert context.aborted[0] == grpc.StatusCode.UNAVAILABLE and "draining" in context.aborted[1]
     assert answered == [(Status.UNAVAILABLE, "grpc")]
     assert core.inflight == 0
+
+
+def test_cut_off_ends_an_http_stream_with_an_error_event_then_done(llama_dir: Path) -> None:
+    """The same cut-off on the OpenAI HTTP port, after the 200 went out: the SSE stream ends with an
+    error event (service unavailable: retry) and then [DONE], not silently mid-stream, and the
+    request's task ends without an error (uvicorn would log a traceback and drop the connection)."""
+
+    class Forever(FakeScheduler):
+        async def submit(self, request_id, request, timeout, sample_offset=0):  # type: ignore[override]
+            while True:
+                await asyncio.sleep(0.005)
+                yield UpstreamEvent([5])
+
+    core, answered = make_core(llama_dir, Forever(), http_port=0)
+    core.ready = True
+    app = _Front(OpenAIApp(core, core.settings).app, core, None, 1 << 20)
+    body = json.dumps({"model": core.model_id, "prompt": [5], "max_tokens": 500, "stream": True}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},  # what uvicorn gives
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "state": {"request_id": "r1"},
+    }
+    sent: list[dict] = []
+
+    async def main() -> None:
+        requests = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if requests:
+                return requests.pop()
+            await asyncio.Event().wait()  # the client stays connected
+            raise AssertionError
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        call = asyncio.create_task(app(scope, receive, send))
+        while sum(m["type"] == "http.response.body" for m in sent) < 3:
+            await asyncio.sleep(0.01)
+        core.cut_off()
+        await asyncio.wait_for(call, 10)  # ends normally: a planned stop, not an ASGI exception
+
+    asyncio.run(main())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    events = b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n")
+    events = [e for e in events if e]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["type"] == "service_unavailable_error" and "draining" in error["message"]
+    assert answered == [(Status.UNAVAILABLE, "http")]

@@ -159,7 +159,9 @@ def round_trips(
     busy cores (on a 2-core host 0.2-0.5 ms more per layer than back-to-back round trips when this
     process has the services' short OpenMP spin, 0.4-1.1 ms with the default, whose spinning
     threads outlast the products and take a core from the shards).
-    Returns wall ms per layer and this process's CPU ms per round trip (per shard item)."""
+    Returns wall ms per layer, this process's CPU ms per round trip (per shard item), and the
+    slowest shard's attention ms per timed round trip (`attention_ms`: counted over the timed
+    round trips only, since the first ones also commit the pool's first pages)."""
     n = len(shards)
     per = [list(range(i * batch // n, (i + 1) * batch // n)) for i in range(n)]
     ids = [[f"s{j}" for j in rows] for rows in per]
@@ -171,12 +173,15 @@ def round_trips(
         while time.perf_counter() - t0 < busy_s:
             torch.mm(x, w)
 
-    async def run() -> tuple[list[float], float]:
+    async def run() -> tuple[list[float], float, list[float]]:
         plane = plane_factory([s.address for s in shards])
         wall = []
         cpu = 0.0
+        busy_before: list[float] = []
         try:
             for step in range(repeats):
+                if step == repeats // 5:  # timing starts (a blocking call, outside the timed part)
+                    busy_before = _shard_busy_each(shards)
                 pos = step % WINDOW
                 if pos == 0:
                     # Fresh sequences every WINDOW round trips (not timed): the attention stays short
@@ -206,16 +211,17 @@ def round_trips(
                 if step >= repeats // 5:  # the first round trips open streams and warm up
                     wall.append(dt)
                     cpu += c1 - c0
-            return wall, cpu / (len(wall) * n)
+            return wall, cpu / (len(wall) * n), busy_before
         finally:
             await plane.close()  # type: ignore[attr-defined]
 
-    wall, cpu = run_async(run())
-    return {"wall_ms": median(wall) * 1e3, "cpu_ms": cpu * 1e3}
+    wall, cpu, busy_before = run_async(run())
+    spent = [after - before for after, before in zip(_shard_busy_each(shards), busy_before, strict=True)]
+    return {"wall_ms": median(wall) * 1e3, "cpu_ms": cpu * 1e3, "attention_ms": max(spent) / len(wall) * 1e3}
 
 
-def _shard_busy(shards: list[ServiceProcess]) -> float:
-    """The slowest shard's total attention seconds."""
+def _shard_busy_each(shards: list[ServiceProcess]) -> list[float]:
+    """Each shard's total attention seconds so far."""
     busy = []
     for s in shards:
         ch = sync_channel(s.address)
@@ -223,7 +229,7 @@ def _shard_busy(shards: list[ServiceProcess]) -> float:
             kv_grpc.KVAttentionStub(ch).Stats(kv_pb.StatsRequest(), timeout=10).attention_busy_seconds
         )
         ch.close()
-    return max(busy)
+    return busy
 
 
 def layer_transport_s(
@@ -241,12 +247,10 @@ def layer_transport_s(
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-rtt-"))
     procs = start_shards(shards, workdir, env, threads)
     try:
-        before = _shard_busy(procs)
         r = round_trips(cfg, batch, procs, repeats, busy_s=busy_s)
-        attention = (_shard_busy(procs) - before) / repeats
     finally:
         stop_processes(procs, 10.0)
-    return max(0.0, r["wall_ms"] / 1e3 - attention)
+    return max(0.0, (r["wall_ms"] - r["attention_ms"]) / 1e3)
 
 
 def run_breakdown(
@@ -265,12 +269,10 @@ def run_breakdown(
     shards = start_shards(max(shard_counts), workdir, env)
     try:
         for n in shard_counts:
-            before = _shard_busy(shards[:n])
             r = round_trips(cfg, batch, shards[:n], repeats, plane_factory)
-            attention = (_shard_busy(shards[:n]) - before) / repeats
             if n == 1:
-                out["attend_rt_ms"] = r["wall_ms"] - attention * 1e3
-                out["shard_attention_ms"] = attention * 1e3
+                out["attend_rt_ms"] = r["wall_ms"] - r["attention_ms"]
+                out["shard_attention_ms"] = r["attention_ms"]
             out[f"layer_rt_ms_{n}_shards"] = r["wall_ms"]
             out[f"dense_cpu_ms_per_rt_{n}_shards"] = r["cpu_ms"]
             if n > 1 and plane_factory is _default_plane:  # the links' concurrent fan-out, same shards

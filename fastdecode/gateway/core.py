@@ -289,10 +289,11 @@ class GatewayCore:
                     continue
                 raise RuntimeError("the scheduler ended the token stream without a finish reason")
         except asyncio.CancelledError:
-            if self._cut_off and not done:  # the drain's grace period ended: the client may retry
+            cut = self.cut_off_error()
+            if cut is not None and not done:  # the drain's grace period ended: the client may retry
                 status = Status.UNAVAILABLE
                 log.info("ended by the drain after %.3fs", time.perf_counter() - arrival)
-                raise Unavailable("gateway is draining: retry the request") from None
+                raise cut from None
             if not done:  # the client went away (or its deadline passed) before the end
                 status = Status.CANCELLED
                 log.info("cancelled after %.3fs", time.perf_counter() - arrival)
@@ -440,14 +441,14 @@ class GatewayCore:
     def cut_off(self) -> None:
         """The drain's grace period is over: every generation still running ends with UNAVAILABLE.
         The cancel lands wherever the task waits: in `generate` (which raises Unavailable) or in the
-        adapter's write to its client, which asks `is_cut_off` to answer the same."""
+        adapter's write to its client, which answers `cut_off_error()` the same way."""
         self._cut_off = True
         for task in list(self._tasks):
             task.cancel()
 
-    @property
-    def is_cut_off(self) -> bool:
-        return self._cut_off
+    def cut_off_error(self) -> Unavailable | None:
+        """What a generation the cut-off cancelled ends with (None: no cut-off yet)."""
+        return Unavailable("gateway is draining: retry the request") if self._cut_off else None
 
     async def close(self) -> None:
         await self.scheduler.close()

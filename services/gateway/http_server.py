@@ -76,12 +76,11 @@ class _Front:
                 # The drain's cut-off cancels a stream's request task: its SSE stream has already
                 # ended with an error event and [DONE]; before any response, answer 503 (retry).
                 # Either way no "Exception in ASGI application" traceback for a planned stop.
-                if not self.core.is_cut_off:
+                cut = self.core.cut_off_error()
+                if cut is None:
                     raise
                 if not started:
-                    await error_response(Unavailable("gateway is draining: retry the request"))(
-                        scope, receive, send_with_id
-                    )
+                    await error_response(cut)(scope, receive, send_with_id)
 
 
 # ---- the server --------------------------------------------------------------------------------

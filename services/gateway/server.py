@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 from pydantic import SecretStr
 
 from fastdecode.convert import chunk_to_proto, model_card_to_proto, params_from_proto
-from fastdecode.errors import InvalidInput, Unavailable
+from fastdecode.errors import InvalidInput
 from fastdecode.gateway.auth import bearer_matches
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.model import ModelConfig
@@ -160,8 +160,9 @@ class GatewayServicer:
                     async for chunk in chunks:
                         await context.write(chunk_to_proto(chunk))
             except asyncio.CancelledError:
-                if self.core.is_cut_off:  # the drain's cancel landed in our write, not in the producer
-                    raise Unavailable("gateway is draining: retry the request") from None
+                cut = self.core.cut_off_error()  # the drain's cancel landed in our write
+                if cut is not None:
+                    raise cut from None
                 raise
 
     @handles_errors(trailers=ERROR_TRAILER)

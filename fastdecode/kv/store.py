@@ -12,6 +12,15 @@ the call fails with ResourceExhausted and nothing of it is kept; the scheduler t
 sequence (frees its blocks, recomputes it later). A new block extends the sequence's run in place
 when the next block is free, so a sequence stays one contiguous run as long as its neighbours allow.
 
+Shared prefixes (fastdecode/kv/prefix.py, on unless prefix_sharing=False): a reservation that brings
+its token ids gets the cached blocks of its longest full-block prefix in its block table (read-only,
+`_Seq.frozen` leading blocks) and starts with those positions already held; it computes only the
+rest. Its own full blocks of the given tokens join the cache once every layer has written them
+(`_publish`). On release a cached block goes back to the cache, idle blocks are evicted LRU when an
+allocation finds no free block, and a write below `frozen` first makes the block its own again
+(`_unfreeze`: private again when no one else reads it, else a copy), so a read block is never
+overwritten and never freed.
+
 Two attention backends, one result:
 - "native" (default): fastdecode/kv/csrc/attention.cpp, one fused call per Attend item that
   appends k, v and attends every sequence (decode and prefill chunks) through the block tables,
@@ -38,6 +47,7 @@ import torch.nn.functional as F
 
 from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.kv import native
+from fastdecode.kv.prefix import PrefixCache, chain_hashes, prefix_seed
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -119,6 +129,8 @@ class _Seq:
     contiguous: bool
     slots: torch.Tensor | None = field(default=None)  # token slot index when scattered (torch path)
     table: torch.Tensor | None = field(default=None)  # int32 block table for the native kernel
+    hashes: list[bytes] = field(default_factory=list)  # names of the full blocks of its known tokens
+    frozen: int = 0  # leading blocks owned by the prefix cache: read, never written
 
 
 class BlockAllocator:
@@ -195,6 +207,7 @@ class KVStore:
         dtype: torch.dtype = torch.float32,
         block_size: int = 16,
         backend: str = "native",
+        prefix_sharing: bool = True,
     ) -> None:
         if min(num_layers, num_kv_heads, head_dim, block_size) < 1:
             raise InvalidInput("KV geometry must be positive")
@@ -225,6 +238,7 @@ class KVStore:
         self.v_scale = huge_page_empty(scale_shape, torch.float32)
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, _Seq] = {}
+        self.prefix: PrefixCache | None = PrefixCache() if prefix_sharing else None
         self.busy_seconds = 0.0
         self.attend_calls = 0
         self._tables: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
@@ -232,7 +246,7 @@ class KVStore:
     # ---- capacity ---------------------------------------------------------------------------
     @property
     def free_tokens(self) -> int:
-        return self.alloc.free * self.block_size
+        return self.blocks_free * self.block_size
 
     @property
     def capacity_tokens(self) -> int:
@@ -240,15 +254,36 @@ class KVStore:
 
     @property
     def tokens_held(self) -> int:
-        return sum(s.lengths[-1] for s in self.seqs.values())
+        """Distinct tokens the sequences hold: a shared prefix block counts once."""
+        own = sum(s.lengths[-1] - s.frozen * self.block_size for s in self.seqs.values())
+        return own + (self.prefix.read_blocks * self.block_size if self.prefix is not None else 0)
 
     @property
     def blocks_in_use(self) -> int:
-        return self.num_blocks - self.alloc.free
+        """Blocks sequences hold (each shared block once); idle cached blocks count as free."""
+        return self.num_blocks - self.blocks_free
 
     @property
     def blocks_free(self) -> int:
-        return self.alloc.free
+        return self.alloc.free + (self.prefix.idle_blocks if self.prefix is not None else 0)
+
+    @property
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's counters and sizes (all 0 with sharing off)."""
+        p = self.prefix
+        if p is None:
+            return dict.fromkeys(
+                ("queries", "hits", "hit_tokens", "evictions", "cached_blocks", "shared_bytes"), 0
+            )
+        return {
+            "queries": p.queries,
+            "hits": p.hits,
+            "hit_tokens": p.hit_blocks * self.block_size,
+            "evictions": p.evictions,
+            "cached_blocks": p.cached_blocks,
+            # KV memory sharing saves now: every reader past the first of a block reads no copy
+            "shared_bytes": p.extra_readers * self.block_size * self.bytes_per_token,
+        }
 
     @property
     def tokens_reserved(self) -> int:
@@ -262,35 +297,76 @@ class KVStore:
     def geometry_matches(self, num_layers: int, num_kv_heads: int, head_dim: int) -> bool:
         return (num_layers, num_kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
 
-    def reserve_many(self, requests: list[tuple[str, int]]) -> None:
-        """Reserve all or nothing: on failure every block taken here is given back."""
+    def reserve_many(
+        self,
+        requests: list[tuple[str, int]] | list[tuple[str, int, list[int]]],
+        model: str = "",
+    ) -> list[int]:
+        """Reserve all or nothing: on failure every block taken here is given back. Each request is
+        (seq_id, tokens) or (seq_id, tokens, token_ids); returns each one's cached tokens."""
         done: list[str] = []
+        cached: list[int] = []
         try:
-            for seq_id, max_tokens in requests:
-                self.reserve(seq_id, max_tokens)
+            for seq_id, max_tokens, *ids in requests:
+                cached.append(self.reserve(seq_id, max_tokens, ids[0] if ids else None, model))
                 done.append(seq_id)
         except Exception:
             for seq_id in done:
                 self.release(seq_id)
             raise
+        return cached
 
-    def reserve(self, seq_id: str, tokens: int) -> None:
-        """Admit a sequence with the blocks for `tokens` (its prompt); it grows on demand after that."""
+    def reserve(self, seq_id: str, tokens: int, token_ids: list[int] | None = None, model: str = "") -> int:
+        """Admit a sequence with the blocks for `tokens` (its prompt); it grows on demand after that.
+
+        With token_ids (the first tokens it holds) and sharing on, the longest run of cached full
+        blocks of them starts its block table, and it already holds those positions on every layer.
+        The block of its last given token is always its own (the dense side computes that token to
+        sample from it). Returns the tokens it found cached (a multiple of block_size, or 0).
+        """
         if not seq_id:
             raise InvalidInput("empty sequence id")
         if tokens < 1:
             raise InvalidInput(f"max_tokens must be >= 1, got {tokens}")
         if seq_id in self.seqs:
             raise FailedPrecondition(f"sequence {seq_id!r} is already reserved on this shard")
+        if token_ids is not None and len(token_ids) > tokens:
+            raise InvalidInput(f"{len(token_ids)} token ids for a reservation of {tokens} tokens")
+        hashes: list[bytes] = []
+        shared: list[int] = []
+        if self.prefix is not None and token_ids:
+            seed = prefix_seed(model, str(self.dtype), self._geometry, self.block_size)
+            hashes = chain_hashes(seed, token_ids, self.block_size)
+            shared = self.prefix.match(hashes[: (len(token_ids) - 1) // self.block_size])
+            for b in shared:  # taken before allocating, so that eviction cannot pick them
+                self.prefix.acquire(b)
         n = math.ceil(tokens / self.block_size)
-        blocks = self.alloc.allocate(n)
+        blocks = self._allocate(n - len(shared))
         if blocks is None:
+            for b in shared:
+                self.prefix.release(b)  # type: ignore[union-attr]
             raise ResourceExhausted(
                 f"KV pool full: {tokens} tokens requested, {self.free_tokens} free of {self.capacity_tokens}"
             )
-        seq = _Seq([], 0, [0] * self.num_layers, True)
-        self._set_blocks(seq, blocks)
+        cached = len(shared) * self.block_size
+        seq = _Seq([], 0, [cached] * self.num_layers, True, hashes=hashes, frozen=len(shared))
+        self._set_blocks(seq, shared + blocks)
         self.seqs[seq_id] = seq
+        return cached
+
+    @property
+    def _geometry(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """n free blocks, evicting idle cached prefix blocks (least recently used first) when the
+        free list is short; None, with nothing evicted, when even that is not enough."""
+        short = n - self.alloc.free
+        if short > 0:
+            if self.prefix is None or self.prefix.idle_blocks < short:
+                return None
+            self.alloc.release(self.prefix.evict(short))
+        return self.alloc.allocate(n)
 
     def _set_blocks(self, seq: _Seq, blocks: list[int]) -> None:
         seq.blocks = blocks
@@ -322,7 +398,7 @@ class KVStore:
                 if self.alloc.allocate_after(blocks[-1]):
                     blocks.append(blocks[-1] + 1)
                     continue
-                one = self.alloc.allocate(1)
+                one = self._allocate(1)
                 if one is None:
                     break
                 blocks.extend(one)
@@ -343,9 +419,69 @@ class KVStore:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return False
-        self.alloc.release(seq.blocks)
+        own = seq.blocks
+        if self.prefix is not None and seq.frozen:
+            # the last block first: an idle prefix's tail is evicted before the blocks leading to it
+            for b in reversed(seq.blocks[: seq.frozen]):
+                self.prefix.release(b)
+            own = seq.blocks[seq.frozen :]
+        self.alloc.release(own)
         self._tables = None
         return True
+
+    # ---- shared prefixes ------------------------------------------------------------------------
+    def _publish(self, seq: _Seq) -> None:
+        """Hand the sequence's full blocks of known tokens to the prefix cache once every layer has
+        written them. A block someone cached meanwhile (the same prefix computed twice) replaces the
+        sequence's copy, which is freed."""
+        p = self.prefix
+        if p is None or seq.frozen >= len(seq.hashes):
+            return
+        done = min(min(seq.lengths) // self.block_size, len(seq.hashes))
+        if seq.frozen >= done:
+            return
+        swapped = False
+        for i in range(seq.frozen, done):
+            h, mine = seq.hashes[i], seq.blocks[i]
+            theirs = p.lookup(h)
+            if theirs is None:
+                p.insert(h, mine)
+            else:
+                p.acquire(theirs)
+                self.alloc.release([mine])
+                seq.blocks[i], swapped = theirs, True
+        seq.frozen = done
+        if swapped:
+            self._set_blocks(seq, seq.blocks)
+
+    def _unfreeze(self, seq: _Seq, start: int) -> None:
+        """Make the blocks from position `start` on the sequence's own before it writes there (an
+        aborted step rerun from an earlier position): a cached block that only it reads leaves the
+        cache; one that others read is copied first (copy-on-write), so theirs stays as it was."""
+        first = start // self.block_size
+        if first >= seq.frozen:
+            return
+        p = self.prefix
+        assert p is not None  # frozen blocks exist only with sharing on
+        blocks = list(seq.blocks)
+        read = [i for i in range(first, seq.frozen) if p.readers(blocks[i]) > 1]
+        copies = self._allocate(len(read))  # all first: a failure leaves the sequence as it was
+        if copies is None:
+            raise ResourceExhausted("KV pool full: no free block to copy a shared prefix block into")
+        for i, new in zip(read, copies, strict=True):
+            b = blocks[i]
+            src = slice(b * self.block_size, (b + 1) * self.block_size)
+            dst = slice(new * self.block_size, (new + 1) * self.block_size)
+            for pool in (self.k, self.v, self.k_scale, self.v_scale):
+                if pool.dim() > 1:
+                    pool[:, :, dst] = pool[:, :, src]
+            p.release(b)
+            blocks[i] = new
+        for i in range(first, seq.frozen):
+            if i not in read:
+                p.forget(blocks[i])
+        seq.frozen = first
+        self._set_blocks(seq, blocks)
 
     def _blocks_changed(self, seq: _Seq) -> None:
         """Call after changing seq.blocks: drops the cached int32 tables the native kernel reads."""
@@ -365,6 +501,7 @@ class KVStore:
         if not 0 <= layer < self.num_layers or not 0 <= start <= seq.lengths[layer]:
             raise InvalidInput(f"layer {layer} / start {start} outside what sequence {seq_id!r} holds")
         self.grow([seq_id], [start + n])
+        self._unfreeze(seq, start)
         pos = torch.arange(start, start + n)
         blocks = torch.tensor(seq.blocks, dtype=torch.int64)
         slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -375,6 +512,8 @@ class KVStore:
             else:
                 pool[layer][:, slots] = rows.to(self.dtype)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)
+        if layer == self.num_layers - 1:  # as attend: the last layer completes a position
+            self._publish(seq)
 
     # ---- attention --------------------------------------------------------------------------
     def _check(
@@ -443,6 +582,9 @@ class KVStore:
         seqs = self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
         ends = list(map(operator.add, start_pos, num_tokens))
         self._grow(seqs, seq_ids, ends)
+        for seq, start in zip(seqs, start_pos, strict=True):
+            if start < seq.frozen * self.block_size:
+                self._unfreeze(seq, start)
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self._native is not None:
@@ -457,6 +599,9 @@ class KVStore:
                     out = self._attend_uniform_decode(layer, seq_ids, num_tokens, start_pos, q, k, v)
                 if out is None:
                     out = self._attend_each(layer, seq_ids, num_tokens, start_pos, q, k, v)
+        if self.prefix is not None and layer == self.num_layers - 1:
+            for seq in seqs:
+                self._publish(seq)
         self.busy_seconds += time.perf_counter() - t0
         self.attend_calls += 1
         return out

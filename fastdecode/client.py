@@ -185,6 +185,7 @@ def error_for(code: grpc.StatusCode, details: str, from_gateway: bool = False) -
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the fleet's shared prefix cache
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ def _request(
 
 def _chunk(r: pb.GenerateResponse) -> Chunk:
     if r.finish_reason:
-        usage = Usage(r.usage.prompt_tokens, r.usage.completion_tokens)
+        usage = Usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens)
         return Chunk(r.text, list(r.token_ids), r.finish_reason, usage)
     return Chunk(r.text, list(r.token_ids))
 

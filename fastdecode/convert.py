@@ -75,6 +75,7 @@ def token_event_to_proto(ev: TokenEvent) -> scheduler_pb2.TokenEvent:
         completion_tokens=ev.completion_tokens,
         step=ev.step,
         shard=ev.shard,
+        cached_tokens=ev.cached_tokens,
     )
 
 
@@ -101,6 +102,7 @@ def chunk_to_proto(c: GenerationChunk) -> gw_pb.GenerateResponse:
         resp.finish_reason = c.finish_reason
         resp.usage.prompt_tokens = c.prompt_tokens
         resp.usage.completion_tokens = c.completion_tokens
+        resp.usage.cached_tokens = c.cached_tokens
     return resp
 
 

@@ -139,6 +139,17 @@ class SchedulerSettings(ServiceSettings):
     kv_lookahead: int = Field(
         64, ge=0, description="KV headroom: steps of growth admission leaves room for per running sequence."
     )
+    prefix_sharing: Literal["on", "off"] = Field(
+        "on",
+        description="on: shards share the KV blocks of common prompt prefixes and prefill only what "
+        "is new (docs/prefix-caching.md); off: every prompt is stored and prefilled whole.",
+    )
+    prefix_affinity: float = Field(
+        0.5,
+        ge=0,
+        description="How much more loaded (relative share) than the best-balanced shard a shard "
+        "holding a request's longest cached prefix may be and still get it; 0: balance only.",
+    )
     w_limit: float | None = Field(
         None, gt=0, description="W_lim in KV tokens for stabilized admission (derived if unset)."
     )

@@ -62,11 +62,17 @@ class ShardCore:
             raise FailedPrecondition(f"shard holds KV of geometry {have}, not {geometry}")
         return self.store
 
-    def reserve(self, geometry: tuple[int, int, int], sequences: Sequence[tuple[str, int]]) -> int:
-        """Reserve every sequence or none; returns the free tokens left."""
+    def reserve(
+        self,
+        geometry: tuple[int, int, int],
+        sequences: Sequence[tuple[str, int]] | Sequence[tuple[str, int, list[int]]],
+        model: str = "",
+    ) -> tuple[int, list[int]]:
+        """Reserve every sequence or none: (seq_id, tokens) or (seq_id, tokens, token_ids), the
+        token ids for prefix sharing. Returns the free tokens left and each one's cached tokens."""
         store = self.store_for(*geometry)
-        store.reserve_many(list(sequences))
-        return store.free_tokens
+        cached = store.reserve_many(list(sequences), model)
+        return store.free_tokens, cached
 
     def release(self, seq_ids: Sequence[str] | None) -> list[bool]:
         """Release the named sequences (all with None); one flag per id: whether it was held."""

@@ -56,6 +56,7 @@ class UpstreamEvent:
 
     token_ids: list[int]
     finish_reason: str = ""
+    cached_tokens: int = 0  # prompt tokens a shard held cached (shared prefix)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class GenerationChunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those served from a shared prefix cache
 
 
 @dataclass(frozen=True)
@@ -326,8 +328,10 @@ class GatewayCore:
     ) -> AsyncIterator[GenerationChunk]:
         """The scheduler's token events as text chunks (stop strings applied); each event's ids are
         appended to `received`. The last chunk carries finish_reason and usage."""
+        cached = 0
         async with contextlib.aclosing(events):  # closing cancels the scheduler call
             async for ev in events:
+                cached = max(cached, min(ev.cached_tokens, n_prompt))
                 received += ev.token_ids
                 delta = out.push(ev.token_ids)
                 finish = "stop" if delta.stopped else ev.finish_reason
@@ -340,6 +344,7 @@ class GatewayCore:
                     chunk.finish_reason = finish
                     chunk.prompt_tokens = n_prompt
                     chunk.completion_tokens = out.num_tokens
+                    chunk.cached_tokens = cached
                     yield chunk
                     return
                 if chunk.text or chunk.token_ids:

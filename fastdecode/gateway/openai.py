@@ -207,11 +207,12 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _usage(c: GenerationChunk) -> dict[str, int]:
+def _usage(c: GenerationChunk) -> dict[str, Any]:
     return {
         "prompt_tokens": c.prompt_tokens,
         "completion_tokens": c.completion_tokens,
         "total_tokens": c.prompt_tokens + c.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
     }
 
 

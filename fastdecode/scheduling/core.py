@@ -23,6 +23,14 @@ oldest always progress): it releases their KV and puts them back at the head of 
 re-admitted, they re-prefill their token history (prompt + generated) as a lost shard's sequences do,
 so greedy tokens are those of a run that never filled. A shard that still answers "no free block"
 (our count was off) gets the same treatment through `kv_exhausted`.
+
+Shared prefixes (prefix_sharing): a reservation carries the sequence's tokens; the shard answers how
+many leading tokens it holds cached (whole blocks), and `prefix_cached` moves the sequence's planned
+prefill to start there. The core remembers which prefix blocks each shard holds or is computing
+(names of full blocks, as the shards name them but seeded locally); placement prefers the shard with
+the longest such prefix while the balance allows (`prefix_affinity`), and a request whose prefix is
+being computed right now waits for it instead of computing it again. Blocks read from a shard's
+prefix cache are not counted against the shard per sequence (`_Seq.shared`).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastdecode.errors import (
     InternalError,
@@ -40,6 +49,7 @@ from fastdecode.errors import (
     ResourceExhausted,
     ServiceError,
 )
+from fastdecode.kv.prefix import chain_hashes
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
 from fastdecode.scheduling.types import (
@@ -63,7 +73,8 @@ RATIO_SMOOTHING = 0.05
 # 64 steps (4 blocks of 16) a shard admits while its sequences can all grow for 64 more steps, so a
 # preemption (redoing one sequence's prefill) is rare next to the steps a full reservation wastes.
 DEFAULT_KV_LOOKAHEAD = 64
-ADMISSION_DECISIONS = ("admitted", "rejected", "deferred_policy", "deferred_capacity")
+ADMISSION_DECISIONS = ("admitted", "rejected", "deferred_policy", "deferred_capacity", "deferred_prefix")
+_NAME_SEED = b"fastdecode-scheduler"  # the core's own names for prefix blocks (never compared to a shard's)
 
 
 @dataclass
@@ -77,6 +88,9 @@ class _Seq:
     inflight: int | None = None  # step it is planned in, until applied
     blocks: int = 0  # KV blocks its shard holds for it (mirrors the shard's allocation)
     started: int = -1  # order of first admission: the highest is the youngest (preempted first)
+    cached: int = 0  # prompt tokens its shard found cached at its latest reservation
+    shared: int = 0  # of its blocks, those read from the shard's prefix cache (not counted per sequence)
+    names: tuple[int, int, list[bytes]] | None = None  # (block size, tokens, names of full blocks)
 
     @property
     def generated(self) -> int:
@@ -90,6 +104,8 @@ class _Shard:
     blocks: int = 0  # KV blocks its sequences hold (sum of _Seq.blocks)
     seqs: set[str] = field(default_factory=set)
     blocked_until: int = 0
+    # prefix blocks it holds (None) or one of its sequences is computing (that id), least recent first
+    prefixes: OrderedDict[bytes, str | None] = field(default_factory=OrderedDict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,8 @@ class SchedulerCore:
         max_context: int | None = None,
         vocab_size: int | None = None,
         kv_lookahead: int = DEFAULT_KV_LOOKAHEAD,
+        prefix_sharing: bool = False,
+        prefix_affinity: float = 0.5,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
@@ -124,6 +142,12 @@ class SchedulerCore:
         if kv_lookahead < 0:
             raise InvalidInput("kv_lookahead must be >= 0")
         self._lookahead = kv_lookahead
+        if prefix_affinity < 0:
+            raise InvalidInput("prefix_affinity must be >= 0")
+        self._sharing = prefix_sharing
+        self._affinity = prefix_affinity
+        self.prefix_hits = 0  # reservations that found cached prefix tokens
+        self.cached_tokens = 0  # ... and how many, in all
         self._admission: AdmissionPolicy = admission if admission is not None else NaiveAdmission()
         self._shards: list[_Shard] = []
         for spec in shards:
@@ -230,6 +254,7 @@ class SchedulerCore:
         for sid in moved:
             self._unplace(self._running[sid])
         sh.blocks, sh.seqs = 0, set()
+        sh.prefixes.clear()
         self._releases = [(sid, i) for sid, i in self._releases if i != shard]
         self._recoveries += len(moved)
         self._capacity_changed()
@@ -245,6 +270,7 @@ class SchedulerCore:
         """The shard is healthy again, and empty: it takes new sequences."""
         sh = self._shard(shard)
         sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = True, 0, set(), 0
+        sh.prefixes.clear()
         self._capacity_changed()
 
     def reservation_failed(self, seq_id: str) -> None:
@@ -271,8 +297,10 @@ class SchedulerCore:
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(seq.req.seq_id)
-            sh.blocks -= seq.blocks
+            sh.blocks -= seq.blocks - seq.shared
+            self._forget_pending(seq, sh)
         seq.shard, seq.reserved_on, seq.kv, seq.inflight, seq.blocks = None, None, 0, None, 0
+        seq.shared = 0
         seq.epoch += 1
 
     # ---------------------------------------------------------------- preemption
@@ -431,9 +459,9 @@ class SchedulerCore:
 
     def _commitment(self, seq: _Seq, block_size: int) -> int:
         """KV tokens a sequence counts against its shard: its blocks, or its history plus headroom
-        rounded up to whole blocks when that is more."""
+        rounded up to whole blocks when that is more (blocks it reads from the prefix cache aside)."""
         grown = -(-(len(seq.tokens) + self._headroom(seq)) // block_size) * block_size
-        return max(seq.blocks * block_size, grown)
+        return max(seq.blocks * block_size, grown) - seq.shared * block_size
 
     def _loads(self, step_no: int, horizon: float) -> list[ShardLoad]:
         load = [0.0] * len(self._shards)
@@ -453,24 +481,131 @@ class SchedulerCore:
             for i, sh in enumerate(self._shards)
         ]
 
-    def _place(self, seq: _Seq, step_no: int, reserve: list[Reservation]) -> bool | None:
+    def _place(
+        self, seq: _Seq, step_no: int, reserve: list[Reservation], may_wait: bool = False
+    ) -> bool | None | Literal["wait"]:
         """Place on the shard with the least load over the new sequence's expected life (what it will
-        share the shard with), weighted by speed and capacity. False: no room now; None: no healthy
-        shard could ever hold it."""
+        share the shard with), weighted by speed and capacity, or the one holding its longest cached
+        prefix when the balance allows. False: no room now; None: no healthy shard could ever hold
+        it; "wait" (only with may_wait): its prefix is being computed on the shard it would go to."""
         horizon = max(1.0, len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens))
         loads = self._loads(step_no, horizon)
         need = self._commitment(seq, max(sh.spec.block_size for sh in self._shards))
-        i = choose_shard(need, self._future_load(seq, horizon), loads)
+        matches = [self._prefix_match(seq, j) for j in range(len(self._shards))]
+        cached = [r * sh.spec.block_size for (r, _), sh in zip(matches, self._shards, strict=True)]
+        i = choose_shard(need, self._future_load(seq, horizon), loads, cached, self._affinity)
         if i is None:
             return False if any(s.available and need <= s.capacity for s in loads) else None
+        if may_wait and matches[i][1] > matches[i][0]:
+            return "wait"
         sh = self._shards[i]
         held = len(seq.tokens)  # the prompt, or the history a preempted / moved sequence recomputes
         seq.blocks = -(-held // sh.spec.block_size)
         sh.blocks += seq.blocks
         sh.seqs.add(seq.req.seq_id)
         seq.shard, seq.reserved_on, seq.kv = i, i, 0
-        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=held))
+        ids = list(seq.tokens) if self._sharing else []
+        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=held, token_ids=ids))
+        if self._sharing:
+            names = self._names(seq, sh.spec.block_size)
+            for h in names:  # it will hold them once its prefill is in (those it finds cached, at once)
+                if h in sh.prefixes:
+                    sh.prefixes.move_to_end(h)
+                else:
+                    sh.prefixes[h] = seq.req.seq_id
+            while len(sh.prefixes) > sh.spec.capacity_tokens // sh.spec.block_size:
+                sh.prefixes.popitem(last=False)
         return True
+
+    # ---------------------------------------------------------------- shared prefixes
+    def _names(self, seq: _Seq, block_size: int) -> list[bytes]:
+        """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded)."""
+        if seq.names is None or seq.names[:2] != (block_size, len(seq.tokens)):
+            seq.names = (block_size, len(seq.tokens), chain_hashes(_NAME_SEED, seq.tokens, block_size))
+        return seq.names[2]
+
+    def _prefix_match(self, seq: _Seq, shard: int) -> tuple[int, int]:
+        """(blocks ready, blocks ready or being computed) of the sequence's prefix on a shard, of
+        those a shard would share (the block of its last token is always its own)."""
+        sh = self._shards[shard]
+        if not self._sharing or not sh.healthy or not sh.prefixes:
+            return 0, 0
+        bs = sh.spec.block_size
+        ready = known = 0
+        for h in self._names(seq, bs)[: (len(seq.tokens) - 1) // bs]:
+            owner = sh.prefixes.get(h, False)
+            if owner is False or owner == seq.req.seq_id:
+                break
+            known += 1
+            ready += owner is None and ready == known - 1
+        return ready, known
+
+    def _awaits_prefix(self, seq: _Seq) -> bool:
+        """Its prefix is being computed on a shard right now and no shard holds as much of it ready:
+        waiting the few steps of that prefill beats computing and storing it a second time."""
+        if not self._sharing:
+            return False
+        matches = [self._prefix_match(seq, j) for j in range(len(self._shards))]
+        return max(k for _, k in matches) > max(r for r, _ in matches)
+
+    def _prefix_ready(self, seq: _Seq) -> None:
+        """The blocks the sequence was computing that its shard now holds (every layer written)."""
+        if not self._sharing or seq.shard is None:
+            return
+        sh = self._shards[seq.shard]
+        sid = seq.req.seq_id
+        for h in self._names(seq, sh.spec.block_size)[: seq.kv // sh.spec.block_size]:
+            if sh.prefixes.get(h) == sid:
+                sh.prefixes[h] = None
+
+    def _forget_pending(self, seq: _Seq, sh: _Shard) -> None:
+        """The sequence leaves the shard: what it had not finished computing will not be there."""
+        if not self._sharing:
+            return
+        sid = seq.req.seq_id
+        for h in self._names(seq, sh.spec.block_size):
+            if sh.prefixes.get(h) == sid:
+                del sh.prefixes[h]
+
+    def prefix_cached(self, step: Step, cached: dict[str, int]) -> Step:
+        """The shards found the first `cached[seq_id]` tokens of these newly reserved sequences in
+        their prefix caches: their prefill starts there (a chunk wholly cached leaves the step), and
+        the blocks they read from the cache no longer count against the shard per sequence. Call
+        after the reservations of `step` succeeded; run the step it returns."""
+        marks = self._inflight.get(step.step, {})
+        planned = {p.seq_id: p for p in step.seqs}
+        drop: list[str] = []
+        for sid, c in cached.items():
+            seq = self._running.get(sid)
+            if c <= 0 or seq is None or seq.shard is None:
+                continue
+            sh = self._shards[seq.shard]
+            c = min(c, len(seq.tokens) - 1)  # a shard shares no more (its last token is computed)
+            seq.cached = c
+            seq.shared = c // sh.spec.block_size
+            sh.blocks -= seq.shared
+            self.prefix_hits += 1
+            self.cached_tokens += c
+            p, mark = planned.get(sid), marks.get(sid)
+            if p is None or mark is None or mark.epoch != seq.epoch or p.start_pos != 0:
+                seq.kv = max(seq.kv, c)  # placed, not planned yet: its first chunk starts there
+                continue
+            if c >= len(p.token_ids):  # the whole chunk is cached: nothing of it to run
+                drop.append(sid)
+                del marks[sid]
+                seq.kv, seq.inflight = c, None
+                continue
+            p.token_ids, p.start_pos = p.token_ids[c:], c
+            marks[sid] = _Inflight(mark.epoch, mark.sample, c, mark.blocks)
+        if not drop:
+            return step
+        return Step(
+            step=step.step,
+            seqs=[p for p in step.seqs if p.seq_id not in drop],
+            reserve=step.reserve,
+            release=step.release,
+            preempted=step.preempted,
+        )
 
     def _place_unplaced(self, step_no: int, reserve: list[Reservation]) -> None:
         for seq in [s for s in self._running.values() if s.shard is None]:  # the oldest recover first
@@ -494,7 +629,10 @@ class SchedulerCore:
             return
         started: list[Candidate] = []
         for seq, cand in zip(heads[:n], cands[:n], strict=True):
-            placed = self._place(seq, step_no, reserve)
+            placed = "wait" if self._awaits_prefix(seq) else self._place(seq, step_no, reserve, True)
+            if placed == "wait":
+                self.decisions["deferred_prefix"] += 1
+                continue  # its prefix lands in a few steps; others may pass meanwhile
             if placed is False:
                 self.decisions["deferred_capacity"] += 1
                 break  # FIFO: it fits once something is released; don't let others pass
@@ -537,6 +675,7 @@ class SchedulerCore:
             if seq is None or seq.epoch != mark.epoch:
                 continue  # cancelled, or moved off a lost shard: its history is re-prefilled instead
             seq.inflight = None
+            self._prefix_ready(seq)
             res = results.get(sid)
             if isinstance(res, ServiceError):
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=res))
@@ -584,6 +723,7 @@ class SchedulerCore:
             step=step_no,
             shard=seq.shard if seq.shard is not None else -1,
             error=error,
+            cached_tokens=seq.cached,
         )
 
     def _leave(self, seq: _Seq, *, finished: bool = True) -> None:
@@ -593,11 +733,12 @@ class SchedulerCore:
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(sid)
-            sh.blocks -= seq.blocks
+            sh.blocks -= seq.blocks - seq.shared
             sh.blocked_until = 0  # it has room again
+            self._forget_pending(seq, sh)
         if seq.reserved_on is not None and self._shards[seq.reserved_on].healthy:
             self._releases.append((sid, seq.reserved_on))
-        seq.shard, seq.reserved_on, seq.blocks = None, None, 0
+        seq.shard, seq.reserved_on, seq.blocks, seq.shared = None, None, 0, 0
         self._finished += finished
         self._admission.finished(self._step, sid)
 
@@ -660,6 +801,8 @@ class SchedulerCore:
             "finished": self._finished,
             "recoveries": self._recoveries,
             "preemptions": self.preemptions,
+            "prefix_hits": self.prefix_hits,
+            "cached_tokens": self.cached_tokens,
             "admission": getattr(self._admission, "name", type(self._admission).__name__),
             "w_limit": self._admission.w_limit(self._step),
             "kv_load_tokens": float(sum(tokens)),

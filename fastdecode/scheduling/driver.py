@@ -50,6 +50,7 @@ class DenseInfo:
     eos_token_ids: tuple[int, ...]
     num_shards: int
     shard_addresses: tuple[str, ...] = ()  # in shard order, as gpu_dense dials them
+    model: str = ""  # names the weights (path and dtype): shards match prefix blocks of this model only
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,12 @@ class ShardLink(Protocol):
         """True when the shard reports SERVING; False on NOT_SERVING or any failure to answer."""
 
     async def stats(self, timeout: float) -> ShardState: ...
-    async def reserve(self, geometry: KVGeometry, seqs: list[Reservation], timeout: float) -> None: ...
+    async def reserve(
+        self, geometry: KVGeometry, seqs: list[Reservation], timeout: float, model: str = ""
+    ) -> list[int]:
+        """Reserve all or none; each sequence's first tokens the shard found cached (prefix sharing)."""
+        ...
+
     async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
         """Free the named sequences (None: all)."""
 
@@ -211,6 +217,8 @@ class SchedulerDriver:
             max_context=self.info.max_position_embeddings,
             vocab_size=self.info.vocab_size,
             kv_lookahead=s.kv_lookahead,
+            prefix_sharing=s.prefix_sharing == "on",
+            prefix_affinity=s.prefix_affinity,
         )
         self._report()  # every shard's and decision's metric exists from the first scrape
         log.info(
@@ -418,15 +426,20 @@ class SchedulerDriver:
         for r in step.reserve:
             by_shard[r.shard].append(r)
         failed: list[str] = []
+        cached: dict[str, int] = {}
         for shard, seqs in by_shard.items():
             ids = [s.seq_id for s in seqs]
             try:
-                await self.shards[shard].link.reserve(self.info.geometry, seqs, self.s.control_timeout)
-                for s in seqs:
+                found = await self.shards[shard].link.reserve(
+                    self.info.geometry, seqs, self.s.control_timeout, self.info.model
+                )
+                for s, c in zip(seqs, found, strict=False):
+                    cached[s.seq_id] = int(c)
                     log.info(
-                        "placed on shard %d: %d KV tokens reserved",
+                        "placed on shard %d: %d KV tokens reserved, %d found cached",
                         shard,
                         s.max_tokens,
+                        c,
                         extra={"request_id": s.seq_id},
                     )
             except ServiceError as e:
@@ -437,7 +450,8 @@ class SchedulerDriver:
                 for sid in ids:
                     self.core.reservation_failed(sid)
                 failed += ids
-        return step.without(failed) if failed else step
+        step = step.without(failed) if failed else step
+        return self.core.prefix_cached(step, cached) if any(cached.values()) else step
 
     def _shard_lost(self, shard: int, reason: str) -> None:
         assert self.core is not None

@@ -18,7 +18,13 @@ class ShardLoad:
     available: bool = True  # healthy and not backing off after a refused reservation
 
 
-def choose_shard(need: int, add_load: float, shards: Sequence[ShardLoad]) -> int | None:
+def choose_shard(
+    need: int,
+    add_load: float,
+    shards: Sequence[ShardLoad],
+    cached: Sequence[int] = (),
+    affinity: float = 0.0,
+) -> int | None:
     """The shard a new sequence goes to, or None when no available shard has `need` tokens free.
 
     Capacity is a hard limit (counting reservations). Among shards with room, pick the one whose
@@ -27,6 +33,10 @@ def choose_shard(need: int, add_load: float, shards: Sequence[ShardLoad]) -> int
       - memory:          (reserved + need) / capacity, relative to sum(reserved) / sum(capacity).
     Speed weights the R-part time (what sets the pipeline's step), capacity keeps small shards from
     filling up first. Ties go to the lowest index, so placement is deterministic.
+
+    Prefix affinity: `cached[i]` is how many of the sequence's first tokens shard i holds (or is
+    computing) in its prefix cache. The shard with the most goes first when its share is within
+    (1 + affinity) times the best share: the prefill and the KV it saves against the balance it costs.
     """
     cand = [i for i, s in enumerate(shards) if s.available and s.reserved + need <= s.capacity]
     if not cand:
@@ -41,7 +51,12 @@ def choose_shard(need: int, add_load: float, shards: Sequence[ShardLoad]) -> int
         m = (s.reserved + need) / s.capacity / mean_mem if mean_mem > 0 else 0.0
         return (max(t, m), t, i)
 
-    return min(cand, key=share)
+    best = min(cand, key=share)
+    if cached and affinity > 0:
+        near = max(cand, key=lambda i: (cached[i], -share(i)[0], -i))
+        if cached[near] > cached[best] and share(near)[0] <= (1 + affinity) * share(best)[0]:
+            return near
+    return best
 
 
 def split_mini_batches(items: Sequence[tuple[int, float]]) -> list[int]:

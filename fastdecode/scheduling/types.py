@@ -54,6 +54,8 @@ class Reservation:
     seq_id: str
     shard: int
     max_tokens: int
+    # Its first tokens, with prefix sharing: the shard answers how many of them it holds cached.
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class TokenEvent:
     step: int
     shard: int
     error: ServiceError | None = None  # typed (status, message); set when finish_reason is FINISH_ERROR
+    cached_tokens: int = 0  # prompt tokens a shard held cached (shared prefix): not prefilled
 
 
 @dataclass

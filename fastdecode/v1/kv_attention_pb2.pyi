@@ -50,26 +50,32 @@ class AttendResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., o: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., attend_seconds: _Optional[float] = ...) -> None: ...
 
 class SequenceReservation(_message.Message):
-    __slots__ = ("seq_id", "max_tokens")
+    __slots__ = ("seq_id", "max_tokens", "token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     max_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("geometry", "sequences")
+    __slots__ = ("geometry", "sequences", "model")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     geometry: KVGeometry
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceReservation]
-    def __init__(self, geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[SequenceReservation, _Mapping]]] = ...) -> None: ...
+    model: str
+    def __init__(self, geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[SequenceReservation, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("free_tokens",)
+    __slots__ = ("free_tokens", "cached_tokens")
     FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     free_tokens: int
-    def __init__(self, free_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, free_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids", "all")
@@ -90,7 +96,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size", "blocks_in_use", "blocks_free")
+    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size", "blocks_in_use", "blocks_free", "prefix_queries", "prefix_hits", "prefix_hit_tokens", "prefix_evictions", "prefix_cached_blocks", "prefix_shared_bytes")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +112,12 @@ class ShardStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     sequences: int
     tokens_held: int
@@ -121,4 +133,10 @@ class ShardStats(_message.Message):
     block_size: int
     blocks_in_use: int
     blocks_free: int
-    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ...) -> None: ...
+    prefix_queries: int
+    prefix_hits: int
+    prefix_hit_tokens: int
+    prefix_evictions: int
+    prefix_cached_blocks: int
+    prefix_shared_bytes: int
+    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_shared_bytes: _Optional[int] = ...) -> None: ...

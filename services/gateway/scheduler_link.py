@@ -62,7 +62,7 @@ class GrpcSchedulerLink:
         )
         try:
             async for ev in call:
-                yield UpstreamEvent(list(ev.token_ids), ev.finish_reason)
+                yield UpstreamEvent(list(ev.token_ids), ev.finish_reason, ev.cached_tokens)
         except grpc.aio.AioRpcError as e:
             raise upstream_error(e) from None
         finally:

@@ -34,6 +34,18 @@ ATTENTION_SECONDS = Histogram(
 KV_BYTES_READ = Counter(
     "fastdecode_kv_bytes_read_total", "KV-cache bytes read by attention (keys and values)", ["shard"]
 )
+# Shared prefixes (cumulative counts are gauges: the store keeps them, the exporter mirrors them).
+PREFIX_GAUGES = {
+    name: Gauge(f"fastdecode_kv_prefix_{metric}", doc, ["shard"])
+    for name, metric, doc in (
+        ("queries", "queries", "Reservations that brought token ids for prefix sharing (cumulative)"),
+        ("hits", "hits", "Reservations that found cached prefix blocks (cumulative)"),
+        ("hit_tokens", "hit_tokens", "Prompt tokens found in the prefix cache (cumulative)"),
+        ("evictions", "evictions", "Idle cached prefix blocks evicted for room (cumulative)"),
+        ("cached_blocks", "cached_blocks", "KV blocks in the prefix cache (read or idle)"),
+        ("shared_bytes", "shared_bytes", "KV bytes prefix sharing saves now"),
+    )
+}
 ATTEND_ERRORS = Counter(
     "fastdecode_kv_attend_errors_total", "Attend items answered with an error", ["shard", "code"]
 )
@@ -62,7 +74,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         if s is None:
             # Visible from the first scrape, before any sequence: an idle shard is empty, not absent.
             # Its pool is sized by the first reservation's geometry; until then the budget is its size.
-            for gauge in (KV_USAGE, KV_TOKENS, KV_BYTES_USED, KV_SEQUENCES):
+            for gauge in (KV_USAGE, KV_TOKENS, KV_BYTES_USED, KV_SEQUENCES, *PREFIX_GAUGES.values()):
                 gauge.labels(self.shard).set(0)
             KV_BYTES_CAPACITY.labels(self.shard).set(self.settings.kv_capacity)
         elif s.capacity_tokens:
@@ -71,14 +83,19 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             KV_BYTES_USED.labels(self.shard).set(s.bytes_used)
             KV_BYTES_CAPACITY.labels(self.shard).set(s.capacity_bytes)
             KV_SEQUENCES.labels(self.shard).set(len(s.seqs))
+            prefix = s.prefix_stats
+            for name, gauge in PREFIX_GAUGES.items():
+                gauge.labels(self.shard).set(prefix[name])
 
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
         g, seqs = request.geometry, request.sequences
         try:
-            free = self.core.reserve(
-                (g.num_layers, g.num_kv_heads, g.head_dim), [(s.seq_id, s.max_tokens) for s in seqs]
+            free, cached = self.core.reserve(
+                (g.num_layers, g.num_kv_heads, g.head_dim),
+                [(s.seq_id, s.max_tokens, list(s.token_ids)) for s in seqs],
+                request.model,
             )
         except Exception as e:  # noqa: BLE001 - mapped to a status in one place
             await abort(context, e)
@@ -86,7 +103,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         self._update_gauges()
         for rid, seq in zip(_request_ids(context, [s.seq_id for s in seqs]), seqs, strict=True):
             log.info("reserved %d KV tokens", seq.max_tokens, extra={"request_id": rid})
-        return pb.ReserveResponse(free_tokens=free)
+        return pb.ReserveResponse(free_tokens=free, cached_tokens=cached)
 
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -123,6 +140,8 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             stats.free_tokens = s.free_tokens
             stats.attended_token_pairs = self.core.attended_pairs
             stats.blocks_in_use, stats.blocks_free = s.blocks_in_use, s.blocks_free
+            for name, value in s.prefix_stats.items():
+                setattr(stats, f"prefix_{name}", value)
         else:
             stats.bytes_capacity = self.settings.kv_capacity
         return stats

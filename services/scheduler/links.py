@@ -43,6 +43,7 @@ class GrpcDenseLink:
             eos_token_ids=tuple(i.eos_token_ids),
             num_shards=len(i.shards),
             shard_addresses=tuple(i.shards),
+            model=f"{i.model_path}|{i.dtype}",  # what the KV depends on: shards never mix prefixes of two
         )
 
     async def run(self, step: Step, pipeline: bool) -> StepOutcome:
@@ -117,21 +118,29 @@ class GrpcShardLink:
             attended_pairs=st.attended_token_pairs,
         )
 
-    async def reserve(self, geometry: KVGeometry, seqs: list[Reservation], timeout: float) -> None:
+    async def reserve(
+        self, geometry: KVGeometry, seqs: list[Reservation], timeout: float, model: str = ""
+    ) -> list[int]:
         req = kv_attention_pb2.ReserveRequest(
+            model=model,
             geometry=kv_attention_pb2.KVGeometry(
                 num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim
             ),
             sequences=[
-                kv_attention_pb2.SequenceReservation(seq_id=s.seq_id, max_tokens=s.max_tokens) for s in seqs
+                kv_attention_pb2.SequenceReservation(
+                    seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids
+                )
+                for s in seqs
             ],
         )
         try:
-            await self.stub.Reserve(
+            resp = await self.stub.Reserve(
                 req, timeout=timeout, metadata=request_metadata(*(s.seq_id for s in seqs))
             )
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
+        # a shard without prefix sharing (or older) answers none: nothing cached
+        return list(resp.cached_tokens) or [0] * len(seqs)
 
     async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
         req = (

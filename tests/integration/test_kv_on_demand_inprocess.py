@@ -1,6 +1,7 @@
 """The scheduler core driving real KV stores and the real dense model in one process: shards that
 fill mid-decode preempt and recompute, and every sequence ends with the tokens of a run that never
-filled (and of transformers)."""
+filled (and of transformers). With prefix sharing on, sequences that start alike read one copy of
+their common blocks and prefill only the rest, with the same tokens."""
 
 from __future__ import annotations
 
@@ -19,10 +20,18 @@ from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
 BLOCK = 4
 PROMPTS = [[1, 17, 300, 45], [1, 99, 5], [1, 600, 7, 8, 9], [1, 2], [1, 33, 44, 55], [1, 1500]]
 NEW = 28
+# 14 common tokens (3 full blocks and a part), then each its own question
+SHARED = [1, 17, 300, 45, 9, 81, 1200, 4, 77, 5, 310, 62, 19, 8]
+PREFIX_PROMPTS = [SHARED + q for q in ([5, 6], [700], [33, 44, 55, 66, 77], [2], [1500, 3, 3])]
 
 
 def run(
-    model: DenseModel, store_blocks: int, believed_blocks: int, lookahead: int
+    model: DenseModel,
+    store_blocks: int,
+    believed_blocks: int,
+    lookahead: int,
+    prompts: list[list[int]] = PROMPTS,
+    sharing: bool = False,
 ) -> tuple[dict[str, list[int]], SchedulerCore, int, int]:
     """Greedy-generate PROMPTS on 2 shards of `store_blocks` blocks while the core believes each has
     `believed_blocks`; returns the tokens, the core, the refused chunks and the peak batch."""
@@ -38,8 +47,9 @@ def run(
         [ShardSpec(believed_blocks * BLOCK, block_size=BLOCK) for _ in range(2)],
         c.eos_token_ids,
         kv_lookahead=lookahead,
+        prefix_sharing=sharing,
     )
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         core.submit(Request(f"s{i}", p, NEW))
     out: dict[str, list[int]] = {}
     refused = peak = 0
@@ -50,13 +60,14 @@ def run(
         for sid, shard in step.release:
             stores[shard].release(sid)
         refused_reservations = []
+        cached: dict[str, int] = {}
         for r in step.reserve:
             try:
-                stores[r.shard].reserve(r.seq_id, r.max_tokens)
+                cached[r.seq_id] = stores[r.shard].reserve(r.seq_id, r.max_tokens, r.token_ids or None)
             except ResourceExhausted:  # as the scheduler service does
                 core.reservation_failed(r.seq_id)
                 refused_reservations.append(r.seq_id)
-        step = step.without(refused_reservations)
+        step = core.prefix_cached(step.without(refused_reservations), cached)
         peak = max(peak, len(step.seqs))
         results: dict[str, tuple[int, float] | str] = {}
         full: list[str] = []
@@ -136,3 +147,31 @@ def test_a_shard_that_refuses_a_block_is_handled_like_a_full_one(
     out, core, refused, _ = run(model, 16, 26, 4)
     assert refused > 0 and core.preemptions > 0
     assert out == roomy
+
+
+@pytest.fixture(scope="module")
+def unshared(model: DenseModel) -> dict[str, list[int]]:
+    out, core, _, _ = run(model, 200, 200, 64, PREFIX_PROMPTS, sharing=False)
+    assert core.prefix_hits == 0
+    return out
+
+
+def test_shared_prefixes_give_the_tokens_of_an_unshared_run_and_of_transformers(
+    model: DenseModel, unshared: dict[str, list[int]], llama_dir: Path, hf_greedy: Callable
+) -> None:
+    out, core, _, _ = run(model, 200, 200, 64, PREFIX_PROMPTS, sharing=True)
+    # the first on each shard computes the 3 common blocks; the others wait for them, then read them
+    assert core.prefix_hits >= len(PREFIX_PROMPTS) - 2
+    assert core.cached_tokens == 12 * core.prefix_hits
+    assert core.decisions["deferred_prefix"] > 0
+    assert out == unshared
+    for i in (0, 2):
+        assert out[f"s{i}"] == hf_greedy(llama_dir, tuple(PREFIX_PROMPTS[i]), NEW)
+
+
+def test_shared_prefixes_survive_preemption_and_refused_blocks(
+    model: DenseModel, unshared: dict[str, list[int]]
+) -> None:
+    out, core, refused, _ = run(model, 18, 26, 4, PREFIX_PROMPTS, sharing=True)
+    assert core.preemptions > 0 and core.prefix_hits > 0
+    assert out == unshared

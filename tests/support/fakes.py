@@ -152,10 +152,13 @@ class FakeShard:
             attended_pairs=0.0,
         )
 
-    async def reserve(self, geometry: KVGeometry, seqs: list[Reservation], timeout: float) -> None:
+    async def reserve(
+        self, geometry: KVGeometry, seqs: list[Reservation], timeout: float, model: str = ""
+    ) -> list[int]:
         if not self.serving:
             raise Unavailable(f"shard {self.address} is down")
         self.held.update({s.seq_id: s.max_tokens for s in seqs})
+        return [0] * len(seqs)
 
     async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
         if seq_ids is None:

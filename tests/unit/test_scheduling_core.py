@@ -594,7 +594,13 @@ def test_admission_decisions_are_counted() -> None:
     with pytest.raises(ResourceExhausted):
         core.submit(Request("full", [1], 1))
     core.next_step()
-    assert core.decisions == {"admitted": 2, "rejected": 1, "deferred_policy": 0, "deferred_capacity": 1}
+    assert core.decisions == {
+        "admitted": 2,
+        "rejected": 1,
+        "deferred_policy": 0,
+        "deferred_capacity": 1,
+        "deferred_prefix": 0,
+    }
     stab = SchedulerCore([ShardSpec(10_000)], [EOS], admission=StabilizedAdmission(w_limit=50, micro_batch=1))
     fleet = Fleet(stab, 1)
     for i in range(4):

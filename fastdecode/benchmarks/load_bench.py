@@ -10,6 +10,11 @@ reservations would run per shard), and a watcher samples the scheduler and shard
 report peak running sequences, KV in use (blocks) and held (tokens) against capacity, and
 preemptions. --context cuts the model's context (a copy with the same weights) so that a
 random-weight model, which rarely says EOS, finishes in bench time.
+
+--shared-prefix N: every request starts with the same N tokens (a system prompt), then its own
+--prompt-len question. The same load runs twice in one invocation, on a fleet with prefix sharing
+on and on one with it off (fp32 KV, greedy): the peaks of KV held, time to first token, throughput,
+the cached tokens the gateway reported, and whether every request's tokens were equal.
 """
 
 from __future__ import annotations
@@ -47,24 +52,27 @@ async def _load(
     gen_len: int,
     bound_s: float,
     chat: bool = False,
+    outputs: dict[tuple[int, int], list[int]] | None = None,
 ) -> dict[str, Any]:
     """gen_len tokens per request (EOS ignored); chat: max_tokens = gen_len, EOS honoured, and a
-    request that ends with a finish reason is complete whatever its length."""
+    request that ends with a finish reason is complete whatever its length. `outputs` collects each
+    (client, request)'s tokens."""
     from fastdecode.client import AsyncClient, FastDecodeError
 
     outcomes: Counter[str] = Counter()
     latencies: list[float] = []
     ttft: list[float] = []
     itl: list[float] = []
-    tokens = 0
+    tokens = cached = 0
 
     async with AsyncClient(target) as client:
 
         async def one(i: int) -> None:
-            nonlocal tokens
+            nonlocal tokens, cached
             for r in range(requests_per_client):
                 t0 = last = time.perf_counter()
                 got = 0
+                ids: list[int] = []
                 finished: str | None = None
                 try:
                     async for chunk in client.stream(
@@ -77,8 +85,13 @@ async def _load(
                         if chunk.token_ids:
                             (ttft if got == 0 else itl).append(now - last)
                             got += len(chunk.token_ids)
+                            ids += chunk.token_ids
                             last = now
                         finished = chunk.finish_reason or finished
+                        if chunk.usage is not None:
+                            cached += chunk.usage.cached_tokens
+                    if outputs is not None:
+                        outputs[(i, r)] = ids
                     ok = got == gen_len or (chat and bool(finished))
                     outcomes["ok" if ok else "short"] += 1
                     latencies.append(time.perf_counter() - t0)
@@ -103,7 +116,9 @@ async def _load(
         "wall_s": wall,
         "latency_p50_s": percentile(latencies, 50),
         "latency_p99_s": percentile(latencies, 99),
+        "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
+        "cached_tokens_total": cached,
         "itl_p99_ms": percentile(itl, 99) * 1e3,
     }
 
@@ -185,12 +200,19 @@ def run_load_bench(
     chat: bool = False,
     context: int | None = None,
     kv_contexts: float = 2.0,
+    shared_prefix: int = 0,
 ) -> dict[str, Any]:
     from fastdecode.errors import InvalidInput
     from fastdecode.fleet import launch_up
     from fastdecode.model import ModelConfig
 
     path = model or ensure_model("llama", "small")
+    if shared_prefix:
+        if chat or shared_prefix < 0:
+            raise InvalidInput("--shared-prefix needs N > 0 and no --chat")
+        return run_shared_prefix_bench(
+            path, clients, requests_per_client, shared_prefix, prompt_len, gen_len, shards, device, bound_s
+        )
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-load-"))
     if chat and context is not None:
         path = _cut_context(path, context, workdir)
@@ -245,6 +267,101 @@ def run_load_bench(
     for name, value in rss.items():
         result[f"peak_rss_mib_{name}"] = round(value / 2**20, 1) if value else None
     return result
+
+
+def run_shared_prefix_bench(
+    path: Path,
+    clients: int,
+    requests_per_client: int,
+    prefix_len: int,
+    question_len: int,
+    gen_len: int,
+    shards: int,
+    device: str,
+    bound_s: float,
+) -> dict[str, Any]:
+    """The same shared-prefix load on a fleet with prefix sharing on, then on one with it off."""
+    from fastdecode.errors import InvalidInput
+    from fastdecode.fleet import launch_up
+    from fastdecode.model import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(path)
+    prompt_len = prefix_len + question_len
+    if prompt_len + gen_len > cfg.max_position_embeddings or question_len < 1:
+        raise InvalidInput(
+            f"--shared-prefix {prefix_len} + --prompt-len {question_len} + --gen-len {gen_len} must fit "
+            f"the context ({cfg.max_position_embeddings}), with a question of at least one token"
+        )
+    prefix = prompts_for(1, prefix_len, cfg.vocab_size, seed=7)[0]
+    questions = prompts_for(min(clients, 64), question_len + 1, cfg.vocab_size, seed=1)
+    prompts = [prefix + q[1:] for q in questions]  # each question without its own BOS
+    # room for every request's whole prompt, as without sharing: the off run must not preempt either
+    kv_capacity = int((prompt_len + gen_len + 16) * cfg.kv_bytes_per_token(4) * clients / shards * 1.25) + (
+        64 << 20
+    )
+    runs: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[tuple[int, int], list[int]]] = {}
+    for mode in ("on", "off"):
+        workdir = Path(tempfile.mkdtemp(prefix=f"fastdecode-bench-prefix-{mode}-"))
+        up = launch_up(
+            path,
+            workdir,
+            "--admission",
+            "naive",
+            "--prefix-sharing",
+            mode,
+            shards=shards,
+            device=device,
+            kv_capacity=kv_capacity,
+        )
+        outputs[mode] = {}
+        try:
+            with _Watch(up.state) as watch:
+                runs[mode] = asyncio.run(
+                    _load(
+                        up.target,
+                        clients,
+                        requests_per_client,
+                        prompts,
+                        gen_len,
+                        bound_s,
+                        outputs=outputs[mode],
+                    )
+                )
+            runs[mode]["kv_tokens_held_peak"] = watch.peak_held
+            runs[mode]["preemptions"] = watch.preemptions()
+        finally:
+            up.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
+    on, off = runs["on"], runs["off"]
+    done = on["completed"] == off["completed"] == clients * requests_per_client
+    return {
+        "mode": "shared prefix (same load with prefix sharing on, then off; fp32 KV, greedy)",
+        "clients": clients,
+        "shards": shards,
+        "shared_prefix": prefix_len,
+        "question_len": question_len,
+        "gen_len": gen_len,
+        "model": str(path),
+        "completed": on["completed"],
+        "completed_off": off["completed"],
+        "errors": on["errors"],
+        "errors_off": off["errors"],
+        "lost_or_hung": on["lost_or_hung"] + off["lost_or_hung"],
+        "preemptions": on["preemptions"],
+        "preemptions_off": off["preemptions"],
+        "kv_tokens_held_peak": on["kv_tokens_held_peak"],
+        "kv_tokens_held_peak_off": off["kv_tokens_held_peak"],
+        "kv_peak_ratio": round(on["kv_tokens_held_peak"] / max(1, off["kv_tokens_held_peak"]), 3),
+        "ttft_p50_s": on["ttft_p50_s"],
+        "ttft_p50_s_off": off["ttft_p50_s"],
+        "ttft_p50_ratio": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3) if off["ttft_p50_s"] else None,
+        "tokens_per_s": on["tokens_per_s"],
+        "tokens_per_s_off": off["tokens_per_s"],
+        "cached_tokens_total": on["cached_tokens_total"],
+        "cached_tokens_total_off": off["cached_tokens_total"],
+        "equal_to_off": done and outputs["on"] == outputs["off"],
+    }
 
 
 def _pids(state: dict[str, Any]) -> list[tuple[str, int]]:

@@ -194,6 +194,14 @@ def fleet_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) ->
     show_default=True,
     help="Chat: KV per shard, in full contexts (what full-context reservations would run per shard).",
 )
+@click.option(
+    "--shared-prefix",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Every request starts with the same N tokens, then its own --prompt-len question; runs the "
+    "load with prefix sharing on and off in one go and compares KV peak, TTFT and tokens.",
+)
 def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     """Many concurrent streaming clients on the fleet: lost/hung requests, throughput, p99, peak RSS."""
     from fastdecode.benchmarks.load_bench import run_load_bench

@@ -39,6 +39,14 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 "--admission", type=click.Choice(["naive", "stabilized"]), default="naive", show_default=True
             ),
             click.option(
+                "--prefix-sharing",
+                type=click.Choice(["on", "off"]),
+                default="on",
+                show_default=True,
+                help="Shards share the KV of common prompt prefixes and the dense side prefills only "
+                "what is new (docs/prefix-caching.md).",
+            ),
+            click.option(
                 "--pipeline",
                 type=click.Choice(["auto", "on", "off"]),
                 default="auto",
@@ -72,6 +80,7 @@ def _make_fleet(
     auth_token: str | None = None,
     http_port: int | None = None,
     env: dict[str, str] | None = None,
+    prefix_sharing: str = "on",
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.fleet import Fleet
@@ -87,7 +96,7 @@ def _make_fleet(
         auth_token=auth_token,
         http_port=http_port,
         pipeline={"auto": None, "on": True, "off": False}[pipeline],
-        scheduler_args=["--admission", admission],
+        scheduler_args=["--admission", admission, "--prefix-sharing", prefix_sharing],
         env=dict(env or {}),
     )
 
@@ -117,6 +126,7 @@ def up(
     kv_capacity: int,
     kv_dtype: str,
     admission: str,
+    prefix_sharing: str,
     pipeline: str,
     port: int,
     state_file: str | None,
@@ -148,6 +158,7 @@ def up(
         auth_token,
         http_port,
         env={"FASTDECODE_LOG_JSON": "1"} if log_json else None,  # the services' ServiceSettings.log_json
+        prefix_sharing=prefix_sharing,
     )
     try:
         with startup_progress() as on_progress:  # None (no output) when stderr is not a terminal

@@ -34,18 +34,32 @@ ATTENTION_SECONDS = Histogram(
 KV_BYTES_READ = Counter(
     "fastdecode_kv_bytes_read_total", "KV-cache bytes read by attention (keys and values)", ["shard"]
 )
-# Shared prefixes (cumulative counts are gauges: the store keeps them, the exporter mirrors them).
-PREFIX_GAUGES = {
-    name: Gauge(f"fastdecode_kv_prefix_{metric}", doc, ["shard"])
-    for name, metric, doc in (
-        ("queries", "queries", "Reservations that brought token ids for prefix sharing (cumulative)"),
-        ("hits", "hits", "Reservations that found cached prefix blocks (cumulative)"),
-        ("hit_tokens", "hit_tokens", "Prompt tokens found in the prefix cache (cumulative)"),
-        ("evictions", "evictions", "Idle cached prefix blocks evicted for room (cumulative)"),
-        ("cached_blocks", "cached_blocks", "KV blocks in the prefix cache (read or idle)"),
-        ("shared_bytes", "shared_bytes", "KV bytes prefix sharing saves now"),
-    )
+# Shared prefixes: counts the store keeps (the exporter adds what grew since the last update) and sizes.
+PREFIX_QUERIES = Counter(
+    "fastdecode_kv_prefix_queries_total", "Reservations that brought token ids for prefix sharing", ["shard"]
+)
+PREFIX_HITS = Counter(
+    "fastdecode_kv_prefix_hits_total", "Reservations that found cached prefix blocks", ["shard"]
+)
+PREFIX_HIT_TOKENS = Counter(
+    "fastdecode_kv_prefix_hit_tokens_total",
+    "Prompt tokens found in the prefix cache (not prefilled)",
+    ["shard"],
+)
+PREFIX_EVICTIONS = Counter(
+    "fastdecode_kv_prefix_evictions_total", "Idle cached prefix blocks evicted for room", ["shard"]
+)
+PREFIX_CACHED_BLOCKS = Gauge("fastdecode_kv_prefix_cached_blocks", "KV blocks in the prefix cache", ["shard"])
+PREFIX_SHARED_BYTES = Gauge(
+    "fastdecode_kv_prefix_shared_bytes", "KV bytes prefix sharing saves now (extra readers)", ["shard"]
+)
+PREFIX_COUNTERS = {
+    "queries": PREFIX_QUERIES,
+    "hits": PREFIX_HITS,
+    "hit_tokens": PREFIX_HIT_TOKENS,
+    "evictions": PREFIX_EVICTIONS,
 }
+PREFIX_GAUGES = {"cached_blocks": PREFIX_CACHED_BLOCKS, "shared_bytes": PREFIX_SHARED_BYTES}
 ATTEND_ERRORS = Counter(
     "fastdecode_kv_attend_errors_total", "Attend items answered with an error", ["shard", "code"]
 )
@@ -67,6 +81,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         # per-item metrics, resolved once rather than by label on every item
         self._attention_seconds = ATTENTION_SECONDS.labels(self.shard)
         self._kv_bytes_read = KV_BYTES_READ.labels(self.shard)
+        self._prefix_counted: dict[str, int] = {}  # store counts already added to PREFIX_COUNTERS
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -76,6 +91,8 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             # Its pool is sized by the first reservation's geometry; until then the budget is its size.
             for gauge in (KV_USAGE, KV_TOKENS, KV_BYTES_USED, KV_SEQUENCES, *PREFIX_GAUGES.values()):
                 gauge.labels(self.shard).set(0)
+            for counter in PREFIX_COUNTERS.values():
+                counter.labels(self.shard)  # exported as 0 from the first scrape
             KV_BYTES_CAPACITY.labels(self.shard).set(self.settings.kv_capacity)
         elif s.capacity_tokens:
             KV_USAGE.labels(self.shard).set(s.tokens_reserved / s.capacity_tokens)
@@ -86,6 +103,9 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             prefix = s.prefix_stats
             for name, gauge in PREFIX_GAUGES.items():
                 gauge.labels(self.shard).set(prefix[name])
+            for name, counter in PREFIX_COUNTERS.items():
+                counter.labels(self.shard).inc(prefix[name] - self._prefix_counted.get(name, 0))
+                self._prefix_counted[name] = prefix[name]
 
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext

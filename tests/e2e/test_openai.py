@@ -206,6 +206,38 @@ def test_streamed_chat(oa: openai.OpenAI, model_id: str) -> None:
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+def test_a_multi_turn_chat_reports_cached_prompt_tokens_from_its_second_turn(
+    fleet: UpProcess, oa: openai.OpenAI, model_id: str
+) -> None:
+    """Each turn resends the conversation: from the second on, the shard holding the first turn's
+    prompt blocks serves them from its prefix cache, and usage says how many (OpenAI's field)."""
+    messages: list[dict[str, str]] = [
+        {
+            "role": "system",
+            "content": "You are a careful assistant for a multi-turn prefix test. Answer briefly, "
+            "in plain words, and keep every reply under twenty words whatever the user asks of you.",
+        },
+        {"role": "user", "content": "What is a prefix cache?"},
+    ]
+    cached = []
+    for question in ("And why does it help a chat?", "Give one more reason."):
+        got = oa.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+        assert got.usage is not None and got.usage.prompt_tokens_details is not None
+        cached.append(got.usage.prompt_tokens_details.cached_tokens)
+        assert cached[-1] < got.usage.prompt_tokens
+        messages += [
+            {"role": "assistant", "content": got.choices[0].message.content or ""},
+            {"role": "user", "content": question},
+        ]
+    assert cached[0] == 0 and cached[1] > 0
+    # the gRPC API reports the same field
+    with Client(fleet.target, token=TOKEN) as client:
+        ids = [1] + list(range(200, 260))
+        client.generate(token_ids=ids, max_tokens=2)
+        again = client.generate(token_ids=ids + [7], max_tokens=2)
+    assert again.usage.cached_tokens >= 48
+
+
 def test_models_and_health(base: str, oa: openai.OpenAI, model_id: str) -> None:
     models = oa.models.list()
     assert [m.id for m in models.data] == [model_id]

@@ -1,0 +1,94 @@
+"""The scheduler core with prefix sharing: reservations carry tokens, a shard's cached tokens move the
+prefill's start, placement prefers the shard with the prefix, and a prefix being computed is waited
+for rather than computed twice."""
+
+from __future__ import annotations
+
+from fastdecode.scheduling import Request, SchedulerCore, ShardLoad, ShardSpec, choose_shard
+
+BS = 4
+PREFIX = list(range(1, 13))  # 3 full blocks
+
+
+def _core(shards: int = 2, affinity: float = 0.5) -> SchedulerCore:
+    return SchedulerCore(
+        [ShardSpec(1000, block_size=BS) for _ in range(shards)],
+        [0],
+        prefix_sharing=True,
+        prefix_affinity=affinity,
+    )
+
+
+def _finish_prefill(core: SchedulerCore, step) -> None:  # noqa: ANN001 - a Step
+    core.apply(step, {p.seq_id: (50, 0.0) for p in step.seqs if p.sample})
+
+
+def test_reservations_carry_tokens_and_cached_tokens_move_the_prefill_start() -> None:
+    core = _core(shards=1)
+    core.submit(Request("a", PREFIX + [20, 21], 4))
+    step = core.next_step()
+    assert step is not None and step.reserve[0].token_ids == PREFIX + [20, 21]
+    step = core.prefix_cached(step, {"a": 8})
+    (p,) = step.seqs
+    assert p.start_pos == 8 and p.token_ids == PREFIX[8:] + [20, 21] and p.sample
+    events = core.apply(step, {"a": (50, 0.0)})
+    assert events[0].cached_tokens == 8 and core.stats()["cached_tokens"] == 8
+    nxt = core.next_step()
+    assert nxt is not None and nxt.seqs[0].start_pos == 14  # decodes on from the whole prompt
+
+
+def test_a_wholly_cached_chunk_leaves_the_step_and_the_next_chunk_starts_after_it() -> None:
+    core = SchedulerCore([ShardSpec(1000, block_size=BS)], [0], prefill_token_budget=4, prefix_sharing=True)
+    core.submit(Request("a", PREFIX + [20], 4))
+    step = core.next_step()
+    assert step is not None and step.seqs[0].token_ids == PREFIX[:4]
+    step = core.prefix_cached(step, {"a": 12})
+    assert step.seqs == []
+    core.apply(step, {})
+    nxt = core.next_step()
+    assert nxt is not None and nxt.seqs[0].start_pos == 12 and nxt.seqs[0].token_ids == [20]
+
+
+def test_a_prefix_being_computed_is_waited_for_then_read_on_its_shard() -> None:
+    # the prefix's shard holds the only other sequence: twice the balanced share, within 1 + 3
+    core = _core(shards=2, affinity=3.0)
+    core.submit(Request("first", PREFIX + [20], 4))
+    core.submit(Request("second", PREFIX + [30, 31], 4))
+    step = core.next_step()
+    assert step is not None and [r.seq_id for r in step.reserve] == ["first"]
+    assert core.decisions["deferred_prefix"] == 1
+    _finish_prefill(core, core.prefix_cached(step, {"first": 0}))
+    step = core.next_step()
+    assert step is not None
+    (r,) = step.reserve
+    assert r.seq_id == "second" and r.shard == core.shard_of("first")  # where the prefix is
+
+
+def test_without_sharing_nothing_waits_and_reservations_carry_no_tokens() -> None:
+    core = SchedulerCore([ShardSpec(1000, block_size=BS) for _ in range(2)], [0])
+    core.submit(Request("first", PREFIX + [20], 4))
+    core.submit(Request("second", PREFIX + [30], 4))
+    step = core.next_step()
+    assert step is not None and len(step.reserve) == 2
+    assert all(r.token_ids == [] for r in step.reserve)
+    assert {r.shard for r in step.reserve} == {0, 1}  # balance alone
+
+
+def test_affinity_yields_to_balance_beyond_its_slack() -> None:
+    even = [ShardLoad(capacity=1000, speed=1.0, reserved=100, load=100.0) for _ in range(2)]
+    assert choose_shard(10, 10.0, even) == 0
+    assert choose_shard(10, 10.0, even, cached=[0, 12], affinity=0.5) == 1
+    busy = [ShardLoad(1000, 1.0, 100, 100.0), ShardLoad(1000, 1.0, 600, 600.0)]
+    assert choose_shard(10, 10.0, busy, cached=[0, 12], affinity=0.5) == 0  # too far out of balance
+    assert choose_shard(10, 10.0, busy, cached=[0, 12], affinity=10.0) == 1
+    assert choose_shard(10, 10.0, busy, cached=[0, 12], affinity=0.0) == 0
+
+
+def test_shared_blocks_do_not_count_against_the_shard_twice() -> None:
+    core = _core(shards=1)
+    core.submit(Request("a", PREFIX + [20], 4))
+    step = core.next_step()
+    assert step is not None
+    before = core.stats()["shards"][0]["reserved_tokens"]
+    core.prefix_cached(step, {"a": 12})
+    assert core.stats()["shards"][0]["reserved_tokens"] == before - 12

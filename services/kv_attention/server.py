@@ -127,6 +127,17 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             stats.bytes_capacity = self.settings.kv_capacity
         return stats
 
+    async def Fill(self, request: pb.FillRequest, context: grpc.aio.ServicerContext) -> pb.FillResponse:
+        # On the loop, like Attend items: a fill never interleaves with a step's attention.
+        try:
+            n = self.core.fill(list(request.seq_ids), request.tokens, request.seed)
+        except Exception as e:  # noqa: BLE001 - mapped to a status in one place
+            await abort(context, e)
+            raise  # unreachable: abort raises
+        self._update_gauges()
+        log.info("filled %d sequences with %d tokens of random KV", len(request.seq_ids), n)
+        return pb.FillResponse(tokens_written=n)
+
     def answer(self, req: pb.AttendRequest) -> bytes | pb.AttendResponse:
         """One Attend item, run right here on the event loop: a hop to a worker thread and back
         cost more than the item on this path (see `bench transport --breakdown`). Reserve and

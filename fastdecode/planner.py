@@ -160,10 +160,11 @@ def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int, ov
 
 @dataclass
 class SplitParts:
-    """One decode step's measured parts on emulated hosts (seconds per step, all layers): the dense
-    half alone (`dense_s`, LocalEngine less its attention, on the dense host's cores), the exchange's
-    CPU on the dense host (`dense_exchange_s`), the shards' attention (`attention_s`, the slowest
-    shard) and the shard process's CPU beyond it (`shard_exchange_s`: parsing q, k, v, encoding o)."""
+    """One decode step's measured parts on separate hosts (seconds per step, all layers): the dense
+    host's S-part compute as the fleet runs it (`dense_s`: two half batches when piped), the
+    exchange's CPU on the dense host (`dense_exchange_s`: gRPC, codec, event loop), the shards'
+    attention (`attention_s`, the slowest shard) and the shard process's CPU beyond it
+    (`shard_exchange_s`: parsing q, k, v, encoding o)."""
 
     dense_s: float
     attention_s: float

@@ -234,7 +234,7 @@ async def _point(
             await fleet_step(step)
         for _ in range(min(2, s.warmup) or 1):
             local_step()
-        fleet_s, local_s, attn_local, cpu_local, s_part, piped = [], [], [], [], [], []
+        fleet_s, local_s, attn_local, cpu_local, s_part, s_cpu, piped = [], [], [], [], [], [], []
         dense_cpu = 0.0
         shard_cpu = [0.0] * len(shards)
         busy0 = await _busy_each(stubs)
@@ -248,6 +248,7 @@ async def _point(
                 shard_cpu[i] += process_cpu_seconds(p.pid) - sc0[i]
             fleet_s.append(dt)
             s_part.append(timings.s_part_seconds)
+            s_cpu.append(timings.s_part_cpu_seconds)
             piped.append(timings.pipelined)
             await asyncio.sleep(_SETTLE_S)
             ldt, lattn, lcpu = local_step()
@@ -263,51 +264,55 @@ async def _point(
             await ch.close()
         if dense is not None:
             await asyncio.to_thread(stop_processes, [dense], 10.0)
+    busy = [b1 - b0 for b0, b1 in zip(busy0, busy1, strict=True)]
     return _summarise(
         s,
         context,
-        fleet_s,
-        local_s,
-        attn_local,
-        cpu_local,
-        s_part,
-        piped,
+        _Samples(fleet_s, local_s, attn_local, cpu_local, s_part, s_cpu, piped),
         dense_cpu,
         shard_cpu,
-        [b1 - b0 for b0, b1 in zip(busy0, busy1, strict=True)],
+        busy,
     )
 
 
+@dataclass
+class _Samples:
+    """Per timed step: fleet and local wall seconds, LocalEngine's attention and CPU seconds,
+    gpu_dense's S-part wall and CPU seconds, and whether gpu_dense ran the step piped."""
+
+    fleet: list[float]
+    local: list[float]
+    local_attention: list[float]
+    local_cpu: list[float]
+    s_part: list[float]
+    s_part_cpu: list[float]
+    piped: list[bool]
+
+
 def _summarise(
-    s: _Setup,
-    context: int,
-    fleet_s: list[float],
-    local_s: list[float],
-    attn_local: list[float],
-    cpu_local: list[float],
-    s_part: list[float],
-    piped: list[bool],
-    dense_cpu: float,
-    shard_cpu: list[float],
-    shard_busy: list[float],
+    s: _Setup, context: int, x: _Samples, dense_cpu: float, shard_cpu: list[float], shard_busy: list[float]
 ) -> dict[str, Any]:
     n = s.steps
-    fleet, local = median(fleet_s), median(local_s)
-    s_dense = median([t - a for t, a in zip(local_s, attn_local, strict=True)])  # S: dense half alone
-    r_local = median(attn_local)
+    fleet, local = median(x.fleet), median(x.local)
+    s_dense = median([t - a for t, a in zip(x.local, x.local_attention, strict=True)])  # S: dense alone
     r_shard = max(shard_busy) / n  # the slowest shard host's attention per step
-    # S's CPU: LocalEngine's CPU per step, in the share of its wall time that was not attention
-    s_cpu = median(cpu_local) * s_dense / local if local > 0 else float("nan")
-    exchange_cpu = dense_cpu / n - s_cpu
+    # The dense half as the fleet runs it (two half batches when piped: on a CPU dense host at
+    # small B that reads every weight twice). Its CPU is the stepping thread's (exact with one torch
+    # thread; with more, its workers' share is taken as wall x threads). The exchange's CPU on the
+    # dense host is gpu_dense's process CPU beyond it: gRPC, codec, event loop.
+    threads = s.layout.dense_threads
+    s_fleet = median(x.s_part)
+    compute_cpu = median(x.s_part_cpu) if threads == 1 else s_fleet * threads
+    exchange_cpu = dense_cpu / n - compute_cpu
     slowest = max(range(len(shard_busy)), key=lambda i: shard_busy[i])
-    shard_threads = s.layout.shard_threads(slowest)
-    shard_exchange = max(0.0, shard_cpu[slowest] / n / shard_threads - r_shard)
-    pipelined = sum(piped) * 2 > len(piped)
+    shard_exchange = max(0.0, shard_cpu[slowest] / n / s.layout.shard_threads(slowest) - r_shard)
+    pipelined = sum(x.piped) * 2 > len(x.piped)
+    round_trips = s.cfg.num_hidden_layers * len(s.layout.shards) * (2 if pipelined else 1)
     parts = SplitParts(
-        dense_s=s_dense,
+        dense_s=compute_cpu / threads,
         attention_s=r_shard,
         num_layers=s.cfg.num_hidden_layers,
-        dense_exchange_s=max(0.0, exchange_cpu) / s.layout.dense_threads,
+        dense_exchange_s=max(0.0, exchange_cpu),
         shard_exchange_s=shard_exchange,
     )
     predicted = split_step_s(parts, pipelined)
@@ -326,13 +331,17 @@ def _summarise(
         "predicted_step_ms": predicted * 1e3,
         "measured_step_ms": fleet * 1e3,
         "predicted_error": predicted / fleet - 1.0,
-        "local_step_ms": local * 1e3,
-        "local_attention_ms": r_local * 1e3,
-        "fleet_s_part_ms": median(s_part) * 1e3,
-        "shard_exchange_cpu_ms": shard_exchange * 1e3,
         "pipelined": pipelined,
-        "fleet_step_ms_stdev": statistics.pstdev(fleet_s) * 1e3,
-        "local_step_ms_stdev": statistics.pstdev(local_s) * 1e3,
+        "local_step_ms": local * 1e3,
+        "local_attention_ms": median(x.local_attention) * 1e3,
+        "fleet_s_part_ms": s_fleet * 1e3,
+        "fleet_s_part_cpu_ms": compute_cpu * 1e3,
+        "dense_cpu_ms": dense_cpu / n * 1e3,
+        "round_trips_per_step": round_trips,
+        "exchange_cpu_ms_per_round_trip": exchange_cpu * 1e3 / round_trips,
+        "shard_exchange_cpu_ms": shard_exchange * 1e3,
+        "fleet_step_ms_stdev": statistics.pstdev(x.fleet) * 1e3,
+        "local_step_ms_stdev": statistics.pstdev(x.local) * 1e3,
     }
 
 

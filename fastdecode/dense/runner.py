@@ -78,6 +78,7 @@ class Outcome:
 @dataclass
 class Timings:
     s_part_seconds: float = 0.0  # S-part and sampling compute
+    s_part_cpu_seconds: float = 0.0  # CPU of the step's thread in it: wall less preemption by others
     shard_wait_seconds: float = 0.0  # step time not covered by S-part work
     step_seconds: float = 0.0
     attend_seconds: float = 0.0  # time mini-batches spent awaiting the shards, summed over them
@@ -116,6 +117,7 @@ class StepRunner:
         # None: follow each plan's pipeline flag; else the plan's flag allows, the chooser decides
         self.chooser = chooser
         self._busy = 0.0
+        self._busy_cpu = 0.0
         self._attend_wait = 0.0
         self._failures: dict[str, BaseException] = {}
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
@@ -125,11 +127,12 @@ class StepRunner:
         return self.shards.num_shards
 
     def _compute(self, fn: Callable[[], T]) -> T:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn()
         finally:
             self._busy += time.perf_counter() - t0
+            self._busy_cpu += time.thread_time() - c0
 
     def validate(self, s: DenseSeq) -> None:
         c = self.model.config
@@ -219,6 +222,7 @@ class StepRunner:
     async def _run(self, seqs: Sequence[DenseSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
         t0 = time.perf_counter()
         self._busy = 0.0
+        self._busy_cpu = 0.0
         self._attend_wait = 0.0
         self._failures = {}
         outcomes: dict[str, Outcome] = {}
@@ -270,4 +274,6 @@ class StepRunner:
                     on * 1e3,
                     off * 1e3,
                 )
-        return outcomes, Timings(self._busy, max(0.0, step - self._busy), step, self._attend_wait, piped)
+        return outcomes, Timings(
+            self._busy, self._busy_cpu, max(0.0, step - self._busy), step, self._attend_wait, piped
+        )

@@ -74,20 +74,22 @@ class SequenceResult(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("s_part_seconds", "shard_wait_seconds", "step_seconds", "attend_seconds", "overlap_ratio", "pipelined")
+    __slots__ = ("s_part_seconds", "shard_wait_seconds", "step_seconds", "attend_seconds", "overlap_ratio", "pipelined", "s_part_cpu_seconds")
     S_PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_RATIO_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    S_PART_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     s_part_seconds: float
     shard_wait_seconds: float
     step_seconds: float
     attend_seconds: float
     overlap_ratio: float
     pipelined: bool
-    def __init__(self, s_part_seconds: _Optional[float] = ..., shard_wait_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., attend_seconds: _Optional[float] = ..., overlap_ratio: _Optional[float] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+    s_part_cpu_seconds: float
+    def __init__(self, s_part_seconds: _Optional[float] = ..., shard_wait_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., attend_seconds: _Optional[float] = ..., overlap_ratio: _Optional[float] = ..., pipelined: _Optional[bool] = ..., s_part_cpu_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "results", "timings", "error")

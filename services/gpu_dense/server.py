@@ -146,6 +146,7 @@ class DenseService(pb_grpc.DenseServicer):
         result.timings.attend_seconds = t.attend_seconds
         result.timings.overlap_ratio = t.overlap_ratio
         result.timings.pipelined = t.pipelined
+        result.timings.s_part_cpu_seconds = t.s_part_cpu_seconds
         STEPS.labels("piped" if t.pipelined else "plain").inc()
         STEP_SECONDS.observe(t.step_seconds)
         S_PART_SECONDS.observe(t.s_part_seconds)

@@ -1,11 +1,10 @@
 """Proto messages to domain objects and back: one place per message family. Imports the generated
 messages (protobuf) but no gRPC; the service adapters call it, the cores never see a proto.
 
-One deliberate exception: the shard's Attend data path. gpu_dense writes each AttendRequest as wire
-bytes with q, k and v encoded straight into them (`codec.serialize_with`, in services/gpu_dense/
-shards.py), and the shard core attends on views of the parsed message's bytes
-(`fastdecode.shard.ShardCore.attend` takes the AttendRequest): a domain object in between would cost
-a copy of every tensor on the latency path that every decode step pays once per layer."""
+One deliberate exception: the shard's parse of an Attend item. `fastdecode.shard.ShardCore.attend`
+takes the AttendRequest message itself and attends on views of its bytes (q, k and v are decoded
+without a copy, codec.decode): the item is the latency every decode step pays once per layer, and
+the message is the cheapest form it has. Its other direction, `attend_request`, is here."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from fastdecode.v1 import gateway_pb2 as gw_pb
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 
 if TYPE_CHECKING:  # annotations only: the gateway, which converts neither, loads no model or KV code
-    from fastdecode.dense import Timings
+    from fastdecode.dense import AttendItem, Timings
     from fastdecode.model import ModelConfig
     from fastdecode.shard import ShardCore
 
@@ -219,7 +218,19 @@ def model_card_to_proto(m: ModelCard) -> gw_pb.GetModelInfoResponse:
     )
 
 
-# ---- kv_attention -----------------------------------------------------------------------------------
+# ---- gpu_dense <-> kv_attention ---------------------------------------------------------------------
+def attend_request(layer: int, item: AttendItem, request_id: int) -> bytes:
+    """One item's AttendRequest as wire bytes, q, k and v encoded straight into them (one copy)."""
+    head = kv_pb.AttendRequest(
+        request_id=request_id,
+        layer=layer,
+        seq_ids=item.seq_ids,
+        num_tokens=item.num_tokens,
+        start_pos=item.start_pos,
+    )
+    return codec.serialize_with(head, q=item.q, k=item.k, v=item.v)
+
+
 def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
     stats = kv_pb.ShardStats(
         shard_id=shard_id, kv_dtype=codec.wire_dtype(core.dtype), block_size=core.block_size

@@ -19,7 +19,7 @@ from fastdecode.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense import metrics
-from services.gpu_dense.shards import ShardLink, ShardLinks
+from services.gpu_dense.shards import ShardLink, ShardLinks, connect
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
@@ -125,9 +125,7 @@ async def serve(settings: Settings) -> None:
         settings.grace_seconds,
     )
     server.install_signal_handlers(settings.supervisor_pid)
-    links = ShardLinks(
-        [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
-    )
+    links = connect(addresses, settings.tls, settings.shard_timeout)
     service = DenseService(settings, links)
     pb_grpc.add_DenseServicer_to_server(service, server.server)
     await server.start()  # NOT_SERVING while the weights load

@@ -71,3 +71,35 @@ def test_cli_bench_split_rejects_bad_cpu_sets(model_factory: Callable) -> None:
     assert res.exit_code != 0 and "overlap" in res.output
     res = CliRunner().invoke(main, [*args, "--contexts", "x"])
     assert res.exit_code != 0 and "comma-separated" in res.output
+
+
+def test_fill_rpc_writes_kv_and_maps_errors(tmp_path: Path) -> None:
+    import grpc
+
+    from fastdecode.fleet import start_service, stop_processes
+    from fastdecode.rpc import sync_channel
+    from fastdecode.v1 import kv_attention_pb2 as kv_pb
+    from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+
+    proc = start_service("kv", ["kv-attention", "--kv-capacity", str(8 << 20)], tmp_path)
+    ch = sync_channel(proc.address)
+    try:
+        stub = kv_grpc.KVAttentionStub(ch)
+        with pytest.raises(grpc.RpcError) as e:  # nothing reserved yet
+            stub.Fill(kv_pb.FillRequest(seq_ids=["a"], tokens=8), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        geometry = kv_pb.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16)
+        seqs = [kv_pb.SequenceReservation(seq_id="a", max_tokens=64)]
+        stub.Reserve(kv_pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=10)
+        assert stub.Fill(kv_pb.FillRequest(seq_ids=["a"], tokens=40, seed=3), timeout=10).tokens_written == 40
+        assert stub.Stats(kv_pb.StatsRequest(), timeout=10).tokens_held == 40
+        for bad, code in (
+            (kv_pb.FillRequest(seq_ids=["nope"], tokens=8), grpc.StatusCode.NOT_FOUND),
+            (kv_pb.FillRequest(seq_ids=["a"], tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Fill(bad, timeout=10)
+            assert e.value.code() == code
+    finally:
+        ch.close()
+        stop_processes([proc], 10.0)

@@ -119,12 +119,16 @@ def host_layout(
     return HostLayout(d, s)
 
 
-def pin_command(cpus: CpuSet) -> list[str]:
-    """A prefix that starts a command on `cpus` only (every thread it makes inherits the set)."""
+def pin_command(cpus: CpuSet, nice: int = 0) -> list[str]:
+    """A prefix that starts a command on `cpus` only (every thread it makes inherits the set), at
+    scheduling priority `nice` when not 0."""
     taskset = shutil.which("taskset")
     if taskset is None:
         raise InvalidInput("taskset (util-linux) is needed to pin the emulated hosts")
-    return [taskset, "-c", cpu_list(cpus)]
+    prefix = [taskset, "-c", cpu_list(cpus)]
+    if nice:
+        prefix += ["nice", "-n", str(nice)]
+    return prefix
 
 
 def thread_env(cpus: CpuSet) -> dict[str, str]:
@@ -134,21 +138,29 @@ def thread_env(cpus: CpuSet) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "GOMP_SPINCOUNT": "1000"}
 
 
+def _tasks() -> list[int]:
+    return [int(t) for t in os.listdir("/proc/self/task")] if Path("/proc/self/task").is_dir() else [0]
+
+
 @contextlib.contextmanager
-def pinned_process(cpus: CpuSet) -> Iterator[None]:
-    """Pin every thread of this process to `cpus` (threads made later inherit it); restored after."""
-    tasks = [int(t) for t in os.listdir("/proc/self/task")] if Path("/proc/self/task").is_dir() else [0]
+def pinned_process(cpus: CpuSet, nice: int = 0) -> Iterator[None]:
+    """Pin every thread of this process to `cpus` (threads made later inherit it), at nice value
+    `nice` when not 0 (Linux keeps both per thread); both restored after."""
     before = os.sched_getaffinity(0)
-    for t in tasks:
+    prio = os.getpriority(os.PRIO_PROCESS, 0)
+    for t in _tasks():
         with contextlib.suppress(OSError):  # a thread may have ended meanwhile
             os.sched_setaffinity(t, cpus)
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, t, nice)
     try:
         yield
     finally:
-        now = [int(t) for t in os.listdir("/proc/self/task")] if Path("/proc/self/task").is_dir() else [0]
-        for t in now:
+        for t in _tasks():
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(t, before)
+                if nice:
+                    os.setpriority(os.PRIO_PROCESS, t, prio)
 
 
 # ------------------------------------------------------------------------------------- network

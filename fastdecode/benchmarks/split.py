@@ -94,6 +94,7 @@ class _Setup:
     warmup: int
     workdir: Path
     seed: int
+    nice: int = 0
 
 
 def _shard_rows(batch: int, shards: int) -> list[range]:
@@ -127,7 +128,7 @@ def _start_shards(s: _Setup, capacity: int) -> list[ServiceProcess]:
                 s.workdir,
                 host=s.iso.shard_hosts[i],
                 env=thread_env(cpus),
-                prefix=s.iso.shard_prefix[i] + pin_command(cpus),
+                prefix=s.iso.shard_prefix[i] + pin_command(cpus, s.nice),
             )
         )
     return [wait_ready(p, 180.0) for p in pending]
@@ -145,7 +146,7 @@ def _start_dense(s: _Setup, shards: list[ServiceProcess]) -> ServiceProcess:
         host=s.iso.dense_host,
         env=thread_env(s.layout.dense),
         timeout=180.0,
-        prefix=pin_command(s.layout.dense),
+        prefix=pin_command(s.layout.dense, s.nice),
     )
 
 
@@ -397,6 +398,7 @@ def run_split_bench(
     warmup: int = 3,
     isolation: str = "auto",
     seed: int = 0,
+    nice: int = 0,
 ) -> dict[str, Any]:
     """Fleet (dense host + shard hosts) against LocalEngine on the dense host, at each context."""
     contexts = sorted(set(contexts))
@@ -408,6 +410,8 @@ def run_split_bench(
         raise InvalidInput("isolation must be auto, netns or loopback")
     if kv_dtype not in codec.DTYPE_NAMES:
         raise InvalidInput(f"kv_dtype must be one of {sorted(codec.DTYPE_NAMES)}")
+    if not -20 <= nice <= 19 or (nice < 0 and os.geteuid() != 0):
+        raise InvalidInput("nice must be in [-20, 19]; below 0 needs root")
     cfg = ModelConfig.from_pretrained(model)
     extra = steps + warmup + 2 * _CHOOSER_PROBES + 4
     if max(contexts) + extra > cfg.max_position_embeddings:
@@ -425,8 +429,10 @@ def run_split_bench(
             if isolation == "netns" and iso.kind != "netns+veth":
                 raise InvalidInput(f"network namespaces were asked for but not available: {iso.description}")
             _log(f"{iso.kind}: {layout.describe()}")
-            setup = _Setup(model, cfg, batch, kv_dtype, layout, iso, pipeline, steps, warmup, workdir, seed)
-            with pinned_process(layout.dense), torch_threads(layout.dense_threads):
+            setup = _Setup(
+                model, cfg, batch, kv_dtype, layout, iso, pipeline, steps, warmup, workdir, seed, nice
+            )
+            with pinned_process(layout.dense, nice), torch_threads(layout.dense_threads):
                 points = run_async(_run(setup, contexts))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -439,10 +445,11 @@ def run_split_bench(
         "pipeline": pipeline,
         "steps": steps,
         "isolation": iso.kind,
-        "isolation_detail": iso.description,
+        "isolation_detail": iso.description + (f"; every host's processes at nice {nice}" if nice else ""),
         "dense_cpus": cpu_list(layout.dense),
         "shard_cpus": [cpu_list(c) for c in layout.shards],
         "link_rate": link_rate,
+        "nice": nice,
         "crossover_context": cross,
         "load_avg_1m_before": load0[0],
         "load_avg_1m_after": load1[0],

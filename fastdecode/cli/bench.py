@@ -269,6 +269,14 @@ def _contexts(text: str) -> list[int]:
     show_default=True,
     help="auto: network namespaces + veth where permitted, else pinned loopback.",
 )
+@click.option(
+    "--nice",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Scheduling priority of every emulated host's processes (LocalEngine's too); on a shared "
+    "machine -10 keeps other work from taking their CPUs (root).",
+)
 @click.option("--steps", "-n", type=int, default=8, show_default=True, help="Timed decode steps per context.")
 @click.option("--warmup", type=int, default=3, show_default=True)
 @click.option(

@@ -103,3 +103,21 @@ def test_fill_rpc_writes_kv_and_maps_errors(tmp_path: Path) -> None:
     finally:
         ch.close()
         stop_processes([proc], 10.0)
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 3, reason="needs three CPUs: a dense host, two shard hosts"
+)
+def test_cli_bench_split_two_shard_hosts(model_factory: Callable) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    args = ["bench", "split", "--json", "--model", str(model_factory("llama")), "--contexts", "32", "-B", "6"]
+    args += ["--steps", "2", "--warmup", "1", "--pipeline", "on"]
+    args += ["--dense-cpus", str(cpus[0]), "--shard-cpus", f"{cpus[1]},{cpus[2]}"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["shard_cpus"] == [str(cpus[1]), str(cpus[2])]
+    (point,) = result["points"]
+    assert point["round_trips_per_step"] == 2 * 2 * 4  # two mini-batches x two shards x 4 layers
+    assert point["fleet_tokens_per_s"] > 0 and point["r_ms"] > 0
+    assert _namespaces() == []

@@ -309,8 +309,10 @@ def _summarise(
     shard_exchange = max(0.0, shard_cpu[slowest] / n / s.layout.shard_threads(slowest) - r_shard)
     pipelined = sum(x.piped) * 2 > len(x.piped)
     round_trips = s.cfg.num_hidden_layers * len(s.layout.shards) * (2 if pipelined else 1)
+    # The prediction takes both sides' compute in wall time (the shard's R is too), so that on a
+    # host shared with other work it sees the same slowdown as the measured step.
     parts = SplitParts(
-        dense_s=compute_cpu / threads,
+        dense_s=s_fleet,
         attention_s=r_shard,
         num_layers=s.cfg.num_hidden_layers,
         dense_exchange_s=max(0.0, exchange_cpu),

@@ -206,8 +206,9 @@ async def _point(
 
         async def fleet_step(step: int) -> tuple[float, Any]:
             nonlocal tokens, fleet_pos
-            await call.write(_plan(step, ids, owner, tokens, fleet_pos, piped_plan))
+            plan = _plan(step, ids, owner, tokens, fleet_pos, piped_plan)
             t = time.perf_counter()
+            await call.write(plan)
             res = await call.read()
             dt = time.perf_counter() - t
             if res.error.code:

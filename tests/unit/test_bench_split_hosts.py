@@ -92,3 +92,14 @@ def test_fill_synthetic_writes_every_layer_linearly() -> None:
         store.fill_synthetic(["zz"], 4)
     with pytest.raises(InvalidInput):
         store.fill_synthetic(["a"], 0)
+
+
+def test_step_timings_carry_the_mode_and_the_s_part_cpu() -> None:
+    from fastdecode.convert import timings_to_proto
+    from fastdecode.dense.runner import Timings
+
+    t = Timings(s_part_seconds=0.2, s_part_cpu_seconds=0.15, step_seconds=0.3, pipelined=True)
+    p = timings_to_proto(t)
+    assert p.pipelined is True
+    assert p.s_part_cpu_seconds == pytest.approx(0.15) and p.s_part_seconds == pytest.approx(0.2)
+    assert timings_to_proto(Timings()).pipelined is False

@@ -44,7 +44,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,6 +74,7 @@ __all__ = [
     "NotFoundError",
     "ResourceExhaustedError",
     "Stream",
+    "TokenLogprob",
     "Tokens",
     "UnavailableError",
     "Usage",
@@ -188,6 +189,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's token, its logprob under the model (temperature-free) and the `top`
+    alternatives as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed piece: the text delta and the new token ids; the last one has finish_reason."""
 
@@ -195,6 +206,8 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt positions 1.., when asked
 
 
 @dataclass(frozen=True)
@@ -203,6 +216,8 @@ class Completion:
     token_ids: list[int]  # the generated ids only
     finish_reason: str
     usage: Usage
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -234,6 +249,12 @@ def _request(
     stop: str | Sequence[str] | None,
     stop_token_ids: Sequence[int] | None,
     ignore_eos: bool,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_tokens: int = 0,
 ) -> pb.GenerateRequest:
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
@@ -241,7 +262,15 @@ def _request(
         stop=[stop] if isinstance(stop, str) else list(stop or ()),
         stop_token_ids=list(stop_token_ids or ()),
         ignore_eos=ignore_eos,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
     )
+    if logprobs is not None:
+        req.logprobs = logprobs
+    if repetition_penalty is not None:
+        req.repetition_penalty = repetition_penalty
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:
@@ -259,11 +288,19 @@ def _request(
     return req
 
 
+def _logprobs(entries: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(e.token_id, e.logprob, list(zip(e.top_token_ids, e.top_logprobs, strict=True)))
+        for e in entries
+    ]
+
+
 def _chunk(r: pb.GenerateResponse) -> Chunk:
+    lps, prompt_lps = _logprobs(r.logprobs), _logprobs(r.prompt_logprobs)
     if r.finish_reason:
         usage = Usage(r.usage.prompt_tokens, r.usage.completion_tokens)
-        return Chunk(r.text, list(r.token_ids), r.finish_reason, usage)
-    return Chunk(r.text, list(r.token_ids))
+        return Chunk(r.text, list(r.token_ids), r.finish_reason, usage, lps, prompt_lps)
+    return Chunk(r.text, list(r.token_ids), logprobs=lps, prompt_logprobs=prompt_lps)
 
 
 def _collect(chunks: list[Chunk]) -> Completion:
@@ -275,6 +312,8 @@ def _collect(chunks: list[Chunk]) -> Completion:
         token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=last.finish_reason or "",
         usage=last.usage or Usage(0, 0),
+        logprobs=[e for c in chunks for e in c.logprobs],
+        prompt_logprobs=[e for c in chunks for e in c.prompt_logprobs],
     )
 
 
@@ -542,11 +581,34 @@ class Client:
         timeout: float | None = None,
         *,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float | None = None,
+        min_tokens: int = 0,
     ) -> Stream:
         """Chunks as tokens arrive (text delta, new token ids; the last has finish_reason and usage).
-        The deadline starts now and covers the whole stream."""
+        The deadline starts now and covers the whole stream. `logprobs`: each token's logprob and
+        this many alternatives (0..20); `prompt_logprobs` scores the prompt too; the penalties are
+        OpenAI's (presence, frequency) and vLLM's (repetition); min_tokens holds back EOS."""
         request = _request(
-            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+            prompt,
+            token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            ignore_eos,
+            logprobs,
+            prompt_logprobs,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            min_tokens,
         )
         return Stream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
@@ -564,6 +626,12 @@ class Client:
         timeout: float | None = None,
         *,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float | None = None,
+        min_tokens: int = 0,
     ) -> Completion:
         """The whole completion: text, generated token ids, finish_reason, usage."""
         stream = self.stream(
@@ -578,6 +646,12 @@ class Client:
             stop_token_ids,
             timeout,
             ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
         )
         with stream:
             return _collect(list(stream))
@@ -742,10 +816,31 @@ class AsyncClient:
         timeout: float | None = None,
         *,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float | None = None,
+        min_tokens: int = 0,
     ) -> AsyncStream:
         """Chunks as tokens arrive, for `async for`. The deadline starts now."""
         request = _request(
-            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+            prompt,
+            token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            stop_token_ids,
+            ignore_eos,
+            logprobs,
+            prompt_logprobs,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            min_tokens,
         )
         return AsyncStream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
@@ -763,6 +858,12 @@ class AsyncClient:
         timeout: float | None = None,
         *,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float | None = None,
+        min_tokens: int = 0,
     ) -> Completion:
         stream = self.stream(
             prompt,
@@ -776,6 +877,12 @@ class AsyncClient:
             stop_token_ids,
             timeout,
             ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
         )
         async with stream:
             return _collect([c async for c in stream])

@@ -19,7 +19,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastdecode.errors import (
@@ -35,6 +35,7 @@ from fastdecode.errors import (
 from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
 from fastdecode.logs import request_context
 from fastdecode.model import ModelConfig
+from fastdecode.sampling import TokenLogprob
 from fastdecode.settings import GatewaySettings
 from fastdecode.tokenizer import Tokenizer
 
@@ -56,6 +57,9 @@ class UpstreamEvent:
 
     token_ids: list[int]
     finish_reason: str = ""
+    logprobs: list[float] = field(default_factory=list)  # per token id
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's next positions
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,10 @@ class GenerationChunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's, when asked
+    # With prompt logprobs, on the first chunk: the prompt's first token (it has no logprob)
+    prompt_first_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +256,7 @@ class GatewayCore:
             self.metrics.accepted(n_prompt)
             last: float | None = None
             received: list[int] = []  # every token the scheduler sent, held-back ones included
+            scored: list[TokenLogprob] = []  # prompt logprobs sent so far (positions 1..)
             lost_at: float | None = None
             while True:
                 rest = valid
@@ -256,11 +265,19 @@ class GatewayCore:
                         valid,
                         prompt_ids=valid.prompt_ids + received,
                         max_tokens=valid.max_tokens - len(received),
+                        # the prompt was scored in full before any token came
+                        prompt_logprobs=False,
                     )
                 events = self.scheduler.submit(request_id, rest, _remaining(deadline), len(received))
                 before = len(received)
                 try:
-                    async with contextlib.aclosing(self._relay(events, out, received, n_prompt)) as chunks:
+                    first = (
+                        valid.prompt_ids[0] if valid.prompt_logprobs and not (received or scored) else None
+                    )
+                    relay = self._relay(
+                        events, out, received, n_prompt, valid.logprobs is not None, scored, first
+                    )
+                    async with contextlib.aclosing(relay) as chunks:
                         async for chunk in chunks:
                             last = self._time_tokens(chunk, arrival, last)
                             if chunk.finish_reason:
@@ -322,16 +339,34 @@ class GatewayCore:
                     self.idle.set()
 
     async def _relay(
-        self, events: AsyncIterator[UpstreamEvent], out: OutputText, received: list[int], n_prompt: int
+        self,
+        events: AsyncIterator[UpstreamEvent],
+        out: OutputText,
+        received: list[int],
+        n_prompt: int,
+        logprobs: bool = False,
+        scored: list[TokenLogprob] | None = None,
+        first_prompt_token: int | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """The scheduler's token events as text chunks (stop strings applied); each event's ids are
-        appended to `received`. The last chunk carries finish_reason and usage."""
+        appended to `received`, its prompt logprobs to `scored` (a resubmission re-scores nothing).
+        The last chunk carries finish_reason and usage."""
+        scored = [] if scored is None else scored
         async with contextlib.aclosing(events):  # closing cancels the scheduler call
             async for ev in events:
                 received += ev.token_ids
                 delta = out.push(ev.token_ids)
                 finish = "stop" if delta.stopped else ev.finish_reason
                 chunk = GenerationChunk(delta.text, list(delta.token_ids))
+                if logprobs:  # taken ids are a prefix of the event's
+                    chunk.logprobs = [
+                        TokenLogprob(t, ev.logprobs[i], ev.top[i] if i < len(ev.top) else ())
+                        for i, t in enumerate(delta.token_ids)
+                    ]
+                if ev.prompt_logprobs and len(scored) < n_prompt - 1:
+                    chunk.prompt_logprobs = ev.prompt_logprobs[: n_prompt - 1 - len(scored)]
+                    scored += chunk.prompt_logprobs
+                chunk.prompt_first_token, first_prompt_token = first_prompt_token, None
                 if finish:
                     if not delta.stopped:
                         tail = out.finish()
@@ -342,7 +377,7 @@ class GatewayCore:
                     chunk.completion_tokens = out.num_tokens
                     yield chunk
                     return
-                if chunk.text or chunk.token_ids:
+                if chunk.text or chunk.token_ids or chunk.prompt_logprobs:
                     yield chunk
 
     def _time_tokens(self, chunk: GenerationChunk, arrival: float, last: float | None) -> float | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +16,7 @@ from fastdecode.errors import ServiceError, Status
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GenerationChunk
 from fastdecode.gateway.text import GenerateParams
+from fastdecode.sampling import MAX_TOP_LOGPROBS, TokenLogprob
 
 # The one table from our Status to (HTTP status, OpenAI error type). Anything else is a 500 server_error.
 HTTP_STATUS: dict[Status, tuple[int, str]] = {
@@ -84,6 +86,8 @@ class RequestBody(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="extension (vLLM)")
+    min_tokens: int | None = Field(None, description="extension (vLLM)")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -127,23 +131,24 @@ def refuse_unsupported(body: RequestBody) -> None:
     """Parameters we cannot honour are a clear 400, not silently ignored."""
     if body.n not in (None, 1):
         raise _invalid(f"n={body.n}: only one choice per request is supported (n=1)", "n")
-    if body.presence_penalty or body.frequency_penalty:
-        param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-        raise _invalid(f"{param} is not supported (leave it unset or 0)", param)
     if body.logit_bias:
         raise _invalid("logit_bias is not supported", "logit_bias")
     if isinstance(body, CompletionBody):
-        if body.logprobs is not None:
-            raise _invalid("logprobs are not supported", "logprobs")
-        if body.echo:
-            raise _invalid("echo is not supported", "echo")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
         if body.suffix:
             raise _invalid("suffix is not supported", "suffix")
         if body.best_of not in (None, 1):
             raise _invalid("best_of is not supported (only 1)", "best_of")
     if isinstance(body, ChatBody):
-        if body.logprobs or body.top_logprobs is not None:
-            raise _invalid("logprobs are not supported", "logprobs")
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise _invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+            if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise _invalid(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
+                    "top_logprobs",
+                )
         if body.tools:
             raise _invalid("tool calling is not supported", "tools")
         if body.response_format and body.response_format.get("type", "text") != "text":
@@ -162,6 +167,10 @@ def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
         "stop": stop,
         "stop_token_ids": list(body.stop_token_ids or []),
         "ignore_eos": body.ignore_eos,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_tokens": body.min_tokens,
     }
 
 
@@ -173,6 +182,8 @@ def completion_params(body: CompletionBody) -> GenerateParams:
             raise _invalid(f"{len(prompt)} prompts: send one prompt per request", "prompt")
         prompt = prompt[0]
     sampling = _sampling(body, body.max_tokens)
+    sampling["logprobs"] = body.logprobs
+    sampling["prompt_logprobs"] = bool(body.echo and body.logprobs is not None)
     if isinstance(prompt, str):
         return GenerateParams(prompt=prompt, **sampling)
     return GenerateParams(token_ids=list(prompt), **sampling)  # type: ignore[arg-type]
@@ -197,6 +208,7 @@ def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> Gen
     return GenerateParams(
         prompt=prompt,
         **_sampling(body, max_tokens),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         add_special_tokens=False,  # the template writes BOS itself where the model wants one
         default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
     )
@@ -215,29 +227,104 @@ def _usage(c: GenerationChunk) -> dict[str, int]:
     }
 
 
+class LogprobsShape:
+    """OpenAI's logprobs objects: completions' parallel lists (`tokens`, `token_logprobs`,
+    `top_logprobs`, `text_offset`) or chat's `content` list. Tokens the output hides (EOS, stop ids)
+    are left out, as their text is; a token's string is its own decoded text."""
+
+    def __init__(self, chat: bool, decode: Callable[[int], str], hidden: Collection[int]) -> None:
+        self.chat = chat
+        self.decode = decode
+        self.hidden = frozenset(hidden)
+        self.offset = 0  # completions' text_offset of the next token
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def of(self, entries: Sequence[TokenLogprob | None]) -> dict[str, Any]:
+        """`None` stands for a position with no logprob (the first prompt token, with echo)."""
+        shown = [e for e in entries if e is None or e.token_id not in self.hidden]
+        if self.chat:
+            content = [
+                self._chat_entry(e.token_id, e.logprob)
+                | {"top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]}
+                for e in shown
+                if e is not None
+            ]
+            return {"content": content, "refusal": None}
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in shown:
+            if e is None:
+                continue
+            text = self.decode(e.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({self.decode(t): lp for t, lp in e.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def first_prompt_token(self, token_id: int) -> dict[str, Any]:
+        """Completions' echo: the prompt's first token, which has no logprob (null)."""
+        text = self.decode(token_id)
+        self.offset += len(text)
+        return {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+
+
+def join_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One logprobs object of several (completions' lists or chat's content), in order."""
+    out: dict[str, Any] = {}
+    for p in parts:
+        for k, v in p.items():
+            if isinstance(v, list):
+                out.setdefault(k, []).extend(v)
+            else:
+                out[k] = v
+    return out
+
+
 class ResponseShape:
     """Response objects of one request: completions or chat, whole or as stream chunks."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        logprobs: LogprobsShape | None = None,
+        echo: str | None = None,
+    ) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.logprobs = logprobs  # None: the request asked for none
+        self.echo = echo  # completions' echo: the prompt text, sent before the completion
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, last: GenerationChunk) -> dict[str, Any]:
+    def whole(
+        self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "text": (self.echo or "") + text}
+        choice |= {"logprobs": logprobs, "finish_reason": last.finish_reason}
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": _usage(last)}
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
@@ -245,7 +332,7 @@ class ResponseShape:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {**self._head(obj), "choices": [choice]}
         if self.include_usage:

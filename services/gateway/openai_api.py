@@ -29,11 +29,13 @@ from fastdecode.gateway.openai import (
     APIError,
     ChatBody,
     CompletionBody,
+    LogprobsShape,
     RequestBody,
     ResponseShape,
     chat_params,
     completion_params,
     error_body,
+    join_logprobs,
     sse,
 )
 from fastdecode.gateway.text import GenerateParams
@@ -157,7 +159,15 @@ class OpenAIApp:
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
         self._check_model(body.model)
-        return await self._run(request, completion_params(body), body, chat=False)
+        params = completion_params(body)
+        echo = None
+        if body.echo:  # the prompt as sent, or the text of its token ids
+            echo = (
+                params.prompt
+                if params.prompt is not None
+                else self.core.tokenizer.decode(params.token_ids or [])
+            )
+        return await self._run(request, params, body, chat=False, echo=echo)
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
         self._check_model(body.model)
@@ -177,10 +187,17 @@ class OpenAIApp:
             raise as_service_error(e, log) from None
         return await self._run(request, params, body, chat=True)
 
-    async def _run(self, request: Request, params: GenerateParams, body: RequestBody, chat: bool) -> Response:
+    async def _run(
+        self, request: Request, params: GenerateParams, body: RequestBody, chat: bool, echo: str | None = None
+    ) -> Response:
         rid: str = request.state.request_id
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        shape = ResponseShape(chat, rid, self.core.model_id, include_usage)
+        lp = None
+        if params.logprobs is not None:
+            tok = self.core.tokenizer
+            hidden = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.core.eos_ids))
+            lp = LogprobsShape(chat, lambda t: tok.decode([t], skip_special_tokens=False), hidden)
+        shape = ResponseShape(chat, rid, self.core.model_id, include_usage, lp, echo)
         producer = self.core.generate(params, rid, None, "http")
         if not body.stream:
             return await self._whole(request, producer, shape)
@@ -200,15 +217,19 @@ class OpenAIApp:
     async def _whole(
         self, request: Request, producer: AsyncGenerator[GenerationChunk], shape: ResponseShape
     ) -> Response:
-        async def collect() -> tuple[str, GenerationChunk]:
+        async def collect() -> tuple[str, GenerationChunk, dict[str, Any] | None]:
             parts: list[str] = []
+            logprobs: list[dict[str, Any]] = []
             last: GenerationChunk | None = None
             async with contextlib.aclosing(producer) as chunks:
                 async for c in chunks:
                     parts.append(c.text)
+                    if shape.logprobs is not None:
+                        logprobs += self._logprobs(shape.logprobs, c)
                     last = c
             assert last is not None and last.finish_reason, "generate() ends with a finish reason"
-            return "".join(parts), last
+            whole = join_logprobs(logprobs) if shape.logprobs is not None else None
+            return "".join(parts), last, whole
 
         # A client that hangs up cancels the generation (and frees its KV) instead of letting it run on.
         work = asyncio.ensure_future(collect())
@@ -224,10 +245,21 @@ class OpenAIApp:
         if work.cancelled():
             return Response(status_code=499)  # nobody is listening
         try:
-            text, last = work.result()
+            text, last, logprobs = work.result()
         except ServiceError as e:
             return error_response(e)
-        return JSONResponse(shape.whole(text, last))
+        return JSONResponse(shape.whole(text, last, logprobs))
+
+    @staticmethod
+    def _logprobs(lp: LogprobsShape, c: GenerationChunk) -> list[dict[str, Any]]:
+        """The logprobs objects of one chunk: the prompt's first (echo), then its tokens'."""
+        out = []
+        if c.prompt_first_token is not None:
+            out.append(lp.first_prompt_token(c.prompt_first_token))
+        if c.prompt_logprobs:
+            out.append(lp.of(c.prompt_logprobs))
+        out.append(lp.of(c.logprobs))
+        return out
 
     async def _events(
         self, first: GenerationChunk, producer: AsyncGenerator[GenerationChunk], shape: ResponseShape
@@ -237,11 +269,11 @@ class OpenAIApp:
                 if shape.chat:
                     yield shape.chunk(None, None, role=True)
                 last = first
-                if first.text or first.finish_reason:
+                if first.text or first.finish_reason or self._has_logprobs(shape, first):
                     yield self._event(shape, first)
                 async for c in chunks:
                     last = c
-                    if c.text or c.finish_reason:
+                    if c.text or c.finish_reason or self._has_logprobs(shape, c):
                         yield self._event(shape, c)
                 if shape.include_usage:
                     yield shape.usage_chunk(last)
@@ -250,7 +282,14 @@ class OpenAIApp:
         yield b"data: [DONE]\n\n"
 
     @staticmethod
-    def _event(shape: ResponseShape, c: GenerationChunk) -> bytes:
-        if shape.chat and c.text and c.finish_reason:  # OpenAI sends the finish on an empty delta
-            return shape.chunk(c.text, None) + shape.chunk(None, c.finish_reason)
-        return shape.chunk(c.text, c.finish_reason)
+    def _has_logprobs(shape: ResponseShape, c: GenerationChunk) -> bool:
+        return shape.logprobs is not None and bool(c.logprobs or c.prompt_logprobs or c.prompt_first_token)
+
+    def _event(self, shape: ResponseShape, c: GenerationChunk) -> bytes:
+        text = c.text
+        if shape.echo is not None:  # the prompt leads the first chunk
+            text, shape.echo = shape.echo + text, None
+        lp = join_logprobs(self._logprobs(shape.logprobs, c)) if shape.logprobs is not None else None
+        if shape.chat and text and c.finish_reason:  # OpenAI sends the finish on an empty delta
+            return shape.chunk(text, None, logprobs=lp) + shape.chunk(None, c.finish_reason)
+        return shape.chunk(text, c.finish_reason, logprobs=lp)

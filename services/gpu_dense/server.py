@@ -123,17 +123,25 @@ class DenseService(pb_grpc.DenseServicer):
             sampling=convert.sampling_from_proto(p.sampling),
             sample=p.sample,
             sample_index=p.sample_index,
+            next_token=p.next_token_id if p.HasField("next_token_id") else None,
         )
 
     async def step(self, runner: StepRunner, plan: pb.StepPlan) -> pb.StepResult:
         result = pb.StepResult(step=plan.step)
+        runner.forget(plan.ended)
         try:
             outcomes, t = await runner.run([self._seq(p) for p in plan.sequences], plan.pipeline)
         except Exception as e:  # noqa: BLE001 - a failed step is reported in-band
             result.error.CopyFrom(item_error(e))
             return result
         for sid, o in outcomes.items():
-            r = result.results.add(seq_id=sid, token_id=o.token_id, logprob=o.logprob)
+            r = result.results.add(
+                seq_id=sid,
+                token_id=o.token_id,
+                logprob=o.logprob,
+                top=convert.top_to_proto(o.top),
+                prompt_logprobs=[convert.position_to_proto(p) for p in o.prompt],
+            )
             if o.error is not None:
                 r.error.CopyFrom(item_error(o.error))
                 log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})

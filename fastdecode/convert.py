@@ -3,10 +3,14 @@ messages (protobuf) but no gRPC; the service adapters call it, the cores never s
 
 from __future__ import annotations
 
+import json
+
+from fastdecode.errors import InvalidInput
 from fastdecode.gateway.core import GenerationChunk, ModelCard
 from fastdecode.gateway.text import GenerateParams, ValidRequest
 from fastdecode.sampling import SamplingParams, TokenLogprob
 from fastdecode.scheduling import Request, Step, TokenEvent
+from fastdecode.structured import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
 
@@ -23,6 +27,7 @@ def sampling_to_proto(s: SamplingParams) -> dense_pb2.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         min_tokens=s.min_tokens,
         suppress_token_ids=s.suppress_ids,
+        grammar=s.grammar,
     )
     if s.seed is not None:
         out.seed = s.seed
@@ -45,6 +50,7 @@ def sampling_from_proto(sp: dense_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
         min_tokens=sp.min_tokens,
         suppress_ids=tuple(sp.suppress_token_ids),
+        grammar=sp.grammar,
     )
 
 
@@ -94,7 +100,19 @@ def params_from_proto(r: gw_pb.GenerateRequest) -> GenerateParams:
         frequency_penalty=r.frequency_penalty,
         repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else None,
         min_tokens=r.min_tokens,
+        structured=structured_from_proto(r.structured) if r.HasField("structured") else None,
     )
+
+
+def structured_from_proto(s: gw_pb.StructuredOutput) -> Structured:
+    kind = s.WhichOneof("kind")
+    if kind is None:
+        raise InvalidInput("structured is set but names no kind")
+    if kind == "choice":
+        return Structured("choice", json.dumps(list(s.choice.choices)))
+    if kind == "json_object":
+        return Structured("json_object")
+    return Structured(kind, getattr(s, kind))
 
 
 # ---- gateway <-> scheduler --------------------------------------------------------------------------

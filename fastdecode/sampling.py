@@ -44,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of seen tokens
     min_tokens: int = 0  # EOS and `suppress_ids` are masked until this many tokens were sampled
     suppress_ids: tuple[int, ...] = ()  # the request's stop token ids (EOS is the runner's to add)
+    grammar: str = ""  # an llguidance grammar the output must match (fastdecode.structured)
 
     def validate(self) -> None:
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
@@ -67,6 +68,11 @@ class SamplingParams:
             )
         if self.min_tokens < 0:
             raise InvalidInput(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher)."""
+        return self.penalized or bool(self.grammar)
 
     @property
     def penalized(self) -> bool:

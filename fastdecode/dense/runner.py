@@ -26,6 +26,7 @@ from fastdecode.engine import Chunk, pack
 from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.model import DenseModel
 from fastdecode.sampling import SamplingParams, TokenLogprob, penalize, sample, top_logprobs
+from fastdecode.structured import GrammarBank
 
 T = TypeVar("T")
 log = logging.getLogger("fastdecode.gpu_dense.runner")
@@ -119,8 +120,15 @@ class _Group:
 
 
 class StepRunner:
-    def __init__(self, model: DenseModel, shards: ShardPlane, chooser: PipelineChooser | None = None) -> None:
+    def __init__(
+        self,
+        model: DenseModel,
+        shards: ShardPlane,
+        chooser: PipelineChooser | None = None,
+        grammars: GrammarBank | None = None,
+    ) -> None:
         self.model = model
+        self.grammars = grammars  # None: requests with a grammar fail (no tokenizer here)
         self.shards = shards
         # None: follow each plan's pipeline flag; else the plan's flag allows, the chooser decides
         self.chooser = chooser
@@ -131,6 +139,7 @@ class StepRunner:
         # re-prefill (start_pos 0: recovery, preemption) starts it again, a re-run step truncates it
         self._history: OrderedDict[str, list[int]] = OrderedDict()
         self._prompt: dict[str, list[TokenLogprob]] = {}  # this step's prompt logprobs, per sequence
+        self.mask_seconds = 0.0  # the last step's grammar mask time (on a worker thread)
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
 
     @property
@@ -164,12 +173,15 @@ class StepRunner:
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         """These sequences ended: drop what the runner kept for them."""
+        seq_ids = list(seq_ids)
         for sid in seq_ids:
             self._history.pop(sid, None)
+        if self.grammars is not None:
+            self.grammars.forget(seq_ids)
 
     def _track(self, s: DenseSeq) -> list[int] | None:
         """The sequence's history after this step's tokens (None when its sampling needs none)."""
-        if not s.sampling.penalized:
+        if not s.sampling.needs_history:
             return None
         hist = [] if s.start_pos == 0 else self._history.get(s.seq_id)
         if hist is None or len(hist) < s.start_pos:
@@ -184,6 +196,39 @@ class StepRunner:
         while len(self._history) > MAX_HISTORIES:
             self._history.popitem(last=False)
         return hist
+
+    def _start_masks(
+        self, seqs: Sequence[DenseSeq], history: dict[str, list[int] | None]
+    ) -> asyncio.Future[dict[str, torch.Tensor | BaseException]] | None:
+        rows: list[tuple[str, str, list[int]]] = []
+        failed: dict[str, torch.Tensor | BaseException] = {}
+        for s in seqs:
+            if not (s.sample and s.sampling.grammar):
+                continue
+            hist = history.get(s.seq_id) or []
+            if self.grammars is None:
+                failed[s.seq_id] = FailedPrecondition(
+                    "structured outputs are off: gpu_dense has no tokenizer"
+                )
+            elif s.sample_index > len(hist):
+                failed[s.seq_id] = InvalidInput(
+                    f"sample_index {s.sample_index} exceeds the sequence's tokens"
+                )
+            else:
+                rows.append((s.seq_id, s.sampling.grammar, hist[len(hist) - s.sample_index :]))
+        if not rows and not failed:
+            return None
+        bank = self.grammars
+
+        def compute() -> dict[str, torch.Tensor | BaseException]:
+            t0 = time.perf_counter()
+            out = dict(failed)
+            if rows and bank is not None:
+                out.update(zip((r[0] for r in rows), bank.masks(rows), strict=True))
+            self.mask_seconds = time.perf_counter() - t0
+            return out
+
+        return asyncio.ensure_future(asyncio.to_thread(compute))
 
     def _prompt_logprobs(self, s: DenseSeq, hidden: torch.Tensor) -> list[TokenLogprob]:
         """Scores of the chunk's tokens after its first (and of next_token) from its rows' logits."""
@@ -294,6 +339,9 @@ class StepRunner:
                 outcomes[s.seq_id] = Outcome()
             except (InvalidInput, FailedPrecondition) as e:
                 outcomes[s.seq_id] = Outcome(error=e)
+        # The grammar masks need only the tokens known now: computed on a worker thread (llguidance
+        # drops the GIL) while the layers run, so their cost hides behind the step.
+        masks = self._start_masks(valid, history)
         split = [[s for s in valid if s.mini_batch == mb] for mb in (0, 1)]
         piped = pipeline and all(split)  # one empty half: nothing to overlap
         if piped and self.chooser is not None:
@@ -302,6 +350,13 @@ class StepRunner:
         batches = [sorted(b, key=lambda s: s.shard) for b in batches if b]
         hiddens = await asyncio.gather(*(self._mini_batch(i, b) for i, b in enumerate(batches)))
         ordered = [s for b in batches for s in b]
+        allowed: dict[str, torch.Tensor] = {}
+        if masks is not None:
+            for sid, m in (await masks).items():
+                if isinstance(m, BaseException):
+                    self._failures[sid] = m
+                else:
+                    allowed[sid] = m
         rows = [i for i, s in enumerate(ordered) if s.sample and s.seq_id not in self._failures]
         if rows:
             hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
@@ -313,6 +368,13 @@ class StepRunner:
                 index = [ordered[i].sample_index for i in rows]
                 hist = [history[ordered[i].seq_id] for i in rows]
                 processed = penalize(logits, params, index, hist, self.model.config.eos_token_ids)
+                masked = [j for j, i in enumerate(rows) if ordered[i].seq_id in allowed]
+                if masked:
+                    if processed is logits:
+                        processed = logits.clone()
+                    keep = torch.stack([allowed[ordered[rows[j]].seq_id] for j in masked]).to(logits.device)
+                    sel = torch.tensor(masked, device=logits.device)
+                    processed[sel] = processed[sel].masked_fill(~keep, float("-inf"))
                 toks, lps = sample(logits, params, index, None if processed is logits else processed)
                 tops: dict[int, tuple[tuple[int, float], ...]] = {}
                 asking = [j for j, p in enumerate(params) if p.top_logprobs]

@@ -17,6 +17,7 @@ from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GenerationChunk
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.sampling import MAX_TOP_LOGPROBS, TokenLogprob
+from fastdecode.structured import Structured
 
 # The one table from our Status to (HTTP status, OpenAI error type). Anything else is a 500 server_error.
 HTTP_STATUS: dict[Status, tuple[int, str]] = {
@@ -90,6 +91,11 @@ class RequestBody(BaseModel):
     min_tokens: int | None = Field(None, description="extension (vLLM)")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's structured-output extras (extra_body in the openai client)
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM)")
+    guided_regex: str | None = Field(None, description="extension (vLLM)")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM)")
+    guided_grammar: str | None = Field(None, description="extension (vLLM): a Lark grammar")
 
 
 class CompletionBody(RequestBody):
@@ -151,8 +157,40 @@ def refuse_unsupported(body: RequestBody) -> None:
                 )
         if body.tools:
             raise _invalid("tool calling is not supported", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise _invalid("only response_format {'type': 'text'} is supported", "response_format")
+
+
+def structured_output(body: RequestBody) -> Structured | None:
+    """response_format (chat) or one of vLLM's guided_* extras, as one Structured (or None)."""
+    found: list[tuple[str, Structured]] = []
+    if isinstance(body, ChatBody) and body.response_format is not None:
+        rf = body.response_format
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", Structured("json_object")))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise _invalid(
+                    "response_format json_schema needs json_schema.schema, an object", "response_format"
+                )
+            found.append(("response_format", Structured("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise _invalid(
+                f"response_format type {kind!r}: one of text, json_object, json_schema", "response_format"
+            )
+    if body.guided_json is not None:
+        spec = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        found.append(("guided_json", Structured("json_schema", spec)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", Structured("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", Structured("choice", json.dumps(body.guided_choice))))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", Structured("grammar", body.guided_grammar)))
+    if len(found) > 1:
+        raise _invalid(f"{' and '.join(n for n, _ in found)}: set one structured output", found[1][0])
+    return found[0][1] if found else None
 
 
 def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
@@ -184,6 +222,7 @@ def completion_params(body: CompletionBody) -> GenerateParams:
     sampling = _sampling(body, body.max_tokens)
     sampling["logprobs"] = body.logprobs
     sampling["prompt_logprobs"] = bool(body.echo and body.logprobs is not None)
+    sampling["structured"] = structured_output(body)
     if isinstance(prompt, str):
         return GenerateParams(prompt=prompt, **sampling)
     return GenerateParams(token_ids=list(prompt), **sampling)  # type: ignore[arg-type]
@@ -209,6 +248,7 @@ def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> Gen
         prompt=prompt,
         **_sampling(body, max_tokens),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        structured=structured_output(body),
         add_special_tokens=False,  # the template writes BOS itself where the model wants one
         default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
     )

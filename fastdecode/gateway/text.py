@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from fastdecode.errors import InvalidInput
 from fastdecode.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from fastdecode.structured import Structured, compile_grammar
 from fastdecode.tokenizer import Tokenizer
 
 # Prompt tokens that seed the detokenizer, so the first generated token decodes with the
@@ -57,6 +58,7 @@ class GenerateParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    structured: Structured | None = None  # the output must match it (compiled in resolve)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class ValidRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    grammar: str = ""  # llguidance's, compiled from GenerateParams.structured
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -92,6 +95,7 @@ class ValidRequest:
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             suppress_ids=self.stop_token_ids if self.min_tokens else (),
+            grammar=self.grammar,
         )
 
 
@@ -190,6 +194,7 @@ def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits) -> ValidRe
         frequency_penalty=p.frequency_penalty or 0.0,
         repetition_penalty=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
         min_tokens=min(p.min_tokens or 0, max_tokens),
+        grammar=compile_grammar(p.structured) if p.structured is not None else "",
     )
 
 

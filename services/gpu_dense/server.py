@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import torch
@@ -17,6 +18,7 @@ from fastdecode.model import DenseModel
 from fastdecode.progress import LOADING_WEIGHTS, ProgressFile
 from fastdecode.rpc import Server, abort, item_error
 from fastdecode.settings import DenseSettings, split_addresses
+from fastdecode.structured import GrammarBank
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense.shards import ShardLink, ShardLinks
@@ -65,7 +67,9 @@ class DenseService(pb_grpc.DenseServicer):
             DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype], progress
         )
         chooser = PipelineChooser() if s.pipeline_mode == "auto" else None
-        self.runner = StepRunner(self.model, self.links, chooser)
+        c = self.model.config
+        grammars = GrammarBank(Path(s.model) / "tokenizer.json", c.vocab_size, c.eos_token_ids)
+        self.runner = StepRunner(self.model, self.links, chooser, grammars)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[DenseModel, StepRunner]:
         if self.model is None or self.runner is None:

@@ -23,6 +23,7 @@ from fastdecode.gateway.openai import (
     completion_params,
     error_body,
 )
+from fastdecode.structured import Structured
 from fastdecode.tokenizer import Tokenizer
 
 CONVERSATION = [
@@ -182,8 +183,20 @@ def test_chat_params() -> None:
             "top_logprobs",
         ),
         (
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
             "response_format",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            "response_format",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+                "guided_regex": "a+",
+            },
+            "guided_regex",
         ),
     ]:
         with pytest.raises(APIError) as e:
@@ -193,6 +206,15 @@ def test_chat_params() -> None:
     assert chat_params(ChatBody(messages=user, logprobs=True), template, 8).logprobs == 0
     assert chat_params(ChatBody(messages=user, logprobs=True, top_logprobs=5), template, 8).logprobs == 5
     assert chat_params(ChatBody(messages=user), template, 8).logprobs is None
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
+    assert chat_params(ChatBody(messages=user, response_format=rf), template, 8).structured == Structured(
+        "json_schema", '{"type": "integer"}'
+    )
+    got = chat_params(ChatBody(messages=user, response_format={"type": "json_object"}), template, 8)
+    assert got.structured == Structured("json_object")
+    got = completion_params(CompletionBody(prompt="x", guided_choice=["a", "b"]))
+    assert got.structured == Structured("choice", '["a", "b"]')
+    assert completion_params(CompletionBody(prompt="x")).structured is None
 
 
 # ---- errors and ids -------------------------------------------------------------------------------

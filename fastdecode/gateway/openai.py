@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -129,14 +130,25 @@ class ChatBody(RequestBody):
     response_format: dict[str, Any] | None = None
 
 
+MAX_N = 16  # choices per request
+
+
+def choice_params(params: GenerateParams, index: int) -> GenerateParams:
+    """Choice `index` of n: its own seed stream (seed + index), so each choice equals the single
+    request with that seed. Without a seed every choice draws its own noise."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + index) % 2**64)
+
+
 def _invalid(message: str, param: str | None = None) -> APIError:
     return APIError(Status.INVALID_ARGUMENT, message, param)
 
 
 def refuse_unsupported(body: RequestBody) -> None:
     """Parameters we cannot honour are a clear 400, not silently ignored."""
-    if body.n not in (None, 1):
-        raise _invalid(f"n={body.n}: only one choice per request is supported (n=1)", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise _invalid(f"n={body.n}: n must be in [1, {MAX_N}]", "n")
     if body.logit_bias:
         raise _invalid("logit_bias is not supported", "logit_bias")
     if isinstance(body, CompletionBody):
@@ -259,12 +271,11 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _usage(c: GenerationChunk) -> dict[str, int]:
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens,
-    }
+def _usage(*lasts: GenerationChunk) -> dict[str, int]:
+    """As OpenAI counts n choices: the prompt once, the completions' tokens summed."""
+    prompt = lasts[0].prompt_tokens
+    completion = sum(c.completion_tokens for c in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class LogprobsShape:
@@ -335,6 +346,7 @@ class ResponseShape:
         include_usage: bool,
         logprobs: LogprobsShape | None = None,
         echo: str | None = None,
+        index: int = 0,
     ) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -343,20 +355,28 @@ class ResponseShape:
         self.include_usage = include_usage
         self.logprobs = logprobs  # None: the request asked for none
         self.echo = echo  # completions' echo: the prompt text, sent before the completion
+        self.index = index  # the choice this shape writes (n > 1)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(
+    def choice(
         self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": (self.echo or "") + text}
-        choice |= {"logprobs": logprobs, "finish_reason": last.finish_reason}
+            choice = {"index": self.index, "text": (self.echo or "") + text}
+        return choice | {"logprobs": logprobs, "finish_reason": last.finish_reason}
+
+    def whole(
+        self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return self.response([self.choice(text, last, logprobs)], [last])
+
+    def response(self, choices: list[dict[str, Any]], lasts: Sequence[GenerationChunk]) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [choice], "usage": _usage(last)}
+        return {**self._head(obj), "choices": choices, "usage": _usage(*lasts)}
 
     def chunk(
         self,
@@ -369,9 +389,9 @@ class ResponseShape:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": self.index, "text": text or ""}
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {**self._head(obj), "choices": [choice]}
@@ -379,6 +399,6 @@ class ResponseShape:
             out["usage"] = None  # as OpenAI: every chunk has it, null but in the last one
         return sse(out)
 
-    def usage_chunk(self, last: GenerationChunk) -> bytes:
+    def usage_chunk(self, *lasts: GenerationChunk) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": _usage(last)})
+        return sse({**self._head(obj), "choices": [], "usage": _usage(*lasts)})

@@ -241,7 +241,7 @@ def test_wrong_or_missing_token_is_401(base: str, model_id: str) -> None:
         ({"prompt": ""}, None, ["prompt is empty"]),
         ({"prompt": ["a", "b"]}, "prompt", ["one prompt per request"]),
         ({"prompt": [5, 1 << 20]}, None, ["vocabulary"]),
-        ({"prompt": "hi", "n": 2}, "n", ["n=2"]),
+        ({"prompt": "hi", "n": 17}, "n", ["n=17"]),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", ["logprobs must be in [0, 20]"]),
         ({"prompt": "hi", "presence_penalty": 3}, None, ["presence_penalty"]),
         ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias", ["not supported"]),
@@ -337,7 +337,7 @@ def test_http_requests_are_counted_in_gateway_metrics(fleet: UpProcess, base: st
     metrics = fleet.state["gateway"]["metrics"]
     before = scrape(metrics)
     call(base, "/v1/completions", {"model": model_id, "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
-    call(base, "/v1/completions", {"model": model_id, "prompt": "hi", "n": 3})
+    call(base, "/v1/completions", {"model": model_id, "prompt": "hi", "n": 17})
     call(base, "/v1/completions", {"model": model_id, "prompt": "hi"}, token="nope")
     after = scrape(metrics)
 

@@ -200,6 +200,28 @@ def test_sdk_carries_logprobs_and_prompt_logprobs(fleet, smollm2_hf) -> None:
         assert [v for _, v in e.top] == pytest.approx(want.values.tolist(), abs=TOL)
 
 
+# ---- n ------------------------------------------------------------------------------------------
+def test_n_choices_each_equal_the_single_request_with_its_seed(oa, model_id) -> None:
+    msgs = [{"role": "user", "content": "Name a color."}]
+    kw = {"model": model_id, "max_tokens": 8, "temperature": 1.0}
+    r = oa.chat.completions.create(messages=msgs, n=4, seed=100, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        alone = oa.chat.completions.create(messages=msgs, seed=100 + c.index, **kw)
+        assert c.message.content == alone.choices[0].message.content
+    assert r.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counted once
+    assert r.usage.completion_tokens == sum(
+        oa.chat.completions.create(messages=msgs, seed=100 + i, **kw).usage.completion_tokens
+        for i in range(4)
+    )
+    stream = oa.chat.completions.create(messages=msgs, n=4, seed=100, stream=True, **kw)
+    texts = ["", "", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in r.choices]
+
+
 # ---- penalties -----------------------------------------------------------------------------------
 def _count(text: str, word: str) -> int:
     return text.split().count(word)

@@ -131,7 +131,8 @@ def test_completion_params() -> None:
     [
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [[1], [2]]}, "prompt"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "logprobs": -1}, "logprobs"),

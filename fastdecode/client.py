@@ -255,6 +255,7 @@ def _request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float | None = None,
     min_tokens: int = 0,
+    structured: dict[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
@@ -271,6 +272,8 @@ def _request(
         req.logprobs = logprobs
     if repetition_penalty is not None:
         req.repetition_penalty = repetition_penalty
+    if structured is not None:
+        req.structured.CopyFrom(_structured(structured))
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:
@@ -286,6 +289,23 @@ def _request(
     if seed is not None:
         req.seed = seed
     return req
+
+
+def _structured(spec: dict[str, Any]) -> pb.StructuredOutput:
+    """{"json_schema": dict or JSON text} | {"json_object": True} | {"regex": str} | {"choice": [str]}
+    | {"grammar": Lark text}: exactly one key."""
+    if len(spec) != 1:
+        raise ValueError("structured takes exactly one of json_schema, json_object, regex, choice, grammar")
+    ((kind, value),) = spec.items()
+    if kind == "json_schema":
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=bool(value))
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(value)))
+    if kind in ("regex", "grammar"):
+        return pb.StructuredOutput(**{kind: value})
+    raise ValueError(f"unknown structured output {kind!r}")
 
 
 def _logprobs(entries: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
@@ -587,11 +607,14 @@ class Client:
         frequency_penalty: float = 0.0,
         repetition_penalty: float | None = None,
         min_tokens: int = 0,
+        structured: dict[str, Any] | None = None,
     ) -> Stream:
         """Chunks as tokens arrive (text delta, new token ids; the last has finish_reason and usage).
         The deadline starts now and covers the whole stream. `logprobs`: each token's logprob and
         this many alternatives (0..20); `prompt_logprobs` scores the prompt too; the penalties are
-        OpenAI's (presence, frequency) and vLLM's (repetition); min_tokens holds back EOS."""
+        OpenAI's (presence, frequency) and vLLM's (repetition); min_tokens holds back EOS; `structured`
+        constrains the output ({"json_schema": {...}}, {"json_object": True}, {"regex": ...},
+        {"choice": [...]} or {"grammar": Lark text})."""
         request = _request(
             prompt,
             token_ids,
@@ -609,6 +632,7 @@ class Client:
             frequency_penalty,
             repetition_penalty,
             min_tokens,
+            structured,
         )
         return Stream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
@@ -632,6 +656,7 @@ class Client:
         frequency_penalty: float = 0.0,
         repetition_penalty: float | None = None,
         min_tokens: int = 0,
+        structured: dict[str, Any] | None = None,
     ) -> Completion:
         """The whole completion: text, generated token ids, finish_reason, usage."""
         stream = self.stream(
@@ -652,6 +677,7 @@ class Client:
             frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty,
             min_tokens=min_tokens,
+            structured=structured,
         )
         with stream:
             return _collect(list(stream))
@@ -822,6 +848,7 @@ class AsyncClient:
         frequency_penalty: float = 0.0,
         repetition_penalty: float | None = None,
         min_tokens: int = 0,
+        structured: dict[str, Any] | None = None,
     ) -> AsyncStream:
         """Chunks as tokens arrive, for `async for`. The deadline starts now."""
         request = _request(
@@ -841,6 +868,7 @@ class AsyncClient:
             frequency_penalty,
             repetition_penalty,
             min_tokens,
+            structured,
         )
         return AsyncStream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
@@ -864,6 +892,7 @@ class AsyncClient:
         frequency_penalty: float = 0.0,
         repetition_penalty: float | None = None,
         min_tokens: int = 0,
+        structured: dict[str, Any] | None = None,
     ) -> Completion:
         stream = self.stream(
             prompt,
@@ -883,6 +912,7 @@ class AsyncClient:
             frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty,
             min_tokens=min_tokens,
+            structured=structured,
         )
         async with stream:
             return _collect([c async for c in stream])

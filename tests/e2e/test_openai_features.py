@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from fastdecode.client import Client
+from fastdecode.client import Client, InvalidRequestError
 from fastdecode.fleet import UpProcess, free_port
 from tests.support import start_up
 
@@ -189,6 +189,15 @@ def test_sdk_carries_logprobs_and_prompt_logprobs(fleet, smollm2_hf) -> None:
     with Client(fleet.target) as client:
         r = client.generate(token_ids=prompt, max_tokens=6, logprobs=4, prompt_logprobs=True, timeout=120)
         plain = client.generate(token_ids=prompt, max_tokens=6, timeout=120)
+        choice = client.generate(
+            token_ids=prompt, max_tokens=8, temperature=1.0, seed=3, structured={"choice": ["Paris", "Lyon"]}
+        )
+        regex = client.generate(
+            prompt="Digits:", max_tokens=8, temperature=1.0, structured={"regex": "[0-9]{4}"}
+        )
+        with pytest.raises(InvalidRequestError, match="cannot be compiled"):
+            client.generate(prompt="x", structured={"json_schema": {"$ref": "#/nope"}})
+    assert choice.text in {"Paris", "Lyon"} and regex.text.isdigit() and len(regex.text) == 4
     assert plain.logprobs == [] and plain.prompt_logprobs == [] and plain.token_ids == r.token_ids
     lp = hf_logprobs(smollm2_hf, prompt + r.token_ids)
     assert [e.token_id for e in r.logprobs] == r.token_ids

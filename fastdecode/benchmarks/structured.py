@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from fastdecode.benchmarks.common import median
-from fastdecode.dense import AttendItem, DenseSeq, StepRunner
+from fastdecode.dense import AttendItem, StepRunner
 from fastdecode.kv import KVStore
 from fastdecode.model import DenseModel
 from fastdecode.sampling import SamplingParams
+from fastdecode.scheduling import PlannedSeq
 from fastdecode.structured import GrammarBank, Structured, compile_grammar
 from fastdecode.tokenizer import Tokenizer
 
@@ -97,7 +98,7 @@ def run(model_dir: Path, batch: int = 32, steps: int = 24, device: str = "cpu") 
             fresh = step == 0 or len(h) == len(prompt)  # first step, or an answer started over
             new = h if fresh else h[-1:]
             start = 0 if fresh else len(h) - 1
-            seqs.append(DenseSeq(sid, 0, i % 2, list(new), start, sets[name], True, len(h) - len(prompt)))
+            seqs.append(PlannedSeq(sid, 0, i % 2, list(new), start, sets[name], True, len(h) - len(prompt)))
         t0 = time.perf_counter()
         outcomes, _ = await runner.run(seqs, pipeline=False)
         seconds = time.perf_counter() - t0

@@ -22,10 +22,11 @@ from typing import Protocol, TypeVar
 import torch
 
 from fastdecode.dense.pipeline import PipelineChooser
-from fastdecode.engine import Chunk, pack
+from fastdecode.engine import SeqChunk, pack
 from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.model import DenseModel
-from fastdecode.sampling import SamplingParams, TokenLogprob, penalize, sample, top_logprobs
+from fastdecode.sampling import TokenLogprob, penalize, sample, top_logprobs
+from fastdecode.scheduling.types import PlannedSeq
 from fastdecode.structured import GrammarBank
 
 T = TypeVar("T")
@@ -62,21 +63,6 @@ class ShardPlane(Protocol):
 
 
 @dataclass
-class DenseSeq:
-    seq_id: str
-    shard: int
-    mini_batch: int
-    token_ids: list[int]
-    start_pos: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    sample: bool = True
-    sample_index: int = 0
-    # With sampling.prompt_logprobs on a prefill chunk that is not the last: the prompt token after
-    # the chunk, which the chunk's last position scores.
-    next_token: int | None = None
-
-
-@dataclass
 class Outcome:
     token_id: int = -1
     logprob: float = 0.0
@@ -110,7 +96,7 @@ class _Group:
 
     shard: int
     rows: slice
-    seqs: list[DenseSeq]
+    seqs: list[PlannedSeq]
     error: BaseException | None = None
 
     def finish(self) -> None:
@@ -153,7 +139,7 @@ class StepRunner:
         finally:
             self._busy += time.perf_counter() - t0
 
-    def validate(self, s: DenseSeq) -> None:
+    def validate(self, s: PlannedSeq) -> None:
         c = self.model.config
         if not s.seq_id:
             raise InvalidInput("empty sequence id")
@@ -179,7 +165,7 @@ class StepRunner:
         if self.grammars is not None:
             self.grammars.forget(seq_ids)
 
-    def _track(self, s: DenseSeq) -> list[int] | None:
+    def _track(self, s: PlannedSeq) -> list[int] | None:
         """The sequence's history after this step's tokens (None when its sampling needs none)."""
         if not s.sampling.needs_history:
             return None
@@ -198,7 +184,7 @@ class StepRunner:
         return hist
 
     def _start_masks(
-        self, seqs: Sequence[DenseSeq], history: dict[str, list[int] | None]
+        self, seqs: Sequence[PlannedSeq], history: dict[str, list[int] | None]
     ) -> asyncio.Future[dict[str, torch.Tensor | BaseException]] | None:
         rows: list[tuple[str, str, list[int]]] = []
         failed: dict[str, torch.Tensor | BaseException] = {}
@@ -230,7 +216,7 @@ class StepRunner:
 
         return asyncio.ensure_future(asyncio.to_thread(compute))
 
-    def _prompt_logprobs(self, s: DenseSeq, hidden: torch.Tensor) -> list[TokenLogprob]:
+    def _prompt_logprobs(self, s: PlannedSeq, hidden: torch.Tensor) -> list[TokenLogprob]:
         """Scores of the chunk's tokens after its first (and of next_token) from its rows' logits."""
         targets = list(s.token_ids[1:]) + ([s.next_token] if s.next_token is not None else [])
         if not targets:
@@ -241,7 +227,7 @@ class StepRunner:
         return [TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops, strict=True)]
 
     @staticmethod
-    def _groups(seqs: list[DenseSeq]) -> list[_Group]:
+    def _groups(seqs: list[PlannedSeq]) -> list[_Group]:
         groups: list[_Group] = []
         row = 0
         for s in seqs:
@@ -257,11 +243,11 @@ class StepRunner:
             g.finish()
         return groups
 
-    async def _mini_batch(self, slot: int, seqs: list[DenseSeq]) -> torch.Tensor:
+    async def _mini_batch(self, slot: int, seqs: list[PlannedSeq]) -> torch.Tensor:
         """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states.
         The prompt logprobs a sequence asks for are scored here, from all of its chunk's rows."""
         model = self.model
-        ids, pos, last = pack([Chunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
+        ids, pos, last = pack([SeqChunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
         groups = self._groups(seqs)
         num_layers = model.config.num_hidden_layers
 
@@ -315,19 +301,19 @@ class StepRunner:
         return hidden.index_select(0, last)
 
     async def run(
-        self, seqs: Sequence[DenseSeq], pipeline: bool = True
+        self, seqs: Sequence[PlannedSeq], pipeline: bool = True
     ) -> tuple[dict[str, Outcome], Timings]:
         async with self._lock:
             return await self._run(seqs, pipeline)
 
-    async def _run(self, seqs: Sequence[DenseSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
+    async def _run(self, seqs: Sequence[PlannedSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
         t0 = time.perf_counter()
         self._busy = 0.0
         self._attend_wait = 0.0
         self._failures = {}
         self._prompt = {}
         outcomes: dict[str, Outcome] = {}
-        valid: list[DenseSeq] = []
+        valid: list[PlannedSeq] = []
         history: dict[str, list[int] | None] = {}
         for s in seqs:
             try:

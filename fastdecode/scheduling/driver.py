@@ -26,7 +26,15 @@ from fastdecode.geometry import KVGeometry
 from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
 from fastdecode.scheduling.core import SchedulerCore
-from fastdecode.scheduling.types import Request, Reservation, Sampled, ShardSpec, Step, TokenEvent
+from fastdecode.scheduling.types import (
+    Request,
+    Reservation,
+    Sampled,
+    SchedulerStats,
+    ShardSpec,
+    Step,
+    TokenEvent,
+)
 from fastdecode.settings import SchedulerSettings
 
 log = logging.getLogger("fastdecode.scheduler")
@@ -114,7 +122,7 @@ class SchedulerMetrics:
 
     def shard_lost(self, recovered_sequences: int) -> None: ...
     def step(self, seconds: float, batch: int) -> None: ...
-    def state(self, stats: dict, decisions_delta: dict[str, int]) -> None: ...
+    def state(self, stats: SchedulerStats, decisions_delta: dict[str, int]) -> None: ...
     def dense_reconnected(self) -> None: ...
     def preempted(self, sequences: int) -> None: ...
 

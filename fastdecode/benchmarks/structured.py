@@ -117,7 +117,8 @@ def run(model_dir: Path, batch: int = 32, steps: int = 24, device: str = "cpu") 
 
     async def main() -> None:
         for step in range(steps + 1):
-            for name in sets:
+            order = list(sets) if step % 2 else list(reversed(sets))  # neither always goes first
+            for name in order:
                 seconds = await one(name, step)
                 if step > 0:  # step 0 is the prefill
                     times[name].append(seconds)

@@ -19,6 +19,7 @@ from fastdecode.rpc import Server, abort, item_error
 from fastdecode.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
+from services.gpu_dense.exchange import make_plane
 from services.gpu_dense.shards import ShardLink, ShardLinks
 
 log = logging.getLogger("fastdecode.gpu_dense")
@@ -186,9 +187,7 @@ async def serve(settings: Settings) -> None:
         settings.grace_seconds,
     )
     server.install_signal_handlers(settings.supervisor_pid)
-    links = ShardLinks(
-        [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
-    )
+    links = await make_plane(settings, addresses)  # in process, or exchange worker processes
     service = DenseService(settings, links)
     pb_grpc.add_DenseServicer_to_server(service, server.server)
     await server.start()  # NOT_SERVING while the weights load

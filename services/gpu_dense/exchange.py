@@ -1,0 +1,457 @@
+"""Exchange workers: gpu_dense's Attend streams spread over worker processes.
+
+One Python process moves gRPC payload at ~2 GB/s per CPU-second; a GPU host's layer (Llama-3-8B,
+B=256, bf16: ~5 MB) would cost the dense process milliseconds of CPU per layer. With K workers,
+each owns the Attend streams (services/gpu_dense/shards.py, unchanged: same wire, request ids,
+in-band errors, shard loss, reconnection and timeouts) of the shards i with i % K == its index.
+The dense process copies q, k, v into a shared-memory arena per (worker, slot), sends a small
+descriptor over a Unix socket, and copies each o out when the worker answers
+(fastdecode/dense/handoff.py): its own CPU per layer is two copies and two tiny messages.
+
+A worker dies with its parent (PR_SET_PDEATHSIG, and the control socket's end); a worker that
+dies fails its items as UNAVAILABLE and is started again on the next layer.
+`python -m services.gpu_dense.exchange --fd N --parent PID --shards I=HOST:PORT,...` runs one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdecode import errors
+from fastdecode.dense import AttendItem
+from fastdecode.dense.handoff import Arena, ArenaPool, Attached, Slice, aligned, frame, read_frame
+from fastdecode.errors import Status, Unavailable
+from fastdecode.settings import DenseSettings, TLSFiles
+
+log = logging.getLogger("fastdecode.gpu_dense.exchange")
+
+START_TIMEOUT_S = 120.0  # a worker imports torch and grpc: seconds on a loaded host
+# Beyond the shard timeout (the worker's own watchdog fails a silent shard's item), how long the
+# dense side waits on a worker before it takes the worker for dead.
+WORKER_GRACE_S = 10.0
+
+
+def auto_workers(num_shards: int, dense_threads: int | None) -> int:
+    """The cores this process may use beyond the dense side's own threads, capped by the shards."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    own = dense_threads or torch.get_num_threads()
+    return max(0, min(num_shards, cores - own))
+
+
+@dataclass(frozen=True)
+class ShardAddress:
+    """What the service reports of a shard (the links of the in-process path have the same)."""
+
+    index: int
+    address: str
+
+    @property
+    def name(self) -> str:
+        return f"shard {self.index} ({self.address})"
+
+
+class _Worker:
+    """The dense side's handle on one worker process."""
+
+    def __init__(self, index: int, timeout: float, tls: TLSFiles | None) -> None:
+        self.index = index
+        self.timeout = timeout
+        self.tls = tls
+        self.shards: dict[int, str] = {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self.pending: dict[int, asyncio.Future[list[tuple[Any, ...]]]] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self.writer is not None and self.proc is not None and self.proc.poll() is None
+
+    async def start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.gpu_dense.exchange",
+            "--fd",
+            str(child.fileno()),
+            "--parent",
+            str(os.getpid()),
+            "--index",
+            str(self.index),
+            "--timeout",
+            repr(self.timeout),
+            "--shards",
+            ",".join(f"{i}={a}" for i, a in sorted(self.shards.items())),
+        ]
+        if self.tls is not None:
+            for flag, path in (
+                ("--tls-cert", self.tls.cert),
+                ("--tls-key", self.tls.key),
+                ("--tls-ca", self.tls.ca),
+            ):
+                if path is not None:
+                    cmd += [flag, str(path)]
+        # Started from the event loop's thread: PR_SET_PDEATHSIG fires when the thread that
+        # started the child ends, and this one lives as long as the process.
+        self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        reader, self.writer = await asyncio.open_unix_connection(sock=parent)
+        try:
+            hello = await asyncio.wait_for(read_frame(reader), START_TIMEOUT_S)
+        except TimeoutError:
+            hello = None
+        if hello != ("ready",):
+            await self.stop()
+            raise Unavailable(f"exchange worker {self.index} did not start")
+        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+        log.info("exchange worker %d (pid %d) owns shards %s", self.index, self.proc.pid, sorted(self.shards))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while (msg := await read_frame(reader)) is not None:
+                if msg[0] == "done":
+                    fut = self.pending.pop(msg[1], None)
+                    if fut is not None and not fut.done():  # None: a cancelled layer's late answer
+                        fut.set_result(msg[2])
+        except Exception:  # noqa: BLE001 - a garbled channel is a dead worker
+            log.exception("exchange worker %d: bad control message", self.index)
+        self._fail_pending(f"exchange worker {self.index} exited")
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def _fail_pending(self, reason: str) -> None:
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(Unavailable(reason))
+        self.pending.clear()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self.writer is None:
+            raise Unavailable(f"exchange worker {self.index} is not running")
+        self.writer.write(frame(message))
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self.writer is not None:
+            self.writer.close()  # the worker sees the end of its control socket and exits
+            self.writer = None
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+            self._reader_task = None
+        self._fail_pending(f"exchange worker {self.index} stopped")
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            try:
+                await asyncio.to_thread(proc.wait, grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait, grace)
+
+
+class ExchangePlane:
+    """A ShardPlane whose Attend streams live in K exchange worker processes."""
+
+    def __init__(
+        self, addresses: Sequence[str], workers: int, tls: TLSFiles | None = None, timeout: float = 60.0
+    ) -> None:
+        if workers < 1:
+            raise errors.InvalidInput("an exchange plane needs at least one worker")
+        self.timeout = timeout
+        self.links: list[ShardAddress] = []
+        self.workers = [_Worker(i, timeout, tls) for i in range(workers)]
+        self.arenas = ArenaPool()
+        self._rids = 0
+        self._lock = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
+        for a in addresses:
+            self._assign(a)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.links)
+
+    def _assign(self, address: str) -> int:
+        index = len(self.links)
+        self.links.append(ShardAddress(index, address))
+        self.workers[index % len(self.workers)].shards[index] = address
+        return index
+
+    def add_shard(self, address: str) -> int:
+        index = self._assign(address)
+        worker = self.workers[index % len(self.workers)]
+        if worker.alive:
+            worker.send(("add", index, address))
+        return index
+
+    def add(self, link: Any) -> None:
+        """AddShard hands an in-process ShardLink: its address joins a worker, its channel closes."""
+        self.add_shard(link.address)
+        task = asyncio.get_running_loop().create_task(link.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._ensure(w) for w in self.workers))
+
+    async def _ensure(self, worker: _Worker) -> None:
+        if worker.alive:
+            return
+        async with self._lock:  # one (re)start at a time; the other waiters then find it alive
+            if not worker.alive:
+                await worker.stop(grace=1.0)
+                await worker.start()
+
+    async def attend_layer(
+        self, slot: int, layer: int, items: Sequence[AttendItem]
+    ) -> list[torch.Tensor | BaseException]:
+        out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
+        by_worker: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            by_worker.setdefault(item.shard % len(self.workers), []).append(i)
+        waits: list[tuple[_Worker, int, Arena, list[int], asyncio.Future[list[tuple[Any, ...]]]]] = []
+        try:
+            for w, idx in by_worker.items():
+                worker = self.workers[w]
+                try:
+                    await self._ensure(worker)
+                    arena, message = self._pack(w, slot, layer, [items[i] for i in idx])
+                    self._rids += 1
+                    fut: asyncio.Future[list[tuple[Any, ...]]] = asyncio.get_running_loop().create_future()
+                    worker.pending[self._rids] = fut
+                    worker.send(("attend", self._rids, slot, layer, arena.name, message))
+                    waits.append((worker, self._rids, arena, idx, fut))
+                except errors.ServiceError as e:
+                    for i in idx:
+                        out[i] = e
+            for worker, _rid, arena, idx, fut in waits:
+                try:
+                    results = await asyncio.wait_for(fut, self.timeout + WORKER_GRACE_S)
+                except TimeoutError:
+                    log.warning("exchange worker %d did not answer: restarting it", worker.index)
+                    await worker.stop(grace=0.5)
+                    results = None
+                except errors.ServiceError as e:
+                    for i in idx:
+                        out[i] = e
+                    continue
+                if results is None:
+                    for i in idx:
+                        out[i] = Unavailable(f"exchange worker {worker.index} did not answer")
+                    continue
+                for i, r in zip(idx, results, strict=True):
+                    out[i] = self._unpack(arena, r)
+        except asyncio.CancelledError:
+            for worker, rid, *_ in waits:  # the worker abandons those items (their streams reopen)
+                if worker.pending.pop(rid, None) is not None and worker.writer is not None:
+                    worker.send(("cancel", rid))
+            raise
+        return out
+
+    def _pack(
+        self, w: int, slot: int, layer: int, items: Sequence[AttendItem]
+    ) -> tuple[Arena, list[tuple[Any, ...]]]:
+        """q, k, v of the worker's items into its arena (one copy each), o's room after them."""
+        need = sum(aligned(t.nbytes) for it in items for t in (it.q, it.k, it.v, it.q))
+        arena = self.arenas.get((w, slot), need)
+        off = 0
+        message = []
+        for it in items:
+            slices = []
+            for t in (it.q, it.k, it.v):
+                slices.append(arena.put(off, t).astuple())
+                off += aligned(t.nbytes)
+            room = aligned(it.q.nbytes)  # o: [T, H*D] in q's dtype, as many bytes as q
+            message.append(
+                (it.shard, list(it.seq_ids), list(it.num_tokens), list(it.start_pos), *slices, off, room)
+            )
+            off += room
+        return arena, message
+
+    @staticmethod
+    def _unpack(arena: Arena, r: tuple[Any, ...]) -> torch.Tensor | BaseException:
+        if r[0] == "ok":
+            return arena.take(Slice(*r[1]))
+        return errors.error_for(Status.from_value(r[1]), r[2])
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.stop() for w in self.workers))
+        self.arenas.close()
+
+
+async def make_plane(settings: DenseSettings, addresses: Sequence[str]) -> Any:
+    """gpu_dense's shard plane: in process (exchange_workers 0) or K started exchange workers."""
+    from services.gpu_dense.shards import ShardLink, ShardLinks
+
+    k = settings.exchange_workers
+    if k is None:
+        k = auto_workers(len(addresses), settings.threads)
+    if k == 0:
+        return ShardLinks(
+            [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
+        )
+    plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout)
+    await plane.start()
+    log.info("%d exchange workers for %d shards", k, len(addresses))
+    return plane
+
+
+# ---- the worker process ------------------------------------------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the control socket's end still stops it
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+class _WorkerLoop:
+    def __init__(self, links: Any, writer: asyncio.StreamWriter) -> None:
+        from services.gpu_dense.shards import ShardLinks
+
+        self.links: ShardLinks = links
+        self.local: dict[int, int] = {link.index: i for i, link in enumerate(links.links)}
+        self.writer = writer
+        self.arenas = Attached()
+        self.slot_arena: dict[int, str] = {}
+        self.slot_lock: dict[int, asyncio.Lock] = {}
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def add(self, index: int, address: str, timeout: float, tls: TLSFiles | None) -> None:
+        from services.gpu_dense.shards import ShardLink
+
+        if index not in self.local:
+            self.local[index] = len(self.links.links)
+            self.links.add(ShardLink(index, address, tls, timeout))
+
+    def arena(self, slot: int, name: str) -> Arena:
+        old = self.slot_arena.get(slot)
+        if old is not None and old != name:
+            self.arenas.forget(old)  # the dense side replaced it with a bigger one
+        self.slot_arena[slot] = name
+        return self.arenas.get(name)
+
+    async def attend(
+        self, rid: int, slot: int, layer: int, name: str, message: list[tuple[Any, ...]]
+    ) -> None:
+        from fastdecode.rpc import status_of
+
+        lock = self.slot_lock.setdefault(slot, asyncio.Lock())
+        async with lock:  # a cancelled layer of this slot has unwound before the next one starts
+            try:
+                arena = self.arena(slot, name)
+                items = []
+                for shard, seq_ids, num_tokens, start_pos, q, k, v, _o, _room in message:
+                    items.append(
+                        AttendItem(
+                            self.local[shard],
+                            seq_ids,
+                            num_tokens,
+                            start_pos,
+                            arena.view(Slice(*q)),
+                            arena.view(Slice(*k)),
+                            arena.view(Slice(*v)),
+                        )
+                    )
+                outs = await self.links.attend_layer(slot, layer, items)
+                results: list[tuple[Any, ...]] = []
+                for (*_, off, room), o in zip(message, outs, strict=True):
+                    if isinstance(o, BaseException):
+                        status, text = status_of(o)
+                        results.append(("err", status.value, text))
+                    elif o.nbytes > room:
+                        results.append(
+                            ("err", Status.INTERNAL.value, f"answer of {o.nbytes} bytes, room {room}")
+                        )
+                    else:
+                        results.append(("ok", arena.put(off, o).astuple()))
+            except Exception as e:  # noqa: BLE001 - every item of the layer fails in-band
+                status, text = status_of(e)
+                results = [("err", status.value, text)] * len(message)
+            self.writer.write(frame(("done", rid, results)))
+        self.tasks.pop(rid, None)
+
+    async def run(self, reader: asyncio.StreamReader, timeout: float, tls: TLSFiles | None) -> None:
+        loop = asyncio.get_running_loop()
+        while (msg := await read_frame(reader)) is not None:
+            kind = msg[0]
+            if kind == "attend":
+                self.tasks[msg[1]] = loop.create_task(self.attend(*msg[1:]))
+            elif kind == "cancel":
+                task = self.tasks.pop(msg[1], None)
+                if task is not None:
+                    task.cancel()
+            elif kind == "add":
+                self.add(msg[1], msg[2], timeout, tls)
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.links.close()
+        self.arenas.close()
+
+
+async def _worker_main(args: argparse.Namespace) -> None:
+    from services.gpu_dense.shards import ShardLink, ShardLinks
+
+    tls = None
+    if args.tls_cert or args.tls_ca:
+        tls = TLSFiles(
+            cert=Path(args.tls_cert) if args.tls_cert else None,
+            key=Path(args.tls_key) if args.tls_key else None,
+            ca=Path(args.tls_ca) if args.tls_ca else None,
+        )
+    links = ShardLinks([])
+    for part in filter(None, args.shards.split(",")):
+        index, address = part.split("=", 1)
+        links.add(ShardLink(int(index), address, tls, args.timeout))
+    sock = socket.socket(fileno=args.fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    loop = _WorkerLoop(links, writer)
+    writer.write(frame(("ready",)))
+    await loop.run(reader, args.timeout, tls)
+    writer.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="services.gpu_dense.exchange")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--parent", type=int, required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--shards", default="")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--tls-ca")
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C goes to the parent, which closes the socket
+    torch.set_num_threads(1)  # the worker does no math
+    logging.basicConfig(
+        level=os.environ.get("FASTDECODE_LOG_LEVEL", "WARNING").upper(),
+        format=f"%(asctime)s exchange[{args.index}] %(levelname)s %(message)s",
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_worker_main(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import mmap
+import os
 import pickle
 import struct
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -67,19 +69,25 @@ class Arena:
 
     def __init__(self, size: int = 0, name: str | None = None) -> None:
         self.owner = name is None
-        self.shm = shared_memory.SharedMemory(name=name, create=self.owner, size=max(size, ALIGN))
-        if not self.owner:
-            # Python 3.11's resource tracker would unlink an attached segment when this process
-            # exits; the creator owns its life.
-            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-
-    @property
-    def name(self) -> str:
-        return self.shm.name
+        self.shm: shared_memory.SharedMemory | None = None
+        self._map: mmap.mmap | None = None
+        if self.owner:
+            self.shm = shared_memory.SharedMemory(create=True, size=max(size, ALIGN))
+            self.name, self.buf = self.shm.name, self.shm.buf
+        else:
+            # The peer maps the segment itself: Python 3.11's SharedMemory would register it with
+            # a resource tracker (one more process) that unlinks it when this process exits, and
+            # the creator owns its life.
+            fd = os.open(f"/dev/shm/{str(name).lstrip('/')}", os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, 0)
+            finally:
+                os.close(fd)
+            self.name, self.buf = str(name), memoryview(self._map)
 
     @property
     def size(self) -> int:
-        return self.shm.size
+        return len(self.buf)
 
     def view(self, s: Slice) -> torch.Tensor:
         """The slice as a tensor aliasing the arena (no copy); valid until the arena is reused."""
@@ -88,13 +96,13 @@ class Arena:
         n = s.nbytes
         if n == 0:
             return torch.empty(s.shape, dtype=DTYPES[s.dtype])
-        flat = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=n, offset=s.offset)
+        flat = torch.frombuffer(self.buf, dtype=torch.uint8, count=n, offset=s.offset)
         return flat.view(DTYPES[s.dtype]).view(s.shape)
 
     def _bytes(self, offset: int, n: int) -> np.ndarray:
         if offset < 0 or offset + n > self.size:
             raise InvalidInput(f"{n} bytes at {offset} do not fit the {self.size}-byte arena")
-        return np.frombuffer(self.shm.buf, dtype=np.uint8, count=n, offset=offset)
+        return np.frombuffer(self.buf, dtype=np.uint8, count=n, offset=offset)
 
     def put(self, offset: int, t: torch.Tensor) -> Slice:
         """Copy t into the arena at offset (the one copy on the way in)."""
@@ -110,7 +118,6 @@ class Arena:
             self.view(s).copy_(t)  # device -> shared memory straight, one DMA
         return s
 
-
     def take(self, s: Slice) -> torch.Tensor:
         """A copy of the slice (the one copy on the way out: the arena is reused by the next layer)."""
         if not s.nbytes:
@@ -120,10 +127,15 @@ class Arena:
 
     def close(self) -> None:
         try:
-            self.shm.close()
-        except BufferError:  # a view still alive; the mapping goes with the process
+            if self.shm is not None:
+                self.shm.close()
+            else:
+                self.buf.release()
+                assert self._map is not None
+                self._map.close()
+        except BufferError:  # a view still alive; the mapping goes with it
             pass
-        if self.owner:
+        if self.shm is not None:
             try:
                 self.shm.unlink()
             except FileNotFoundError:

@@ -46,10 +46,13 @@ START_TIMEOUT_S = 120.0  # a worker imports torch and grpc: seconds on a loaded 
 WORKER_GRACE_S = 10.0
 
 
-def auto_workers(num_shards: int, dense_threads: int | None) -> int:
-    """The cores this process may use beyond the dense side's own threads, capped by the shards."""
+def auto_workers(num_shards: int, dense_threads: int | None, device: str = "cpu") -> int:
+    """The cores beyond the dense side's own, capped by the shards. The dense side's own: its
+    --threads, else one (the event loop) when the S-part runs on a GPU, else torch's threads (all
+    cores: a CPU dense half left to torch's default leaves none, and keeps the in-process path)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    own = dense_threads or torch.get_num_threads()
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    own = dense_threads or (1 if on_gpu else torch.get_num_threads())
     return max(0, min(num_shards, cores - own))
 
 
@@ -169,11 +172,17 @@ class ExchangePlane:
     """A ShardPlane whose Attend streams live in K exchange worker processes."""
 
     def __init__(
-        self, addresses: Sequence[str], workers: int, tls: TLSFiles | None = None, timeout: float = 60.0
+        self,
+        addresses: Sequence[str],
+        workers: int,
+        tls: TLSFiles | None = None,
+        timeout: float = 60.0,
+        views: bool = True,
     ) -> None:
         if workers < 1:
             raise errors.InvalidInput("an exchange plane needs at least one worker")
         self.timeout = timeout
+        self.views = views  # o as views of the arena, valid until the slot's next attend_layer
         self.links: list[ShardAddress] = []
         self.workers = [_Worker(i, timeout, tls) for i in range(workers)]
         self.arenas = ArenaPool()
@@ -284,10 +293,12 @@ class ExchangePlane:
             off += room
         return arena, message
 
-    @staticmethod
-    def _unpack(arena: Arena, r: tuple[Any, ...]) -> torch.Tensor | BaseException:
+    def _unpack(self, arena: Arena, r: tuple[Any, ...]) -> torch.Tensor | BaseException:
         if r[0] == "ok":
-            return arena.take(Slice(*r[1]))
+            # A view of the arena when the caller consumes o before the slot's next layer (the
+            # step runner: its O-projection reads o, or copies it to the GPU, once); a copy else.
+            s = Slice(*r[1])
+            return arena.view(s) if self.views else arena.take(s)
         return errors.error_for(Status.from_value(r[1]), r[2])
 
     async def close(self) -> None:
@@ -301,7 +312,7 @@ async def make_plane(settings: DenseSettings, addresses: Sequence[str]) -> Any:
 
     k = settings.exchange_workers
     if k is None:
-        k = auto_workers(len(addresses), settings.threads)
+        k = auto_workers(len(addresses), settings.threads, settings.device)
     if k == 0:
         return ShardLinks(
             [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]

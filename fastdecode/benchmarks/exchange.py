@@ -1,7 +1,7 @@
 """`bench exchange`: the Attend data plane at a model's shapes, no weights needed.
 
-gpu_dense's own shard plane (services/gpu_dense/shards.py in process, or the exchange workers of
-services/gpu_dense/exchange.py) sends synthetic q, k, v of one layer of a named geometry to real
+gpu_dense's own shard plane (the registered `grpc` shard plane: its links in process, or with
+`workers` its exchange worker processes) sends synthetic q, k, v of one layer of a named geometry to real
 kv_attention processes that hold `context` tokens of synthetic KV per sequence, and takes o back.
 Per row (geometry, batch, shards, workers): the layer's round trip (`rt_ms`), the shards' attention
 inside it (`shard_attend_ms`, the slowest shard), payload MB (q, k, v out + o back), payload GB/s
@@ -27,10 +27,12 @@ from fastdecode import codec
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.benchmarks.transport import DEFAULT_SERVICE_ENV, process_cpu_seconds
+from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem
 from fastdecode.errors import InvalidInput, ServiceError
 from fastdecode.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.rpc import sync_channel
+from fastdecode.serving import SHARD_PLANES, registered
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
@@ -154,13 +156,9 @@ def _fill(
 
 
 def _plane(addresses: list[str], workers: int) -> Any:
-    if workers == 0:
-        from services.gpu_dense.shards import ShardLink, ShardLinks
-
-        return ShardLinks([ShardLink(i, a) for i, a in enumerate(addresses)])
-    from services.gpu_dense.exchange import ExchangePlane
-
-    return ExchangePlane(addresses, workers)
+    """gpu_dense's registered shard plane: its own links in process, or K exchange workers."""
+    connect = registered(SHARD_PLANES, "grpc")
+    return connect(addresses, workers=workers)
 
 
 def _round_trips(
@@ -180,9 +178,9 @@ def _round_trips(
 
     async def run() -> tuple[list[float], float, float, list[float]]:
         plane = _plane([s.address for s in shards], plane_workers)
-        if plane_workers:
+        if hasattr(plane, "start"):  # exchange workers: started before the timing
             await plane.start()
-        pids = [w.proc.pid for w in plane.workers if w.proc is not None] if plane_workers else []
+        pids = [w.proc.pid for w in getattr(plane, "workers", []) if w.proc is not None]
         wall: list[float] = []
         cpu = wcpu = 0.0
         busy0: list[float] = []
@@ -235,8 +233,6 @@ def _wire_sizes(
     g: Geometry, ids: list[list[str]], tensors: tuple[torch.Tensor, ...], pos: int
 ) -> tuple[int, int]:
     """Request and response wire bytes of one layer, all shards together (the echoes move these)."""
-    from services.gpu_dense.shards import attend_request
-
     q, k, v = tensors
     out = back = 0
     lo = 0

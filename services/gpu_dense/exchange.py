@@ -308,15 +308,13 @@ class ExchangePlane:
 
 async def make_plane(settings: DenseSettings, addresses: Sequence[str]) -> Any:
     """gpu_dense's shard plane: in process (exchange_workers 0) or K started exchange workers."""
-    from services.gpu_dense.shards import ShardLink, ShardLinks
+    from services.gpu_dense.shards import connect
 
     k = settings.exchange_workers
     if k is None:
         k = auto_workers(len(addresses), settings.threads, settings.device)
     if k == 0:
-        return ShardLinks(
-            [ShardLink(i, a, settings.tls, settings.shard_timeout) for i, a in enumerate(addresses)]
-        )
+        return connect(addresses, settings.tls, settings.shard_timeout)
     plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout)
     await plane.start()
     log.info("%d exchange workers for %d shards", k, len(addresses))

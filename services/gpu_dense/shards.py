@@ -17,12 +17,12 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
-from fastdecode import codec
+from fastdecode.convert import attend_request, parse_response
 from fastdecode.dense import AttendItem
 from fastdecode.errors import InvalidInput, ServiceError, Unavailable
 from fastdecode.protocol import DATA_PLANE_OPTIONS
@@ -34,32 +34,6 @@ log = logging.getLogger("fastdecode.gpu_dense.shards")
 
 _ids = itertools.count(1)
 ATTEND_METHOD = f"/{kv_pb.DESCRIPTOR.services_by_name['KVAttention'].full_name}/Attend"
-
-
-def attend_request(layer: int, item: AttendItem, request_id: int) -> bytes:
-    """One item's AttendRequest as wire bytes."""
-    head = kv_pb.AttendRequest(
-        request_id=request_id,
-        layer=layer,
-        seq_ids=item.seq_ids,
-        num_tokens=item.num_tokens,
-        start_pos=item.start_pos,
-    )
-    return codec.serialize_with(head, q=item.q, k=item.k, v=item.v)
-
-
-def parse_response(data: bytes) -> tuple[kv_pb.AttendResponse, torch.Tensor | None]:
-    """An AttendResponse's wire bytes: the message without o, and o aliasing `data` (read-only).
-
-    FromString copies o's bytes into the message and reading `.data` copies them again; at a GPU
-    host's sizes (2 MB of o per layer at Llama-3-8B B=256 bf16) those two copies were a third of
-    the dense side's CPU per layer."""
-    rest, o = codec.split_field(data, kv_pb.AttendResponse.DESCRIPTOR.fields_by_name["o"].number)
-    try:
-        head = kv_pb.AttendResponse.FromString(rest)
-    except DecodeError as e:
-        raise InvalidInput(f"malformed AttendResponse: {e}") from None
-    return head, (codec.decode_wire(o) if o is not None else None)
 
 
 class _Stream:
@@ -229,3 +203,21 @@ class ShardLinks:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         for link in self.links:
             await link.close()
+
+
+def connect(
+    addresses: Sequence[str],
+    tls: TLSFiles | None = None,
+    timeout: float = 60.0,
+    concurrent: bool = False,
+    workers: int = 0,
+) -> Any:
+    """gpu_dense's ShardPlane to these shards, shard i at addresses[i] (registered in pyproject.toml
+    as the `grpc` shard plane, for the benchmarks in fastdecode): these links in process, or with
+    `workers` > 0 an ExchangePlane whose worker processes own them (services/gpu_dense/exchange.py;
+    started by its start(), or by its first layer)."""
+    if workers:
+        from services.gpu_dense.exchange import ExchangePlane
+
+        return ExchangePlane(addresses, workers, tls, timeout)
+    return ShardLinks([ShardLink(i, a, tls, timeout) for i, a in enumerate(addresses)], concurrent)

@@ -19,8 +19,7 @@ from fastdecode.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense import metrics
-from services.gpu_dense.exchange import make_plane
-from services.gpu_dense.shards import ShardLink, ShardLinks
+from services.gpu_dense.shards import ShardLink, ShardLinks, make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
 

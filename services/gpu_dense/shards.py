@@ -17,7 +17,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 import torch
@@ -28,7 +27,9 @@ from fastdecode.errors import InvalidInput, ServiceError, Unavailable
 from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.rpc import error_from_status as from_status
+from fastdecode.settings import DenseSettings
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from services.gpu_dense.exchange import ExchangePlane, auto_workers
 
 log = logging.getLogger("fastdecode.gpu_dense.shards")
 
@@ -211,13 +212,24 @@ def connect(
     timeout: float = 60.0,
     concurrent: bool = False,
     workers: int = 0,
-) -> Any:
+) -> ShardLinks | ExchangePlane:
     """gpu_dense's ShardPlane to these shards, shard i at addresses[i] (registered in pyproject.toml
     as the `grpc` shard plane, for the benchmarks in fastdecode): these links in process, or with
     `workers` > 0 an ExchangePlane whose worker processes own them (services/gpu_dense/exchange.py;
     started by its start(), or by its first layer)."""
     if workers:
-        from services.gpu_dense.exchange import ExchangePlane
-
         return ExchangePlane(addresses, workers, tls, timeout)
     return ShardLinks([ShardLink(i, a, tls, timeout) for i, a in enumerate(addresses)], concurrent)
+
+
+async def make_plane(settings: DenseSettings, addresses: Sequence[str]) -> ShardLinks | ExchangePlane:
+    """gpu_dense's shard plane: in process (exchange_workers 0) or K started exchange workers."""
+    k = settings.exchange_workers
+    if k is None:
+        k = auto_workers(len(addresses), settings.threads, settings.device)
+    if k == 0:
+        return connect(addresses, settings.tls, settings.shard_timeout)
+    plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout)
+    await plane.start()
+    log.info("%d exchange workers for %d shards", k, len(addresses))
+    return plane

@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,60 +30,13 @@ from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem
 from fastdecode.errors import InvalidInput, ServiceError
 from fastdecode.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
+from fastdecode.geometry import Geometry
 from fastdecode.rpc import sync_channel
 from fastdecode.serving import SHARD_PLANES, registered
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
 MB = 1e6
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """One layer's attention shape: what crosses the wire per token."""
-
-    name: str
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    def payload_bytes(self, batch: int, itemsize: int) -> int:
-        """q, k, v out and o back for one decode token of `batch` sequences."""
-        return batch * (2 * self.heads + 2 * self.kv_heads) * self.head_dim * itemsize
-
-
-GEOMETRIES: dict[str, Geometry] = {
-    "llama-3-8b": Geometry("llama-3-8b", 4096, 32, 8, 128),
-    "llama-3-70b": Geometry("llama-3-70b", 8192, 64, 8, 128),
-    "smollm2": Geometry("smollm2", 576, 9, 3, 64),  # SmolLM2-135M, the default model
-    "small": Geometry("small", 768, 12, 12, 64),  # the small random-weight preset
-}
-
-
-def geometry(
-    name: str | None,
-    hidden: int | None = None,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    head_dim: int | None = None,
-) -> Geometry:
-    """A named geometry, or explicit dims (all four, or head_dim derived from hidden / heads)."""
-    if name is not None and any(x is not None for x in (hidden, heads, kv_heads, head_dim)):
-        raise InvalidInput("give --geometry or explicit dims, not both")
-    if name is not None:
-        try:
-            return GEOMETRIES[name]
-        except KeyError:
-            raise InvalidInput(f"unknown geometry {name!r}; expected one of {sorted(GEOMETRIES)}") from None
-    if heads is None or (hidden is None and head_dim is None):
-        raise InvalidInput("explicit geometry needs --heads and --hidden or --head-dim")
-    kv_heads = kv_heads or heads
-    head_dim = head_dim or (hidden or 0) // heads
-    hidden = hidden or heads * head_dim
-    if min(hidden, heads, kv_heads, head_dim) < 1 or heads % kv_heads:
-        raise InvalidInput("dims must be positive and heads a multiple of kv heads")
-    return Geometry(f"h{hidden}-q{heads}-kv{kv_heads}-d{head_dim}", hidden, heads, kv_heads, head_dim)
 
 
 def _start_shards(

@@ -209,9 +209,12 @@ def run_exchange_bench(
     shard_threads: int = 1,
     service_env: dict[str, str] | None = None,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     if dtype not in codec.DTYPE_NAMES:
         raise InvalidInput(f"dtype must be one of {sorted(codec.DTYPE_NAMES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidInput(f"--device {device}: no CUDA device here")
     if not batches or not shard_counts or not worker_counts:
         raise InvalidInput("give at least one batch, shard count and worker count")
     if min(batches) < 1 or min(shard_counts) < 1 or min(worker_counts) < 0 or context < 1 or repeats < 5:
@@ -233,9 +236,11 @@ def run_exchange_bench(
     procs = _start_shards(max(shard_counts), capacity, dtype, workdir, env, shard_threads)
     try:
         for batch in batches:
-            q = torch.randn(batch, g.heads, g.head_dim, generator=gen).to(tdtype)
-            k = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(tdtype)
-            v = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(tdtype)
+            # on a GPU host q, k, v come off the device: the in-process path copies them to the host
+            # before encoding, the exchange workers' plane copies them straight into shared memory
+            q = torch.randn(batch, g.heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
+            k = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
+            v = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
             payload = g.payload_bytes(batch, itemsize)
             for n in shard_counts:
                 shards = procs[:n]
@@ -289,6 +294,7 @@ def run_exchange_bench(
         "kv_heads": g.kv_heads,
         "head_dim": g.head_dim,
         "dtype": dtype,
+        "device": device,
         "context": context,
         "repeats": repeats,
         "rows": rows,

@@ -268,6 +268,7 @@ def _int_list(value: str, name: str) -> list[int]:
 )
 @click.option("--repeats", "-n", type=int, default=50, show_default=True, help="Timed round trips per row.")
 @click.option("--shard-threads", type=int, default=1, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="Where q, k, v live (cuda on a GPU host).")
 def exchange_cmd(
     as_json: bool, geometry: str | None, batch: str, shards: str, workers: str, **kw: Any
 ) -> None:
@@ -296,3 +297,22 @@ def exchange_cmd(
         "medians; GB/s of payload over the transport time (rt - shard attention)"
     )
     click.echo(format_table(result["rows"], COLUMNS))
+
+
+@bench.command("gpu")
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON here."
+)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="T(B) and exchange PNG."
+)
+def gpu_cmd(out: Path | None, plot: Path | None) -> None:
+    """A GPU host's checks (CUDA vs CPU greedy tokens, bf16 T(B), bench exchange and bench split on
+    CUDA), under 8 minutes; without CUDA one line saying so, exit 0 (`make gpu-check`)."""
+    from fastdecode.benchmarks.gpu_check import main
+
+    try:
+        code = main(out, plot)
+    except ServiceError as e:
+        raise click.ClickException(str(e)) from None
+    raise SystemExit(code)

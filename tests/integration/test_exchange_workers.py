@@ -165,3 +165,15 @@ def test_bench_exchange_rejects_bad_input_in_one_line() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "shards <= batch" in done.stderr
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0() -> None:
+    if torch.cuda.is_available():  # the GPU path is `make gpu-check` on a GPU host
+        return
+    done = subprocess.run(
+        [sys.executable, "-m", "fastdecode.cli", "bench", "gpu"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines() == [
+        "gpu-check: no GPU found (torch.cuda.is_available() is False): nothing to check, exiting 0"
+    ]

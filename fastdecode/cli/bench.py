@@ -276,7 +276,7 @@ def exchange_cmd(
     raw TCP echo and a bare gRPC echo of the same bytes (same run). Last line with --json: one object."""
     from fastdecode.benchmarks.common import format_table
     from fastdecode.benchmarks.exchange import COLUMNS, run_exchange_bench
-    from fastdecode.benchmarks.exchange import geometry as resolve
+    from fastdecode.geometry import geometry as resolve
 
     dims = {k: kw.pop(k) for k in ("hidden", "heads", "kv_heads", "head_dim")}
     explicit = any(v is not None for v in dims.values())

@@ -107,8 +107,13 @@ class _Worker:
                     cmd += [flag, str(path)]
         # Started from the event loop's thread: PR_SET_PDEATHSIG fires when the thread that
         # started the child ends, and this one lives as long as the process.
-        self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
-        child.close()
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        except OSError as e:
+            parent.close()
+            raise Unavailable(f"exchange worker {self.index} could not start: {e}") from None
+        finally:
+            child.close()
         reader, self.writer = await asyncio.open_unix_connection(sock=parent)
         try:
             hello = await asyncio.wait_for(read_frame(reader), START_TIMEOUT_S)

@@ -170,6 +170,21 @@ def fleet_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) ->
         click.echo(f"plot written to {plot_fleet_bench(result, plot)}", err=True)  # stdout stays JSON
 
 
+@bench.command("structured")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: SmolLM2 (imported).")
+@click.option("--batch", "-B", type=int, default=32, show_default=True)
+@click.option("--steps", "-n", type=int, default=24, show_default=True, help="Timed decode steps per set.")
+@click.option("--device", default="cpu", show_default=True)
+def structured_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+    """Per-step cost of the JSON-schema token mask (llguidance) at batch B, against the plain step."""
+    from fastdecode.benchmarks.structured import run
+    from fastdecode.gguf_import import default_model_dir
+
+    path = Path(model) if model else default_model_dir()
+    emit(run_bench(lambda: run(path, **kw)), as_json, "structured outputs: mask cost per decode step")
+
+
 @bench.command("load")
 @json_option
 @click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: the small preset.")

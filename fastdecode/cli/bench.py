@@ -249,13 +249,8 @@ def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
 
 
 def _contexts(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(
-            f"expected comma-separated integers, got {text!r}", param_hint="--contexts"
-        ) from None
-    if not out or min(out) < 1:
+    out = _int_list(text, "--contexts")
+    if min(out) < 1:
         raise click.BadParameter("contexts must be positive integers", param_hint="--contexts")
     return out
 
@@ -327,3 +322,88 @@ def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None
     click.echo(f"crossover context: {cross if cross is not None else 'none (the fleet never won)'}")
     before, after = result["load_avg_1m_before"], result["load_avg_1m_after"]
     click.echo(f"load average (1 min) before/after: {before:.2f}/{after:.2f}")
+
+
+def _int_list(value: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {value!r}", param_hint=name
+        ) from None
+    if not out:
+        raise click.BadParameter("expected at least one integer", param_hint=name)
+    return out
+
+
+@bench.command("exchange")
+@json_option
+@click.option(
+    "--geometry",
+    type=click.Choice(["llama-3-8b", "llama-3-70b", "smollm2", "small"]),
+    default=None,
+    help="A named layer shape (default llama-3-8b unless explicit dims are given).",
+)
+@click.option("--hidden", type=int, default=None, help="Explicit dims: hidden size.")
+@click.option("--heads", type=int, default=None, help="Explicit dims: query heads.")
+@click.option("--kv-heads", type=int, default=None, help="Explicit dims: KV heads (default: heads).")
+@click.option("--head-dim", type=int, default=None, help="Explicit dims: head dim (default hidden/heads).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--batch", "-B", default="256", show_default=True, help="Batch sizes, comma-separated.")
+@click.option("--shards", "-P", default="2", show_default=True, help="Shard counts, comma-separated.")
+@click.option(
+    "--workers", "-K", default="0,1", show_default=True, help="Exchange worker counts (0 = in process)."
+)
+@click.option(
+    "--context", "-L", type=int, default=128, show_default=True, help="KV tokens held per sequence."
+)
+@click.option("--repeats", "-n", type=int, default=50, show_default=True, help="Timed round trips per row.")
+@click.option("--shard-threads", type=int, default=1, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="Where q, k, v live (cuda on a GPU host).")
+def exchange_cmd(
+    as_json: bool, geometry: str | None, batch: str, shards: str, workers: str, **kw: Any
+) -> None:
+    """One layer's Attend exchange at a model's shapes through gpu_dense's own shard plane, against a
+    raw TCP echo and a bare gRPC echo of the same bytes (same run). Last line with --json: one object."""
+    from fastdecode.benchmarks.common import format_table
+    from fastdecode.benchmarks.exchange import COLUMNS, run_exchange_bench
+    from fastdecode.geometry import geometry as resolve
+
+    dims = {k: kw.pop(k) for k in ("hidden", "heads", "kv_heads", "head_dim")}
+    explicit = any(v is not None for v in dims.values())
+    result = run_bench(
+        lambda: run_exchange_bench(
+            resolve(geometry or (None if explicit else "llama-3-8b"), **dims),
+            batches=_int_list(batch, "--batch"),
+            shard_counts=_int_list(shards, "--shards"),
+            worker_counts=_int_list(workers, "--workers"),
+            **kw,
+        )
+    )
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(
+        f"exchange, {result['geometry']} {result['dtype']}, context {result['context']}: "
+        "medians; GB/s of payload over the transport time (rt - shard attention)"
+    )
+    click.echo(format_table(result["rows"], COLUMNS))
+
+
+@bench.command("gpu")
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON here."
+)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="T(B) and exchange PNG."
+)
+def gpu_cmd(out: Path | None, plot: Path | None) -> None:
+    """A GPU host's checks (CUDA vs CPU greedy tokens, bf16 T(B), bench exchange and bench split on
+    CUDA), under 8 minutes; without CUDA one line saying so, exit 0 (`make gpu-check`)."""
+    from fastdecode.benchmarks.gpu_check import main
+
+    try:
+        code = main(out, plot)
+    except ServiceError as e:
+        raise click.ClickException(str(e)) from None
+    raise SystemExit(code)

@@ -21,7 +21,7 @@ from fastdecode.structured import GrammarBank
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense import metrics
-from services.gpu_dense.shards import ShardLink, ShardLinks, connect
+from services.gpu_dense.shards import ShardLink, ShardLinks, make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
@@ -136,7 +136,7 @@ async def serve(settings: Settings) -> None:
         settings.grace_seconds,
     )
     server.install_signal_handlers(settings.supervisor_pid)
-    links = connect(addresses, settings.tls, settings.shard_timeout)
+    links = await make_plane(settings, addresses)  # in process, or exchange worker processes
     service = DenseService(settings, links)
     pb_grpc.add_DenseServicer_to_server(service, server.server)
     await server.start()  # NOT_SERVING while the weights load

@@ -40,14 +40,16 @@ The token is sent as call metadata and never logged or shown in a repr.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -74,6 +76,7 @@ __all__ = [
     "NotFoundError",
     "ResourceExhaustedError",
     "Stream",
+    "TokenLogprob",
     "Tokens",
     "UnavailableError",
     "Usage",
@@ -189,6 +192,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's token, its logprob under the model (temperature-free) and the `top`
+    alternatives as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed piece: the text delta and the new token ids; the last one has finish_reason."""
 
@@ -196,6 +209,8 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt positions 1.., when asked
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,8 @@ class Completion:
     token_ids: list[int]  # the generated ids only
     finish_reason: str
     usage: Usage
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -224,25 +241,50 @@ class ModelInfo:
 
 
 # ---- shared helpers ------------------------------------------------------------------------------
-def _request(
-    prompt: str | None,
-    token_ids: Sequence[int] | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | Sequence[str] | None,
-    stop_token_ids: Sequence[int] | None,
-    ignore_eos: bool,
-) -> pb.GenerateRequest:
+def _generate_args(
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int | None = 16,
+    temperature: float | None = 0.0,
+    top_p: float | None = 1.0,
+    top_k: int | None = 0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    timeout: float | None = None,
+    *,
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_tokens: int = 0,
+    structured: dict[str, Any] | None = None,
+) -> tuple[pb.GenerateRequest, float | None]:
+    """The generate parameters, written once: `stream` and `generate` of both clients take these.
+    Returns the request, with only what is given set, and the timeout. `logprobs`: each token's
+    logprob and this many alternatives (0..20); `prompt_logprobs` scores the prompt too; the
+    penalties are OpenAI's (presence, frequency) and vLLM's (repetition); min_tokens holds back EOS;
+    `structured` constrains the output ({"json_schema": {...}}, {"json_object": True},
+    {"regex": ...}, {"choice": [...]} or {"grammar": Lark text})."""
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
     req = pb.GenerateRequest(
         stop=[stop] if isinstance(stop, str) else list(stop or ()),
         stop_token_ids=list(stop_token_ids or ()),
         ignore_eos=ignore_eos,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
     )
+    if logprobs is not None:
+        req.logprobs = logprobs
+    if repetition_penalty is not None:
+        req.repetition_penalty = repetition_penalty
+    if structured is not None:
+        req.structured.CopyFrom(_structured(structured))
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:
@@ -257,14 +299,81 @@ def _request(
         req.top_k = top_k
     if seed is not None:
         req.seed = seed
-    return req
+    return req, timeout
+
+
+_P = ParamSpec("_P")
+_S = TypeVar("_S")
+_R = TypeVar("_R")
+
+
+def _taking(
+    args: Callable[_P, tuple[pb.GenerateRequest, float | None]],
+) -> Callable[[Callable[[_S, pb.GenerateRequest, float | None], _R]], Callable[Concatenate[_S, _P], _R]]:
+    """A decorator: `method(self, request, timeout)` becomes callable as `method(self, <args'
+    parameters>)`, and its signature (help(), IDEs, type checkers) is theirs."""
+    params = list(inspect.signature(args).parameters.values())
+
+    def wrap(
+        method: Callable[[_S, pb.GenerateRequest, float | None], _R],
+    ) -> Callable[Concatenate[_S, _P], _R]:
+        call: Callable[..., Any]
+        if inspect.iscoroutinefunction(method):
+
+            async def call_async(self: _S, *a: Any, **kw: Any) -> Any:
+                return await method(self, *args(*a, **kw))
+
+            call = call_async
+        else:
+
+            def call_sync(self: _S, *a: Any, **kw: Any) -> Any:
+                return method(self, *args(*a, **kw))
+
+            call = call_sync
+        functools.update_wrapper(call, method)
+        attrs = vars(call)
+        del attrs["__wrapped__"]
+        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ret = inspect.signature(method).return_annotation
+        attrs["__signature__"] = inspect.Signature([this, *params], return_annotation=ret)
+        return call
+
+    return wrap
+
+
+_takes_generate_args = _taking(_generate_args)
+
+
+def _structured(spec: dict[str, Any]) -> pb.StructuredOutput:
+    """{"json_schema": dict or JSON text} | {"json_object": True} | {"regex": str} | {"choice": [str]}
+    | {"grammar": Lark text}: exactly one key."""
+    if len(spec) != 1:
+        raise ValueError("structured takes exactly one of json_schema, json_object, regex, choice, grammar")
+    ((kind, value),) = spec.items()
+    if kind == "json_schema":
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=bool(value))
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(value)))
+    if kind in ("regex", "grammar"):
+        return pb.StructuredOutput(**{kind: value})
+    raise ValueError(f"unknown structured output {kind!r}")
+
+
+def _logprobs(entries: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(e.token_id, e.logprob, list(zip(e.top_token_ids, e.top_logprobs, strict=True)))
+        for e in entries
+    ]
 
 
 def _chunk(r: pb.GenerateResponse) -> Chunk:
+    lps, prompt_lps = _logprobs(r.logprobs), _logprobs(r.prompt_logprobs)
     if r.finish_reason:
         usage = Usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens)
-        return Chunk(r.text, list(r.token_ids), r.finish_reason, usage)
-    return Chunk(r.text, list(r.token_ids))
+        return Chunk(r.text, list(r.token_ids), r.finish_reason, usage, lps, prompt_lps)
+    return Chunk(r.text, list(r.token_ids), logprobs=lps, prompt_logprobs=prompt_lps)
 
 
 def _collect(chunks: list[Chunk]) -> Completion:
@@ -276,6 +385,8 @@ def _collect(chunks: list[Chunk]) -> Completion:
         token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=last.finish_reason or "",
         usage=last.usage or Usage(0, 0),
+        logprobs=[e for c in chunks for e in c.logprobs],
+        prompt_logprobs=[e for c in chunks for e in c.prompt_logprobs],
     )
 
 
@@ -529,58 +640,16 @@ class Client:
             time.sleep(delay)
             attempt += 1
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> Stream:
+    @_takes_generate_args
+    def stream(self, request: pb.GenerateRequest, timeout: float | None) -> Stream:
         """Chunks as tokens arrive (text delta, new token ids; the last has finish_reason and usage).
         The deadline starts now and covers the whole stream."""
-        request = _request(
-            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
-        )
         return Stream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> Completion:
+    @_takes_generate_args
+    def generate(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
         """The whole completion: text, generated token ids, finish_reason, usage."""
-        stream = self.stream(
-            prompt,
-            token_ids,
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            stop,
-            stop_token_ids,
-            timeout,
-            ignore_eos=ignore_eos,
-        )
-        with stream:
+        with Stream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT)) as stream:
             return _collect(list(stream))
 
     def tokenize(self, text: str, timeout: float | None = None) -> Tokens:
@@ -729,55 +798,15 @@ class AsyncClient:
             await asyncio.sleep(delay)
             attempt += 1
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> AsyncStream:
+    @_takes_generate_args
+    def stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncStream:
         """Chunks as tokens arrive, for `async for`. The deadline starts now."""
-        request = _request(
-            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
-        )
         return AsyncStream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> Completion:
-        stream = self.stream(
-            prompt,
-            token_ids,
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            stop,
-            stop_token_ids,
-            timeout,
-            ignore_eos=ignore_eos,
-        )
+    @_takes_generate_args
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
+        """The whole completion: text, generated token ids, finish_reason, usage."""
+        stream = AsyncStream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
         async with stream:
             return _collect([c async for c in stream])
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from fastdecode.errors import (
@@ -50,6 +50,7 @@ from fastdecode.errors import (
     ServiceError,
 )
 from fastdecode.kv.prefix import chain_hashes
+from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
 from fastdecode.scheduling.types import (
@@ -59,7 +60,11 @@ from fastdecode.scheduling.types import (
     PlannedSeq,
     Request,
     Reservation,
+    Sampled,
+    Sampling,
+    SchedulerStats,
     ShardSpec,
+    ShardStats,
     Step,
     TokenEvent,
 )
@@ -91,6 +96,7 @@ class _Seq:
     cached: int = 0  # prompt tokens its shard found cached at its latest reservation
     shared: int = 0  # of its blocks, those read from the shard's prefix cache (not counted per sequence)
     names: tuple[int, int, list[bytes]] | None = None  # (block size, tokens, names of full blocks)
+    scored: int = 1  # next prompt position whose logprob goes out (prompt_logprobs; 0 has none)
 
     @property
     def generated(self) -> int:
@@ -411,6 +417,7 @@ class SchedulerCore:
                 n = min(pending, budget)
                 budget -= n
             sample = seq.kv + n == len(seq.tokens)
+            sampling, next_token = self._prompt_scoring(seq, n)
             planned.append(
                 PlannedSeq(
                     seq_id=sid,
@@ -418,9 +425,10 @@ class SchedulerCore:
                     mini_batch=0,
                     token_ids=seq.tokens[seq.kv : seq.kv + n],
                     start_pos=seq.kv,
-                    sampling=seq.req.sampling,
+                    sampling=sampling,
                     sample=sample,
                     sample_index=seq.req.sample_offset + seq.generated,
+                    next_token=next_token,
                 )
             )
             marks[sid] = _Inflight(seq.epoch, sample, seq.kv, seq.blocks)
@@ -439,6 +447,20 @@ class SchedulerCore:
         self._step += 1
         preempted, self._preempted = self._preempted, []
         return Step(step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted)
+
+    @staticmethod
+    def _prompt_scoring(seq: _Seq, n: int) -> tuple[Sampling, int | None]:
+        """The sampling settings of a chunk of n tokens from seq.kv, and the prompt token after it:
+        prompt logprobs are asked only of chunks that hold prompt positions not yet sent out (a
+        re-prefill after preemption or recovery scores nothing twice, nor the generated history)."""
+        sp = seq.req.sampling
+        if not sp.prompt_logprobs:
+            return sp, None
+        n_prompt = len(seq.req.prompt)
+        end = seq.kv + n  # the chunk scores positions seq.kv+1 .. end (end when next_token is sent)
+        if seq.scored >= n_prompt or end < seq.scored:
+            return replace(sp, prompt_logprobs=False), None
+        return sp, (seq.tokens[end] if end < n_prompt else None)
 
     def _expected_gen(self, seq: _Seq) -> float:
         mt = seq.req.max_tokens
@@ -596,7 +618,7 @@ class SchedulerCore:
                 seq.kv, seq.inflight = c, None
                 continue
             p.token_ids, p.start_pos = p.token_ids[c:], c
-            marks[sid] = _Inflight(mark.epoch, mark.sample, c, mark.blocks)
+            marks[sid] = replace(mark, start_pos=c)
         if not drop:
             return step
         return Step(
@@ -662,8 +684,14 @@ class SchedulerCore:
             seq.kv = min(seq.kv, p.start_pos)
             seq.inflight = None
 
-    def apply(self, step: Step, results: dict[str, tuple[int, float] | ServiceError]) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events."""
+    def apply(
+        self,
+        step: Step,
+        results: Mapping[str, tuple[int, float] | Sampled | ServiceError],
+        prompt_logprobs: Mapping[str, list[TokenLogprob]] | None = None,
+    ) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events.
+        `prompt_logprobs`: the positions start_pos+1.. each chunk scored, for the requests that asked."""
         marks = self._inflight.pop(step.step, None)
         if marks is None:
             if not step.seqs:
@@ -681,21 +709,42 @@ class SchedulerCore:
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=res))
                 self._leave(seq)
                 continue
+            scored = self._take_prompt_logprobs(seq, mark.start_pos, (prompt_logprobs or {}).get(sid))
             if not mark.sample:
-                continue  # a prefill chunk that is not the last: its KV is in, nothing to sample
+                if scored:  # a prefill chunk that is not the last: only its prompt logprobs go out
+                    events.append(self._event(seq, [], [], None, step.step, prompt_logprobs=scored))
+                continue  # its KV is in, nothing to sample
             if res is None:
                 err = InternalError("no result for a sampled sequence")
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=err))
                 self._leave(seq)
                 continue
-            tok, logprob = int(res[0]), float(res[1])
+            if not isinstance(res, Sampled):
+                res = Sampled(int(res[0]), float(res[1]))
+            tok = int(res.token_id)
             seq.tokens.append(tok)
             reason = self._stop_reason(seq, tok)
-            events.append(self._event(seq, [tok], [logprob], reason, step.step))
+            top = [res.top] if seq.req.sampling.top_logprobs else []
+            events.append(
+                self._event(seq, [tok], [res.logprob], reason, step.step, top=top, prompt_logprobs=scored)
+            )
             if reason is not None:
                 self._ratio += RATIO_SMOOTHING * (seq.generated / seq.req.max_tokens - self._ratio)
                 self._leave(seq)
         return events
+
+    @staticmethod
+    def _take_prompt_logprobs(
+        seq: _Seq, start_pos: int, got: list[TokenLogprob] | None
+    ) -> list[TokenLogprob]:
+        """The positions of a chunk's prompt logprobs not yet sent out (each goes out once)."""
+        if not got:
+            return []
+        n_prompt = len(seq.req.prompt)
+        first = seq.scored - (start_pos + 1)  # got[i] scores position start_pos + 1 + i
+        out = got[max(0, first) : n_prompt - (start_pos + 1)] if first < len(got) else []
+        seq.scored = max(seq.scored, start_pos + 1 + max(0, first) + len(out))
+        return out
 
     def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
         if (tok in self._eos and not seq.req.ignore_eos) or tok in seq.req.stop_token_ids:
@@ -712,6 +761,8 @@ class SchedulerCore:
         reason: str | None,
         step_no: int,
         error: ServiceError | None = None,
+        top: list[tuple[tuple[int, float], ...]] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> TokenEvent:
         return TokenEvent(
             seq_id=seq.req.seq_id,
@@ -724,6 +775,8 @@ class SchedulerCore:
             shard=seq.shard if seq.shard is not None else -1,
             error=error,
             cached_tokens=seq.cached,
+            top=top or [],
+            prompt_logprobs=prompt_logprobs or [],
         )
 
     def _leave(self, seq: _Seq, *, finished: bool = True) -> None:
@@ -770,13 +823,6 @@ class SchedulerCore:
             raise NotFound(f"unknown running sequence {seq_id!r}")
         return seq.shard
 
-    def tokens_of(self, seq_id: str) -> list[int]:
-        """A running sequence's token history (prompt + generated)."""
-        seq = self._running.get(seq_id) or self._waiting.get(seq_id)
-        if seq is None:
-            raise NotFound(f"unknown sequence {seq_id!r}")
-        return list(seq.tokens)
-
     def kv_tokens_per_shard(self) -> list[int]:
         """KV tokens each shard holds now (planned chunks included)."""
         out = [0] * len(self._shards)
@@ -785,8 +831,8 @@ class SchedulerCore:
                 out[seq.shard] += seq.kv
         return out
 
-    def stats(self) -> dict:
-        """Counts and per-shard load, shaped like the SchedulerStats message."""
+    def stats(self) -> SchedulerStats:
+        """Counts and per-shard load (the scheduler's GetStats and its metrics)."""
         tokens = self.kv_tokens_per_shard()
         expected = [0.0] * len(self._shards)
         committed = [0] * len(self._shards)
@@ -794,34 +840,30 @@ class SchedulerCore:
             if seq.shard is not None:
                 expected[seq.shard] += len(seq.req.prompt) + self._expected_gen(seq)
                 committed[seq.shard] += self._commitment(seq, self._shards[seq.shard].spec.block_size)
-        return {
-            "running": self.running,
-            "waiting": self.waiting,
-            "steps": self._step,
-            "finished": self._finished,
-            "recoveries": self._recoveries,
-            "preemptions": self.preemptions,
-            "prefix_hits": self.prefix_hits,
-            "cached_tokens": self.cached_tokens,
-            "admission": getattr(self._admission, "name", type(self._admission).__name__),
-            "w_limit": self._admission.w_limit(self._step),
-            "kv_load_tokens": float(sum(tokens)),
-            "expected_ratio": self._ratio,
-            "shards": [
-                {
-                    "shard": i,
-                    "healthy": sh.healthy,
-                    "sequences": len(sh.seqs),
-                    "tokens": tokens[i],
-                    "expected_tokens": int(round(expected[i])),
-                    # KV blocks allocated on the shard (tokens, whole blocks) and what admission
-                    # counts against it (blocks plus the running sequences' headroom)
-                    "reserved_tokens": sh.blocks * sh.spec.block_size,
-                    "committed_tokens": committed[i],
-                    "capacity_tokens": sh.spec.capacity_tokens,
-                    "block_size": sh.spec.block_size,
-                    "speed": sh.spec.speed,
-                }
+        return SchedulerStats(
+            running=self.running,
+            waiting=self.waiting,
+            steps=self._step,
+            finished=self._finished,
+            recoveries=self._recoveries,
+            preemptions=self.preemptions,
+            admission=getattr(self._admission, "name", type(self._admission).__name__),
+            w_limit=self._admission.w_limit(self._step),
+            kv_load_tokens=float(sum(tokens)),
+            expected_ratio=self._ratio,
+            shards=[
+                ShardStats(
+                    shard=i,
+                    healthy=sh.healthy,
+                    sequences=len(sh.seqs),
+                    tokens=tokens[i],
+                    expected_tokens=int(round(expected[i])),
+                    reserved_tokens=sh.blocks * sh.spec.block_size,
+                    committed_tokens=committed[i],
+                    capacity_tokens=sh.spec.capacity_tokens,
+                    block_size=sh.spec.block_size,
+                    speed=sh.spec.speed,
+                )
                 for i, sh in enumerate(self._shards)
             ],
-        }
+        )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fastdecode.errors import ServiceError
 from fastdecode.sampling import SamplingParams as Sampling  # one definition of sampling settings
+from fastdecode.sampling import TokenLogprob
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -34,16 +35,19 @@ class Request:
 
 @dataclass
 class PlannedSeq:
-    """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`."""
+    """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`. The one
+    type on both sides of the step boundary: the scheduler core plans it, gpu_dense's StepRunner runs
+    it (fastdecode.convert carries it over the wire as a dense.proto PlannedSequence)."""
 
     seq_id: str
     shard: int
     mini_batch: int
     token_ids: list[int]
     start_pos: int
-    sampling: Sampling
-    sample: bool
-    sample_index: int
+    sampling: Sampling = field(default_factory=Sampling)
+    sample: bool = True  # False: a prefill chunk before the prompt's last (nothing to sample yet)
+    sample_index: int = 0
+    next_token: int | None = None  # the prompt token after a chunk whose prompt logprobs are asked
 
 
 @dataclass
@@ -111,6 +115,17 @@ class TokenEvent:
     shard: int
     error: ServiceError | None = None  # typed (status, message); set when finish_reason is FINISH_ERROR
     cached_tokens: int = 0  # prompt tokens a shard held cached (shared prefix): not prefilled
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's next positions
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sequence's sampled token of a step, with what it reported beside it."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -122,3 +137,36 @@ class ShardSpec:
     capacity_tokens: int
     speed: float = 1.0
     block_size: int = 1
+
+
+@dataclass
+class ShardStats:
+    """One shard's load as the scheduler core counts it."""
+
+    shard: int
+    healthy: bool
+    sequences: int
+    tokens: int  # KV tokens held (planned chunks included)
+    expected_tokens: int  # tokens its sequences are expected to reach (the length estimate)
+    reserved_tokens: int  # KV blocks allocated on the shard, in tokens (whole blocks)
+    committed_tokens: int  # what admission counts against it: blocks plus running sequences' headroom
+    capacity_tokens: int
+    block_size: int
+    speed: float
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler core's counts and per-shard load (`SchedulerCore.stats`)."""
+
+    running: int
+    waiting: int
+    steps: int
+    finished: int
+    recoveries: int
+    preemptions: int
+    admission: str  # the policy's name
+    w_limit: float | None  # the stabilized policy's load limit this step (None: no limit)
+    kv_load_tokens: float
+    expected_ratio: float  # expected share of max_tokens a sequence generates
+    shards: list[ShardStats]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastdecode.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling import (
     NaiveAdmission,
     PlannedSeq,
@@ -52,9 +53,9 @@ class Fleet:
         self.finish: dict[str, str | None] = {}
         self.plans: list[Step] = []
         self.overwrite = False
-        shards = core.stats()["shards"]
-        self.bs = [sh["block_size"] for sh in shards]
-        self.cap = [sh["capacity_tokens"] // sh["block_size"] for sh in shards]
+        shards = core.stats().shards
+        self.bs = [sh.block_size for sh in shards]
+        self.cap = [sh.capacity_tokens // sh.block_size for sh in shards]
         for j, n in (real_blocks or {}).items():
             self.cap[j] = n
         self.peak = [0] * nshards
@@ -63,9 +64,9 @@ class Fleet:
     def add_shard(self) -> None:
         self.kv.append({})
         self.reserved.append({})
-        new = self.core.stats()["shards"][-1]
-        self.bs.append(new["block_size"])
-        self.cap.append(new["capacity_tokens"] // new["block_size"])
+        new = self.core.stats().shards[-1]
+        self.bs.append(new.block_size)
+        self.cap.append(new.capacity_tokens // new.block_size)
         self.peak.append(0)
 
     def lose(self, shard: int) -> list[str]:
@@ -409,7 +410,7 @@ def test_add_shard_takes_new_sequences() -> None:
     core.submit(Request("new", [1] * 8, 50))
     st = fleet.step()
     assert [r.shard for r in st.reserve if r.seq_id == "new"] == [2]
-    assert core.stats()["shards"][2]["sequences"] == 1
+    assert core.stats().shards[2].sequences == 1
 
 
 # ------------------------------------------------------------------ shard loss and reservations
@@ -442,7 +443,7 @@ def test_shard_lost_reprefills_history_and_output_is_identical(budget: int) -> N
     for sid, p in prompts.items():
         assert fleet.out[sid] == reference(p, 12), sid  # nothing lost, nothing duplicated
         assert fleet.finish[sid] == "length"
-    assert core.stats()["recoveries"] == len(moved)
+    assert core.stats().recoveries == len(moved)
     assert all(s.shard == 1 for st in fleet.plans[8:] for s in st.seqs)
 
 
@@ -549,12 +550,10 @@ def test_stats_shape() -> None:
     core.submit(Request("a", [1, 2, 3], 5))
     Fleet(core, 2).step()
     s = core.stats()
-    assert s["running"] == 1 and s["waiting"] == 0 and s["steps"] == 1 and s["admission"] == "stabilized"
-    assert s["w_limit"] is not None and s["kv_load_tokens"] == 3
-    assert {"shard", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens"} <= set(
-        s["shards"][0]
-    )
-    assert sum(x["tokens"] for x in s["shards"]) == 3
+    assert s.running == 1 and s.waiting == 0 and s.steps == 1 and s.admission == "stabilized"
+    assert s.w_limit is not None and s.kv_load_tokens == 3
+    assert [x.shard for x in s.shards] == [0, 1] and all(x.healthy for x in s.shards)
+    assert sum(x.tokens for x in s.shards) == 3
 
 
 def test_expected_length_learns_early_stops() -> None:
@@ -564,7 +563,7 @@ def test_expected_length_learns_early_stops() -> None:
     for sid in eos:
         core.submit(Request(sid, [1], 20))
     fleet.run()
-    assert core.stats()["expected_ratio"] < 0.3  # stops at 2 of 20: the estimate moved toward 0.1
+    assert core.stats().expected_ratio < 0.3  # stops at 2 of 20: the estimate moved toward 0.1
 
 
 def test_reservation_failed_on_the_only_shard_does_not_stall() -> None:
@@ -625,7 +624,7 @@ def test_admission_counts_tokens_held_not_max_tokens() -> None:
     assert [sum(1 for r in st.reserve if r.shard == j) for j in (0, 1)] == [3, 3]
     assert core.running == 6 and core.waiting == 0
     assert all(r.max_tokens == 8 for r in st.reserve)
-    assert [s["reserved_tokens"] for s in core.stats()["shards"]] == [48, 48]  # 3 prompts' blocks each
+    assert [s.reserved_tokens for s in core.stats().shards] == [48, 48]  # 3 prompts' blocks each
 
 
 def test_full_shard_preempts_the_youngest_and_tokens_equal_a_run_that_never_filled() -> None:
@@ -648,7 +647,7 @@ def test_full_shard_preempts_the_youngest_and_tokens_equal_a_run_that_never_fill
     assert tight.peak[0] <= 16  # the fake shard asserts this every step too
     preempted = [sid for st in tight.plans for sid in st.preempted]
     assert len(preempted) == tight_core.preemptions
-    assert tight_core.stats()["preemptions"] == tight_core.preemptions
+    assert tight_core.stats().preemptions == tight_core.preemptions
 
 
 def test_preemption_picks_the_youngest_and_requeues_it_at_the_head() -> None:
@@ -697,3 +696,42 @@ def test_preempted_sequence_cancelled_while_waiting_leaves_nothing_behind() -> N
     fleet.run()
     assert fleet.out["a"] == reference([1, 2, 3, 4], 11)
     assert fleet.reserved == [{}]
+
+
+def _score(step: Step) -> dict[str, list[TokenLogprob]]:
+    """What gpu_dense answers for prompt logprobs: position p scored as -p, for the chunk's positions
+    start_pos+1.. (and next_token's)."""
+    out = {}
+    for p in step.seqs:
+        if p.sampling.prompt_logprobs:
+            targets = p.token_ids[1:] + ([p.next_token] if p.next_token is not None else [])
+            out[p.seq_id] = [TokenLogprob(t, -float(p.start_pos + 1 + i)) for i, t in enumerate(targets)]
+    return out
+
+
+def test_prompt_logprobs_go_out_once_per_position_across_chunks_and_a_lost_shard() -> None:
+    core = core_with(nshards=2, prefill_token_budget=4)
+    prompt = list(range(10, 20))
+    core.submit(Request("a", prompt, max_tokens=3, sampling=Sampling(prompt_logprobs=True, top_logprobs=2)))
+    scored: list[TokenLogprob] = []
+    events: list[TokenEvent] = []
+    plans = []
+    lost = False
+    while len(events) == 0 or not events[-1].finish_reason:
+        st = core.next_step()
+        assert st is not None
+        plans.append(planned(st, "a"))
+        results = {p.seq_id: (1 + p.sample_index, -0.5) for p in st.seqs if p.sample}
+        evs = core.apply(st, results, _score(st))
+        for ev in evs:
+            scored += ev.prompt_logprobs
+        events += [e for e in evs if e.token_ids or e.finish_reason]
+        if len(events) == 1 and not lost:  # after the first token the shard is lost: re-prefill
+            core.shard_lost(core.shard_of("a"))
+            lost = True
+    # chunks ask for the next prompt token while inside the prompt; the re-prefill asks for nothing
+    assert [(p.start_pos, p.next_token) for p in plans[:3]] == [(0, 14), (4, 18), (8, None)]
+    assert all(not p.sampling.prompt_logprobs for p in plans[3:])
+    assert [(e.token_id, e.logprob) for e in scored] == [(prompt[i], -float(i)) for i in range(1, 10)]
+    assert [e.token_ids for e in events] == [[1], [2], [3]]
+    assert all(len(e.top) == 1 for e in events)  # one alternatives entry per token (top_logprobs asked)

@@ -32,7 +32,7 @@ def test_reservations_carry_tokens_and_cached_tokens_move_the_prefill_start() ->
     (p,) = step.seqs
     assert p.start_pos == 8 and p.token_ids == PREFIX[8:] + [20, 21] and p.sample
     events = core.apply(step, {"a": (50, 0.0)})
-    assert events[0].cached_tokens == 8 and core.stats()["cached_tokens"] == 8
+    assert events[0].cached_tokens == 8 and core.cached_tokens == 8
     nxt = core.next_step()
     assert nxt is not None and nxt.seqs[0].start_pos == 14  # decodes on from the whole prompt
 
@@ -89,6 +89,6 @@ def test_shared_blocks_do_not_count_against_the_shard_twice() -> None:
     core.submit(Request("a", PREFIX + [20], 4))
     step = core.next_step()
     assert step is not None
-    before = core.stats()["shards"][0]["reserved_tokens"]
+    before = core.stats().shards[0].reserved_tokens
     core.prefix_cached(step, {"a": 12})
-    assert core.stats()["shards"][0]["reserved_tokens"] == before - 12
+    assert core.stats().shards[0].reserved_tokens == before - 12

@@ -229,7 +229,9 @@ def test_a_multi_turn_chat_reports_cached_prompt_tokens_from_its_second_turn(
             {"role": "assistant", "content": got.choices[0].message.content or ""},
             {"role": "user", "content": question},
         ]
-    assert cached[0] == 0 and cached[1] > 0
+    # the first turn may share the template's opening block with earlier chats; the second reads
+    # the first turn's whole prompt (its full blocks) from the cache
+    assert cached[1] > cached[0] and cached[1] >= 32
     # the gRPC API reports the same field
     with Client(fleet.target, token=TOKEN) as client:
         ids = [1] + list(range(200, 260))

@@ -290,6 +290,13 @@ def _contexts(text: str) -> list[int]:
 @click.option("--steps", "-n", type=int, default=8, show_default=True, help="Timed decode steps per context.")
 @click.option("--warmup", type=int, default=3, show_default=True)
 @click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the dense half (gpu_dense and LocalEngine) runs; shards stay on their CPUs.",
+)
+@click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,

@@ -83,8 +83,8 @@ def split_layouts(
     return out
 
 
-def _split_run(model_dir: Path, dense: str, shards: str, timeout: float) -> dict[str, Any]:
-    argv = ["bench", "split", "--device", "cuda", "--json", "--model", str(model_dir), *SPLIT_ARGS]
+def _split_run(model_dir: Path, dense: str, shards: str, timeout: float, device: str) -> dict[str, Any]:
+    argv = ["bench", "split", "--device", device, "--json", "--model", str(model_dir), *SPLIT_ARGS]
     argv += ["--dense-cpus", dense, "--shard-cpus", shards]
     try:
         done = subprocess.run(
@@ -93,13 +93,16 @@ def _split_run(model_dir: Path, dense: str, shards: str, timeout: float) -> dict
     except subprocess.TimeoutExpired:
         return {"failed": f"bench split ran past the {timeout:.0f} s left of the budget"}
     lines = done.stdout.strip().splitlines()
+    tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
     if done.returncode or not lines:
-        tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
         return {"failed": tail[0]}
-    return json.loads(lines[-1])
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        return {"failed": f"no JSON on bench split's last line: {lines[-1][:200]!r}"}
 
 
-def split_on_gpu(model_dir: Path, deadline: float) -> dict[str, Any]:
+def split_on_gpu(model_dir: Path, deadline: float, device: str = "cuda") -> dict[str, Any]:
     """`bench split --device cuda` at each shard-host count the CPUs hold, while the budget lasts."""
     layouts = split_layouts(os.sched_getaffinity(0))
     runs: list[dict[str, Any]] = []
@@ -109,7 +112,7 @@ def split_on_gpu(model_dir: Path, deadline: float) -> dict[str, Any]:
         if left < _SPLIT_MIN_S:
             row["skipped"] = f"{left:.0f} s of the budget left"
         else:
-            row.update(_split_run(model_dir, dense, shards, left))
+            row.update(_split_run(model_dir, dense, shards, left, device))
         runs.append(row)
     fitted = {n for n, _, _ in layouts}
     return {

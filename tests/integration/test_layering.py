@@ -20,6 +20,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.load_bench",
     "fastdecode.benchmarks.chaos",
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
+    "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
 }
 
 BLOCK_GRPC = """

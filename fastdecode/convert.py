@@ -1,10 +1,13 @@
 """Proto messages to domain objects and back: one place per message family. Imports the generated
 messages (protobuf) but no gRPC; the service adapters call it, the cores never see a proto.
 
-One deliberate exception: the shard's parse of an Attend item. `fastdecode.shard.ShardCore.attend`
+One deliberate exception: the shard's side of an Attend item. `fastdecode.shard.ShardCore.attend`
 takes the AttendRequest message itself and attends on views of its bytes (q, k and v are decoded
-without a copy, codec.decode): the item is the latency every decode step pays once per layer, and
-the message is the cheapest form it has. Its other direction, `attend_request`, is here."""
+without a copy, codec.decode), and services/kv_attention serializes o straight into the answer's
+bytes (codec.serialize_with): the item is the latency every decode step pays once per layer, and the
+message is the cheapest form it has. gpu_dense's side, `attend_request`, is here. Errors travel as
+an in-band ItemError built and read by fastdecode.rpc (`item_error`, `error_from_item`), next to the
+error tables."""
 
 from __future__ import annotations
 

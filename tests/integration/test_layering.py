@@ -21,6 +21,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.chaos",
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
     "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
+    "fastdecode.benchmarks.split",  # drives gpu_dense and the shards over gRPC
 }
 
 BLOCK_GRPC = """

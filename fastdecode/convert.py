@@ -16,6 +16,7 @@ from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard
 from fastdecode.gateway.text import GenerateParams, ValidRequest
 from fastdecode.sampling import SamplingParams
 from fastdecode.scheduling import PlannedSeq, Request, SchedulerStats, Step, TokenEvent
+from fastdecode.scheduling.types import RemoveResult
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -137,7 +138,12 @@ def timings_to_proto(t: Timings) -> dense_pb2.StepTimings:
 
 
 def model_info_to_proto(
-    c: ModelConfig, model_path: str, dtype: str, device: str, shards: Sequence[str]
+    c: ModelConfig,
+    model_path: str,
+    dtype: str,
+    device: str,
+    shards: Sequence[str],
+    removed_shards: Sequence[int] = (),
 ) -> dense_pb2.ModelInfo:
     """gpu_dense's Info: the model it serves and the shards it attends on."""
     info = dense_pb2.ModelInfo(
@@ -155,6 +161,7 @@ def model_info_to_proto(
         device=device,
         num_shards=len(shards),
         shards=list(shards),
+        removed_shards=list(removed_shards),
     )
     if c.bos_token_id is not None:
         info.bos_token_id = c.bos_token_id
@@ -181,6 +188,7 @@ def scheduler_stats_to_proto(
         w_limit=st.w_limit or 0.0,
         admission=st.admission,
         not_ready_reason=not_ready_reason or "",
+        migrations=st.migrations,
     )
     for sh in st.shards:
         out.shards.add(
@@ -192,8 +200,19 @@ def scheduler_stats_to_proto(
             expected_tokens=sh.expected_tokens,
             capacity_tokens=sh.capacity_tokens,
             block_tokens=sh.reserved_tokens,
+            state=sh.state,
         )
     return out
+
+
+def remove_result_to_proto(r: RemoveResult) -> scheduler_pb2.RemoveShardResponse:
+    return scheduler_pb2.RemoveShardResponse(
+        shard=r.shard,
+        migrated_sequences=r.migrated,
+        reprefilled_sequences=r.reprefilled,
+        seconds=r.seconds,
+        bytes=r.bytes,
+    )
 
 
 # ---- gateway -> client ------------------------------------------------------------------------------

@@ -72,6 +72,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         index = await self.driver.add_shard(address, lambda a: GrpcShardLink(a, self.settings.tls))
         return dense_pb2.AddShardResponse(shard=index)
 
+    @handles_errors
+    async def RemoveShard(
+        self, request: pb.RemoveShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RemoveShardResponse:
+        r = await self.driver.remove_shard(
+            request.shard, request.address.strip(), max(0.0, request.timeout_seconds)
+        )
+        return convert.remove_result_to_proto(r)
+
 
 async def _readiness(server: Server, driver: SchedulerDriver, interval: float) -> None:
     """Health says whether the fleet behind this scheduler can generate (gpu_dense reachable, a

@@ -632,9 +632,7 @@ def test_chart_shards_drain_before_they_stop() -> None:
     ]
     assert "FASTDECODE_SHARD_ID" in {e["name"] for e in c["env"]}
     (cm,) = _by_kind(docs, "ConfigMap").values()
-    assert (
-        cm["data"]["FASTDECODE_SCHEDULER"].endswith("-scheduler:50052") or cm["data"]["FASTDECODE_SCHEDULER"]
-    )
+    assert "-scheduler:" in cm["data"]["FASTDECODE_SCHEDULER"]
     assert {e["configMapRef"]["name"] for e in c["envFrom"] if "configMapRef" in e} == {
         cm["metadata"]["name"]
     }

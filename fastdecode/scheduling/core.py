@@ -377,6 +377,12 @@ class SchedulerCore:
         self._releases = [(sid, i) for sid, i in self._releases if i != shard]
         self._capacity_changed()
 
+    def shard_rejoined(self, shard: int) -> None:
+        """A removed shard is back (empty, a restarted process on its address): it serves again."""
+        sh = self._shard(shard)
+        sh.state, sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = SHARD_SERVING, True, 0, set(), 0
+        self._capacity_changed()
+
     def shard_state(self, shard: int) -> str:
         return self._shard(shard).state
 

@@ -671,12 +671,32 @@ class SchedulerDriver:
         """A lost shard gives its sequences back; one that returns (SERVING and empty) takes new work."""
         assert self.core is not None
         for i, track in enumerate(self.shards):
-            if self.core.shard_state(i) == SHARD_REMOVED:
-                continue
             try:
+                if self.core.shard_state(i) == SHARD_REMOVED:
+                    await self._probe_removed(i, track)
+                    continue
                 await self._probe(i, track)
             except Exception:  # noqa: BLE001 - one shard's odd answer must not stop the others' probes
                 log.exception("probing shard %d (%s) failed", i, track.link.address)
+
+    async def _probe_removed(self, index: int, track: ShardTrack) -> None:
+        """A removed shard answering SERVING again, empty, is a restarted process on its address (a
+        StatefulSet pod's restart drains it in preStop too): it takes its index and new work back."""
+        assert self.core is not None
+        if not await track.link.healthy(self.s.probe_timeout):
+            return
+        try:
+            state = await track.link.stats(self.s.probe_timeout)
+            if state.sequences:
+                return
+            if await self.dense.add_shard(track.link.address, self.s.control_timeout) != index:
+                return  # gpu_dense knows the address under another index: leave it removed
+        except ServiceError:
+            return
+        self.core.shard_rejoined(index)
+        track.healthy, track.r = True, None
+        log.info("removed shard %d (%s) answers again: it serves again", index, track.link.address)
+        self.wake.set()
 
     async def _probe(self, index: int, track: ShardTrack) -> None:
         assert self.core is not None

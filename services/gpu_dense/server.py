@@ -67,7 +67,12 @@ class DenseService(pb_grpc.DenseServicer):
         if not address or ":" not in address:
             raise InvalidInput(f"shard address must be HOST:PORT, got {request.address!r}")
         for link in self.links.links:
-            if link.address == address and not link.removed:
+            if link.address == address:
+                if link.removed:  # a removed shard back on its address (a restarted pod): same index
+                    self.links.links[link.index] = ShardLink(
+                        link.index, address, self.settings.tls, self.settings.shard_timeout
+                    )
+                    log.info("re-added %s", link.name)
                 return pb.AddShardResponse(shard=link.index)
         link = ShardLink(self.links.num_shards, address, self.settings.tls, self.settings.shard_timeout)
         self.links.add(link)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import torch
 
 from fastdecode import codec, convert
-from fastdecode.errors import InvalidInput
+from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.kv import KV_DTYPES, native
 from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.rpc import (
@@ -46,7 +45,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             backend=settings.attention_backend,
         )
         self.metrics = ShardMetrics(self.shard, settings.kv_capacity)
-        self.retired = asyncio.Event()  # set by Retire: serve() stops and the process exits
+        self.retire: Callable[[], Awaitable[None]] | None = None  # serve(): stop serving and exit
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -151,7 +150,9 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     async def Retire(self, request: pb.RetireRequest, context: grpc.aio.ServicerContext) -> pb.RetireResponse:
         held = sum(self.core.release(None))
         log.info("retired by the scheduler (freed %d sequences): stopping", held)
-        self.retired.set()
+        if self.retire is None:
+            raise FailedPrecondition("this shard cannot retire (not run by serve())")
+        await self.retire()
         return pb.RetireResponse(sequences=held)
 
 
@@ -179,7 +180,12 @@ async def serve(settings: Settings) -> None:
         options=DATA_PLANE_OPTIONS,
     )
     service = KVAttentionService(settings)
-    service.retired = server.stopping  # Retire stops the server as SIGTERM does: the process exits
+
+    async def retire() -> None:  # NOT_SERVING at once (no probe takes it back), then stop as on SIGTERM
+        await server.set_serving(False)
+        server.stopping.set()
+
+    service.retire = retire
     pb_grpc.add_KVAttentionServicer_to_server(service, server.server)
     server.install_signal_handlers(settings.supervisor_pid)
     await server.start()

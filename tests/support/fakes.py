@@ -109,6 +109,11 @@ class FakeDense:
         return StepOutcome(items)
 
     async def add_shard(self, address: str, timeout: float) -> int:
+        if address in self.info_.shard_addresses:  # idempotent per address; a removed one comes back
+            index = self.info_.shard_addresses.index(address)
+            removed = tuple(i for i in self.info_.removed_shards if i != index)
+            self.info_ = DenseInfo(**{**self.info_.__dict__, "removed_shards": removed})
+            return index
         self.info_ = DenseInfo(
             **{
                 **self.info_.__dict__,

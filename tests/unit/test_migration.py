@@ -240,6 +240,12 @@ def test_remove_shard_migrates_then_takes_the_shard_out() -> None:
         assert all(p.shard == 1 for p in dense.steps[-1].seqs)
         with pytest.raises(NotFound):
             await driver.remove_shard(None, "fake:9")
+        await driver.probe_shards()  # it is gone: it stays removed
+        assert driver.core.shard_state(0) == "removed"
+        a.serving = True  # a restarted pod on its address, empty: it serves again, same index
+        await driver.probe_shards()
+        assert driver.core.shard_state(0) == "" and driver.shards[0].healthy
+        assert dense.info_.removed_shards == ()
         loop.cancel()
         for g in gens:
             await g.aclose()

@@ -21,7 +21,7 @@ from fastdecode.client import Client
 from fastdecode.fleet import UpProcess, launch_up
 from tests.support import pid_alive
 
-STREAMS, TOKENS = 12, 96
+STREAMS, TOKENS = 12, 320
 
 
 def _prompts() -> list[list[int]]:

@@ -401,11 +401,12 @@ class SchedulerCore:
         need = self._commitment(seq, max(sh.spec.block_size for sh in self._shards))
         return choose_shard(need, self._future_load(seq, horizon), loads)
 
-    def drain_moves(self, limit: int) -> tuple[list[Move], int]:
-        """Start up to `limit` moves off draining shards (oldest first). Returns them and how many
-        sequences wait there for room (they keep decoding where they are until it frees up)."""
+    def drain_moves(self, limit: int) -> tuple[list[Move], dict[int, int]]:
+        """Start up to `limit` moves off draining shards (oldest first). Returns them and, per
+        draining shard, how many sequences wait there for room (they keep decoding where they are
+        until it frees up)."""
         moves: list[Move] = []
-        waiting = 0
+        waiting: dict[int, int] = {}
         for i, sh in enumerate(self._shards):
             if sh.state != SHARD_DRAINING or not sh.healthy:
                 continue
@@ -416,7 +417,7 @@ class SchedulerCore:
                     continue  # in a step now, or nothing to copy yet: next boundary
                 target = self._target_for(seq, self._step, i) if len(moves) < limit else None
                 if target is None:
-                    waiting += len(moves) < limit
+                    waiting[i] = waiting.get(i, 0) + (len(moves) < limit)
                     continue
                 moves.append(self.begin_move(seq.req.seq_id, target))
         return moves, waiting

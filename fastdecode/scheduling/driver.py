@@ -196,7 +196,7 @@ class SchedulerDriver:
         self.dense_down: str | None = None  # why gpu_dense is unreachable; None while it serves
         self._moves: set[asyncio.Task[None]] = set()  # live migrations under way
         self._rebalance_after = 0.0  # monotonic time before which no rebalancing move starts
-        self._waiting_to_move = 0
+        self._waiting_to_move: dict[int, int] = {}  # per draining shard, as drain_moves said
         self.migrated_bytes = 0
         self.migration_seconds = 0.0
         self.migrations_failed = 0
@@ -396,7 +396,7 @@ class SchedulerDriver:
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(
                     f"shard {index} still holds {len(core.seqs_on(index))} sequences "
-                    f"({self._waiting_to_move} wait for room elsewhere); drain again to continue"
+                    f"({self.waiting_to_move(index)} wait for room elsewhere); drain again to continue"
                 )
             await asyncio.sleep(0.02)
             self.wake.set()
@@ -427,6 +427,11 @@ class SchedulerDriver:
         self._report()
         return result
 
+    def waiting_to_move(self, shard: int) -> int:
+        """Sequences on this draining shard that wait for room elsewhere (0 when it is not draining)."""
+        assert self.core is not None
+        return self._waiting_to_move.get(shard, 0)
+
     def _start_moves(self) -> None:
         """At a step boundary: start moves off draining shards, else one rebalancing move when the
         busiest shard is over the factor and the last move's time is paid for."""
@@ -436,8 +441,8 @@ class SchedulerDriver:
         if room <= 0:
             return
         moves, waiting = core.drain_moves(room)
-        if waiting != self._waiting_to_move and waiting:
-            log.info("%d sequences on draining shards wait for room elsewhere", waiting)
+        if waiting != self._waiting_to_move and any(waiting.values()):
+            log.info("sequences on draining shards wait for room elsewhere: %s", waiting)
         self._waiting_to_move = waiting
         rebalance = not moves and not self._moves and self.s.rebalance_factor > 0
         if rebalance and time.monotonic() >= self._rebalance_after:

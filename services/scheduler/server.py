@@ -60,9 +60,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if self.driver.core is None:
             raise Unavailable("scheduler not ready")
         addresses = [shard.link.address for shard in self.driver.shards]
-        return convert.scheduler_stats_to_proto(
+        out = convert.scheduler_stats_to_proto(
             self.driver.core.stats(), addresses, self.driver.not_ready_reason()
         )
+        d = self.driver
+        out.migrated_bytes, out.migration_seconds = d.migrated_bytes, d.migration_seconds
+        out.migrations_failed = d.migrations_failed
+        for sh in out.shards:
+            sh.waiting_to_move = d.waiting_to_move(sh.shard)
+        return out
 
     @handles_errors
     async def AddShard(

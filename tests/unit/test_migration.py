@@ -251,3 +251,27 @@ def test_remove_shard_migrates_then_takes_the_shard_out() -> None:
             await g.aclose()
 
     asyncio.run(main())
+
+
+# ---- the simulator models it ---------------------------------------------------------------------------
+def test_the_simulator_rebalances_a_skewed_load_and_counts_the_cost() -> None:
+    import random
+
+    from fastdecode.sim import SimConfig, WorkItem, simulate
+
+    rng = random.Random(0)
+    items = [
+        WorkItem(i * 0.02, rng.choice([16, 64, 256, 1024]), rng.choice([32, 128, 512, 1024]))
+        for i in range(120)
+    ]
+
+    def run(factor: float) -> object:
+        cfg = SimConfig(shards=3, max_running=24, admission="naive", rebalance_factor=factor)
+        return simulate(items, SimConfig(**{**cfg.__dict__, "migrate_bytes_per_s": 1e10}), seed=0)
+
+    off, on = run(0.0), run(1.1)
+    assert off.migrations == 0 and off.migrated_bytes == 0
+    assert on.migrations > 0 and on.migration_seconds > 0
+    assert on.migrated_bytes == pytest.approx(on.migration_seconds * 1e10)
+    assert on.imbalance_max_over_mean < off.imbalance_max_over_mean
+    assert on.tokens == off.tokens  # every request still generates all of its tokens

@@ -60,6 +60,9 @@ from fastdecode.scheduling.types import (
 # Steps a shard takes no new sequence after refusing a reservation (or until it frees something):
 # our count of its free room was wrong, so retrying at once would loop.
 RESERVATION_BACKOFF_STEPS = 8
+# Steps a rebalanced sequence stays where it was moved: loads shift every step as sequences grow
+# and finish, and moving the same sequence back and forth would only pay copies.
+REBALANCE_COOLDOWN_STEPS = 64
 # Weight of one finished sequence in the running generated/max_tokens ratio.
 RATIO_SMOOTHING = 0.05
 # Default headroom horizon: steps of growth each running sequence is expected to have room for. At
@@ -83,6 +86,7 @@ class _Seq:
     started: int = -1  # order of first admission: the highest is the youngest (preempted first)
     moving: int | None = None  # shard its KV is being copied to (live migration); not planned meanwhile
     incoming: int = 0  # blocks counted on `moving` for the copy
+    moved_step: int = -(1 << 30)  # step its last move ended (rebalancing leaves it alone a while)
 
     @property
     def generated(self) -> int:
@@ -345,6 +349,7 @@ class SchedulerCore:
             self._releases.append((move.seq_id, seq.reserved_on))
         seq.shard = seq.reserved_on = move.target
         seq.blocks, seq.moving, seq.incoming = seq.incoming, None, 0
+        seq.moved_step = self._step
         target.seqs.add(move.seq_id)
         self.migrations += 1
         return True
@@ -424,29 +429,36 @@ class SchedulerCore:
 
     def rebalance_move(self, factor: float) -> Move | None:
         """One move from the busiest shard to the least busy when the busiest holds more than
-        `factor` x the mean KV (per unit of speed, as placement weighs shards): of the sequences
-        whose move lowers the larger of the two shards' loads, the one with the fewest tokens that
-        brings the busiest within the factor, else the one that lowers it most."""
+        `factor` x the mean KV, each shard's KV taken relative to its capacity (the shard's own
+        report, as placement's memory share counts it; not the measured speed, which on shared
+        hosts moves with the neighbours' load and would send sequences back and forth): of the
+        sequences whose move lowers the larger of the two shards' loads, the one with the fewest
+        tokens that brings the busiest within the factor, else the one that lowers it most. A
+        sequence moved in the last REBALANCE_COOLDOWN_STEPS steps stays."""
         live = [i for i, sh in enumerate(self._shards) if self._serving(sh)]
         if len(live) < 2 or any(s.moving is not None for s in self._running.values()):
             return None
         kv = self.kv_tokens_per_shard()
-        speed = {i: self._shards[i].spec.speed for i in live}
-        mean = sum(kv[i] for i in live) / sum(speed.values())
+        weight = {i: float(self._shards[i].spec.capacity_tokens) for i in live}
+        mean = sum(kv[i] for i in live) / sum(weight.values())
         if mean <= 0:
             return None
-        hot = max(live, key=lambda i: kv[i] / speed[i])
-        cool = min(live, key=lambda i: kv[i] / speed[i])
-        if kv[hot] / speed[hot] <= factor * mean:
+        hot = max(live, key=lambda i: kv[i] / weight[i])
+        cool = min(live, key=lambda i: kv[i] / weight[i])
+        if kv[hot] / weight[hot] <= factor * mean:
             return None
         cands = []
         for sid in self._shards[hot].seqs:
             seq = self._running[sid]
-            if seq.inflight is not None or seq.kv < 1:
+            if (
+                seq.inflight is not None
+                or seq.kv < 1
+                or self._step - seq.moved_step < REBALANCE_COOLDOWN_STEPS
+            ):
                 continue
-            after = max((kv[hot] - seq.kv) / speed[hot], (kv[cool] + seq.kv) / speed[cool])
-            if after < kv[hot] / speed[hot]:
-                within = (kv[hot] - seq.kv) / speed[hot] <= factor * mean
+            after = max((kv[hot] - seq.kv) / weight[hot], (kv[cool] + seq.kv) / weight[cool])
+            if after < kv[hot] / weight[hot]:
+                within = (kv[hot] - seq.kv) / weight[hot] <= factor * mean
                 cands.append((not within, seq.kv if within else after, sid))
         need = self._commitment  # the target must have room for it as placement counts room
         for _, _, sid in sorted(cands):

@@ -365,6 +365,8 @@ class SchedulerCore:
         if sh.state == SHARD_REMOVED:
             raise FailedPrecondition(f"shard {shard} is already removed")
         if sh.state != SHARD_DRAINING:
+            if not any(self._serving(o) for o in self._shards if o is not sh):
+                raise FailedPrecondition(f"shard {shard} is the last serving shard: nowhere to move to")
             sh.state, sh.left_by_recompute = SHARD_DRAINING, 0
             self._capacity_changed()
 

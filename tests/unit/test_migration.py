@@ -189,6 +189,8 @@ def test_drain_waits_for_room_and_says_so() -> None:
     assert not moves and waiting == {0: len(core.seqs_on(0))} and waiting[0] > 0  # shard 1 is full
     fleet.run()  # they finish where they are
     assert core.drained(0)
+    with pytest.raises(FailedPrecondition, match="last serving shard"):
+        core.drain_shard(1)
 
 
 def test_rebalance_moves_the_cheapest_sequence_that_restores_balance() -> None:

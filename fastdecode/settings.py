@@ -170,7 +170,7 @@ class SchedulerSettings(ServiceSettings):
         "exceeds this times the mean; 0 turns rebalancing off.",
     )
     migrate_share: float = Field(
-        0.1, gt=0, le=1, description="Most share of the wall time rebalancing moves may take."
+        0.3, gt=0, le=1, description="Most share of the wall time rebalancing moves may take."
     )
 
 

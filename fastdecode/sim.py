@@ -123,7 +123,7 @@ class SimConfig:
     rebalance_factor: float = 0.0
     kv_bytes_per_token: float = 2 * DEFAULT_LAYERS * 4096 * 2  # a 7B MHA model in fp16
     migrate_bytes_per_s: float = 1e9
-    migrate_share: float = 0.1
+    migrate_share: float = 0.3
 
 
 @dataclass

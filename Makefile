@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint protos bench clean
+.PHONY: setup demo test lint protos bench gpu-check clean
 
 $(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec_bench.py
+
+# On a CUDA host: CUDA vs CPU greedy tokens, bf16 T(B), bench exchange and bench split on the GPU (< 8 min);
+# elsewhere one line saying no GPU was found, exit 0.
+gpu-check: $(STAMP)
+	timeout 480 $(BIN)/fastdecode bench gpu --out gpu-check.json --plot gpu-check.png
 
 clean:
 	rm -rf $(VENV) .models .pytest_cache .ruff_cache .hypothesis

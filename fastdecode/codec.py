@@ -130,12 +130,70 @@ def serialize_with(msg: Message, **tensors: torch.Tensor) -> bytes:
 
 def decode(msg: tensor_pb2.Tensor, *, copy: bool = False) -> torch.Tensor:
     """Validate and deserialize. Without copy the result aliases msg.data and is read-only."""
-    dtype = torch_dtype(msg.dtype)
-    shape = tuple(msg.shape)
+    return _decode(msg.dtype, tuple(msg.shape), msg.data, copy)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise TensorCodecError("truncated or overlong varint in a message")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def split_field(buf: bytes | memoryview, number: int) -> tuple[bytes, memoryview | None]:
+    """A message's wire bytes without length-delimited field `number`, and that field's payload as
+    a view of `buf` (the last occurrence, as a parser keeps it; None when absent). The rest parses
+    with the message's own FromString; the payload is never copied."""
+    view = memoryview(buf).cast("B")
+    keep: list[memoryview] = []
+    found: memoryview | None = None
+    pos = 0
+    while pos < len(view):
+        start = pos
+        key, pos = _read_varint(view, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            n, pos = _read_varint(view, pos)
+            if key >> 3 == number:
+                if pos + n > len(view):
+                    raise TensorCodecError("truncated field in a message")
+                found = view[pos : pos + n]
+                pos += n
+                continue
+            pos += n
+        else:
+            raise TensorCodecError(f"unsupported wire type {wire} in a message")
+        if pos > len(view):
+            raise TensorCodecError("truncated field in a message")
+        keep.append(view[start:pos])
+    return b"".join(keep), found
+
+
+def decode_wire(buf: bytes | memoryview) -> torch.Tensor:
+    """A Tensor message's wire bytes decoded with the data aliasing `buf` (read-only, no copy):
+    what FromString + decode give, minus their two copies of the data."""
+    head, data = split_field(buf, 3)
+    msg = tensor_pb2.Tensor.FromString(head)
+    return _decode(msg.dtype, tuple(msg.shape), data if data is not None else b"", False)
+
+
+def _decode(wire: int, shape: tuple[int, ...], data: bytes | memoryview, copy: bool) -> torch.Tensor:
+    dtype = torch_dtype(wire)
     if any(d < 0 for d in shape):
         raise TensorCodecError(f"negative dimension in shape {list(shape)}")
     expected = math.prod(shape) * _ITEMSIZE[dtype]
-    data = msg.data
     if len(data) != expected:
         raise TensorCodecError(
             f"tensor of shape {list(shape)} and dtype {dtype} needs {expected} bytes, got {len(data)}"

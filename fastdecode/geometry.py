@@ -1,8 +1,10 @@
-"""KV-cache geometry facts every part agrees on (one source). Imports nothing."""
+"""KV-cache and attention geometry facts every part agrees on (one source). Imports only the error model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from fastdecode.errors import InvalidInput
 
 
 @dataclass(frozen=True)
@@ -16,3 +18,52 @@ class KVGeometry:
     def bytes_per_token(self, itemsize: int) -> int:
         """K and V, every layer, every KV head."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model's attention shape: what crosses the wire per token and layer (bench exchange, plan)."""
+
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    num_layers: int = 1
+
+    def payload_bytes(self, batch: int, itemsize: int) -> int:
+        """q, k, v out and o back for one decode token of `batch` sequences."""
+        return batch * (2 * self.heads + 2 * self.kv_heads) * self.head_dim * itemsize
+
+
+GEOMETRIES: dict[str, Geometry] = {
+    "llama-3-8b": Geometry("llama-3-8b", 4096, 32, 8, 128, 32),
+    "llama-3-70b": Geometry("llama-3-70b", 8192, 64, 8, 128, 80),
+    "smollm2": Geometry("smollm2", 576, 9, 3, 64, 30),  # SmolLM2-135M, the default model
+    "small": Geometry("small", 768, 12, 12, 64, 12),  # the small random-weight preset
+}
+
+
+def geometry(
+    name: str | None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> Geometry:
+    """A named geometry, or explicit dims (all four, or head_dim derived from hidden / heads)."""
+    if name is not None and any(x is not None for x in (hidden, heads, kv_heads, head_dim)):
+        raise InvalidInput("give --geometry or explicit dims, not both")
+    if name is not None:
+        try:
+            return GEOMETRIES[name]
+        except KeyError:
+            raise InvalidInput(f"unknown geometry {name!r}; expected one of {sorted(GEOMETRIES)}") from None
+    if heads is None or (hidden is None and head_dim is None):
+        raise InvalidInput("explicit geometry needs --heads and --hidden or --head-dim")
+    kv_heads = kv_heads or heads
+    head_dim = head_dim or (hidden or 0) // heads
+    hidden = hidden or heads * head_dim
+    if min(hidden, heads, kv_heads, head_dim) < 1 or heads % kv_heads:
+        raise InvalidInput("dims must be positive and heads a multiple of kv heads")
+    return Geometry(f"h{hidden}-q{heads}-kv{kv_heads}-d{head_dim}", hidden, heads, kv_heads, head_dim)

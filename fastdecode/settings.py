@@ -119,6 +119,12 @@ class DenseSettings(ServiceSettings):
     device: str = Field("auto", description="auto | cpu | cuda[:N].")
     dtype: DType = Field("float32", description="Weight and activation type.")
     shard_timeout: float = Field(60.0, gt=0, description="Seconds to wait for a shard's answer.")
+    exchange_workers: int | None = Field(
+        None,
+        ge=0,
+        description="Processes that own the shards' Attend streams (shared-memory handoff); 0: in "
+        "process; unset: the cores beyond --threads, capped by the shard count.",
+    )
     pipeline_mode: Literal["plan", "auto"] = Field(
         "plan",
         description="plan: two mini-batches whenever the step plan asks; auto: the plan allows, a "

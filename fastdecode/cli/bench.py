@@ -170,6 +170,21 @@ def fleet_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) ->
         click.echo(f"plot written to {plot_fleet_bench(result, plot)}", err=True)  # stdout stays JSON
 
 
+@bench.command("structured")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: SmolLM2 (imported).")
+@click.option("--batch", "-B", type=int, default=32, show_default=True)
+@click.option("--steps", "-n", type=int, default=24, show_default=True, help="Timed decode steps per set.")
+@click.option("--device", default="cpu", show_default=True)
+def structured_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+    """Per-step cost of the JSON-schema token mask (llguidance) at batch B, against the plain step."""
+    from fastdecode.benchmarks.structured import run
+    from fastdecode.gguf_import import default_model_dir
+
+    path = Path(model) if model else default_model_dir()
+    emit(run_bench(lambda: run(path, **kw)), as_json, "structured outputs: mask cost per decode step")
+
+
 @bench.command("load")
 @json_option
 @click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: the small preset.")
@@ -231,6 +246,167 @@ def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
             click.echo(f"killed {k['service']} at {k['at_s']:.2f}s, {back}")
     if result["failed"] or result["tokens_equal_fault_free"] != result["requests_sent"]:
         raise SystemExit(1)
+
+
+def _contexts(text: str) -> list[int]:
+    out = _int_list(text, "--contexts")
+    if min(out) < 1:
+        raise click.BadParameter("contexts must be positive integers", param_hint="--contexts")
+    return out
+
+
+@bench.command("split")
+@json_option
+@click.option("--model", type=click.Path(), default=None, help="Checkpoint dir or .gguf (default: SmolLM2).")
+@click.option(
+    "--contexts", default="512,1024,2048,4096,8192", show_default=True, help="Tokens cached per sequence."
+)
+@click.option("--batch", "-B", type=int, default=32, show_default=True)
+@click.option("--kv-dtype", type=KV_DTYPES, default="bfloat16", show_default=True)
+@click.option("--dense-cpus", default=None, help="The dense host's CPUs, e.g. 0-3 (default: the first CPU).")
+@click.option(
+    "--shard-cpus",
+    default=None,
+    help="Shard hosts' CPUs, hosts separated by ',' and ranges within one joined by '+', e.g. 4-7,8-11 "
+    "(default: the CPUs the dense host leaves, one shard host).",
+)
+@click.option("--link-rate", default=None, help="tbf rate on each veth (e.g. 10gbit), with namespaces.")
+@click.option("--pipeline", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@click.option(
+    "--isolation",
+    type=click.Choice(["auto", "netns", "loopback"]),
+    default="auto",
+    show_default=True,
+    help="auto: network namespaces + veth where permitted, else pinned loopback.",
+)
+@click.option(
+    "--nice",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Scheduling priority of every emulated host's processes (LocalEngine's too); on a shared "
+    "machine -10 keeps other work from taking their CPUs (root).",
+)
+@click.option("--steps", "-n", type=int, default=8, show_default=True, help="Timed decode steps per context.")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also draw tokens/s of both systems against context (crossover marked) into this PNG.",
+)
+def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None, **kw: Any) -> None:
+    """Does the split pay? LocalEngine on a dense host's CPUs against the fleet with its attention on
+    shard hosts' CPUs (emulated on this machine), at each context: tokens/s, ratio, the measured parts
+    S and R, the exchange's CPU, the ideal ratio (S + R) / max(S, R), the efficiency, and the planner's
+    predicted step against the measured one. --json: one JSON object on the last line."""
+    from fastdecode.benchmarks.common import format_table
+    from fastdecode.benchmarks.split import POINT_KEYS, run_split_bench
+    from fastdecode.cli.gguf import resolve_model
+
+    ctx = _contexts(contexts)
+    if plot is not None and not plot.resolve().parent.is_dir():
+        raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
+    result = run_bench(lambda: run_split_bench(resolve_model(model), ctx, **kw))
+    if plot is not None:
+        from fastdecode.benchmarks.plot import plot_split_bench
+
+        click.echo(f"plot written to {plot_split_bench(result, plot)}", err=True)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"ISOLATION: {result['isolation']}: {result['isolation_detail']}")
+    click.echo(f"dense CPUs {result['dense_cpus']}, shard CPUs {' | '.join(result['shard_cpus'])}")
+    click.echo(format_table(result["points"], [*POINT_KEYS, "pipelined"]))
+    cross = result["crossover_context"]
+    click.echo(f"crossover context: {cross if cross is not None else 'none (the fleet never won)'}")
+    before, after = result["load_avg_1m_before"], result["load_avg_1m_after"]
+    click.echo(f"load average (1 min) before/after: {before:.2f}/{after:.2f}")
+
+
+def _int_list(value: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {value!r}", param_hint=name
+        ) from None
+    if not out:
+        raise click.BadParameter("expected at least one integer", param_hint=name)
+    return out
+
+
+@bench.command("exchange")
+@json_option
+@click.option(
+    "--geometry",
+    type=click.Choice(["llama-3-8b", "llama-3-70b", "smollm2", "small"]),
+    default=None,
+    help="A named layer shape (default llama-3-8b unless explicit dims are given).",
+)
+@click.option("--hidden", type=int, default=None, help="Explicit dims: hidden size.")
+@click.option("--heads", type=int, default=None, help="Explicit dims: query heads.")
+@click.option("--kv-heads", type=int, default=None, help="Explicit dims: KV heads (default: heads).")
+@click.option("--head-dim", type=int, default=None, help="Explicit dims: head dim (default hidden/heads).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--batch", "-B", default="256", show_default=True, help="Batch sizes, comma-separated.")
+@click.option("--shards", "-P", default="2", show_default=True, help="Shard counts, comma-separated.")
+@click.option(
+    "--workers", "-K", default="0,1", show_default=True, help="Exchange worker counts (0 = in process)."
+)
+@click.option(
+    "--context", "-L", type=int, default=128, show_default=True, help="KV tokens held per sequence."
+)
+@click.option("--repeats", "-n", type=int, default=50, show_default=True, help="Timed round trips per row.")
+@click.option("--shard-threads", type=int, default=1, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="Where q, k, v live (cuda on a GPU host).")
+def exchange_cmd(
+    as_json: bool, geometry: str | None, batch: str, shards: str, workers: str, **kw: Any
+) -> None:
+    """One layer's Attend exchange at a model's shapes through gpu_dense's own shard plane, against a
+    raw TCP echo and a bare gRPC echo of the same bytes (same run). Last line with --json: one object."""
+    from fastdecode.benchmarks.common import format_table
+    from fastdecode.benchmarks.exchange import COLUMNS, run_exchange_bench
+    from fastdecode.geometry import geometry as resolve
+
+    dims = {k: kw.pop(k) for k in ("hidden", "heads", "kv_heads", "head_dim")}
+    explicit = any(v is not None for v in dims.values())
+    result = run_bench(
+        lambda: run_exchange_bench(
+            resolve(geometry or (None if explicit else "llama-3-8b"), **dims),
+            batches=_int_list(batch, "--batch"),
+            shard_counts=_int_list(shards, "--shards"),
+            worker_counts=_int_list(workers, "--workers"),
+            **kw,
+        )
+    )
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(
+        f"exchange, {result['geometry']} {result['dtype']}, context {result['context']}: "
+        "medians; GB/s of payload over the transport time (rt - shard attention)"
+    )
+    click.echo(format_table(result["rows"], COLUMNS))
+
+
+@bench.command("gpu")
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON here."
+)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="T(B) and exchange PNG."
+)
+def gpu_cmd(out: Path | None, plot: Path | None) -> None:
+    """A GPU host's checks (CUDA vs CPU greedy tokens, bf16 T(B), bench exchange and bench split on
+    CUDA), under 8 minutes; without CUDA one line saying so, exit 0 (`make gpu-check`)."""
+    from fastdecode.benchmarks.gpu_check import main
+
+    try:
+        code = main(out, plot)
+    except ServiceError as e:
+        raise click.ClickException(str(e)) from None
+    raise SystemExit(code)
 
 
 @bench.command("migrate")

@@ -144,6 +144,28 @@ def simulate_cmd(
 @click.option("--shards", "-P", type=int, default=None, help="Fix P instead of choosing it.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw throughput vs P and B to this PNG.")
+@click.option(
+    "--dense-step-ms",
+    default=None,
+    help="GPU host mode: the S-part's whole step per batch, BATCH=MS[,...] (e.g. 256=10,1024=31); "
+    "plans shards and exchange workers from --exchange (docs/exchange.md).",
+)
+@click.option(
+    "--exchange",
+    "exchange_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="GPU host mode: a `bench exchange --json` result (its last line) giving the costs per MB.",
+)
+@click.option(
+    "--geometry",
+    type=click.Choice(["llama-3-8b", "llama-3-70b", "smollm2", "small"]),
+    default="llama-3-8b",
+    show_default=True,
+    help="GPU host mode: the model's shape.",
+)
+@click.option("--cores", type=int, default=16, show_default=True, help="GPU host mode: the host's cores.")
+@click.option("--dtype-bytes", type=int, default=2, show_default=True, help="GPU host mode: 2 = bf16.")
 def plan_cmd(
     model_dir: str | None,
     profile: str | None,
@@ -156,9 +178,19 @@ def plan_cmd(
     shards: int | None,
     as_json: bool,
     plot: str | None,
+    dense_step_ms: str | None,
+    exchange_file: str | None,
+    geometry: str,
+    cores: int,
+    dtype_bytes: int,
 ) -> None:
-    """Choose batch size B and shard count P from measured T(B) and R (the paper's model)."""
+    """Choose batch size B and shard count P from measured T(B) and R (the paper's model); with
+    --dense-step-ms, the exchange workers and shards a GPU host needs per batch (--exchange)."""
     from fastdecode import planner
+
+    if dense_step_ms is not None or exchange_file is not None:
+        _plan_gpu_host(dense_step_ms, exchange_file, geometry, cores, dtype_bytes, shards, as_json)
+        return
 
     try:
         if profile and model_dir:
@@ -203,3 +235,47 @@ def plan_cmd(
     click.echo(f"  paper's bound   2*N*S*T(B) = {result.paper_latency_s:.3f} s")
     if plot:
         click.echo(f"plot              {Path(plot)}")
+
+
+def _plan_gpu_host(
+    step_spec: str | None,
+    exchange_file: str | None,
+    geometry: str,
+    cores: int,
+    dtype_bytes: int,
+    shards: int | None,
+    as_json: bool,
+) -> None:
+    from fastdecode.exchange_plan import ExchangeCosts, parse_step_ms, plan_hosts
+    from fastdecode.geometry import GEOMETRIES
+
+    if step_spec is None or exchange_file is None:
+        raise click.UsageError("GPU host mode needs both --dense-step-ms and --exchange")
+    try:
+        lines = Path(exchange_file).read_text().strip().splitlines()
+        try:
+            bench = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError as e:
+            raise click.ClickException(f"{exchange_file}: last line is not JSON ({e})") from None
+        costs = ExchangeCosts.from_bench(bench, source=exchange_file)
+        plans = plan_hosts(
+            GEOMETRIES[geometry], parse_step_ms(step_spec), costs, cores, dtype_bytes, min_shards=shards or 1
+        )
+    except ServiceError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps({"costs": costs.__dict__, "plans": [p.to_dict() for p in plans]}, indent=2))
+        return
+    click.echo(
+        f"exchange costs ({costs.source}): in process {costs.inproc_ms_per_mb:.3f} ms/MB of dense CPU; "
+        f"with workers {costs.dense_ms_per_mb:.3f} ms/MB dense + {costs.worker_ms_per_mb:.3f} ms/MB "
+        f"workers; one worker {costs.worker_gbps:.2f} GB/s"
+    )
+    for p in plans:
+        click.echo(
+            f"B={p.batch}: {p.payload_mb_per_layer:.2f} MB/layer x {p.layers} layers; "
+            f"GPU {p.gpu_layer_ms:.3f} ms/layer; in process {p.inproc_step_ms:.1f} ms/step; "
+            f"{p.exchange_workers} exchange workers, "
+            f"{p.shards} shards -> {p.predicted_step_ms:.1f} ms/step, {p.predicted_tokens_per_s:.0f} tok/s; "
+            f"limit: {p.limiting_factor}"
+        )

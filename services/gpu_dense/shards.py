@@ -21,14 +21,15 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from fastdecode import codec
-from fastdecode.convert import attend_request
+from fastdecode.convert import attend_request, parse_response
 from fastdecode.dense import AttendItem
-from fastdecode.errors import NotFound, ServiceError, Unavailable
+from fastdecode.errors import InvalidInput, NotFound, ServiceError, Unavailable
 from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.rpc import error_from_status as from_status
+from fastdecode.settings import DenseSettings
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from services.gpu_dense.exchange import ExchangePlane, auto_workers
 
 log = logging.getLogger("fastdecode.gpu_dense.shards")
 
@@ -53,9 +54,10 @@ class ShardLink:
         self.address = address
         self.timeout = timeout
         self.channel = aio_channel(address, tls, DATA_PLANE_OPTIONS)
-        # requests are already wire bytes (no serializer); answers parse as AttendResponse
+        # requests are already wire bytes (no serializer); answers come as wire bytes too and parse
+        # in place (parse_response): o's data is not copied out of them
         self._attend = self.channel.stream_stream(
-            ATTEND_METHOD, request_serializer=None, response_deserializer=kv_pb.AttendResponse.FromString
+            ATTEND_METHOD, request_serializer=None, response_deserializer=None
         )
         self._streams: dict[int, _Stream] = {}
         self.removed = False  # RemoveShard: an item for it fails UNAVAILABLE, nothing is dialled
@@ -114,11 +116,17 @@ class ShardLink:
         if resp is grpc.aio.EOF:
             raise self._lost(slot, stream, Unavailable("stream ended"))
         stream.since = None
-        if resp.request_id != request_id:  # a shard answers a stream in order; anything else is a bug
-            raise self._lost(slot, stream, Unavailable(f"answer {resp.request_id} for item {request_id}"))
-        if resp.error.code:
-            raise from_status(code_from_int(resp.error.code), f"{self.name}: {resp.error.message}")
-        return codec.decode(resp.o)
+        try:
+            head, o = parse_response(resp)
+        except InvalidInput as e:  # a garbled answer: the stream cannot be trusted any more
+            raise self._lost(slot, stream, e) from None
+        if head.request_id != request_id:  # a shard answers a stream in order; anything else is a bug
+            raise self._lost(slot, stream, Unavailable(f"answer {head.request_id} for item {request_id}"))
+        if head.error.code:
+            raise from_status(code_from_int(head.error.code), f"{self.name}: {head.error.message}")
+        if o is None:
+            raise self._lost(slot, stream, Unavailable(f"answer {request_id} carries no o"))
+        return o
 
     def expire(self, now: float) -> None:
         """Cancel every stream whose item is older than the timeout (its reader then fails it)."""
@@ -212,8 +220,29 @@ class ShardLinks:
 
 
 def connect(
-    addresses: Sequence[str], tls: TLSFiles | None = None, timeout: float = 60.0, concurrent: bool = False
-) -> ShardLinks:
+    addresses: Sequence[str],
+    tls: TLSFiles | None = None,
+    timeout: float = 60.0,
+    concurrent: bool = False,
+    workers: int = 0,
+) -> ShardLinks | ExchangePlane:
     """gpu_dense's ShardPlane to these shards, shard i at addresses[i] (registered in pyproject.toml
-    as the `grpc` shard plane, for the benchmarks in fastdecode)."""
+    as the `grpc` shard plane, for the benchmarks in fastdecode): these links in process, or with
+    `workers` > 0 an ExchangePlane whose worker processes own them (services/gpu_dense/exchange.py;
+    started by its start(), or by its first layer)."""
+    if workers:
+        return ExchangePlane(addresses, workers, tls, timeout)
     return ShardLinks([ShardLink(i, a, tls, timeout) for i, a in enumerate(addresses)], concurrent)
+
+
+async def make_plane(settings: DenseSettings, addresses: Sequence[str]) -> ShardLinks | ExchangePlane:
+    """gpu_dense's shard plane: in process (exchange_workers 0) or K started exchange workers."""
+    k = settings.exchange_workers
+    if k is None:
+        k = auto_workers(len(addresses), settings.threads, settings.device)
+    if k == 0:
+        return connect(addresses, settings.tls, settings.shard_timeout)
+    plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout)
+    await plane.start()
+    log.info("%d exchange workers for %d shards", k, len(addresses))
+    return plane

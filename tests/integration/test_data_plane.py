@@ -1,4 +1,5 @@
-"""gpu_dense + 2 kv_attention shards as separate processes on loopback, driven with step plans."""
+"""gpu_dense + 2 kv_attention shards as separate processes on loopback, driven with step plans; gpu_dense
+with its Attend streams in process and in an exchange worker (--exchange-workers 1)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ MAX_NEW = 24
 
 
 class DataPlane:
-    def __init__(self, model: Path, workdir: Path) -> None:
+    def __init__(self, model: Path, workdir: Path, workers: int = 0) -> None:
         self.model = model
         self.config = ModelConfig.from_pretrained(model)
         self.procs: list[ServiceProcess] = []
@@ -37,7 +38,17 @@ class DataPlane:
         self.shard_addrs = [p.address for p in self.procs]
         self.dense_proc = start_service(
             "dense",
-            ["gpu-dense", "--model", str(model), "--shards", ",".join(self.shard_addrs), "--device", "cpu"],
+            [
+                "gpu-dense",
+                "--model",
+                str(model),
+                "--shards",
+                ",".join(self.shard_addrs),
+                "--device",
+                "cpu",
+                "--exchange-workers",
+                str(workers),
+            ],
             workdir,
         )
         self.procs.append(self.dense_proc)
@@ -124,9 +135,12 @@ class DataPlane:
         stop_processes(self.procs, grace=5)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral"])
+@pytest.fixture(
+    scope="module", params=[("llama", 0), ("mistral", 0), ("llama", 1)], ids=lambda p: f"{p[0]}-K{p[1]}"
+)
 def plane(request: pytest.FixtureRequest, model_factory: Callable, tmp_path_factory: pytest.TempPathFactory):
-    dp = DataPlane(model_factory(request.param), tmp_path_factory.mktemp(f"plane-{request.param}"))
+    arch, workers = request.param
+    dp = DataPlane(model_factory(arch), tmp_path_factory.mktemp(f"plane-{arch}-{workers}"), workers)
     yield dp
     dp.close()
 
@@ -231,8 +245,9 @@ def test_bad_plan_items_fail_alone(plane: DataPlane) -> None:
     plane.shards[0].Release(kv_attention_pb2.ReleaseRequest(seq_ids=["ok"]), timeout=5)
 
 
-def test_dead_shard_fails_only_its_sequences(model_factory: Callable, tmp_path: Path) -> None:
-    dp = DataPlane(model_factory("llama"), tmp_path)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_dead_shard_fails_only_its_sequences(model_factory: Callable, tmp_path: Path, workers: int) -> None:
+    dp = DataPlane(model_factory("llama"), tmp_path, workers)
     try:
         dp.reserve(0, "a", 8)
         dp.reserve(1, "b", 8)

@@ -21,6 +21,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.chaos",
     "fastdecode.benchmarks.migrate",  # drives a fleet (RemoveShard, GetStats)
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
+    "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
 }
 
 BLOCK_GRPC = """

@@ -1,6 +1,7 @@
 """gpu_dense's shard links against an in-process gRPC shard: answers come back per item and slot, a
 shard that keeps an item past the timeout fails only that item (the watchdog cancels its stream),
-an in-band error stays in-band, and the next layer reopens the stream."""
+an in-band error stays in-band, and the next layer reopens the stream. Each behaviour holds in
+process and through exchange worker processes (services/gpu_dense/exchange.py, K=1 and K=2)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.rpc import item_error
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.shards import ShardLink, ShardLinks
 
 HANG_LAYER = 7
@@ -53,19 +55,31 @@ def _item(shard: int, value: float) -> AttendItem:
     return AttendItem(shard, ["a", "b"], [1, 1], [0, 0], q, kv, kv)
 
 
-@pytest.mark.parametrize("concurrent", [False, True])
-def test_links_answer_time_out_and_recover(concurrent: bool) -> None:
+PLANES = ["in-order", "concurrent", "workers-1", "workers-2"]
+
+
+async def _plane(kind: str, addresses: list[str], timeout: float) -> ShardLinks | ExchangePlane:
+    if kind.startswith("workers-"):
+        plane = ExchangePlane(addresses, int(kind.split("-")[1]), timeout=timeout)
+        await plane.start()
+        return plane
+    links = [ShardLink(i, a, timeout=timeout) for i, a in enumerate(addresses)]
+    return ShardLinks(links, concurrent=kind == "concurrent")
+
+
+@pytest.mark.parametrize("kind", PLANES)
+def test_links_answer_time_out_and_recover(kind: str) -> None:
     async def run() -> None:
         shards = [EchoShard(), EchoShard(hangs=True)]
-        servers, links = [], []
-        for i, s in enumerate(shards):
+        servers, addresses = [], []
+        for s in shards:
             server = grpc.aio.server()
             pb_grpc.add_KVAttentionServicer_to_server(s, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             servers.append(server)
-            links.append(ShardLink(i, f"127.0.0.1:{port}", timeout=0.5))
-        plane = ShardLinks(links, concurrent=concurrent)
+            addresses.append(f"127.0.0.1:{port}")
+        plane = await _plane(kind, addresses, timeout=0.5)
         try:
             outs = await asyncio.gather(
                 plane.attend_layer(0, 0, [_item(0, 1.0), _item(1, 2.0)]),
@@ -98,7 +112,7 @@ def test_links_answer_time_out_and_recover(concurrent: bool) -> None:
             for server in servers:
                 await server.stop(None)
 
-    asyncio.run(run())
+    asyncio.run(asyncio.wait_for(run(), 120))
 
 
 @pytest.mark.parametrize("layer", [0])
@@ -109,7 +123,8 @@ def test_request_carries_the_item(layer: int) -> None:
     assert torch.equal(codec.decode(req.q), torch.full((2, 3, 4), 1.5))
 
 
-def test_a_step_cancelled_mid_layer_leaves_no_stale_answer() -> None:
+@pytest.mark.parametrize("kind", ["in-order", "workers-1"])
+def test_a_step_cancelled_mid_layer_leaves_no_stale_answer(kind: str) -> None:
     """A step cancelled after its items went out (its scheduler died) leaves their answers unread;
     the next layer on the same slot must get its own answers, not be failed by the stale ones."""
 
@@ -119,7 +134,7 @@ def test_a_step_cancelled_mid_layer_leaves_no_stale_answer() -> None:
         pb_grpc.add_KVAttentionServicer_to_server(shard, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        plane = ShardLinks([ShardLink(0, f"127.0.0.1:{port}", timeout=5.0)])
+        plane = await _plane(kind, [f"127.0.0.1:{port}"], timeout=5.0)
         try:
             step = asyncio.ensure_future(plane.attend_layer(0, SLOW_LAYER, [_item(0, 1.0)]))
             await asyncio.sleep(0.1)  # the item is out, its answer 0.2 s away
@@ -133,4 +148,4 @@ def test_a_step_cancelled_mid_layer_leaves_no_stale_answer() -> None:
             await plane.close()
             await server.stop(None)
 
-    asyncio.run(asyncio.wait_for(run(), 30))
+    asyncio.run(asyncio.wait_for(run(), 90))

@@ -102,3 +102,35 @@ def test_malformed_tensors_raise_one_typed_error(msg: tensor_pb2.Tensor, match: 
 def test_unsupported_dtype_cannot_be_encoded() -> None:
     with pytest.raises(TensorCodecError):
         codec.encode(torch.zeros(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_wire_reads_o_in_place_as_fromstring_would(dtype: torch.dtype) -> None:
+    from fastdecode.convert import parse_response
+    from fastdecode.v1 import kv_attention_pb2 as kv_pb
+
+    o = torch.randn(5, 12).to(dtype)
+    wire = codec.serialize_with(kv_pb.AttendResponse(request_id=7, attend_seconds=0.5), o=o)
+    head, got = parse_response(wire)
+    assert head.request_id == 7 and head.attend_seconds == 0.5 and not head.HasField("o")
+    assert got is not None and got.dtype == dtype and torch.equal(got, o)
+    # the same bytes as protobuf's own parse, in any field order
+    resp = kv_pb.AttendResponse(request_id=7)
+    codec.encode(o, resp.o)
+    head, got = parse_response(resp.SerializeToString())
+    assert torch.equal(got, codec.decode(kv_pb.AttendResponse.FromString(resp.SerializeToString()).o))
+    # an error answer has no o
+    err = kv_pb.AttendResponse(request_id=8)
+    err.error.code, err.error.message = 3, "bad"
+    head, got = parse_response(err.SerializeToString())
+    assert got is None and head.error.message == "bad"
+
+
+def test_split_field_refuses_truncated_bytes() -> None:
+    from fastdecode.v1 import kv_attention_pb2 as kv_pb
+
+    wire = codec.serialize_with(kv_pb.AttendResponse(request_id=7), o=torch.zeros(4, 4))
+    with pytest.raises(codec.TensorCodecError, match="truncated"):
+        codec.split_field(wire[:-3], 2)
+    with pytest.raises(codec.TensorCodecError):
+        codec.decode_wire(codec.encode(torch.zeros(4)).SerializeToString()[:-1])

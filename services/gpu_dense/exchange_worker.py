@@ -1,0 +1,163 @@
+"""One exchange worker process: the Attend streams of some shards, fed through shared memory.
+
+Started by services/gpu_dense/exchange.py (the dense side, ExchangePlane); it runs gpu_dense's own
+shard links (services/gpu_dense/shards.py) on its own event loop and core. It dies with its parent
+(PR_SET_PDEATHSIG, and the end of its control socket).
+`python -m services.gpu_dense.exchange_worker --fd N --parent PID --shards I=HOST:PORT,...`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdecode.dense import AttendItem
+from fastdecode.dense.handoff import Arena, Attached, Slice, frame, read_frame
+from fastdecode.errors import Status
+from fastdecode.rpc import status_of
+from fastdecode.settings import TLSFiles
+from services.gpu_dense.shards import ShardLink, ShardLinks
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the control socket's end still stops it
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+class _WorkerLoop:
+    def __init__(self, links: Any, writer: asyncio.StreamWriter) -> None:
+        self.links: ShardLinks = links
+        self.local: dict[int, int] = {link.index: i for i, link in enumerate(links.links)}
+        self.writer = writer
+        self.arenas = Attached()
+        self.slot_arena: dict[int, str] = {}
+        self.slot_lock: dict[int, asyncio.Lock] = {}
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def add(self, index: int, address: str, timeout: float, tls: TLSFiles | None) -> None:
+        if index not in self.local:
+            self.local[index] = len(self.links.links)
+            self.links.add(ShardLink(index, address, tls, timeout))
+
+    def arena(self, slot: int, name: str) -> Arena:
+        old = self.slot_arena.get(slot)
+        if old is not None and old != name:
+            self.arenas.forget(old)  # the dense side replaced it with a bigger one
+        self.slot_arena[slot] = name
+        return self.arenas.get(name)
+
+    async def attend(
+        self, rid: int, slot: int, layer: int, name: str, message: list[tuple[Any, ...]]
+    ) -> None:
+        lock = self.slot_lock.setdefault(slot, asyncio.Lock())
+        async with lock:  # a cancelled layer of this slot has unwound before the next one starts
+            try:
+                arena = self.arena(slot, name)
+                items = []
+                for shard, seq_ids, num_tokens, start_pos, q, k, v, _o, _room in message:
+                    items.append(
+                        AttendItem(
+                            self.local[shard],
+                            seq_ids,
+                            num_tokens,
+                            start_pos,
+                            arena.view(Slice(*q)),
+                            arena.view(Slice(*k)),
+                            arena.view(Slice(*v)),
+                        )
+                    )
+                outs = await self.links.attend_layer(slot, layer, items)
+                results: list[tuple[Any, ...]] = []
+                for (*_, off, room), o in zip(message, outs, strict=True):
+                    if isinstance(o, BaseException):
+                        status, text = status_of(o)
+                        results.append(("err", status.value, text))
+                    elif o.nbytes > room:
+                        results.append(
+                            ("err", Status.INTERNAL.value, f"answer of {o.nbytes} bytes, room {room}")
+                        )
+                    else:
+                        results.append(("ok", arena.put(off, o).astuple()))
+            except Exception as e:  # noqa: BLE001 - every item of the layer fails in-band
+                status, text = status_of(e)
+                results = [("err", status.value, text)] * len(message)
+            self.writer.write(frame(("done", rid, results)))
+        self.tasks.pop(rid, None)
+
+    async def run(self, reader: asyncio.StreamReader, timeout: float, tls: TLSFiles | None) -> None:
+        loop = asyncio.get_running_loop()
+        while (msg := await read_frame(reader)) is not None:
+            kind = msg[0]
+            if kind == "attend":
+                self.tasks[msg[1]] = loop.create_task(self.attend(*msg[1:]))
+            elif kind == "cancel":
+                task = self.tasks.pop(msg[1], None)
+                if task is not None:
+                    task.cancel()
+            elif kind == "add":
+                self.add(msg[1], msg[2], timeout, tls)
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.links.close()
+        self.arenas.close()
+
+
+async def _worker_main(args: argparse.Namespace) -> None:
+    tls = None
+    if args.tls_cert or args.tls_ca:
+        tls = TLSFiles(
+            cert=Path(args.tls_cert) if args.tls_cert else None,
+            key=Path(args.tls_key) if args.tls_key else None,
+            ca=Path(args.tls_ca) if args.tls_ca else None,
+        )
+    links = ShardLinks([])
+    for part in filter(None, args.shards.split(",")):
+        index, address = part.split("=", 1)
+        links.add(ShardLink(int(index), address, tls, args.timeout))
+    sock = socket.socket(fileno=args.fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    loop = _WorkerLoop(links, writer)
+    writer.write(frame(("ready",)))
+    await loop.run(reader, args.timeout, tls)
+    writer.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="services.gpu_dense.exchange_worker")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--parent", type=int, required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--shards", default="")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--tls-ca")
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C goes to the parent, which closes the socket
+    torch.set_num_threads(1)  # the worker does no math
+    logging.basicConfig(
+        level=os.environ.get("FASTDECODE_LOG_LEVEL", "WARNING").upper(),
+        format=f"%(asctime)s exchange[{args.index}] %(levelname)s %(message)s",
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_worker_main(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Exchange workers (services/gpu_dense/exchange.py) as processes: a worker that dies fails its items
+as UNAVAILABLE and the next layer starts a new one; workers die with a killed parent (no orphans);
+a shard added at run time joins a live worker; `bench exchange` runs real shard processes with
+workers off and on and prints one JSON object with every field of its rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import torch
+
+from fastdecode.errors import Unavailable
+from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from services.gpu_dense.exchange import ExchangePlane
+from tests.integration.test_shard_links import EchoShard, _item
+
+
+async def _echo_servers(n: int) -> tuple[list[grpc.aio.Server], list[str]]:
+    servers, addresses = [], []
+    for _ in range(n):
+        server = grpc.aio.server()
+        pb_grpc.add_KVAttentionServicer_to_server(EchoShard(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    return servers, addresses
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_dead_worker_fails_its_items_and_is_replaced() -> None:
+    async def run() -> None:
+        servers, addresses = await _echo_servers(2)
+        plane = ExchangePlane(addresses, 2, timeout=5.0)
+        await plane.start()
+        try:
+            out = await plane.attend_layer(0, 0, [_item(0, 1.0), _item(1, 2.0)])
+            assert torch.equal(out[1], torch.full((2, 12), 4.0))
+            victim = plane.workers[1].proc
+            assert victim is not None
+            victim.kill()
+            victim.wait(10)
+            await asyncio.sleep(0.2)  # the control socket's end reaches the plane
+            out = await plane.attend_layer(0, 1, [_item(0, 1.0), _item(1, 2.0)])
+            # the other worker's shard answers; the dead one's item fails or is served by a new worker
+            assert torch.equal(out[0], torch.full((2, 12), 2.0))
+            assert isinstance(out[1], Unavailable) or torch.equal(out[1], torch.full((2, 12), 4.0))
+            out = await plane.attend_layer(0, 2, [_item(1, 3.0)])
+            assert torch.equal(out[0], torch.full((2, 12), 6.0))
+            assert plane.workers[1].proc is not None and plane.workers[1].proc.pid != victim.pid
+
+            index = plane.add_shard(addresses[0])  # a shard added at run time joins a live worker
+            out = await plane.attend_layer(1, 3, [_item(index, 5.0)])
+            assert index == 2 and torch.equal(out[0], torch.full((2, 12), 10.0))
+        finally:
+            pids = [w.proc.pid for w in plane.workers if w.proc is not None]
+            await plane.close()
+            for server in servers:
+                await server.stop(None)
+        assert not any(_alive(p) for p in pids)  # close() leaves no worker behind
+
+    asyncio.run(asyncio.wait_for(run(), 120))
+
+
+_PARENT = """
+import asyncio, sys
+from services.gpu_dense.exchange import ExchangePlane
+
+async def main():
+    plane = ExchangePlane(["127.0.0.1:1", "127.0.0.1:2"], 2, timeout=5.0)
+    await plane.start()
+    print(" ".join(str(w.proc.pid) for w in plane.workers), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_workers_die_with_a_killed_parent() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "exchange workers outlived their parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+
+
+def test_bench_exchange_prints_every_field_with_workers_off_and_on() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdecode.cli",
+        "bench",
+        "exchange",
+        "--geometry",
+        "small",
+        "-B",
+        "8",
+        "-P",
+        "1,2",
+        "-K",
+        "0,1",
+        "-n",
+        "8",
+        "--context",
+        "8",
+        "--json",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = result["rows"]
+    assert [(r["shards"], r["workers"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    fields = (
+        "geometry",
+        "batch",
+        "shards",
+        "workers",
+        "payload_mb",
+        "rt_ms",
+        "dense_cpu_ms_per_mb",
+        "gbps",
+        "tcp_gbps",
+        "grpc_echo_gbps",
+        "shard_attend_ms",
+    )
+    for r in rows:
+        assert all(f in r for f in fields), r
+        assert r["geometry"] == "small" and r["batch"] == 8
+        # q, k, v out and o back: 8 sequences x (2*12 + 2*12) heads x 64 x 2 bytes
+        assert abs(r["payload_mb"] - 8 * 48 * 64 * 2 / 1e6) < 1e-9
+        assert r["rt_ms"] > 0 and r["gbps"] > 0 and r["tcp_gbps"] > 0 and r["grpc_echo_gbps"] > 0
+    # no worker, no worker CPU (with one, /proc's 10 ms ticks may still read 0 over 8 tiny layers)
+    assert rows[0]["worker_cpu_ms_per_mb"] == 0 and rows[1]["worker_cpu_ms_per_mb"] >= 0
+
+
+def test_bench_exchange_rejects_bad_input_in_one_line() -> None:
+    cmd = [sys.executable, "-m", "fastdecode.cli", "bench", "exchange", "-B", "2", "-P", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "shards <= batch" in done.stderr
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0() -> None:
+    if torch.cuda.is_available():  # the GPU path is `make gpu-check` on a GPU host
+        return
+    done = subprocess.run(
+        [sys.executable, "-m", "fastdecode.cli", "bench", "gpu"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines() == [
+        "gpu-check: no GPU found (torch.cuda.is_available() is False): nothing to check, exiting 0"
+    ]

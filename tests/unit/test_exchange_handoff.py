@@ -1,0 +1,90 @@
+"""The shared-memory handoff of the exchange workers (fastdecode/dense/handoff.py): tensors go in and
+out bit for bit in every dtype it carries, out-of-range slices are refused, a small arena is
+replaced by a bigger one under a new name, the peer attaches by name, control frames round-trip."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from fastdecode.dense.handoff import ALIGN, Arena, ArenaPool, Attached, Slice, aligned, frame, read_frame
+from fastdecode.errors import InvalidInput
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensors_round_trip_through_an_arena(dtype: torch.dtype) -> None:
+    arena = Arena(1 << 20)
+    try:
+        q = torch.randn(5, 3, 8).to(dtype)
+        k = torch.randn(5, 1, 8).to(dtype)
+        sq = arena.put(0, q)
+        sk = arena.put(aligned(q.nbytes), k[:, :, :])
+        assert sq.offset == 0 and sk.offset % ALIGN == 0 and sq.shape == (5, 3, 8)
+        assert torch.equal(arena.take(sq), q) and torch.equal(arena.take(sk), k)
+        assert torch.equal(arena.view(sk), k)
+        # a non-contiguous tensor goes in as its values, C-contiguous
+        t = torch.randn(8, 6).to(dtype).t()
+        st = arena.put(4096, t)
+        assert torch.equal(arena.take(st), t)
+        # take copies: writing the arena afterwards leaves the taken tensor alone
+        taken = arena.take(sq)
+        arena.put(0, torch.zeros_like(q))
+        assert torch.equal(taken, q)
+        del taken
+    finally:
+        arena.close()
+
+
+def test_empty_tensors_and_bad_slices() -> None:
+    arena = Arena(256)
+    try:
+        s = arena.put(0, torch.empty(0, 3, 4))
+        assert arena.take(s).shape == (0, 3, 4)
+        with pytest.raises(InvalidInput, match="do not fit"):
+            arena.put(200, torch.zeros(32))
+        with pytest.raises(InvalidInput, match="outside"):
+            arena.view(Slice(128, (64,), "float32"))
+        with pytest.raises(InvalidInput, match="cannot go through"):
+            arena.put(0, torch.zeros(2, dtype=torch.int64))
+    finally:
+        arena.close()
+
+
+def test_pool_replaces_a_small_arena_and_the_peer_follows_by_name() -> None:
+    pool = ArenaPool()
+    peer = Attached()
+    try:
+        a = pool.get(("w0", 0), 1000)
+        assert pool.get(("w0", 0), 1000) is a  # reused, not reallocated
+        assert pool.get(("w0", 1), 10) is not a  # one arena per (worker, slot)
+        x = torch.arange(100, dtype=torch.float32)
+        s = a.put(0, x)
+        seen = peer.get(a.name)
+        assert torch.equal(seen.take(s), x)  # the peer sees the owner's bytes
+        seen.put(512, x * 2)
+        assert torch.equal(a.take(Slice(512, (100,), "float32")), x * 2)  # and the other way
+        name = a.name
+        b = pool.get(("w0", 0), 1 << 20)  # too small: a bigger one under a new name
+        assert b.name != name and b.size >= 1 << 20
+        peer.forget(name)
+        assert torch.equal(peer.get(b.name).take(b.put(0, x)), x)
+    finally:
+        peer.close()
+        pool.close()
+
+
+def test_frames_round_trip_and_end_cleanly() -> None:
+    async def run() -> None:
+        reader = asyncio.StreamReader()
+        msgs = [("attend", 1, 0, 3, "psm_x", [(0, ["a"], [1], [7], (0, (1, 2), "bfloat16"))]), ("ready",)]
+        for m in msgs:
+            reader.feed_data(frame(m))
+        reader.feed_data(frame(("done", 2, []))[:5])  # cut short: the peer died mid-frame
+        reader.feed_eof()
+        assert await read_frame(reader) == msgs[0]
+        assert await read_frame(reader) == msgs[1]
+        assert await read_frame(reader) is None
+
+    asyncio.run(run())

@@ -23,6 +23,7 @@ from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard
 from fastdecode.gateway.text import GenerateParams, ValidRequest
 from fastdecode.sampling import SamplingParams, TokenLogprob
 from fastdecode.scheduling import PlannedSeq, Request, SchedulerStats, Step, TokenEvent
+from fastdecode.scheduling.types import RemoveResult
 from fastdecode.structured import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
@@ -224,7 +225,12 @@ def timings_to_proto(t: Timings) -> dense_pb2.StepTimings:
 
 
 def model_info_to_proto(
-    c: ModelConfig, model_path: str, dtype: str, device: str, shards: Sequence[str]
+    c: ModelConfig,
+    model_path: str,
+    dtype: str,
+    device: str,
+    shards: Sequence[str],
+    removed_shards: Sequence[int] = (),
 ) -> dense_pb2.ModelInfo:
     """gpu_dense's Info: the model it serves and the shards it attends on."""
     info = dense_pb2.ModelInfo(
@@ -242,6 +248,7 @@ def model_info_to_proto(
         device=device,
         num_shards=len(shards),
         shards=list(shards),
+        removed_shards=list(removed_shards),
     )
     if c.bos_token_id is not None:
         info.bos_token_id = c.bos_token_id
@@ -268,6 +275,7 @@ def scheduler_stats_to_proto(
         w_limit=st.w_limit or 0.0,
         admission=st.admission,
         not_ready_reason=not_ready_reason or "",
+        migrations=st.migrations,
     )
     for sh in st.shards:
         out.shards.add(
@@ -279,8 +287,19 @@ def scheduler_stats_to_proto(
             expected_tokens=sh.expected_tokens,
             capacity_tokens=sh.capacity_tokens,
             block_tokens=sh.reserved_tokens,
+            state=sh.state,
         )
     return out
+
+
+def remove_result_to_proto(r: RemoveResult) -> scheduler_pb2.RemoveShardResponse:
+    return scheduler_pb2.RemoveShardResponse(
+        shard=r.shard,
+        migrated_sequences=r.migrated,
+        reprefilled_sequences=r.reprefilled,
+        seconds=r.seconds,
+        bytes=r.bytes,
+    )
 
 
 # ---- gateway -> client ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from fastdecode.errors import Unavailable
 from fastdecode.geometry import KVGeometry
 from fastdecode.rpc import aio_channel, error_from_item, error_from_rpc, request_metadata
 from fastdecode.scheduling import Reservation, Step
-from fastdecode.scheduling.driver import DenseInfo, ItemResult, ShardState, StepOutcome
+from fastdecode.scheduling.driver import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
 from fastdecode.settings import TLSFiles
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc
 
@@ -43,6 +43,7 @@ class GrpcDenseLink:
             eos_token_ids=tuple(i.eos_token_ids),
             num_shards=len(i.shards),
             shard_addresses=tuple(i.shards),
+            removed_shards=tuple(i.removed_shards),
         )
 
     async def run(self, step: Step, pipeline: bool) -> StepOutcome:
@@ -91,6 +92,12 @@ class GrpcDenseLink:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
         return int(resp.shard)
+
+    async def remove_shard(self, index: int, timeout: float) -> None:
+        try:
+            await self.stub.RemoveShard(dense_pb2.DenseRemoveShardRequest(shard=index), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"gpu_dense at {self.address}: ") from None
 
 
 class GrpcShardLink:
@@ -155,3 +162,17 @@ class GrpcShardLink:
             )
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
+
+    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
+        req = kv_attention_pb2.MigrateOutRequest(seq_id=seq_id, target=target)
+        try:
+            r = await self.stub.MigrateOut(req, timeout=timeout, metadata=request_metadata(seq_id))
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"shard {self.address}: ") from None
+        return MigrationResult(int(r.tokens), int(r.bytes), float(r.seconds))
+
+    async def retire(self, timeout: float) -> None:
+        try:
+            await self.stub.Retire(kv_attention_pb2.RetireRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"shard {self.address}: ") from None

@@ -1,10 +1,13 @@
 """Proto messages to domain objects and back: one place per message family. Imports the generated
 messages (protobuf) but no gRPC; the service adapters call it, the cores never see a proto.
 
-One deliberate exception: the shard's parse of an Attend item. `fastdecode.shard.ShardCore.attend`
+One deliberate exception: the shard's side of an Attend item. `fastdecode.shard.ShardCore.attend`
 takes the AttendRequest message itself and attends on views of its bytes (q, k and v are decoded
-without a copy, codec.decode): the item is the latency every decode step pays once per layer, and
-the message is the cheapest form it has. Its other direction, `attend_request`, is here."""
+without a copy, codec.decode), and services/kv_attention serializes o straight into the answer's
+bytes (codec.serialize_with): the item is the latency every decode step pays once per layer, and the
+message is the cheapest form it has. gpu_dense's side, `attend_request`, is here. Errors travel as
+an in-band ItemError built and read by fastdecode.rpc (`item_error`, `error_from_item`), next to the
+error tables."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard
 from fastdecode.gateway.text import GenerateParams, ValidRequest
 from fastdecode.sampling import SamplingParams, TokenLogprob
 from fastdecode.scheduling import PlannedSeq, Request, SchedulerStats, Step, TokenEvent
+from fastdecode.scheduling.types import RemoveResult
 from fastdecode.structured import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
@@ -222,7 +226,12 @@ def timings_to_proto(t: Timings) -> dense_pb2.StepTimings:
 
 
 def model_info_to_proto(
-    c: ModelConfig, model_path: str, dtype: str, device: str, shards: Sequence[str]
+    c: ModelConfig,
+    model_path: str,
+    dtype: str,
+    device: str,
+    shards: Sequence[str],
+    removed_shards: Sequence[int] = (),
 ) -> dense_pb2.ModelInfo:
     """gpu_dense's Info: the model it serves and the shards it attends on."""
     info = dense_pb2.ModelInfo(
@@ -240,6 +249,7 @@ def model_info_to_proto(
         device=device,
         num_shards=len(shards),
         shards=list(shards),
+        removed_shards=list(removed_shards),
     )
     if c.bos_token_id is not None:
         info.bos_token_id = c.bos_token_id
@@ -266,6 +276,7 @@ def scheduler_stats_to_proto(
         w_limit=st.w_limit or 0.0,
         admission=st.admission,
         not_ready_reason=not_ready_reason or "",
+        migrations=st.migrations,
     )
     for sh in st.shards:
         out.shards.add(
@@ -277,8 +288,19 @@ def scheduler_stats_to_proto(
             expected_tokens=sh.expected_tokens,
             capacity_tokens=sh.capacity_tokens,
             block_tokens=sh.reserved_tokens,
+            state=sh.state,
         )
     return out
+
+
+def remove_result_to_proto(r: RemoveResult) -> scheduler_pb2.RemoveShardResponse:
+    return scheduler_pb2.RemoveShardResponse(
+        shard=r.shard,
+        migrated_sequences=r.migrated,
+        reprefilled_sequences=r.reprefilled,
+        seconds=r.seconds,
+        bytes=r.bytes,
+    )
 
 
 # ---- gateway -> client ------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class ServiceProcess:
             "metrics": self.metrics,
             "log": str(self.log_path),
             "restarts": self.restarts,
+            "exit_code": self.proc.poll(),  # None while running (a drained shard exits with 0)
         }
 
     def log_tail(self, lines: int = 30) -> str:

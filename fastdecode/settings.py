@@ -173,6 +173,22 @@ class SchedulerSettings(ServiceSettings):
         description="Seconds for a control call to a shard or gpu_dense (reserve, stats ...).",
     )
     probe_timeout: float = Field(2.0, gt=0, description="Seconds for one shard health or speed probe.")
+    drain_timeout: float = Field(
+        600.0, gt=0, description="Seconds RemoveShard waits for a draining shard to empty."
+    )
+    migrate_timeout: float = Field(60.0, gt=0, description="Seconds one live KV migration may take.")
+    max_concurrent_migrations: int = Field(
+        2, ge=1, description="Live migrations under way at once (each pauses only its sequence)."
+    )
+    rebalance_factor: float = Field(
+        1.1,
+        ge=0,
+        description="Migrate sequences off the busiest shard when its KV (per unit of measured speed) "
+        "exceeds this times the mean; 0 turns rebalancing off.",
+    )
+    migrate_share: float = Field(
+        0.3, gt=0, le=1, description="Most share of the wall time rebalancing moves may take."
+    )
 
 
 class GatewaySettings(ServiceSettings):

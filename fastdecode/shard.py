@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fastdecode import codec
-from fastdecode.errors import FailedPrecondition, InvalidInput
+from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound
 from fastdecode.kv import KVStore
 from fastdecode.v1 import kv_attention_pb2 as pb
 
@@ -101,3 +101,61 @@ class ShardCore:
         ends = list(map(operator.add, start_pos, num_tokens))
         self.attended_pairs += sum(map(operator.mul, num_tokens, ends))
         return AttendResult(o, seconds, sum(ends) * store.bytes_per_token // store.num_layers)
+
+    # ---- live migration ----------------------------------------------------------------------
+    def export_chunks(self, seq_id: str) -> Iterator[pb.KVChunk]:
+        """One sequence's KV as ImportSequence chunks: a header, then one chunk per layer, each
+        copied out of the pool only when asked for (one layer in memory at a time). NotFound at
+        once, before any chunk, when the sequence is not held here."""
+        store = self.store
+        if store is None or seq_id not in store.seqs:
+            raise NotFound(f"sequence {seq_id!r} is not held by this shard")
+        return self._chunks(store, seq_id)
+
+    def _chunks(self, store: KVStore, seq_id: str) -> Iterator[pb.KVChunk]:
+        yield pb.KVChunk(
+            seq_id=seq_id,
+            geometry=pb.KVGeometry(
+                num_layers=store.num_layers, num_kv_heads=store.num_kv_heads, head_dim=store.head_dim
+            ),
+            kv_dtype=codec.wire_dtype(store.dtype),
+            tokens=min(store.seqs[seq_id].lengths),
+        )
+        for layer in range(store.num_layers):
+            k, v, ks, vs = store.export_layer(seq_id, layer)
+            chunk = pb.KVChunk(seq_id=seq_id, layer=layer)
+            for name, t in (("k", k), ("v", v), ("k_scale", ks), ("v_scale", vs)):
+                if t.numel():
+                    codec.encode(t, getattr(chunk, name))
+            yield chunk
+
+    async def import_chunks(self, chunks: AsyncIterator[pb.KVChunk]) -> tuple[int, int]:
+        """Receive one sequence (header, then every layer); it is held only once the last layer is
+        in, and an import that fails or ends early frees its blocks. Returns (tokens, bytes)."""
+        header = await anext(chunks, None)
+        if header is None or not header.seq_id or header.tokens < 1:
+            raise InvalidInput("an import starts with a header chunk naming the sequence and its tokens")
+        g = header.geometry
+        store = self.store_for(g.num_layers, g.num_kv_heads, g.head_dim)
+        if codec.torch_dtype(header.kv_dtype) != store.dtype:
+            raise FailedPrecondition(
+                f"KV arrives as {codec.torch_dtype(header.kv_dtype)}, this shard stores {store.dtype}"
+            )
+        seq_id, nbytes, layers = header.seq_id, 0, 0
+        store.begin_import(seq_id, header.tokens)
+        try:
+            async for c in chunks:
+                if c.seq_id != seq_id:
+                    raise InvalidInput(f"chunk for {c.seq_id!r} in the import of {seq_id!r}")
+                rows = [
+                    codec.decode(t) if t.ByteSize() else torch.empty(0)
+                    for t in (c.k, c.v, c.k_scale, c.v_scale)
+                ]
+                nbytes += store.import_layer(seq_id, c.layer, rows)
+                layers += 1
+            if layers != store.num_layers:
+                raise InvalidInput(f"import of {seq_id!r} ended after {layers} of {store.num_layers} layers")
+            return store.commit_import(seq_id), nbytes
+        except BaseException:
+            store.abort_import(seq_id)
+            raise

@@ -31,6 +31,7 @@ from fastdecode.scheduling import (
     Step,
     attention_cost,
 )
+from fastdecode.scheduling.core import Move
 
 EOS = 0  # the stub model's EOS id
 
@@ -116,6 +117,13 @@ class SimConfig:
     w_limit: float | None = None
     ramp_steps: int | None = None
     cost: CostModel = field(default_factory=CostModel.affine)
+    # Live rebalancing (the scheduler's rebalance_factor; 0: off): a move copies the sequence's KV
+    # at migrate_bytes_per_s while steps go on without it, then it decodes on its new shard; the
+    # next move waits until moving has taken at most migrate_share of the time.
+    rebalance_factor: float = 0.0
+    kv_bytes_per_token: float = 2 * DEFAULT_LAYERS * 4096 * 2  # a 7B MHA model in fp16
+    migrate_bytes_per_s: float = 1e9
+    migrate_share: float = 0.3
 
 
 @dataclass
@@ -138,6 +146,9 @@ class SimResult:
     mean_running: float  # time-weighted mean of sequences in a step
     w_limit: float | None
     peak_running: int = 0  # most sequences in one step
+    migrations: int = 0  # live moves (rebalancing)
+    migrated_bytes: float = 0.0
+    migration_seconds: float = 0.0  # copy time, summed (each pauses only its sequence)
     preemptions: int = 0  # sequences preempted (KV freed, recomputed) because a shard was full
 
     def to_dict(self) -> dict:
@@ -268,7 +279,21 @@ def simulate(workload: Sequence[WorkItem], config: SimConfig | None = None, *, s
     load_time = imb_time = busy_time = run_time = 0.0
     imb_peak = 1.0
     sat_tokens, sat_time = 0, 0.0
+    moving: tuple[Move, float] | None = None  # the move under way and when its copy ends
+    next_move = now
+    moved, moved_bytes, moved_s = 0, 0.0, 0.0
     while True:
+        if moving is not None and now >= moving[1]:
+            moved += core.end_move(moving[0], ok=True)
+            moving = None
+        if moving is None and config.rebalance_factor > 0 and now >= next_move:
+            move = core.rebalance_move(config.rebalance_factor)
+            if move is not None:
+                copy_s = move.tokens * config.kv_bytes_per_token / config.migrate_bytes_per_s
+                moving = (move, now + copy_s)
+                moved_bytes += move.tokens * config.kv_bytes_per_token
+                moved_s += copy_s
+                next_move = now + copy_s / config.migrate_share
         while nxt < len(items) and items[nxt].arrival_s <= now:
             w = items[nxt]
             sid = f"r{nxt}"
@@ -286,6 +311,9 @@ def simulate(workload: Sequence[WorkItem], config: SimConfig | None = None, *, s
         saturated = bool(backlog) or core.waiting > 0
         step = core.next_step()
         if step is None:
+            if moving is not None:  # only the moving sequence is left: its copy is the wait
+                now = max(now, moving[1])
+                continue
             if nxt < len(items):
                 now = max(now, items[nxt].arrival_s)
                 continue
@@ -348,4 +376,7 @@ def simulate(workload: Sequence[WorkItem], config: SimConfig | None = None, *, s
         w_limit=core.admission.w_limit(core.steps),
         peak_running=peak_running,
         preemptions=core.preemptions,
+        migrations=moved,
+        migrated_bytes=moved_bytes,
+        migration_seconds=moved_s,
     )

@@ -6,29 +6,37 @@ Without CUDA it prints one line and exits 0 (CI runs that path). With CUDA:
 2. T(B) in bf16 on the GPU (planner._dense_times, one layer's S-part per batch size);
 3. `bench exchange --device cuda` (Llama-3-8B geometry, bf16, q, k, v on the GPU) with exchange
    workers off and on, shards on the host's cores (1, 2, 4, 8);
-4. `bench split --device cuda`, when this tree has it (issue 27: `SPLIT_HOOK` runs it; until then the
-   JSON says it was skipped).
-One JSON (stdout's last line, and --out) and one plot (--plot: T(B) and the exchange's GB/s).
+4. `bench split --device cuda`: the dense half (gpu_dense, LocalEngine) on the GPU and the dense
+   host's first CPUs, shards on the rest of the host's cores as 1, 2, 4 and 8 shard hosts (counts
+   the cores cannot hold are skipped), short contexts and few steps to stay in the budget.
+One JSON (stdout's last line, and --out) and one plot (--plot: T(B), the exchange's GB/s, and the
+split's ratio against shard hosts).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastdecode.benchmarks.hosts import cpu_list
 from fastdecode.errors import InvalidInput
 
 NO_GPU = "gpu-check: no GPU found (torch.cuda.is_available() is False): nothing to check, exiting 0"
 PROMPTS = ([1, 504, 3458, 314], [1, 9690, 30, 11, 1148], [1, 2, 3, 4, 5, 6, 7, 8])
 BF16_BATCHES = (1, 8, 32, 64, 128, 256, 512, 1024)
-# issue 27 adds `bench split`; this is how gpu-check runs it (argv after `fastdecode`).
-SPLIT_HOOK = ["bench", "split", "--device", "cuda", "--json"]
+SPLIT_SHARD_HOSTS = (1, 2, 4, 8)
+# Short: two contexts either side of a GPU dense host's crossover, few steps (each context also
+# starts a fresh gpu_dense, whose CUDA start-up dominates at these sizes).
+SPLIT_ARGS = ["--contexts", "1024,4096", "--steps", "4", "--warmup", "2"]
+_SPLIT_MIN_S = 45.0  # a split run is not started with less of the budget left
 
 
 def cuda_vs_cpu_tokens(model_dir: Path, max_tokens: int = 24) -> dict[str, Any]:
@@ -54,25 +62,64 @@ def bf16_t_of_b(model_dir: Path, batches: tuple[int, ...] = BF16_BATCHES) -> dic
     return {str(b): s * 1e3 for b, s in _dense_times(m, batches, "cuda").items()}
 
 
-def _split(deadline: float) -> dict[str, Any]:
-    have = subprocess.run(
-        [sys.executable, "-m", "fastdecode.cli", *SPLIT_HOOK[:2], "--help"], capture_output=True, timeout=120
-    )
-    if have.returncode:
-        return {"skipped": "bench split is not in this tree yet (issue 27); SPLIT_HOOK runs it"}
-    left = max(30.0, deadline - time.monotonic())
+def split_layouts(
+    available: Sequence[int], counts: Sequence[int] = SPLIT_SHARD_HOSTS
+) -> list[tuple[int, str, str]]:
+    """(shard hosts, --dense-cpus, --shard-cpus) for each count the CPUs can hold. The dense host
+    takes a quarter of the CPUs (1 to 4: the S-part's thread, exchange workers, the driver); the
+    rest is dealt to the shard hosts in equal contiguous sets, at least one CPU each."""
+    cpus = sorted(available)
+    dense_n = max(1, min(4, len(cpus) // 4))
+    dense, rest = tuple(cpus[:dense_n]), cpus[dense_n:]
+    out = []
+    for n in counts:
+        each = len(rest) // n
+        if n < 1 or each < 1:
+            continue
+        hosts = [tuple(rest[i * each : (i + 1) * each]) for i in range(n)]
+        # '+' joins one host's ranges, ',' separates hosts (fastdecode.benchmarks.hosts)
+        spec = ",".join(cpu_list(h).replace(",", "+") for h in hosts)
+        out.append((n, cpu_list(dense).replace(",", "+"), spec))
+    return out
+
+
+def _split_run(model_dir: Path, dense: str, shards: str, timeout: float, device: str) -> dict[str, Any]:
+    argv = ["bench", "split", "--device", device, "--json", "--model", str(model_dir), *SPLIT_ARGS]
+    argv += ["--dense-cpus", dense, "--shard-cpus", shards]
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "fastdecode.cli", *SPLIT_HOOK],
-            capture_output=True,
-            text=True,
-            timeout=left,
+            [sys.executable, "-m", "fastdecode.cli", *argv], capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return {"failed": f"bench split ran past the {left:.0f} s left"}
-    if done.returncode:
-        return {"failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return {"failed": f"bench split ran past the {timeout:.0f} s left of the budget"}
+    lines = done.stdout.strip().splitlines()
+    tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+    if done.returncode or not lines:
+        return {"failed": tail[0]}
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        return {"failed": f"no JSON on bench split's last line: {lines[-1][:200]!r}"}
+
+
+def split_on_gpu(model_dir: Path, deadline: float, device: str = "cuda") -> dict[str, Any]:
+    """`bench split --device cuda` at each shard-host count the CPUs hold, while the budget lasts."""
+    layouts = split_layouts(os.sched_getaffinity(0))
+    runs: list[dict[str, Any]] = []
+    for n, dense, shards in layouts:
+        row: dict[str, Any] = {"shard_hosts": n, "dense_cpus_arg": dense, "shard_cpus_arg": shards}
+        left = deadline - time.monotonic()
+        if left < _SPLIT_MIN_S:
+            row["skipped"] = f"{left:.0f} s of the budget left"
+        else:
+            row.update(_split_run(model_dir, dense, shards, left, device))
+        runs.append(row)
+    fitted = {n for n, _, _ in layouts}
+    return {
+        "args": SPLIT_ARGS,
+        "runs": runs,
+        "not_fitted": [n for n in SPLIT_SHARD_HOSTS if n not in fitted],
+    }
 
 
 def run_gpu_check(model_dir: Path | None = None, budget_s: float = 450.0) -> dict[str, Any] | None:
@@ -98,7 +145,7 @@ def run_gpu_check(model_dir: Path | None = None, budget_s: float = 450.0) -> dic
         repeats=20,
         device="cuda",
     )
-    result["split"] = _split(t0 + budget_s)
+    result["split"] = split_on_gpu(model_dir, t0 + budget_s)
     result["seconds"] = time.monotonic() - t0
     result["ok"] = bool(result["cuda_vs_cpu"]["tokens_equal"])
     return result
@@ -107,8 +154,8 @@ def run_gpu_check(model_dir: Path | None = None, budget_s: float = 450.0) -> dic
 def plot_gpu_check(result: dict[str, Any], path: Path) -> Path:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4))
-    ax1, ax2 = fig.subplots(1, 2)
+    fig = Figure(figsize=(15, 4))
+    ax1, ax2, ax3 = fig.subplots(1, 3)
     t = result["t_of_b_ms_bf16"]
     ax1.plot([int(b) for b in t], list(t.values()), marker="o")
     ax1.set(xscale="log", xlabel="batch B", ylabel="ms per layer", title="T(B), bf16, " + result["device"])
@@ -117,6 +164,14 @@ def plot_gpu_check(result: dict[str, Any], path: Path) -> Path:
         ax2.plot([r["shards"] for r in rows], [r["gbps"] for r in rows], marker="o", label=f"{k} workers")
     ax2.set(xlabel="shards", ylabel="payload GB/s", title="exchange, Llama-3-8B B=256 bf16")
     ax2.legend()
+    done = [r for r in result["split"]["runs"] if "points" in r]
+    for ctx in sorted({p["context"] for r in done for p in r["points"]}):
+        pts = [(r["shard_hosts"], p["ratio"]) for r in done for p in r["points"] if p["context"] == ctx]
+        ax3.plot([n for n, _ in pts], [x for _, x in pts], marker="o", label=f"context {ctx}")
+    ax3.axhline(1.0, color="grey", linewidth=0.8)
+    ax3.set(xlabel="shard hosts", ylabel="fleet / LocalEngine tokens/s", title="bench split, dense on GPU")
+    if done:
+        ax3.legend()
     fig.savefig(path, format="png", dpi=100)
     return path
 

@@ -2,7 +2,9 @@
 
 Each host is a CPU set (fastdecode.benchmarks.hosts): gpu_dense runs pinned to the dense host's
 CPUs, each kv_attention shard to its shard host's (in its own network namespace where permitted),
-torch and OpenMP threads sized to the set. This process plays the scheduler: it sends gpu_dense
+torch and OpenMP threads sized to the set. With `--device cuda` the dense half (gpu_dense's S-part
+and LocalEngine's) runs on the GPU, driven from the dense host's CPUs; the shards stay on their
+hosts' CPUs. This process plays the scheduler: it sends gpu_dense
 the StepPlans the scheduler would (decode steps of B sequences, two mini-batches) from the dense
 host's CPUs, where it also runs LocalEngine: the dense host alone, the user's alternative.
 
@@ -51,7 +53,7 @@ from fastdecode.benchmarks.transport import process_cpu_seconds
 from fastdecode.engine import LocalEngine, SeqChunk
 from fastdecode.errors import InvalidInput, ServiceError
 from fastdecode.fleet import ServiceProcess, spawn_service, start_service, stop_processes, wait_ready
-from fastdecode.model import ModelConfig
+from fastdecode.model import ModelConfig, resolve_device
 from fastdecode.planner import SplitParts, split_ideal_ratio, split_step_s
 from fastdecode.rpc import aio_channel
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc
@@ -60,6 +62,7 @@ from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 PIPELINE_MODES = ("auto", "on", "off")
+DEVICES = ("cpu", "cuda")
 _SETTLE_S = 0.02  # between a fleet and a local step: spin-waiting OpenMP workers go idle
 _CHOOSER_PROBES = 8  # fastdecode.dense.pipeline.PipelineChooser's default, per mode
 POINT_KEYS = (
@@ -95,6 +98,7 @@ class _Setup:
     workdir: Path
     seed: int
     nice: int = 0
+    device: str = "cpu"
 
 
 def _shard_rows(batch: int, shards: int) -> list[range]:
@@ -135,8 +139,11 @@ def _start_shards(s: _Setup, capacity: int) -> list[ServiceProcess]:
 
 
 def _start_dense(s: _Setup, shards: list[ServiceProcess]) -> ServiceProcess:
-    args = ["gpu-dense", "--model", str(s.model), "--device", "cpu"]
-    args += ["--shards", ",".join(p.address for p in shards), "--threads", str(s.layout.dense_threads)]
+    # On a GPU the S-part needs one thread (launches): the dense host's other CPUs are left to the
+    # exchange workers, which gpu_dense's auto count then takes (services/gpu_dense/exchange.py).
+    threads = s.layout.dense_threads if s.device == "cpu" else 1
+    args = ["gpu-dense", "--model", str(s.model), "--device", s.device]
+    args += ["--shards", ",".join(p.address for p in shards), "--threads", str(threads)]
     if s.pipeline == "auto":
         args += ["--pipeline-mode", "auto"]
     return start_service(
@@ -301,10 +308,11 @@ def _summarise(
     # The dense half as the fleet runs it (two half batches when piped: on a CPU dense host at
     # small B that reads every weight twice). Its CPU is the stepping thread's (exact with one torch
     # thread; with more, its workers' share is taken as wall x threads). The exchange's CPU on the
-    # dense host is gpu_dense's process CPU beyond it: gRPC, codec, event loop.
+    # dense host is gpu_dense's process CPU beyond it: gRPC, codec, event loop. On a GPU the
+    # S-part's CPU is the stepping thread's alone (launches and syncs; torch's CPU threads idle).
     threads = s.layout.dense_threads
     s_fleet = median(x.s_part)
-    compute_cpu = median(x.s_part_cpu) if threads == 1 else s_fleet * threads
+    compute_cpu = median(x.s_part_cpu) if threads == 1 or s.device != "cpu" else s_fleet * threads
     exchange_cpu = dense_cpu / n - compute_cpu
     slowest = max(range(len(shard_busy)), key=lambda i: shard_busy[i])
     shard_exchange = max(0.0, shard_cpu[slowest] / n / s.layout.shard_threads(slowest) - r_shard)
@@ -364,6 +372,7 @@ async def _run(s: _Setup, contexts: list[int]) -> list[dict[str, Any]]:
         engine = await asyncio.to_thread(
             LocalEngine.from_pretrained,
             s.model,
+            device=s.device,
             kv_capacity_bytes=s.batch * per_seq + (16 << 20),
             kv_dtype=codec.DTYPE_NAMES[s.kv_dtype],
         )
@@ -402,8 +411,13 @@ def run_split_bench(
     isolation: str = "auto",
     seed: int = 0,
     nice: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Fleet (dense host + shard hosts) against LocalEngine on the dense host, at each context."""
+    """Fleet (dense host + shard hosts) against LocalEngine on the dense host, at each context; the
+    dense half of both on `device` (cpu, or cuda on a GPU host), attention on the hosts' CPUs."""
+    if device not in DEVICES:
+        raise InvalidInput(f"device must be one of {DEVICES}")
+    resolve_device(device)  # cuda without CUDA: InvalidInput now, not a service failing to start
     contexts = sorted(set(contexts))
     if not contexts or min(contexts) < 1 or batch < 2 or steps < 1 or warmup < 0:
         raise InvalidInput("contexts must be >= 1, batch >= 2 (two mini-batches), steps >= 1, warmup >= 0")
@@ -435,9 +449,9 @@ def run_split_bench(
         with isolated_hosts(len(layout.shards), link_rate, netns=isolation != "loopback") as iso:
             if isolation == "netns" and iso.kind != "netns+veth":
                 raise InvalidInput(f"network namespaces were asked for but not available: {iso.description}")
-            _log(f"{iso.kind}: {layout.describe()}")
+            _log(f"{iso.kind}: {layout.describe()}; dense half on {device}")
             setup = _Setup(
-                model, cfg, batch, kv_dtype, layout, iso, pipeline, steps, warmup, workdir, seed, nice
+                model, cfg, batch, kv_dtype, layout, iso, pipeline, steps, warmup, workdir, seed, nice, device
             )
             with pinned_process(layout.dense, nice), torch_threads(layout.dense_threads):
                 points = run_async(_run(setup, contexts))
@@ -452,6 +466,7 @@ def run_split_bench(
         "model": str(model),
         "batch": batch,
         "kv_dtype": kv_dtype,
+        "device": device,
         "pipeline": pipeline,
         "steps": steps,
         "isolation": iso.kind,

@@ -12,6 +12,7 @@ from fastdecode.cli.generate import generate_cmd
 from fastdecode.cli.gguf import import_gguf_cmd
 from fastdecode.cli.policy import plan_cmd, simulate_cmd
 from fastdecode.cli.serve import serve
+from fastdecode.cli.shards import shards
 from fastdecode.cli.tools import health, make_model_cmd, run
 from fastdecode.cli.up import demo, up
 
@@ -27,6 +28,7 @@ COMMANDS = [
     simulate_cmd,
     plan_cmd,
     import_gguf_cmd,
+    shards,
 ]
 for _command in COMMANDS:
     main.add_command(_command)

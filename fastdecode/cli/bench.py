@@ -298,6 +298,13 @@ def _contexts(text: str) -> list[int]:
 @click.option("--steps", "-n", type=int, default=8, show_default=True, help="Timed decode steps per context.")
 @click.option("--warmup", type=int, default=3, show_default=True)
 @click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the dense half (gpu_dense and LocalEngine) runs; shards stay on their CPUs.",
+)
+@click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -415,3 +422,24 @@ def gpu_cmd(out: Path | None, plot: Path | None) -> None:
     except ServiceError as e:
         raise click.ClickException(str(e)) from None
     raise SystemExit(code)
+
+
+@bench.command("migrate")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: the tiny preset.")
+@click.option("--streams", type=int, default=12, show_default=True, help="Greedy streams in the drain run.")
+@click.option("--prompt-len", type=int, default=64, show_default=True)
+@click.option("--gen-len", type=int, default=256, show_default=True)
+@click.option("--skew-clients", type=int, default=12, show_default=True)
+@click.option("--skew-requests", type=int, default=36, show_default=True)
+@click.option("--rebalance-factor", type=float, default=1.1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def migrate_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+    """3 shards: drain one mid-decode (tokens vs a run without the drain, sequences migrated and
+    re-prefilled, drain time, copy MB/s), then a skewed load with and without rebalancing."""
+    from fastdecode.benchmarks.migrate import run_migrate_bench
+
+    result = run_bench(lambda: run_migrate_bench(Path(model) if model else None, **kw))
+    emit(result, as_json, "migrate: drain mid-decode, skewed load with and without rebalancing")
+    if result["completed"] != result["requests"] or result["equal_to_reference"] != result["requests"]:
+        raise SystemExit(1)

@@ -21,6 +21,8 @@ SIM_KEYS = (
     "mean_running",
     "peak_running",
     "preemptions",
+    "migrations",
+    "migrated_bytes",
     "steps",
 )
 
@@ -47,6 +49,16 @@ def _fmt(v: object) -> str:
 @click.option("--w-limit", type=float, default=None, help="Stabilized: load limit in KV tokens.")
 @click.option("--prefill-budget", type=int, default=512, show_default=True)
 @click.option("--profile", type=click.Path(exists=True, dir_okay=False), help="Planner profile for T(B), R.")
+@click.option(
+    "--rebalance-factor",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Live rebalancing as the scheduler does it (its default is 1.1); 0: off.",
+)
+@click.option(
+    "--migrate-mb-per-s", type=float, default=1000.0, show_default=True, help="KV copy speed of a move."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def simulate_cmd(
     admission: str,
@@ -62,6 +74,8 @@ def simulate_cmd(
     w_limit: float | None,
     prefill_budget: int,
     profile: str | None,
+    rebalance_factor: float,
+    migrate_mb_per_s: float,
     as_json: bool,
 ) -> None:
     """Replay a workload against the real scheduler core with modelled S- and R-part costs."""
@@ -90,6 +104,8 @@ def simulate_cmd(
                 micro_batch=micro_batch,
                 w_limit=w_limit,
                 cost=cost,
+                rebalance_factor=rebalance_factor,
+                migrate_bytes_per_s=migrate_mb_per_s * 1e6,
             )
             results[adm] = simulate(items, cfg, seed=seed).to_dict()
     except ServiceError as e:

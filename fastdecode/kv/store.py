@@ -39,6 +39,7 @@ import math
 import mmap
 import operator
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -239,6 +240,7 @@ class KVStore:
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, _Seq] = {}
         self.prefix: PrefixCache | None = PrefixCache() if prefix_sharing else None
+        self._importing: dict[str, _Seq] = {}  # live migration: blocks taken, not yet held
         self.busy_seconds = 0.0
         self.attend_calls = 0
         self._tables: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
@@ -328,7 +330,7 @@ class KVStore:
             raise InvalidInput("empty sequence id")
         if tokens < 1:
             raise InvalidInput(f"max_tokens must be >= 1, got {tokens}")
-        if seq_id in self.seqs:
+        if seq_id in self.seqs or seq_id in self._importing:
             raise FailedPrecondition(f"sequence {seq_id!r} is already reserved on this shard")
         if token_ids is not None and len(token_ids) > tokens:
             raise InvalidInput(f"{len(token_ids)} token ids for a reservation of {tokens} tokens")
@@ -482,6 +484,88 @@ class KVStore:
                 p.forget(blocks[i])
         seq.frozen = first
         self._set_blocks(seq, blocks)
+
+    # ---- live migration: a sequence's rows out of one pool and into another --------------------
+    def export_layer(self, seq_id: str, layer: int) -> tuple[torch.Tensor, ...]:
+        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus
+        int8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"sequence {seq_id!r} is not held by this shard")
+        if not 0 <= layer < self.num_layers:
+            raise InvalidInput(f"layer {layer} outside [0, {self.num_layers})")
+        slots = self._slots(seq, min(seq.lengths))
+        out = [self.k[layer][:, slots].clone(), self.v[layer][:, slots].clone()]
+        if self.quantized:
+            out += [self.k_scale[layer][:, slots].clone(), self.v_scale[layer][:, slots].clone()]
+        else:
+            out += [torch.empty(0), torch.empty(0)]
+        return tuple(out)
+
+    def _slots(self, seq: _Seq, n: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def begin_import(self, seq_id: str, tokens: int) -> None:
+        """Take the blocks for an incoming sequence of `tokens`; it is not held (no Attend, no
+        Stats) until commit_import. ResourceExhausted when the pool has no room."""
+        if seq_id in self.seqs or seq_id in self._importing:
+            raise FailedPrecondition(f"sequence {seq_id!r} is already held by this shard")
+        if tokens < 1:
+            raise InvalidInput(f"an imported sequence holds >= 1 token, got {tokens}")
+        blocks = self._allocate(  # idle cached prefix blocks make room too
+            math.ceil(tokens / self.block_size)
+        )
+        if blocks is None:
+            raise ResourceExhausted(
+                f"KV pool full: {tokens} tokens to import, {self.free_tokens} free of {self.capacity_tokens}"
+            )
+        seq = _Seq([], 0, [0] * self.num_layers, True)
+        self._set_blocks(seq, blocks)
+        self._importing[seq_id] = seq
+
+    def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor]) -> int:
+        """Write one exported layer (k, v and int8's scales) of an import; returns its bytes."""
+        seq = self._importing.get(seq_id)
+        if seq is None:
+            raise NotFound(f"no import of sequence {seq_id!r} in progress")
+        if not 0 <= layer < self.num_layers or seq.lengths[layer]:
+            raise InvalidInput(f"layer {layer} outside [0, {self.num_layers}) or sent twice")
+        k, v, ks, vs = rows
+        n = k.shape[1] if k.dim() == 3 else -1
+        shape = (self.num_kv_heads, n, self.head_dim)
+        if n < 1 or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != self.dtype:
+            raise InvalidInput(
+                f"layer rows must be {self.dtype} [{self.num_kv_heads}, n, {self.head_dim}], "
+                f"got {k.dtype} {list(k.shape)}"
+            )
+        if v.dtype != self.dtype or n > seq.capacity:
+            raise InvalidInput(f"v rows of {v.dtype} or {n} tokens do not fit the import")
+        if self.quantized and (tuple(ks.shape) != shape[:2] or tuple(vs.shape) != shape[:2]):
+            raise InvalidInput(f"int8 rows need scales of shape {list(shape[:2])}")
+        slots = self._slots(seq, n)
+        self.k[layer][:, slots], self.v[layer][:, slots] = k, v
+        if self.quantized:
+            self.k_scale[layer][:, slots], self.v_scale[layer][:, slots] = ks.float(), vs.float()
+        seq.lengths[layer] = n
+        return sum(t.numel() * t.element_size() for t in rows)
+
+    def commit_import(self, seq_id: str) -> int:
+        """The last layer arrived: the sequence is held from now on. Returns its tokens."""
+        seq = self._importing.get(seq_id)
+        if seq is None:
+            raise NotFound(f"no import of sequence {seq_id!r} in progress")
+        if len(set(seq.lengths)) != 1 or not seq.lengths[0]:
+            raise InvalidInput(f"import of {seq_id!r} is missing layers (tokens per layer {seq.lengths})")
+        self.seqs[seq_id] = self._importing.pop(seq_id)
+        return seq.lengths[0]
+
+    def abort_import(self, seq_id: str) -> None:
+        """Free an unfinished import's blocks (the stream broke); unknown ids are ignored."""
+        seq = self._importing.pop(seq_id, None)
+        if seq is not None:
+            self.alloc.release(seq.blocks)
 
     def _blocks_changed(self, seq: _Seq) -> None:
         """Call after changing seq.blocks: drops the cached int32 tables the native kernel reads."""

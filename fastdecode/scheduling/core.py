@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from fastdecode.errors import (
+    FailedPrecondition,
     InternalError,
     InvalidInput,
     NotFound,
@@ -72,12 +73,16 @@ from fastdecode.scheduling.types import (
 # Steps a shard takes no new sequence after refusing a reservation (or until it frees something):
 # our count of its free room was wrong, so retrying at once would loop.
 RESERVATION_BACKOFF_STEPS = 8
+# Steps a rebalanced sequence stays where it was moved: loads shift every step as sequences grow
+# and finish, and moving the same sequence back and forth would only pay copies.
+REBALANCE_COOLDOWN_STEPS = 64
 # Weight of one finished sequence in the running generated/max_tokens ratio.
 RATIO_SMOOTHING = 0.05
 # Default headroom horizon: steps of growth each running sequence is expected to have room for. At
 # 64 steps (4 blocks of 16) a shard admits while its sequences can all grow for 64 more steps, so a
 # preemption (redoing one sequence's prefill) is rare next to the steps a full reservation wastes.
 DEFAULT_KV_LOOKAHEAD = 64
+SHARD_SERVING, SHARD_DRAINING, SHARD_REMOVED = "", "draining", "removed"
 ADMISSION_DECISIONS = ("admitted", "rejected", "deferred_policy", "deferred_capacity", "deferred_prefix")
 _NAME_SEED = b"fastdecode-scheduler"  # the core's own names for prefix blocks (never compared to a shard's)
 
@@ -96,6 +101,9 @@ class _Seq:
     cached: int = 0  # prompt tokens its shard found cached at its latest reservation
     shared: int = 0  # of its blocks, those read from the shard's prefix cache (not counted per sequence)
     names: tuple[int, int, list[bytes]] | None = None  # (block size, tokens, names of full blocks)
+    moving: int | None = None  # shard its KV is being copied to (live migration); not planned meanwhile
+    incoming: int = 0  # blocks counted on `moving` for the copy
+    moved_step: int = -(1 << 30)  # step its last move ended (rebalancing leaves it alone a while)
     scored: int = 1  # next prompt position whose logprob goes out (prompt_logprobs; 0 has none)
 
     @property
@@ -110,8 +118,22 @@ class _Shard:
     blocks: int = 0  # KV blocks its sequences hold (sum of _Seq.blocks)
     seqs: set[str] = field(default_factory=set)
     blocked_until: int = 0
+    state: str = SHARD_SERVING  # draining: no new placements, its sequences migrate away; removed
+    left_by_recompute: int = 0  # sequences that left it to be re-prefilled (lost, preempted) while draining
     # prefix blocks it holds (None) or one of its sequences is computing (that id), least recent first
     prefixes: OrderedDict[bytes, str | None] = field(default_factory=OrderedDict)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A live migration the core has started: copy seq_id's KV from `source` to `target`, then
+    `end_move` with the outcome. `tokens` is what the copy carries (the KV the shard holds)."""
+
+    seq_id: str
+    source: int
+    target: int
+    tokens: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,7 @@ class SchedulerCore:
         self._started = 0  # admissions so far (orders sequences by age)
         self.preemptions = 0
         self._preempted: list[str] = []  # preempted since the last step was planned
+        self.migrations = 0  # sequences moved live to another shard (KV copied, not recomputed)
         self._capacity_changed()
         # Cumulative admission outcomes: sequences admitted or rejected (queue full), and steps in
         # which waiting sequences were held back by the admission policy or by shard capacity.
@@ -238,8 +261,12 @@ class SchedulerCore:
         """Tell the admission policy how many KV tokens the healthy shards hold: the stabilizing
         schedule keeps its load limit within them (the paper's memory bound B*S/2 <= C*P)."""
         self._admission.set_kv_capacity(
-            sum(sh.spec.capacity_tokens for sh in self._shards if sh.healthy) or None
+            sum(sh.spec.capacity_tokens for sh in self._shards if self._serving(sh)) or None
         )
+
+    @staticmethod
+    def _serving(sh: _Shard) -> bool:
+        return sh.healthy and sh.state == SHARD_SERVING
 
     def _shard(self, shard: int) -> _Shard:
         if not 0 <= shard < len(self._shards):
@@ -256,6 +283,9 @@ class SchedulerCore:
         if not sh.healthy:
             return []
         sh.healthy = False
+        for s in self._running.values():
+            if s.moving == shard:  # its copy died with the target: it stays where it is
+                s.moving, s.incoming = None, 0
         moved = [sid for sid, s in self._running.items() if s.shard == shard]
         for sid in moved:
             self._unplace(self._running[sid])
@@ -275,6 +305,8 @@ class SchedulerCore:
     def shard_recovered(self, shard: int) -> None:
         """The shard is healthy again, and empty: it takes new sequences."""
         sh = self._shard(shard)
+        if sh.state == SHARD_REMOVED:
+            return
         sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = True, 0, set(), 0
         sh.prefixes.clear()
         self._capacity_changed()
@@ -300,14 +332,178 @@ class SchedulerCore:
             self._waiting.move_to_end(seq_id, last=False)
 
     def _unplace(self, seq: _Seq) -> None:
+        self._cancel_move(seq)
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(seq.req.seq_id)
             sh.blocks -= seq.blocks - seq.shared
             self._forget_pending(seq, sh)
+            sh.left_by_recompute += sh.state == SHARD_DRAINING
         seq.shard, seq.reserved_on, seq.kv, seq.inflight, seq.blocks = None, None, 0, None, 0
         seq.shared = 0
         seq.epoch += 1
+
+    # ---------------------------------------------------------------- live migration
+    def begin_move(self, seq_id: str, target: int) -> Move:
+        """Start moving a running sequence's KV to `target` at this step boundary: it is not planned
+        until `end_move`, and its blocks count on the target as well meanwhile. FailedPrecondition
+        when it cannot move now (in a step, unplaced, already moving, nothing held yet)."""
+        seq = self._running.get(seq_id)
+        if seq is None:
+            raise NotFound(f"unknown running sequence {seq_id!r}")
+        sh = self._shard(target)
+        if seq.shard is None or seq.inflight is not None or seq.moving is not None or seq.kv < 1:
+            raise FailedPrecondition(f"sequence {seq_id!r} cannot move now (not at a step boundary)")
+        if seq.shard == target or not self._serving(sh):
+            raise FailedPrecondition(f"shard {target} cannot take sequence {seq_id!r}")
+        seq.moving = target
+        seq.incoming = -(-seq.kv // sh.spec.block_size)
+        sh.blocks += seq.incoming
+        return Move(seq_id, seq.shard, target, seq.kv, seq.epoch)
+
+    def end_move(self, move: Move, ok: bool) -> bool:
+        """The copy of `move` finished (ok) or failed. True: the sequence now lives on the target
+        (its source copy is released with the next step). False: it stays on its source, whole; a
+        copy the target may hold is the caller's to release (also when it was cancelled or lost
+        meanwhile, which already undid the move)."""
+        seq = self._running.get(move.seq_id)
+        if seq is None or seq.epoch != move.epoch or seq.moving != move.target:
+            return False
+        target = self._shards[move.target]
+        if not ok or not target.healthy:
+            self._cancel_move(seq)
+            return False
+        source = self._shards[move.source]
+        source.seqs.discard(move.seq_id)
+        source.blocks -= seq.blocks - seq.shared  # blocks it read from the source's prefix cache aside
+        self._forget_pending(seq, source)
+        source.blocked_until = 0  # it has room again
+        if seq.reserved_on is not None and source.healthy:
+            self._releases.append((move.seq_id, seq.reserved_on))
+        seq.shard = seq.reserved_on = move.target
+        seq.blocks, seq.moving, seq.incoming, seq.shared = seq.incoming, None, 0, 0  # all its own there
+        seq.moved_step = self._step
+        target.seqs.add(move.seq_id)
+        self.migrations += 1
+        return True
+
+    def _cancel_move(self, seq: _Seq) -> None:
+        if seq.moving is not None:
+            self._shards[seq.moving].blocks -= seq.incoming
+            seq.moving, seq.incoming = None, 0
+
+    def drain_shard(self, shard: int) -> None:
+        """Stop placing on the shard; `drain_moves` then moves its sequences away as room allows."""
+        sh = self._shard(shard)
+        if sh.state == SHARD_REMOVED:
+            raise FailedPrecondition(f"shard {shard} is already removed")
+        if sh.state != SHARD_DRAINING:
+            if not any(self._serving(o) for o in self._shards if o is not sh):
+                raise FailedPrecondition(f"shard {shard} is the last serving shard: nowhere to move to")
+            sh.state, sh.left_by_recompute = SHARD_DRAINING, 0
+            self._capacity_changed()
+
+    def drained(self, shard: int) -> bool:
+        """No sequence on it and none in a step or a copy there: it can be taken out."""
+        sh = self._shard(shard)
+        return not sh.seqs and not any(s.moving == shard for s in self._running.values())
+
+    def remove_shard(self, shard: int) -> None:
+        """Take a drained (or lost) shard out for good: never placed on, probed or recovered again."""
+        sh = self._shard(shard)
+        if sh.seqs and sh.healthy:
+            raise FailedPrecondition(f"shard {shard} still holds {len(sh.seqs)} sequences")
+        sh.state, sh.healthy, sh.blocks, sh.seqs = SHARD_REMOVED, False, 0, set()
+        sh.prefixes.clear()
+        self._releases = [(sid, i) for sid, i in self._releases if i != shard]
+        self._capacity_changed()
+
+    def shard_rejoined(self, shard: int) -> None:
+        """A removed shard is back (empty, a restarted process on its address): it serves again."""
+        sh = self._shard(shard)
+        sh.state, sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = SHARD_SERVING, True, 0, set(), 0
+        sh.prefixes.clear()
+        self._capacity_changed()
+
+    def shard_state(self, shard: int) -> str:
+        return self._shard(shard).state
+
+    def seqs_on(self, shard: int) -> list[str]:
+        return sorted(self._shard(shard).seqs)
+
+    def left_by_recompute(self, shard: int) -> int:
+        """Sequences that left the shard since its drain began by recompute (lost, preempted)."""
+        return self._shard(shard).left_by_recompute
+
+    def _target_for(self, seq: _Seq, step_no: int, exclude: int) -> int | None:
+        """Where placement would put this sequence now (its source left out), or None: no room."""
+        horizon = max(1.0, len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens))
+        loads = self._loads(step_no, horizon)
+        loads[exclude] = ShardLoad(1, 1.0, 1, 0.0, available=False)
+        need = self._commitment(seq, max(sh.spec.block_size for sh in self._shards))
+        return choose_shard(need, self._future_load(seq, horizon), loads)
+
+    def drain_moves(self, limit: int) -> tuple[list[Move], dict[int, int]]:
+        """Start up to `limit` moves off draining shards (oldest first). Returns them and, per
+        draining shard, how many sequences wait there for room (they keep decoding where they are
+        until it frees up)."""
+        moves: list[Move] = []
+        waiting: dict[int, int] = {}
+        for i, sh in enumerate(self._shards):
+            if sh.state != SHARD_DRAINING or not sh.healthy:
+                continue
+            for seq in sorted((self._running[sid] for sid in sh.seqs), key=lambda s: s.started):
+                if seq.moving is not None:
+                    continue
+                if seq.inflight is not None or seq.kv < 1:
+                    continue  # in a step now, or nothing to copy yet: next boundary
+                target = self._target_for(seq, self._step, i) if len(moves) < limit else None
+                if target is None:
+                    waiting[i] = waiting.get(i, 0) + (len(moves) < limit)
+                    continue
+                moves.append(self.begin_move(seq.req.seq_id, target))
+        return moves, waiting
+
+    def rebalance_move(self, factor: float) -> Move | None:
+        """One move from the busiest shard to the least busy when the busiest holds more than
+        `factor` x the mean KV, each shard's KV taken relative to its capacity (the shard's own
+        report, as placement's memory share counts it; not the measured speed, which on shared
+        hosts moves with the neighbours' load and would send sequences back and forth): of the
+        sequences whose move lowers the larger of the two shards' loads, the one with the fewest
+        tokens that brings the busiest within the factor, else the one that lowers it most. A
+        sequence moved in the last REBALANCE_COOLDOWN_STEPS steps stays."""
+        live = [i for i, sh in enumerate(self._shards) if self._serving(sh)]
+        if len(live) < 2 or any(s.moving is not None for s in self._running.values()):
+            return None
+        kv = self.kv_tokens_per_shard()
+        weight = {i: float(self._shards[i].spec.capacity_tokens) for i in live}
+        mean = sum(kv[i] for i in live) / sum(weight.values())
+        if mean <= 0:
+            return None
+        hot = max(live, key=lambda i: kv[i] / weight[i])
+        cool = min(live, key=lambda i: kv[i] / weight[i])
+        if kv[hot] / weight[hot] <= factor * mean:
+            return None
+        cands = []
+        for sid in self._shards[hot].seqs:
+            seq = self._running[sid]
+            if (
+                seq.inflight is not None
+                or seq.kv < 1
+                or self._step - seq.moved_step < REBALANCE_COOLDOWN_STEPS
+            ):
+                continue
+            after = max((kv[hot] - seq.kv) / weight[hot], (kv[cool] + seq.kv) / weight[cool])
+            if after < kv[hot] / weight[hot]:
+                within = (kv[hot] - seq.kv) / weight[hot] <= factor * mean
+                cands.append((not within, seq.kv if within else after, sid))
+        need = self._commitment  # the target must have room for it as placement counts room
+        for _, _, sid in sorted(cands):
+            seq = self._running[sid]
+            load = self._loads(self._step, 1.0)[cool]
+            if load.reserved + need(seq, self._shards[cool].spec.block_size) <= load.capacity:
+                return self.begin_move(sid, cool)
+        return None
 
     # ---------------------------------------------------------------- preemption
     def _preempt(self, seq: _Seq, reserve: list[Reservation] | None = None) -> None:
@@ -404,7 +600,7 @@ class SchedulerCore:
         marks: dict[str, _Inflight] = {}
         budget = self._budget
         for sid, seq in self._running.items():
-            if seq.shard is None or seq.inflight is not None:
+            if seq.shard is None or seq.inflight is not None or seq.moving is not None:
                 continue
             pending = len(seq.tokens) - seq.kv
             if pending <= 0:
@@ -492,13 +688,15 @@ class SchedulerCore:
             if seq.shard is not None:
                 load[seq.shard] += self._future_load(seq, horizon)
                 committed[seq.shard] += self._commitment(seq, self._shards[seq.shard].spec.block_size)
+            if seq.moving is not None:  # a copy under way holds its room on the target too
+                committed[seq.moving] += seq.incoming * self._shards[seq.moving].spec.block_size
         return [
             ShardLoad(
                 capacity=sh.spec.capacity_tokens,
                 speed=sh.spec.speed,
                 reserved=committed[i],
                 load=load[i],
-                available=sh.healthy and sh.blocked_until <= step_no,
+                available=self._serving(sh) and sh.blocked_until <= step_no,
             )
             for i, sh in enumerate(self._shards)
         ]
@@ -783,6 +981,7 @@ class SchedulerCore:
         """A running sequence is done (finished, failed, cancelled): free its shard room."""
         sid = seq.req.seq_id
         del self._running[sid]
+        self._cancel_move(seq)
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(sid)
@@ -863,7 +1062,9 @@ class SchedulerCore:
                     capacity_tokens=sh.spec.capacity_tokens,
                     block_size=sh.spec.block_size,
                     speed=sh.spec.speed,
+                    state=sh.state,
                 )
                 for i, sh in enumerate(self._shards)
             ],
+            migrations=self.migrations,
         )

@@ -21,12 +21,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fastdecode.errors import InvalidInput, ServiceError, Status, Unavailable
+from fastdecode.errors import DeadlineExceeded, InvalidInput, NotFound, ServiceError, Status, Unavailable
 from fastdecode.geometry import KVGeometry
 from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
-from fastdecode.scheduling.core import SchedulerCore
+from fastdecode.scheduling.core import SHARD_REMOVED, Move, SchedulerCore
 from fastdecode.scheduling.types import (
+    RemoveResult,
     Request,
     Reservation,
     Sampled,
@@ -60,6 +61,7 @@ class DenseInfo:
     num_shards: int
     shard_addresses: tuple[str, ...] = ()  # in shard order, as gpu_dense dials them
     model: str = ""  # names the weights (path and dtype): shards match prefix blocks of this model only
+    removed_shards: tuple[int, ...] = ()  # indices taken out by RemoveShard (never attended again)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ class DenseLink(Protocol):
     async def add_shard(self, address: str, timeout: float) -> int:
         """Tell gpu_dense about a new shard; returns its index."""
 
+    async def remove_shard(self, index: int, timeout: float) -> None:
+        """gpu_dense closes its streams to a removed shard (its index stays taken)."""
+
 
 class ShardLink(Protocol):
     address: str
@@ -122,6 +127,19 @@ class ShardLink(Protocol):
     async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
         """Free the named sequences (None: all)."""
 
+    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
+        """The shard copies the sequence's KV to the shard at `target` and keeps its own copy."""
+
+    async def retire(self, timeout: float) -> None:
+        """The shard was removed: it stops serving and exits."""
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    tokens: int
+    bytes: int
+    seconds: float
+
 
 class SchedulerMetrics:
     """What the driver reports; the no-op base is for tests, services/scheduler/metrics.py exports it."""
@@ -131,6 +149,7 @@ class SchedulerMetrics:
     def state(self, stats: SchedulerStats, decisions_delta: dict[str, int]) -> None: ...
     def dense_reconnected(self) -> None: ...
     def preempted(self, sequences: int) -> None: ...
+    def migrated(self, nbytes: int, seconds: float, ok: bool) -> None: ...
 
 
 def capacity_tokens(state: ShardState, geometry: KVGeometry) -> int:
@@ -152,6 +171,8 @@ class ShardTrack:
     busy: float = 0.0  # last attention busy seconds / attended token pairs seen
     pairs: float = 0.0
     r: float | None = None  # measured seconds per new token per cached token
+    moved_out: int = 0  # sequences migrated off it
+    moved_bytes: int = 0
 
 
 @dataclass
@@ -183,6 +204,12 @@ class SchedulerDriver:
         self._ids = itertools.count()
         self._decisions_seen: dict[str, int] = {}
         self.dense_down: str | None = None  # why gpu_dense is unreachable; None while it serves
+        self._moves: set[asyncio.Task[None]] = set()  # live migrations under way
+        self._rebalance_after = 0.0  # monotonic time before which no rebalancing move starts
+        self._waiting_to_move: dict[int, int] = {}  # per draining shard, as drain_moves said
+        self.migrated_bytes = 0
+        self.migration_seconds = 0.0
+        self.migrations_failed = 0
 
     def not_ready_reason(self) -> str | None:
         """Why the fleet behind this scheduler cannot generate now (None: it can): readiness."""
@@ -209,9 +236,12 @@ class SchedulerDriver:
                     raise Unavailable(f"gpu_dense not ready: {e.message}") from None
                 await asyncio.sleep(0.5)
         await self._reconcile_shards(self.info)
-        for shard in self.shards:  # KV left by a previous scheduler instance belongs to no one now
-            await shard.link.release(None, self.s.control_timeout)
-        specs = [await self._shard_spec(i) for i in range(len(self.shards))]
+        removed = set(self.info.removed_shards)
+        for i, shard in enumerate(self.shards):  # KV left by a previous scheduler belongs to no one now
+            if i not in removed:
+                await shard.link.release(None, self.s.control_timeout)
+        # a removed shard's process is gone: a placeholder spec, taken out right after
+        specs = [ShardSpec(1) if i in removed else await self._shard_spec(i) for i in range(len(self.shards))]
         s = self.s
         admission = (
             StabilizedAdmission(w_limit=s.w_limit, micro_batch=s.micro_batch)
@@ -231,6 +261,9 @@ class SchedulerDriver:
             prefix_sharing=s.prefix_sharing == "on",
             prefix_affinity=s.prefix_affinity,
         )
+        for i in removed:
+            self.core.remove_shard(i)
+            self.shards[i].healthy = False
         self._report()  # every shard's and decision's metric exists from the first scrape
         log.info(
             "model %s, %d layers; shard capacities (tokens): %s",
@@ -254,6 +287,10 @@ class SchedulerDriver:
                 log.info("adopted shard %d (%s) from gpu_dense", len(self.shards) - 1, address)
         for i in range(info.num_shards, len(self.shards)):
             await self.dense.add_shard(self.shards[i].link.address, self.s.control_timeout)
+        if self.core is not None:  # a restarted gpu_dense forgets removals: remove them again
+            for i in range(len(self.shards)):
+                if self.core.shard_state(i) == SHARD_REMOVED and i not in info.removed_shards:
+                    await self.dense.remove_shard(i, self.s.control_timeout)
 
     async def _shard_spec(self, shard: int) -> ShardSpec:
         """The shard's KV capacity in tokens and its block size (the core mirrors its blocks)."""
@@ -334,11 +371,148 @@ class SchedulerDriver:
         while self.streams:
             await asyncio.sleep(0.05)
 
+    # ---- live migration: drain and rebalance -------------------------------------------------------
+    def _resolve_shard(self, shard: int | None, address: str) -> int:
+        if address:
+            found = [i for i, t in enumerate(self.shards) if t.link.address == address]
+            if not found:
+                raise NotFound(f"no shard at {address!r}")
+            return found[-1]
+        if shard is None or not 0 <= shard < len(self.shards):
+            raise NotFound(f"unknown shard {shard}")
+        return shard
+
+    async def remove_shard(self, shard: int | None, address: str = "", timeout: float = 0.0) -> RemoveResult:
+        """Drain a shard and take it out: no new placements; its sequences migrate to the others as
+        room allows (the rest keep decoding there until room frees up); once empty it leaves
+        gpu_dense's and our tables and is told to exit. DeadlineExceeded (still draining) after
+        `timeout` (0: the drain_timeout setting); calling again picks up where it left off."""
+        core = self.core
+        if core is None:
+            raise Unavailable("scheduler not ready")
+        index = self._resolve_shard(shard, address)
+        track = self.shards[index]
+        if core.shard_state(index) == SHARD_REMOVED:
+            return RemoveResult(index, track.moved_out, 0, 0.0, track.moved_bytes)
+        t0 = time.monotonic()
+        deadline = t0 + (timeout or self.s.drain_timeout)
+        core.drain_shard(index)
+        log.info(
+            "draining shard %d (%s): %d sequences to move",
+            index,
+            track.link.address,
+            len(core.seqs_on(index)),
+        )
+        self.wake.set()
+        while not core.drained(index):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"shard {index} still holds {len(core.seqs_on(index))} sequences "
+                    f"({self.waiting_to_move(index)} wait for room elsewhere); drain again to continue"
+                )
+            await asyncio.sleep(0.02)
+            self.wake.set()
+        if track.healthy:
+            try:
+                await track.link.release(None, self.s.control_timeout)
+            except ServiceError as e:
+                log.warning("release on removed shard %d failed: %s", index, e.message)
+        await self.dense.remove_shard(index, self.s.control_timeout)
+        reprefilled = core.left_by_recompute(index)
+        core.remove_shard(index)
+        was_healthy, track.healthy = track.healthy, False
+        if was_healthy:
+            try:
+                await track.link.retire(self.s.control_timeout)
+            except ServiceError as e:  # already gone: nothing to stop
+                log.warning("retiring shard %d failed: %s", index, e.message)
+        result = RemoveResult(index, track.moved_out, reprefilled, time.monotonic() - t0, track.moved_bytes)
+        log.info(
+            "removed shard %d (%s) in %.2fs: %d sequences migrated (%d bytes), %d re-prefilled",
+            index,
+            track.link.address,
+            result.seconds,
+            result.migrated,
+            result.bytes,
+            result.reprefilled,
+        )
+        self._report()
+        return result
+
+    def waiting_to_move(self, shard: int) -> int:
+        """Sequences on this draining shard that wait for room elsewhere (0 when it is not draining)."""
+        assert self.core is not None
+        return self._waiting_to_move.get(shard, 0)
+
+    def _start_moves(self) -> None:
+        """At a step boundary: start moves off draining shards, else one rebalancing move when the
+        busiest shard is over the factor and the last move's time is paid for."""
+        core = self.core
+        assert core is not None
+        room = self.s.max_concurrent_migrations - len(self._moves)
+        if room <= 0:
+            return
+        moves, waiting = core.drain_moves(room)
+        if waiting != self._waiting_to_move and any(waiting.values()):
+            log.info("sequences on draining shards wait for room elsewhere: %s", waiting)
+        self._waiting_to_move = waiting
+        rebalance = not moves and not self._moves and self.s.rebalance_factor > 0
+        if rebalance and time.monotonic() >= self._rebalance_after:
+            move = core.rebalance_move(self.s.rebalance_factor)
+            moves = [move] if move is not None else []
+        for move in moves:
+            task = asyncio.get_running_loop().create_task(self._move(move, rebalance))
+            self._moves.add(task)
+            task.add_done_callback(self._moves.discard)
+
+    async def _move(self, move: Move, rebalance: bool) -> None:
+        assert self.core is not None
+        source, target = self.shards[move.source], self.shards[move.target]
+        t0 = time.perf_counter()
+        try:
+            r = await source.link.migrate_out(move.seq_id, target.link.address, self.s.migrate_timeout)
+            ok, nbytes = True, r.bytes
+        except ServiceError as e:
+            ok, nbytes = False, 0
+            log.warning(
+                "moving to shard %d failed, stays on shard %d: %s",
+                move.target,
+                move.source,
+                e.message,
+                extra={"request_id": move.seq_id},
+            )
+        seconds = time.perf_counter() - t0
+        if self.core.end_move(move, ok):
+            source.moved_out += 1
+            source.moved_bytes += nbytes
+            self.migrated_bytes += nbytes
+            self.migration_seconds += seconds
+            log.info(
+                "moved from shard %d to %d: %d tokens, %d bytes in %.3fs",
+                move.source,
+                move.target,
+                move.tokens,
+                nbytes,
+                seconds,
+                extra={"request_id": move.seq_id},
+            )
+        else:
+            self.migrations_failed += not ok
+            try:  # whatever the target took (a copy finished after all, or half of one) is no one's
+                await target.link.release([move.seq_id], self.s.control_timeout)
+            except ServiceError:
+                pass
+        self.metrics.migrated(nbytes, seconds, ok)
+        if rebalance:  # keep moving time within its share of the wall time
+            self._rebalance_after = time.monotonic() + seconds / self.s.migrate_share
+        self.wake.set()
+
     # ---- the step loop -----------------------------------------------------------------------------
     async def step_loop(self) -> None:
         core = self.core
         assert core is not None
         while True:
+            self._start_moves()
             step = core.next_step()
             if step is None:
                 self.wake.clear()
@@ -525,9 +699,31 @@ class SchedulerDriver:
         assert self.core is not None
         for i, track in enumerate(self.shards):
             try:
+                if self.core.shard_state(i) == SHARD_REMOVED:
+                    await self._probe_removed(i, track)
+                    continue
                 await self._probe(i, track)
             except Exception:  # noqa: BLE001 - one shard's odd answer must not stop the others' probes
                 log.exception("probing shard %d (%s) failed", i, track.link.address)
+
+    async def _probe_removed(self, index: int, track: ShardTrack) -> None:
+        """A removed shard answering SERVING again, empty, is a restarted process on its address (a
+        StatefulSet pod's restart drains it in preStop too): it takes its index and new work back."""
+        assert self.core is not None
+        if not await track.link.healthy(self.s.probe_timeout):
+            return
+        try:
+            state = await track.link.stats(self.s.probe_timeout)
+            if state.sequences:
+                return
+            if await self.dense.add_shard(track.link.address, self.s.control_timeout) != index:
+                return  # gpu_dense knows the address under another index: leave it removed
+        except ServiceError:
+            return
+        self.core.shard_rejoined(index)
+        track.healthy, track.r = True, None
+        log.info("removed shard %d (%s) answers again: it serves again", index, track.link.address)
+        self.wake.set()
 
     async def _probe(self, index: int, track: ShardTrack) -> None:
         assert self.core is not None

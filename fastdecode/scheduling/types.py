@@ -153,6 +153,7 @@ class ShardStats:
     capacity_tokens: int
     block_size: int
     speed: float
+    state: str = ""  # "" serving, "draining" or "removed"
 
 
 @dataclass
@@ -170,3 +171,15 @@ class SchedulerStats:
     kv_load_tokens: float
     expected_ratio: float  # expected share of max_tokens a sequence generates
     shards: list[ShardStats]
+    migrations: int = 0  # sequences moved live (KV copied to another shard)
+
+
+@dataclass(frozen=True)
+class RemoveResult:
+    """What draining one shard took."""
+
+    shard: int
+    migrated: int  # sequences moved with their KV
+    reprefilled: int  # sequences that left by recompute instead (the shard lost, preempted)
+    seconds: float
+    bytes: int

@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DenseRemoveShardRequest(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    def __init__(self, shard: _Optional[int] = ...) -> None: ...
+
+class DenseRemoveShardResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AddShardRequest(_message.Message):
     __slots__ = ("address",)
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -150,7 +160,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_type", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "dtype", "device", "num_shards", "shards")
+    __slots__ = ("model_type", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "dtype", "device", "num_shards", "shards", "removed_shards")
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +176,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_SHARDS_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     model_path: str
     num_layers: int
@@ -181,4 +192,5 @@ class ModelInfo(_message.Message):
     device: str
     num_shards: int
     shards: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_type: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_shards: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...
+    removed_shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_type: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_shards: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., removed_shards: _Optional[_Iterable[int]] = ...) -> None: ...

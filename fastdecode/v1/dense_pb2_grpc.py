@@ -50,6 +50,11 @@ class DenseStub:
                 request_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
                 response_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
                 _registered_method=True)
+        self.RemoveShard = channel.unary_unary(
+                '/fastdecode.v1.Dense/RemoveShard',
+                request_serializer=fastdecode_dot_v1_dot_dense__pb2.DenseRemoveShardRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_dense__pb2.DenseRemoveShardResponse.FromString,
+                _registered_method=True)
 
 
 class DenseServicer:
@@ -75,6 +80,13 @@ class DenseServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveShard(self, request, context):
+        """Close the data-plane streams to a removed shard; its index stays taken (indices never shift).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DenseServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_DenseServicer_to_server(servicer, server):
                     servicer.AddShard,
                     request_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.FromString,
                     response_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.SerializeToString,
+            ),
+            'RemoveShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveShard,
+                    request_deserializer=fastdecode_dot_v1_dot_dense__pb2.DenseRemoveShardRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_dense__pb2.DenseRemoveShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +193,33 @@ class Dense:
             '/fastdecode.v1.Dense/AddShard',
             fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
             fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.Dense/RemoveShard',
+            fastdecode_dot_v1_dot_dense__pb2.DenseRemoveShardRequest.SerializeToString,
+            fastdecode_dot_v1_dot_dense__pb2.DenseRemoveShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

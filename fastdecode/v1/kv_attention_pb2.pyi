@@ -7,6 +7,64 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MigrateOutRequest(_message.Message):
+    __slots__ = ("seq_id", "target")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    target: str
+    def __init__(self, seq_id: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+
+class MigrateOutResponse(_message.Message):
+    __slots__ = ("tokens", "bytes", "seconds")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    bytes: int
+    seconds: float
+    def __init__(self, tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("seq_id", "geometry", "kv_dtype", "tokens", "layer", "k", "v", "k_scale", "v_scale")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    K_SCALE_FIELD_NUMBER: _ClassVar[int]
+    V_SCALE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    geometry: KVGeometry
+    kv_dtype: _tensor_pb2.DType
+    tokens: int
+    layer: int
+    k: _tensor_pb2.Tensor
+    v: _tensor_pb2.Tensor
+    k_scale: _tensor_pb2.Tensor
+    v_scale: _tensor_pb2.Tensor
+    def __init__(self, seq_id: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., tokens: _Optional[int] = ..., layer: _Optional[int] = ..., k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k_scale: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v_scale: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ImportResponse(_message.Message):
+    __slots__ = ("tokens", "bytes")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    bytes: int
+    def __init__(self, tokens: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class RetireRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RetireResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: int
+    def __init__(self, sequences: _Optional[int] = ...) -> None: ...
+
 class KVGeometry(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]

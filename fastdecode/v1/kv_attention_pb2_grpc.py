@@ -56,6 +56,21 @@ class KVAttentionStub:
                 request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.StatsRequest.SerializeToString,
                 response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.ShardStats.FromString,
                 _registered_method=True)
+        self.MigrateOut = channel.unary_unary(
+                '/fastdecode.v1.KVAttention/MigrateOut',
+                request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.MigrateOutResponse.FromString,
+                _registered_method=True)
+        self.ImportSequence = channel.stream_unary(
+                '/fastdecode.v1.KVAttention/ImportSequence',
+                request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.KVChunk.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.ImportResponse.FromString,
+                _registered_method=True)
+        self.Retire = channel.unary_unary(
+                '/fastdecode.v1.KVAttention/Retire',
+                request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.RetireRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.RetireResponse.FromString,
+                _registered_method=True)
         self.Fill = channel.unary_unary(
                 '/fastdecode.v1.KVAttention/Fill',
                 request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillRequest.SerializeToString,
@@ -96,6 +111,30 @@ class KVAttentionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateOut(self, request, context):
+        """Live migration, shard to shard: the source streams one sequence's KV (every layer, in its
+        KV dtype) to `target`'s ImportSequence and keeps its own copy; the scheduler moves the
+        sequence once this returns and releases the source's copy. A failure leaves the source whole.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSequence(self, request_iterator, context):
+        """The receiving end: one header chunk, then one chunk per layer; nothing is visible (Attend,
+        Stats) before the last chunk arrives, and a stream that ends early frees what it took.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Retire(self, request, context):
+        """The scheduler removed this shard (drained, out of every table): stop serving and exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fill(self, request, context):
         """Benchmarks: give held sequences `tokens` tokens of random KV in every layer, written straight
         into the pool (linear in the context; a causal prefill over Attend is quadratic).
@@ -126,6 +165,21 @@ def add_KVAttentionServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.StatsRequest.FromString,
                     response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.ShardStats.SerializeToString,
+            ),
+            'MigrateOut': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateOut,
+                    request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.MigrateOutRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.MigrateOutResponse.SerializeToString,
+            ),
+            'ImportSequence': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSequence,
+                    request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.KVChunk.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.ImportResponse.SerializeToString,
+            ),
+            'Retire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retire,
+                    request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.RetireRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.RetireResponse.SerializeToString,
             ),
             'Fill': grpc.unary_unary_rpc_method_handler(
                     servicer.Fill,
@@ -243,6 +297,87 @@ class KVAttention:
             '/fastdecode.v1.KVAttention/Stats',
             fastdecode_dot_v1_dot_kv__attention__pb2.StatsRequest.SerializeToString,
             fastdecode_dot_v1_dot_kv__attention__pb2.ShardStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateOut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.KVAttention/MigrateOut',
+            fastdecode_dot_v1_dot_kv__attention__pb2.MigrateOutRequest.SerializeToString,
+            fastdecode_dot_v1_dot_kv__attention__pb2.MigrateOutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSequence(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fastdecode.v1.KVAttention/ImportSequence',
+            fastdecode_dot_v1_dot_kv__attention__pb2.KVChunk.SerializeToString,
+            fastdecode_dot_v1_dot_kv__attention__pb2.ImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.KVAttention/Retire',
+            fastdecode_dot_v1_dot_kv__attention__pb2.RetireRequest.SerializeToString,
+            fastdecode_dot_v1_dot_kv__attention__pb2.RetireResponse.FromString,
             options,
             channel_credentials,
             insecure,

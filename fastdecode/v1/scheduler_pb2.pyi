@@ -7,6 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RemoveShardRequest(_message.Message):
+    __slots__ = ("shard", "address", "timeout_seconds")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    address: str
+    timeout_seconds: float
+    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RemoveShardResponse(_message.Message):
+    __slots__ = ("shard", "migrated_sequences", "reprefilled_sequences", "seconds", "bytes")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    REPREFILLED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    migrated_sequences: int
+    reprefilled_sequences: int
+    seconds: float
+    bytes: int
+    def __init__(self, shard: _Optional[int] = ..., migrated_sequences: _Optional[int] = ..., reprefilled_sequences: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "sample_index_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -54,7 +78,7 @@ class SchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardLoad(_message.Message):
-    __slots__ = ("shard", "address", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens", "block_tokens")
+    __slots__ = ("shard", "address", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens", "block_tokens", "state", "waiting_to_move")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +87,8 @@ class ShardLoad(_message.Message):
     EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TO_MOVE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     address: str
     healthy: bool
@@ -71,10 +97,12 @@ class ShardLoad(_message.Message):
     expected_tokens: int
     capacity_tokens: int
     block_tokens: int
-    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., expected_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    state: str
+    waiting_to_move: int
+    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., expected_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., state: _Optional[str] = ..., waiting_to_move: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission", "not_ready_reason", "preemptions")
+    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission", "not_ready_reason", "preemptions", "migrations", "migrated_bytes", "migration_seconds", "migrations_failed")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +114,10 @@ class SchedulerStats(_message.Message):
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     NOT_READY_REASON_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FAILED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     steps: int
@@ -97,4 +129,8 @@ class SchedulerStats(_message.Message):
     admission: str
     not_ready_reason: str
     preemptions: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ..., not_ready_reason: _Optional[str] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    migrations: int
+    migrated_bytes: int
+    migration_seconds: float
+    migrations_failed: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ..., not_ready_reason: _Optional[str] = ..., preemptions: _Optional[int] = ..., migrations: _Optional[int] = ..., migrated_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., migrations_failed: _Optional[int] = ...) -> None: ...

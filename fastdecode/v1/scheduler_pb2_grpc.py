@@ -56,6 +56,11 @@ class SchedulerStub:
                 request_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
                 response_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
                 _registered_method=True)
+        self.RemoveShard = channel.unary_unary(
+                '/fastdecode.v1.Scheduler/RemoveShard',
+                request_serializer=fastdecode_dot_v1_dot_scheduler__pb2.RemoveShardRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.RemoveShardResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -89,6 +94,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveShard(self, request, context):
+        """Drain a shard and take it out: no new placements, its sequences migrate (KV copied, no
+        re-prefill) to the others as room allows, then gpu_dense and the scheduler drop it and the
+        shard exits. Returns when it is out (or the deadline passed: DEADLINE_EXCEEDED, still draining).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.AddShard,
                     request_deserializer=fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.FromString,
                     response_serializer=fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.SerializeToString,
+            ),
+            'RemoveShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveShard,
+                    request_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.RemoveShardRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_scheduler__pb2.RemoveShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Scheduler:
             '/fastdecode.v1.Scheduler/AddShard',
             fastdecode_dot_v1_dot_dense__pb2.AddShardRequest.SerializeToString,
             fastdecode_dot_v1_dot_dense__pb2.AddShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.Scheduler/RemoveShard',
+            fastdecode_dot_v1_dot_scheduler__pb2.RemoveShardRequest.SerializeToString,
+            fastdecode_dot_v1_dot_scheduler__pb2.RemoveShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,6 +60,7 @@ class DenseService(pb_grpc.DenseServicer):
             self.settings.dtype,
             str(model.device),
             [link.address for link in self.links.links],
+            [link.index for link in self.links.links if link.removed],
         )
 
     @handles_errors
@@ -71,11 +72,23 @@ class DenseService(pb_grpc.DenseServicer):
             raise InvalidInput(f"shard address must be HOST:PORT, got {request.address!r}")
         for link in self.links.links:
             if link.address == address:
+                if link.removed:  # a removed shard back on its address (a restarted pod): same index
+                    self.links.links[link.index] = ShardLink(
+                        link.index, address, self.settings.tls, self.settings.shard_timeout
+                    )
+                    log.info("re-added %s", link.name)
                 return pb.AddShardResponse(shard=link.index)
         link = ShardLink(self.links.num_shards, address, self.settings.tls, self.settings.shard_timeout)
         self.links.add(link)
         log.info("added %s", link.name)
         return pb.AddShardResponse(shard=link.index)
+
+    @handles_errors
+    async def RemoveShard(
+        self, request: pb.DenseRemoveShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DenseRemoveShardResponse:
+        await self.links.remove(request.shard)
+        return pb.DenseRemoveShardResponse()
 
     async def step(self, runner: StepRunner, plan: pb.StepPlan) -> pb.StepResult:
         result = pb.StepResult(step=plan.step)

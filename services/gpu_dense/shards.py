@@ -23,7 +23,7 @@ import torch
 
 from fastdecode.convert import attend_request, parse_response
 from fastdecode.dense import AttendItem
-from fastdecode.errors import InvalidInput, ServiceError, Unavailable
+from fastdecode.errors import InvalidInput, NotFound, ServiceError, Unavailable
 from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.rpc import error_from_status as from_status
@@ -60,6 +60,7 @@ class ShardLink:
             ATTEND_METHOD, request_serializer=None, response_deserializer=None
         )
         self._streams: dict[int, _Stream] = {}
+        self.removed = False  # RemoveShard: an item for it fails UNAVAILABLE, nothing is dialled
 
     @property
     def name(self) -> str:
@@ -80,6 +81,8 @@ class ShardLink:
 
     async def send(self, slot: int, layer: int, item: AttendItem) -> int:
         """Write one item on the slot's stream; returns its request id."""
+        if self.removed:
+            raise Unavailable(f"{self.name} was removed")
         stream = self._streams.get(slot)
         if stream is not None and stream.since is not None:
             # The last item's answer was never read: its step was cancelled (a scheduler that
@@ -157,6 +160,16 @@ class ShardLinks:
 
     def add(self, link: ShardLink) -> None:
         self.links.append(link)
+
+    async def remove(self, index: int) -> None:
+        """Close a removed shard's streams; its index stays taken, so no other shard's moves."""
+        if not 0 <= index < len(self.links):
+            raise NotFound(f"unknown shard {index}")
+        link = self.links[index]
+        if not link.removed:
+            link.removed = True
+            await link.close()
+            log.info("removed %s", link.name)
 
     async def _watch(self) -> None:
         while True:

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import torch
 
 from fastdecode import codec, convert
+from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.kv import KV_DTYPES, native
 from fastdecode.protocol import DATA_PLANE_OPTIONS
-from fastdecode.rpc import Server, code_from_int, handles_errors, item_error, request_id_of
+from fastdecode.rpc import (
+    Server,
+    aio_channel,
+    code_from_int,
+    error_from_rpc,
+    handles_errors,
+    item_error,
+    request_id_of,
+    request_metadata,
+)
 from fastdecode.settings import ShardSettings
 from fastdecode.shard import ShardCore
 from fastdecode.v1 import kv_attention_pb2 as pb
@@ -34,6 +45,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             backend=settings.attention_backend,
         )
         self.metrics = ShardMetrics(self.shard, settings.kv_capacity)
+        self.retire: Callable[[], Awaitable[None]] | None = None  # serve(): stop serving and exit
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -108,6 +120,51 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             await context.write(self.answer(req))
         self._update_gauges()
 
+    @handles_errors
+    async def MigrateOut(
+        self, request: pb.MigrateOutRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateOutResponse:
+        t0 = time.perf_counter()
+        chunks = self.core.export_chunks(request.seq_id)
+        if ":" not in request.target:
+            raise InvalidInput(f"migration target must be HOST:PORT, got {request.target!r}")
+        channel = aio_channel(request.target, self.settings.tls, DATA_PLANE_OPTIONS)
+        try:
+            resp = await pb_grpc.KVAttentionStub(channel).ImportSequence(
+                chunks, timeout=context.time_remaining(), metadata=request_metadata(request.seq_id)
+            )
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"migration target {request.target}: ") from None
+        finally:
+            await channel.close()
+        seconds = time.perf_counter() - t0
+        log.info(
+            "migrated %d tokens (%d bytes) to %s in %.3fs",
+            resp.tokens,
+            resp.bytes,
+            request.target,
+            seconds,
+            extra={"request_id": request.seq_id},
+        )
+        return pb.MigrateOutResponse(tokens=resp.tokens, bytes=resp.bytes, seconds=seconds)
+
+    @handles_errors
+    async def ImportSequence(
+        self, request_iterator: AsyncIterator[pb.KVChunk], context: grpc.aio.ServicerContext
+    ) -> pb.ImportResponse:
+        tokens, nbytes = await self.core.import_chunks(request_iterator.__aiter__())
+        self._update_gauges()
+        return pb.ImportResponse(tokens=tokens, bytes=nbytes)
+
+    @handles_errors
+    async def Retire(self, request: pb.RetireRequest, context: grpc.aio.ServicerContext) -> pb.RetireResponse:
+        held = sum(self.core.release(None))
+        log.info("retired by the scheduler (freed %d sequences): stopping", held)
+        if self.retire is None:
+            raise FailedPrecondition("this shard cannot retire (not run by serve())")
+        await self.retire()
+        return pb.RetireResponse(sequences=held)
+
 
 def _request_ids(context: grpc.aio.ServicerContext, seq_ids: Sequence[str]) -> list[str]:
     """The request ids the caller sent in metadata, one per sequence (the sequence ids otherwise)."""
@@ -133,6 +190,12 @@ async def serve(settings: Settings) -> None:
         options=DATA_PLANE_OPTIONS,
     )
     service = KVAttentionService(settings)
+
+    async def retire() -> None:  # NOT_SERVING at once (no probe takes it back), then stop as on SIGTERM
+        await server.set_serving(False)
+        server.stopping.set()
+
+    service.retire = retire
     pb_grpc.add_KVAttentionServicer_to_server(service, server.server)
     server.install_signal_handlers(settings.supervisor_pid)
     await server.start()

@@ -14,7 +14,7 @@ from fastdecode.errors import Unavailable
 from fastdecode.geometry import KVGeometry
 from fastdecode.rpc import aio_channel, error_from_item, error_from_rpc, request_metadata
 from fastdecode.scheduling import Reservation, Step
-from fastdecode.scheduling.driver import DenseInfo, ItemResult, ShardState, StepOutcome
+from fastdecode.scheduling.driver import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
 from fastdecode.settings import TLSFiles
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc
 
@@ -44,6 +44,7 @@ class GrpcDenseLink:
             num_shards=len(i.shards),
             shard_addresses=tuple(i.shards),
             model=f"{i.model_path}|{i.dtype}",  # what the KV depends on: shards never mix prefixes of two
+            removed_shards=tuple(i.removed_shards),
         )
 
     async def run(self, step: Step, pipeline: bool) -> StepOutcome:
@@ -92,6 +93,12 @@ class GrpcDenseLink:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
         return int(resp.shard)
+
+    async def remove_shard(self, index: int, timeout: float) -> None:
+        try:
+            await self.stub.RemoveShard(dense_pb2.DenseRemoveShardRequest(shard=index), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"gpu_dense at {self.address}: ") from None
 
 
 class GrpcShardLink:
@@ -164,3 +171,17 @@ class GrpcShardLink:
             )
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
+
+    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
+        req = kv_attention_pb2.MigrateOutRequest(seq_id=seq_id, target=target)
+        try:
+            r = await self.stub.MigrateOut(req, timeout=timeout, metadata=request_metadata(seq_id))
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"shard {self.address}: ") from None
+        return MigrationResult(int(r.tokens), int(r.bytes), float(r.seconds))
+
+    async def retire(self, timeout: float) -> None:
+        try:
+            await self.stub.Retire(kv_attention_pb2.RetireRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"shard {self.address}: ") from None

@@ -35,6 +35,15 @@ STEP_SECONDS = Histogram(
     "Scheduler step wall time (reservations and the dense run included)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
+MIGRATIONS = Counter(
+    "fastdecode_migrations_total", "Live KV migrations between shards, by outcome", ["outcome"]
+)
+MIGRATED_BYTES = Counter("fastdecode_migrated_bytes_total", "KV bytes copied by live migrations")
+MIGRATION_SECONDS = Histogram(
+    "fastdecode_migration_seconds",
+    "Wall time of one live migration (the moving sequence's pause)",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 BATCH_SIZE = Histogram(
     "fastdecode_scheduler_batch_size",
     "Sequences per step",
@@ -49,6 +58,11 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
 
     def preempted(self, sequences: int) -> None:
         PREEMPTIONS.inc(sequences)
+
+    def migrated(self, nbytes: int, seconds: float, ok: bool) -> None:
+        MIGRATIONS.labels("ok" if ok else "failed").inc()
+        MIGRATED_BYTES.inc(nbytes)
+        MIGRATION_SECONDS.observe(seconds)
 
     def dense_reconnected(self) -> None:
         DENSE_RECONNECTS.inc()

@@ -60,9 +60,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if self.driver.core is None:
             raise Unavailable("scheduler not ready")
         addresses = [shard.link.address for shard in self.driver.shards]
-        return convert.scheduler_stats_to_proto(
+        out = convert.scheduler_stats_to_proto(
             self.driver.core.stats(), addresses, self.driver.not_ready_reason()
         )
+        d = self.driver
+        out.migrated_bytes, out.migration_seconds = d.migrated_bytes, d.migration_seconds
+        out.migrations_failed = d.migrations_failed
+        for sh in out.shards:
+            sh.waiting_to_move = d.waiting_to_move(sh.shard)
+        return out
 
     @handles_errors
     async def AddShard(
@@ -71,6 +77,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         address = request.address.strip()
         index = await self.driver.add_shard(address, lambda a: GrpcShardLink(a, self.settings.tls))
         return dense_pb2.AddShardResponse(shard=index)
+
+    @handles_errors
+    async def RemoveShard(
+        self, request: pb.RemoveShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RemoveShardResponse:
+        r = await self.driver.remove_shard(
+            request.shard, request.address.strip(), max(0.0, request.timeout_seconds)
+        )
+        return convert.remove_result_to_proto(r)
 
 
 async def _readiness(server: Server, driver: SchedulerDriver, interval: float) -> None:

@@ -615,6 +615,37 @@ def test_chart_spreads_shards_and_can_pin_whole_cpus() -> None:
     assert "topologySpreadConstraints" not in sts["spec"]["template"]["spec"]
 
 
+def test_chart_shards_drain_before_they_stop() -> None:
+    """Scale-down: each shard pod's preStop hook drains its own shard through the scheduler (named by
+    the ConfigMap's FASTDECODE_SCHEDULER, the shard by FASTDECODE_SHARD_ID), and the pod's grace
+    covers the drain; off, there is no hook and the common grace."""
+    docs = _render({})
+    (sts,) = _by_kind(docs, "StatefulSet").values()
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == [
+        "fastdecode",
+        "shards",
+        "drain",
+        "--timeout",
+        "120",
+    ]
+    assert "FASTDECODE_SHARD_ID" in {e["name"] for e in c["env"]}
+    (cm,) = _by_kind(docs, "ConfigMap").values()
+    assert "-scheduler:" in cm["data"]["FASTDECODE_SCHEDULER"]
+    assert {e["configMapRef"]["name"] for e in c["envFrom"] if "configMapRef" in e} == {
+        cm["metadata"]["name"]
+    }
+    assert pod["terminationGracePeriodSeconds"] == 30 + 120
+    for deploy in _by_kind(docs, "Deployment").values():  # the others keep the common grace
+        assert deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+    (sts,) = _by_kind(
+        _render({"kvAttention": {"drainOnStop": {"enabled": False, "timeoutSeconds": 5}}}), "StatefulSet"
+    ).values()
+    assert "lifecycle" not in sts["spec"]["template"]["spec"]["containers"][0]
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+
+
 def test_chart_refuses_bad_values() -> None:
     with helm.Chart.load(CHART_DIR) as chart:
         with pytest.raises(helm.HelmValuesError):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from fastdecode.benchmarks.hosts import NETNS_PREFIX
@@ -71,6 +72,17 @@ def test_cli_bench_split_rejects_bad_cpu_sets(model_factory: Callable) -> None:
     assert res.exit_code != 0 and "overlap" in res.output
     res = CliRunner().invoke(main, [*args, "--contexts", "x"])
     assert res.exit_code != 0 and "comma-separated" in res.output
+
+
+def test_cli_bench_split_device_cuda_without_cuda_is_one_clear_error(model_factory: Callable) -> None:
+    if torch.cuda.is_available():  # the GPU path is `make gpu-check` on a GPU host
+        return
+    args = ["bench", "split", "--model", str(model_factory("llama")), "--contexts", "16", "--json"]
+    res = CliRunner().invoke(main, [*args, "--device", "cuda"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
+    assert res.output.strip() == "Error: device cuda requested but CUDA is not available"
+    res = CliRunner().invoke(main, [*args, "--device", "tpu"])
+    assert res.exit_code == 2 and "'tpu' is not one of 'cpu', 'cuda'" in res.output
 
 
 def test_fill_rpc_writes_kv_and_maps_errors(tmp_path: Path) -> None:

@@ -19,8 +19,10 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.fleet_bench",
     "fastdecode.benchmarks.load_bench",
     "fastdecode.benchmarks.chaos",
+    "fastdecode.benchmarks.migrate",  # drives a fleet (RemoveShard, GetStats)
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
     "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
+    "fastdecode.benchmarks.split",  # drives gpu_dense and the shards over gRPC
 }
 
 BLOCK_GRPC = """

@@ -10,12 +10,12 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from fastdecode.errors import ServiceError, Unavailable
+from fastdecode.errors import NotFound, ServiceError, Unavailable
 from fastdecode.gateway.core import BackendInfo, UpstreamEvent
 from fastdecode.gateway.text import ValidRequest
 from fastdecode.geometry import KVGeometry
 from fastdecode.scheduling import Reservation, Step
-from fastdecode.scheduling.driver import DenseInfo, ItemResult, ShardState, StepOutcome
+from fastdecode.scheduling.driver import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
 
 
 @dataclass
@@ -109,6 +109,11 @@ class FakeDense:
         return StepOutcome(items)
 
     async def add_shard(self, address: str, timeout: float) -> int:
+        if address in self.info_.shard_addresses:  # idempotent per address; a removed one comes back
+            index = self.info_.shard_addresses.index(address)
+            removed = tuple(i for i in self.info_.removed_shards if i != index)
+            self.info_ = DenseInfo(**{**self.info_.__dict__, "removed_shards": removed})
+            return index
         self.info_ = DenseInfo(
             **{
                 **self.info_.__dict__,
@@ -117,6 +122,10 @@ class FakeDense:
             }
         )
         return self.info_.num_shards - 1
+
+    async def remove_shard(self, index: int, timeout: float) -> None:
+        removed = (*self.info_.removed_shards, index)
+        self.info_ = DenseInfo(**{**self.info_.__dict__, "removed_shards": removed})
 
 
 @dataclass
@@ -132,6 +141,9 @@ class FakeShard:
     block_size: int = 16
     held: dict[str, int] = field(default_factory=dict)
     stats_calls: int = 0
+    peers: dict[str, FakeShard] = field(default_factory=dict)  # migration targets by address
+    migrate_error: ServiceError | None = None
+    retired: bool = False
 
     async def healthy(self, timeout: float) -> bool:
         return self.serving
@@ -165,3 +177,19 @@ class FakeShard:
             self.held.clear()
         for sid in seq_ids or ():
             self.held.pop(sid, None)
+
+    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
+        if not self.serving:
+            raise Unavailable(f"shard {self.address} is down")
+        if self.migrate_error is not None:
+            raise self.migrate_error
+        if seq_id not in self.held:
+            raise NotFound(f"sequence {seq_id!r} is not held by this shard")
+        peer = self.peers.get(target)
+        if peer is None or not peer.serving:
+            raise Unavailable(f"migration target {target} unreachable")
+        peer.held[seq_id] = self.held[seq_id]
+        return MigrationResult(self.held[seq_id], 1000, 0.001)
+
+    async def retire(self, timeout: float) -> None:
+        self.retired, self.serving = True, False

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from fastdecode.benchmarks.gpu_check import split_layouts
 from fastdecode.benchmarks.hosts import cpu_list, host_layout, parse_cpu_set, parse_hosts, thread_env
-from fastdecode.benchmarks.split import crossover
+from fastdecode.benchmarks.split import crossover, run_split_bench
 from fastdecode.errors import InvalidInput, NotFound
 from fastdecode.kv import KVStore
 from fastdecode.planner import SplitParts, split_ideal_ratio, split_step_s
@@ -55,6 +58,32 @@ def test_layout_rejects_overlap_missing_cpus_and_no_room() -> None:
         host_layout("0", "7", available={0, 1})
     with pytest.raises(InvalidInput, match="no CPU left"):
         host_layout(available={0})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA error path")
+def test_split_device_cuda_without_cuda_is_invalid_input(tmp_path: Path) -> None:
+    # checked before the model is read or any host is made: tmp_path holds no checkpoint
+    with pytest.raises(InvalidInput, match="CUDA is not available"):
+        run_split_bench(tmp_path, device="cuda")
+    with pytest.raises(InvalidInput, match="device must be one of"):
+        run_split_bench(tmp_path, device="tpu")
+
+
+def test_gpu_check_split_layouts_deal_the_cpus() -> None:
+    layouts = split_layouts(range(16))
+    assert [n for n, _, _ in layouts] == [1, 2, 4, 8]
+    assert layouts[0] == (1, "0-3", "4-15")
+    assert layouts[1] == (2, "0-3", "4-9,10-15")
+    assert layouts[3][2] == "4,5,6,7,8,9,10,11"
+    # every layout is one host_layout accepts on those CPUs
+    for n, dense, shards in layouts:
+        layout = host_layout(dense, shards, available=set(range(16)))
+        assert len(layout.shards) == n and layout.dense == (0, 1, 2, 3)
+    # counts the CPUs cannot hold are skipped; one host's gaps are joined by '+'
+    assert split_layouts(range(2)) == [(1, "0", "1")]
+    assert [n for n, _, _ in split_layouts(range(8))] == [1, 2, 4]
+    assert split_layouts([0, 2, 3, 5, 6, 7, 9, 10], counts=(1,)) == [(1, "0+2", "3+5-7+9-10")]
+    assert split_layouts([0]) == []
 
 
 def test_split_step_overlaps_when_piped() -> None:

@@ -91,14 +91,16 @@ the process work (health service "liveness"), so a lost peer never gets a health
 {{- end }}
 {{- end }}
 
-{{/* Pod-level settings shared by every component. */}}
+{{/* Pod-level settings shared by every component; call with the root context, or with
+     (dict "root" $ "extraGrace" N) to give a component N more seconds to stop (a shard's drain). */}}
 {{- define "fastdecode.podCommon" -}}
+{{- $root := .root | default . -}}
 securityContext:
-  {{- toYaml .Values.podSecurityContext | nindent 2 }}
-terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ add $root.Values.terminationGracePeriodSeconds (.extraGrace | default 0) }}
 enableServiceLinks: false
 automountServiceAccountToken: false
-{{- with .Values.imagePullSecrets }}
+{{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}

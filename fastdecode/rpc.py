@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fastdecode import errors
 from fastdecode.errors import ServiceError, Status
+from fastdecode.internal_auth import CredentialedChannel, FleetAuthInterceptor
 from fastdecode.metrics import start_metrics_server
 from fastdecode.protocol import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
 from fastdecode.serving import write_ready_file
@@ -287,17 +288,28 @@ class GuardedRequests(grpc.aio.ServerInterceptor):
 def aio_channel(
     target: str, tls: TLSFiles | None = None, options: Sequence[tuple[str, int]] = ()
 ) -> grpc.aio.Channel:
-    """A channel with CHANNEL_OPTIONS plus `options` (DATA_PLANE_OPTIONS for Attend links)."""
+    """A channel with CHANNEL_OPTIONS plus `options` (DATA_PLANE_OPTIONS for Attend links); every call
+    on it carries the fleet secret when `tls` has one."""
     opts = [*CHANNEL_OPTIONS, *options]
     if tls is not None and (tls.enabled or tls.ca):
-        return grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
-    return grpc.aio.insecure_channel(target, options=opts)
+        channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
+    else:
+        channel = grpc.aio.insecure_channel(target, options=opts)
+    return _credentialed(channel, tls)
 
 
 def sync_channel(target: str, tls: TLSFiles | None = None) -> grpc.Channel:
     if tls is not None and (tls.enabled or tls.ca):
-        return grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return _credentialed(channel, tls)
+
+
+def _credentialed(channel: Any, tls: TLSFiles | None) -> Any:
+    if tls is None or tls.secret is None:
+        return channel
+    return CredentialedChannel(channel, tls.secret)
 
 
 # ---- server bootstrap ---------------------------------------------------------------------------
@@ -327,11 +339,17 @@ class Server:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         guard_requests: bool = True,
         options: Sequence[tuple[str, int]] = (),
+        internal: bool = True,
     ) -> None:
         # Undecodable bytes are INVALID_ARGUMENT everywhere (the gateway parses its own, guarded too).
         guards = [GuardedRequests()] if guard_requests else []
+        # An internal service (internal=False: the gateway's public port) refuses callers without the
+        # fleet secret, first of all, so their bytes are never parsed.
+        fleet_auth = [FleetAuthInterceptor(tls.secret)] if internal and tls and tls.secret else []
+        if internal and not fleet_auth:
+            log.warning("no fleet secret configured: internal calls are not authenticated")
         self.server = grpc.aio.server(
-            interceptors=[*interceptors, *guards] or None,
+            interceptors=[*fleet_auth, *interceptors, *guards] or None,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),

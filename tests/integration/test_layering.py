@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 # or a plain helper and must import without it.
 GRPC_MODULES = {
     "fastdecode.rpc",
+    "fastdecode.internal_auth",  # the fleet secret on gRPC calls (server interceptor, channel wrapper)
     "fastdecode.client",
     "fastdecode.benchmarks.transport",
     "fastdecode.benchmarks.fleet_bench",

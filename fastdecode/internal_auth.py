@@ -9,13 +9,13 @@ parsed (the check is on the method path, not on a list of methods).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from fastdecode.fleet_secret import FLEET_SECRET_KEY, FleetSecret
+from fastdecode.logs import Throttle
 
 log = logging.getLogger("fastdecode.auth")
 
@@ -55,8 +55,7 @@ class FleetAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, secret: FleetSecret) -> None:
         self._secret = secret
-        self._denied = 0
-        self._logged_at = -_LOG_EVERY_SECONDS
+        self._throttle = Throttle(_LOG_EVERY_SECONDS)
 
     def __repr__(self) -> str:
         return "FleetAuthInterceptor(secret=**********)"
@@ -72,13 +71,11 @@ class FleetAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._secret.matches(_secret_of(details.invocation_metadata)):
             return handler
-        self._denied += 1
-        now = time.monotonic()
-        if now - self._logged_at >= _LOG_EVERY_SECONDS:  # one line per interval, with the count
+        held = self._throttle("denied")  # one line per interval, with the count
+        if held is not None:
             log.warning(
-                "refused %d internal call(s) without the fleet credential (last: %s)", self._denied, method
+                "refused %d internal call(s) without the fleet credential (last: %s)", held + 1, method
             )
-            self._denied, self._logged_at = 0, now
         return _deny_handler(handler)
 
 

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from fastdecode.errors import InvalidInput, ServiceError, Status, Unavailable
 from fastdecode.geometry import KVGeometry
+from fastdecode.logs import Throttle
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
 from fastdecode.scheduling.core import SchedulerCore
 from fastdecode.scheduling.types import Request, Reservation, ShardSpec, Step, TokenEvent
@@ -126,6 +127,9 @@ def capacity_tokens(state: ShardState, geometry: KVGeometry) -> int:
     return max(0, (state.bytes_capacity // per_token) // block * block - block)
 
 
+REFUSAL_BACKOFF_MAX = 60.0  # seconds a shard that refused reservations waits, at most, to be taken back
+
+
 @dataclass
 class ShardTrack:
     """The driver's view of one shard: its link, health, and measured speed."""
@@ -135,6 +139,10 @@ class ShardTrack:
     busy: float = 0.0  # last attention busy seconds / attended token pairs seen
     pairs: float = 0.0
     r: float | None = None  # measured seconds per new token per cached token
+    # Reservations refused in a row (its wrong answers), and when a probe may take it back: a shard
+    # that keeps refusing waits longer each time instead of flapping every probe.
+    refusals: int = 0
+    retry_at: float = 0.0
 
 
 @dataclass
@@ -166,6 +174,7 @@ class SchedulerDriver:
         self._ids = itertools.count()
         self._decisions_seen: dict[str, int] = {}
         self.dense_down: str | None = None  # why gpu_dense is unreachable; None while it serves
+        self._throttle = Throttle(10.0)  # conditions that repeat every step or probe: one line per 10 s
 
     def not_ready_reason(self) -> str | None:
         """Why the fleet behind this scheduler cannot generate now (None: it can): readiness."""
@@ -422,6 +431,7 @@ class SchedulerDriver:
             ids = [s.seq_id for s in seqs]
             try:
                 await self.shards[shard].link.reserve(self.info.geometry, seqs, self.s.control_timeout)
+                self.shards[shard].refusals = 0
                 for s in seqs:
                     log.info(
                         "placed on shard %d: %d KV tokens reserved",
@@ -432,8 +442,23 @@ class SchedulerDriver:
             except ServiceError as e:
                 if e.status in (Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED):
                     self._shard_lost(shard, f"reserve failed: {e.message}")
-                else:
-                    log.warning("reserve of %d seqs on shard %d failed: %s", len(ids), shard, e.message)
+                elif e.status is not Status.RESOURCE_EXHAUSTED:
+                    # The fleet's own reservation refused (a geometry or state the shard should not
+                    # have): that shard's fault. Out of placement until a probe finds it empty and
+                    # SERVING, instead of placing the same sequences on it again every step.
+                    track = self.shards[shard]
+                    track.refusals += 1
+                    wait = min(REFUSAL_BACKOFF_MAX, self.s.health_interval * 2**track.refusals)
+                    track.retry_at = time.monotonic() + wait
+                    self._shard_lost(shard, f"it refused a reservation: {e.status.name}: {e.message}")
+                elif (held := self._throttle(("reserve", shard))) is not None:
+                    log.warning(
+                        "reserve of %d seqs on shard %d failed: %s (%d more since the last line)",
+                        len(ids),
+                        shard,
+                        e.message,
+                        held,
+                    )
                 for sid in ids:
                     self.core.reservation_failed(sid)
                 failed += ids
@@ -498,7 +523,8 @@ class SchedulerDriver:
             try:
                 await self._probe(i, track)
             except Exception:  # noqa: BLE001 - one shard's odd answer must not stop the others' probes
-                log.exception("probing shard %d (%s) failed", i, track.link.address)
+                if self._throttle(("probe", i)) is not None:
+                    log.exception("probing shard %d (%s) failed", i, track.link.address)
 
     async def _probe(self, index: int, track: ShardTrack) -> None:
         assert self.core is not None
@@ -507,11 +533,14 @@ class SchedulerDriver:
             await self._measure(index, track)
         elif not ok and track.healthy:
             self._shard_lost(index, "health check failed")
-        elif ok and not track.healthy:
+        elif ok and not track.healthy and time.monotonic() >= track.retry_at:
             try:
                 state = await track.link.stats(self.s.probe_timeout)
             except ServiceError as e:  # SERVING but cannot say what it holds: still lost, ask again later
-                log.warning("shard %d answers health but not Stats (%s); still lost", index, e.status.name)
+                if self._throttle(("stats", index)) is not None:
+                    log.warning(
+                        "shard %d answers health but not Stats (%s); still lost", index, e.status.name
+                    )
                 return
             if state.sequences:
                 # Alive but marked lost (its stream failed, not the process): every sequence it holds
@@ -521,9 +550,10 @@ class SchedulerDriver:
                     await track.link.release(None, self.s.control_timeout)
                     held, state = state.sequences, await track.link.stats(self.s.probe_timeout)
                 except ServiceError as e:  # gone again: still lost, ask again later
-                    log.warning(
-                        "shard %d answers health but not Release (%s); still lost", index, e.status.name
-                    )
+                    if self._throttle(("release", index)) is not None:
+                        log.warning(
+                            "shard %d answers health but not Release (%s); still lost", index, e.status.name
+                        )
                     return
                 log.info(
                     "shard %d (%s) answers again: freed the %d sequences it held",

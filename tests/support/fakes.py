@@ -132,6 +132,8 @@ class FakeShard:
     block_size: int = 16
     held: dict[str, int] = field(default_factory=dict)
     stats_calls: int = 0
+    reserve_error: ServiceError | None = None  # what Reserve answers instead (a shard in a wrong state)
+    reserve_calls: int = 0
 
     async def healthy(self, timeout: float) -> bool:
         return self.serving
@@ -153,8 +155,11 @@ class FakeShard:
         )
 
     async def reserve(self, geometry: KVGeometry, seqs: list[Reservation], timeout: float) -> None:
+        self.reserve_calls += 1
         if not self.serving:
             raise Unavailable(f"shard {self.address} is down")
+        if self.reserve_error is not None:
+            raise self.reserve_error
         self.held.update({s.seq_id: s.max_tokens for s in seqs})
 
     async def release(self, seq_ids: list[str] | None, timeout: float) -> None:

@@ -275,3 +275,35 @@ def test_a_restarted_scheduler_adopts_the_shards_gpu_dense_gained_at_run_time() 
             await SchedulerDriver(SETTINGS, dense, [FakeShard("fake:2"), FakeShard("fake:3")]).connect()
 
     asyncio.run(main())
+
+
+def test_a_shard_that_refuses_reservations_is_its_fault_not_a_loop(caplog: pytest.LogCaptureFixture) -> None:
+    """One shard answers every Reserve with INVALID_ARGUMENT (a geometry it should not hold): it is
+    marked lost, requests complete on the other one, it is asked again after a doubling wait rather
+    than every step, and the log says so a few times, not once per step."""
+
+    async def main() -> tuple[int, int]:
+        bad = FakeShard("fake:2", reserve_error=InvalidInput("holds KV of another geometry"))
+        good = FakeShard("fake:3")
+        driver = driver_with(bad, good)
+        await driver.connect()
+        tasks = [asyncio.create_task(t) for t in (driver.step_loop(), driver.health_loop())]
+        done = 0
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 0.5  # 50 health intervals of steady load
+            while loop.time() < end:
+                reqs = [_collect(driver, Request(f"r{done}-{i}", [3, 4], max_tokens=3)) for i in range(2)]
+                assert await asyncio.wait_for(asyncio.gather(*reqs), 10) == [[1, 2, 3]] * 2
+                done += 2
+        finally:
+            for t in tasks:
+                t.cancel()
+        return done, bad.reserve_calls
+
+    with caplog.at_level("WARNING", logger="fastdecode"):
+        done, calls = asyncio.run(main())
+    assert done >= 10
+    assert 1 <= calls <= 7, calls  # waits 0.02, 0.04, 0.08, 0.16, 0.32 s: a handful in 0.5 s
+    lost = [r for r in caplog.records if "refused a reservation" in r.getMessage()]
+    assert len(lost) == calls

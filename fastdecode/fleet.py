@@ -58,6 +58,7 @@ class ServiceProcess:
             "metrics": self.metrics,
             "log": str(self.log_path),
             "restarts": self.restarts,
+            "alive": self.proc.poll() is None,  # a dead pid is never listed as running
         }
 
     def log_tail(self, lines: int = 30) -> str:
@@ -470,8 +471,9 @@ class Supervisor:
                     SupervisorEvent(
                         svc.name,
                         "gave-up",
-                        f"{svc.name} died {len(recent)} times in {self.policy.window:.0f}s; "
-                        "not restarting it",
+                        # It died once more than it was restarted: say what was counted.
+                        f"{svc.name} was restarted {len(recent)} times in {self.policy.window:.0f}s and "
+                        f"died again (exit code {code}); not restarting it",
                     )
                 )
                 continue

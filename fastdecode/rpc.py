@@ -25,7 +25,7 @@ from fastdecode import errors
 from fastdecode.errors import ServiceError, Status
 from fastdecode.internal_auth import CredentialedChannel, FleetAuthInterceptor
 from fastdecode.metrics import start_metrics_server
-from fastdecode.protocol import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
+from fastdecode.protocol import CHANNEL_OPTIONS, DEPENDENCY_DOWN_KEY, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
 from fastdecode.serving import write_ready_file
 from fastdecode.settings import TLSFiles
 from fastdecode.v1 import tensor_pb2
@@ -107,6 +107,8 @@ async def abort(
 ) -> NoReturn:
     """End the call with `exc`'s status (context.abort raises; this never returns)."""
     code, msg = status_for(exc)
+    if isinstance(exc, errors.DependencyDown):
+        trailers = (*trailers, (DEPENDENCY_DOWN_KEY, "1"))
     await context.abort(code, msg, trailers)
     raise AssertionError("context.abort returned")  # grpc.aio raises AbortError from abort
 

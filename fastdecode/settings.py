@@ -165,6 +165,12 @@ class SchedulerSettings(ServiceSettings):
     health_interval: float = Field(1.0, gt=0, description="Seconds between shard health probes.")
     step_timeout: float = Field(120.0, gt=0, description="Seconds one step may take at gpu_dense.")
     startup_timeout: float = Field(300.0, gt=0, description="Seconds to wait for gpu_dense at start.")
+    dense_down_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds requests wait for a lost gpu_dense (a restart is a few seconds of backoff "
+        "plus its start); then they fail UNAVAILABLE and new ones are refused until it is back.",
+    )
     control_timeout: float = Field(
         10.0,
         gt=0,
@@ -195,7 +201,7 @@ class GatewaySettings(ServiceSettings):
         1.0, gt=0, description="Seconds between looks at whether the fleet can generate (readiness)."
     )
     scheduler_recovery_timeout: float = Field(
-        120.0,
+        30.0,
         ge=0,
         description="Seconds a request waits for a lost scheduler to come back before it fails "
         "(it is then resubmitted from its tokens so far); 0: fail at once.",

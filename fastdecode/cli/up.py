@@ -219,6 +219,7 @@ def up(
     except ServiceError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
+    failed = False
     try:
         if state_file:
             _write_state(Path(state_file), fleet.state())
@@ -234,11 +235,20 @@ def up(
                 click.echo(f"{'' if event.kind == 'restarted' else 'warning: '}{event.message}", err=True)
             if events and state_file:
                 _write_state(Path(state_file), fleet.state())
+            gave_up = [e for e in events if e.kind == "gave-up"]
+            if gave_up:
+                # The restart budget is spent: the fleet cannot be what the state file says. Stop it
+                # and exit non-zero with the reason rather than serve requests that cannot finish.
+                click.echo(f"error: {gave_up[0].message}; stopping the fleet", err=True)
+                failed = True
+                break
     finally:
         click.echo("stopping the fleet", err=True)
         fleet.stop()
         if state_file:
             Path(state_file).unlink(missing_ok=True)
+    if failed:
+        sys.exit(1)
 
 
 @click.command()

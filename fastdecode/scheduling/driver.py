@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fastdecode.errors import InvalidInput, ServiceError, Status, Unavailable
+from fastdecode.errors import DependencyDown, InvalidInput, ServiceError, Status, Unavailable
 from fastdecode.geometry import KVGeometry
 from fastdecode.logs import Throttle
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
@@ -174,6 +174,8 @@ class SchedulerDriver:
         self._ids = itertools.count()
         self._decisions_seen: dict[str, int] = {}
         self.dense_down: str | None = None  # why gpu_dense is unreachable; None while it serves
+        # Set once gpu_dense has been down past dense_down_timeout: what every request gets meanwhile.
+        self.dense_dead: DependencyDown | None = None
         self._throttle = Throttle(10.0)  # conditions that repeat every step or probe: one line per 10 s
 
     def not_ready_reason(self) -> str | None:
@@ -264,6 +266,8 @@ class SchedulerDriver:
             raise Unavailable("scheduler is draining" if self.draining else "scheduler not ready")
         if req.seq_id in self.streams:
             raise InvalidInput(f"request id {req.seq_id!r} is already running")
+        if self.dense_dead is not None:  # admission refuses while gpu_dense stays down
+            raise self.dense_dead
         core.submit(req)
         stream = self.streams[req.seq_id] = _Mailbox()
         log.info("queued: %d prompt tokens, max_tokens %d", len(req.prompt), req.max_tokens)
@@ -392,6 +396,8 @@ class SchedulerDriver:
         while True:
             await asyncio.sleep(wait)
             wait = min(DENSE_RETRY_MAX_S, wait * 2)
+            if self.dense_dead is None and time.monotonic() - since >= self.s.dense_down_timeout:
+                self._fail_paused(since)
             try:
                 info = await self.dense.info(self.s.control_timeout)
                 if info.geometry != self.info.geometry or info.num_shards > len(self.shards):
@@ -405,11 +411,27 @@ class SchedulerDriver:
                 continue
             break
         self.dense_down = None
+        self.dense_dead = None
         self.metrics.dense_reconnected()
         log.info(
             "gpu_dense is back after %.2fs; resuming %d requests", time.monotonic() - since, len(self.streams)
         )
         self.wake.set()
+
+    def _fail_paused(self, since: float) -> None:
+        """gpu_dense stayed down past the bound: every paused request ends now with UNAVAILABLE
+        naming it, and new ones are refused until it is back (the reconnect loop goes on)."""
+        assert self.core is not None
+        self.dense_dead = DependencyDown(
+            f"gpu_dense down for {time.monotonic() - since:.0f}s ({self.dense_down}); retry once it is back"
+        )
+        log.error("%s: failing %d requests", self.dense_dead.message, len(self.streams))
+        for sid, stream in list(self.streams.items()):
+            stream.queue.put_nowait(self.dense_dead)
+            try:
+                self.core.cancel(sid)  # its KV is freed with the first step after the reconnect
+            except ServiceError:
+                pass
 
     async def _release(self, releases: list[tuple[str, int]]) -> None:
         by_shard: dict[int, list[str]] = defaultdict(list)

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fastdecode import errors
 from fastdecode.errors import ServiceError, Status
-from fastdecode.internal_auth import CredentialedChannel, FleetAuthInterceptor
+from fastdecode.internal_auth import OPEN_PREFIXES, CredentialedChannel, FleetAuthInterceptor
 from fastdecode.metrics import start_metrics_server
 from fastdecode.protocol import CHANNEL_OPTIONS, DEPENDENCY_DOWN_KEY, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
 from fastdecode.serving import write_ready_file
@@ -208,7 +208,11 @@ def _bytes_or(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes
 class GuardedRequests(grpc.aio.ServerInterceptor):
     """Every method parses its requests with a guarded deserializer: bytes that do not parse end the
     call with INVALID_ARGUMENT naming the message type and one WARNING line; the server goes on.
-    A handler may also answer with wire bytes it serialized itself (they go out as they are)."""
+    A handler may also answer with wire bytes it serialized itself (they go out as they are).
+    `only`: guard just the methods under these path prefixes (the gateway guards its own)."""
+
+    def __init__(self, only: tuple[str, ...] = ()) -> None:
+        self.only = only
 
     async def intercept_service(
         self,
@@ -217,6 +221,8 @@ class GuardedRequests(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
+            return handler
+        if self.only and not (details.method or "").startswith(self.only):
             return handler
         method = details.method
         inner = handler.request_deserializer
@@ -323,6 +329,21 @@ STOP_TAIL_SECONDS = 1.0
 LIVENESS_SERVICE = "liveness"
 
 
+class _Health(health.aio.HealthServicer):
+    """grpc.health.v1 with List answered (the stock aio servicer leaves it to the sync base, which
+    raised NotImplementedError: a traceback in the log per call)."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in self._server_status.items()
+            }
+        )
+
+
 class Server:
     """A grpc.aio server with health (NOT_SERVING until ready), reflection and graceful stop.
 
@@ -343,8 +364,9 @@ class Server:
         options: Sequence[tuple[str, int]] = (),
         internal: bool = True,
     ) -> None:
-        # Undecodable bytes are INVALID_ARGUMENT everywhere (the gateway parses its own, guarded too).
-        guards = [GuardedRequests()] if guard_requests else []
+        # Undecodable bytes are INVALID_ARGUMENT everywhere (the gateway parses its own, guarded too:
+        # then only health and reflection, which are ours to guard, are).
+        guards = [GuardedRequests() if guard_requests else GuardedRequests(only=OPEN_PREFIXES)]
         # An internal service (internal=False: the gateway's public port) refuses callers without the
         # fleet secret, first of all, so their bytes are never parsed.
         fleet_auth = [FleetAuthInterceptor(tls.secret)] if internal and tls and tls.secret else []
@@ -362,7 +384,7 @@ class Server:
             ],
         )
         self.service_names = list(service_names)
-        self.health = health.aio.HealthServicer()
+        self.health = _Health()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server

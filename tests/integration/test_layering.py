@@ -20,6 +20,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.fleet_bench",
     "fastdecode.benchmarks.load_bench",
     "fastdecode.benchmarks.chaos",
+    "fastdecode.benchmarks.chaos_probes",
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
 }
 

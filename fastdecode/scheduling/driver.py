@@ -396,10 +396,15 @@ class SchedulerDriver:
         while True:
             await asyncio.sleep(wait)
             wait = min(DENSE_RETRY_MAX_S, wait * 2)
-            if self.dense_dead is None and time.monotonic() - since >= self.s.dense_down_timeout:
+            left = since + self.s.dense_down_timeout - time.monotonic()
+            if self.dense_dead is None and left <= 0:
                 self._fail_paused(since)
+            # info() waits for gpu_dense to answer: never past the moment the paused requests must end.
+            timeout = (
+                self.s.control_timeout if self.dense_dead else max(0.05, min(self.s.control_timeout, left))
+            )
             try:
-                info = await self.dense.info(self.s.control_timeout)
+                info = await self.dense.info(timeout)
                 if info.geometry != self.info.geometry or info.num_shards > len(self.shards):
                     # A different model or shard list behind the same address: nothing here fits it.
                     self.dense_down = "gpu_dense came back with a different model or shard list"

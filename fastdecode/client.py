@@ -40,6 +40,8 @@ The token is sent as call metadata and never logged or shown in a repr.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import math
 import random
@@ -47,7 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -223,18 +225,22 @@ class ModelInfo:
 
 
 # ---- shared helpers ------------------------------------------------------------------------------
-def _request(
-    prompt: str | None,
-    token_ids: Sequence[int] | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | Sequence[str] | None,
-    stop_token_ids: Sequence[int] | None,
-    ignore_eos: bool,
-) -> pb.GenerateRequest:
+def _generate_args(
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int | None = 16,
+    temperature: float | None = 0.0,
+    top_p: float | None = 1.0,
+    top_k: int | None = 0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    timeout: float | None = None,
+    *,
+    ignore_eos: bool = False,
+) -> tuple[pb.GenerateRequest, float | None]:
+    """The generate parameters, written once: `stream` and `generate` of both clients take these.
+    Returns the request, with only what is given set, and the timeout."""
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
     req = pb.GenerateRequest(
@@ -256,7 +262,49 @@ def _request(
         req.top_k = top_k
     if seed is not None:
         req.seed = seed
-    return req
+    return req, timeout
+
+
+_P = ParamSpec("_P")
+_S = TypeVar("_S")
+_R = TypeVar("_R")
+
+
+def _taking(
+    args: Callable[_P, tuple[pb.GenerateRequest, float | None]],
+) -> Callable[[Callable[[_S, pb.GenerateRequest, float | None], _R]], Callable[Concatenate[_S, _P], _R]]:
+    """A decorator: `method(self, request, timeout)` becomes callable as `method(self, <args'
+    parameters>)`, and its signature (help(), IDEs, type checkers) is theirs."""
+    params = list(inspect.signature(args).parameters.values())
+
+    def wrap(
+        method: Callable[[_S, pb.GenerateRequest, float | None], _R],
+    ) -> Callable[Concatenate[_S, _P], _R]:
+        call: Callable[..., Any]
+        if inspect.iscoroutinefunction(method):
+
+            async def call_async(self: _S, *a: Any, **kw: Any) -> Any:
+                return await method(self, *args(*a, **kw))
+
+            call = call_async
+        else:
+
+            def call_sync(self: _S, *a: Any, **kw: Any) -> Any:
+                return method(self, *args(*a, **kw))
+
+            call = call_sync
+        functools.update_wrapper(call, method)
+        attrs = vars(call)
+        del attrs["__wrapped__"]
+        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ret = inspect.signature(method).return_annotation
+        attrs["__signature__"] = inspect.Signature([this, *params], return_annotation=ret)
+        return call
+
+    return wrap
+
+
+_takes_generate_args = _taking(_generate_args)
 
 
 def _chunk(r: pb.GenerateResponse) -> Chunk:
@@ -528,58 +576,16 @@ class Client:
             time.sleep(delay)
             attempt += 1
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> Stream:
+    @_takes_generate_args
+    def stream(self, request: pb.GenerateRequest, timeout: float | None) -> Stream:
         """Chunks as tokens arrive (text delta, new token ids; the last has finish_reason and usage).
         The deadline starts now and covers the whole stream."""
-        request = _request(
-            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
-        )
         return Stream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> Completion:
+    @_takes_generate_args
+    def generate(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
         """The whole completion: text, generated token ids, finish_reason, usage."""
-        stream = self.stream(
-            prompt,
-            token_ids,
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            stop,
-            stop_token_ids,
-            timeout,
-            ignore_eos=ignore_eos,
-        )
-        with stream:
+        with Stream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT)) as stream:
             return _collect(list(stream))
 
     def tokenize(self, text: str, timeout: float | None = None) -> Tokens:
@@ -728,55 +734,15 @@ class AsyncClient:
             await asyncio.sleep(delay)
             attempt += 1
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> AsyncStream:
+    @_takes_generate_args
+    def stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncStream:
         """Chunks as tokens arrive, for `async for`. The deadline starts now."""
-        request = _request(
-            prompt, token_ids, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
-        )
         return AsyncStream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int | None = 16,
-        temperature: float | None = 0.0,
-        top_p: float | None = 1.0,
-        top_k: int | None = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        *,
-        ignore_eos: bool = False,
-    ) -> Completion:
-        stream = self.stream(
-            prompt,
-            token_ids,
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            stop,
-            stop_token_ids,
-            timeout,
-            ignore_eos=ignore_eos,
-        )
+    @_takes_generate_args
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
+        """The whole completion: text, generated token ids, finish_reason, usage."""
+        stream = AsyncStream(self, request, self._p.deadline(timeout, DEFAULT_GENERATE_TIMEOUT))
         async with stream:
             return _collect([c async for c in stream])
 

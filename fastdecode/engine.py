@@ -30,11 +30,6 @@ class SeqChunk:
     start_pos: int
 
 
-# The old name, still imported by services/gpu_dense/runner.py and benchmarks/transport.py (their
-# owners rename it); new code says SeqChunk, so it never meets the SDK's or the gateway's chunks.
-Chunk = SeqChunk
-
-
 @dataclass
 class Generation:
     token_ids: list[int] = field(default_factory=list)

@@ -15,7 +15,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -117,9 +117,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def handles_errors(method: F | None = None, *, trailers: tuple[tuple[str, str], ...] = ()) -> Any:
-    """Wrap a servicer method (unary, writer-style streaming, or an async-generator streaming one):
-    any exception it raises ends the call with the status `status_for` maps it to (and `trailers`),
-    so no handler writes its own try/abort. Cancellation passes through; a handler's own abort is kept.
+    """Wrap a servicer method (unary, writer-style streaming, or an async-generator streaming one), or
+    a bare handler function whose last argument is the call's context: any exception it raises ends
+    the call with the status `status_for` maps it to (and `trailers`), so no handler writes its own
+    try/abort. Cancellation passes through; a handler's own abort is kept.
 
     Use as `@handles_errors` or `@handles_errors(trailers=...)`."""
 
@@ -127,29 +128,27 @@ def handles_errors(method: F | None = None, *, trailers: tuple[tuple[str, str], 
         if inspect.isasyncgenfunction(fn):
 
             @functools.wraps(fn)
-            async def stream(
-                self: Any, request: Any, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
+            async def stream(*args: Any) -> AsyncIterator[Any]:
                 try:
-                    async for item in fn(self, request, context):
+                    async for item in fn(*args):
                         yield item
                 except grpc.aio.AbortError:
                     raise
                 except Exception as e:  # noqa: BLE001 - mapped in one place
-                    await abort(context, e, trailers)
+                    await abort(args[-1], e, trailers)
 
-            return stream  # type: ignore[return-value]
+            return cast(F, stream)
 
         @functools.wraps(fn)
-        async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary(*args: Any) -> Any:
             try:
-                return await fn(self, request, context)
+                return await fn(*args)
             except grpc.aio.AbortError:
                 raise
             except Exception as e:  # noqa: BLE001 - mapped in one place
-                await abort(context, e, trailers)
+                await abort(args[-1], e, trailers)
 
-        return unary  # type: ignore[return-value]
+        return cast(F, unary)
 
     return wrap(method) if method is not None else wrap
 

@@ -1,11 +1,36 @@
 """Process lifecycle shared by the service entry points: run a server until SIGTERM,
-announce the bound ports through a ready file (used by `fastdecode up`)."""
+announce the bound ports through a ready file (used by `fastdecode up`), and find the service
+adapters by name.
+
+The dependency between the two packages goes one way: `services` imports `fastdecode`, never the
+reverse. What fastdecode's tools need of the adapters (`fastdecode serve NAME` runs a service's
+`serve()`, `bench transport --breakdown` drives gpu_dense's shard links) they look up by name in the
+entry points the distribution declares (pyproject.toml); see ARCHITECTURE.md, "Dependency direction".
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
+
+from fastdecode.errors import FailedPrecondition
+
+# Entry-point groups (pyproject.toml [project.entry-points.*]):
+SERVICES = "fastdecode.services"  # `serve` command name -> async serve(settings)
+SHARD_PLANES = "fastdecode.shard_planes"  # name -> connect(addresses, concurrent=False) -> ShardPlane
+
+
+def registered(group: str, name: str) -> Any:
+    """The object registered as `name` in the entry-point `group`, loaded (its module imported now)."""
+    for ep in entry_points(group=group, name=name):
+        return ep.load()
+    raise FailedPrecondition(
+        f"nothing is registered as {name!r} in the entry points {group!r}: the installed package "
+        "metadata is missing or stale; reinstall the project (pip install -e .)"
+    )
 
 
 def write_ready_file(path: Path | None, **info: object) -> None:

@@ -29,10 +29,12 @@ import torch
 from fastdecode import codec
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
+from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem, ShardPlane
 from fastdecode.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.model import ModelConfig
 from fastdecode.rpc import sync_channel
+from fastdecode.serving import SHARD_PLANES, registered
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
@@ -41,9 +43,8 @@ WINDOW = 16  # round trips per set of sequences
 
 
 def _default_plane(addresses: list[str], concurrent: bool = False) -> ShardPlane:
-    from services.gpu_dense.shards import ShardLink, ShardLinks
-
-    return ShardLinks([ShardLink(i, a) for i, a in enumerate(addresses)], concurrent)
+    connect = registered(SHARD_PLANES, "grpc")  # gpu_dense's links (services/gpu_dense/shards.py)
+    return connect(addresses, concurrent=concurrent)
 
 
 def _concurrent_plane(addresses: list[str]) -> ShardPlane:
@@ -94,8 +95,6 @@ def pieces(cfg: ModelConfig, batch: int, repeats: int = 200) -> dict[str, float]
     q, k, v = _tensors(cfg, batch)
     ids = [f"s{i}" for i in range(batch)]
     item = AttendItem(0, ids, [1] * batch, [512] * batch, q, k, v)
-    from services.gpu_dense.shards import attend_request
-
     wire = attend_request(0, item, 1)
     o = torch.randn(batch, cfg.num_attention_heads * cfg.head_dim)
     resp = kv_pb.AttendResponse(request_id=1)

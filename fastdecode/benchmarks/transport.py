@@ -23,7 +23,7 @@ from fastdecode import checkpoint, codec
 from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.checkpoint import default_model_dir
-from fastdecode.engine import Chunk, LocalEngine
+from fastdecode.engine import LocalEngine, SeqChunk
 from fastdecode.errors import InvalidInput, ServiceError
 from fastdecode.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.model import ModelConfig
@@ -205,7 +205,7 @@ async def _run(
                 # A pause (not timed) between the fleet's and the local step: OpenMP workers spin
                 # for a while after a parallel region, and must not steal the other side's cores.
                 await asyncio.sleep(_SETTLE_S)
-                chunks = [Chunk(s, [t], pos) for s, t in zip(ids, local_tokens, strict=True)]
+                chunks = [SeqChunk(s, [t], pos) for s, t in zip(ids, local_tokens, strict=True)]
                 busy0 = engine.kv.busy_seconds
                 lcpu0 = time.process_time()
                 t1 = time.perf_counter()

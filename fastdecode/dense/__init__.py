@@ -1,6 +1,7 @@
-"""gpu_dense's core: the dense step runner and the pipeline chooser. Imports no gRPC."""
+"""gpu_dense's core: the dense step runner and the pipeline chooser. Imports no gRPC. The sequences a
+step runs are the scheduler's `fastdecode.scheduling.PlannedSeq` (one type across the step boundary)."""
 
 from fastdecode.dense.pipeline import PipelineChooser
-from fastdecode.dense.runner import AttendItem, DenseSeq, Outcome, ShardPlane, StepRunner, Timings
+from fastdecode.dense.runner import AttendItem, Outcome, ShardPlane, StepRunner, Timings
 
-__all__ = ["AttendItem", "DenseSeq", "Outcome", "PipelineChooser", "ShardPlane", "StepRunner", "Timings"]
+__all__ = ["AttendItem", "Outcome", "PipelineChooser", "ShardPlane", "StepRunner", "Timings"]

@@ -15,16 +15,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
 
 from fastdecode.dense.pipeline import PipelineChooser
-from fastdecode.engine import Chunk, pack
+from fastdecode.engine import SeqChunk, pack
 from fastdecode.errors import InvalidInput
 from fastdecode.model import DenseModel
-from fastdecode.sampling import SamplingParams, sample
+from fastdecode.sampling import sample
+from fastdecode.scheduling.types import PlannedSeq
 
 T = TypeVar("T")
 log = logging.getLogger("fastdecode.gpu_dense.runner")
@@ -54,18 +55,6 @@ class ShardPlane(Protocol):
     ) -> list[torch.Tensor | BaseException]:
         """o for each item, or the error that item met (the others still answer)."""
         ...
-
-
-@dataclass
-class DenseSeq:
-    seq_id: str
-    shard: int
-    mini_batch: int
-    token_ids: list[int]
-    start_pos: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    sample: bool = True
-    sample_index: int = 0
 
 
 @dataclass
@@ -100,7 +89,7 @@ class _Group:
 
     shard: int
     rows: slice
-    seqs: list[DenseSeq]
+    seqs: list[PlannedSeq]
     error: BaseException | None = None
 
     def finish(self) -> None:
@@ -131,7 +120,7 @@ class StepRunner:
         finally:
             self._busy += time.perf_counter() - t0
 
-    def validate(self, s: DenseSeq) -> None:
+    def validate(self, s: PlannedSeq) -> None:
         c = self.model.config
         if not s.seq_id:
             raise InvalidInput("empty sequence id")
@@ -148,7 +137,7 @@ class StepRunner:
         s.sampling.validate()
 
     @staticmethod
-    def _groups(seqs: list[DenseSeq]) -> list[_Group]:
+    def _groups(seqs: list[PlannedSeq]) -> list[_Group]:
         groups: list[_Group] = []
         row = 0
         for s in seqs:
@@ -164,10 +153,10 @@ class StepRunner:
             g.finish()
         return groups
 
-    async def _mini_batch(self, slot: int, seqs: list[DenseSeq]) -> torch.Tensor:
+    async def _mini_batch(self, slot: int, seqs: list[PlannedSeq]) -> torch.Tensor:
         """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states."""
         model = self.model
-        ids, pos, last = pack([Chunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
+        ids, pos, last = pack([SeqChunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
         groups = self._groups(seqs)
         num_layers = model.config.num_hidden_layers
 
@@ -211,18 +200,18 @@ class StepRunner:
         return hidden.index_select(0, last)
 
     async def run(
-        self, seqs: Sequence[DenseSeq], pipeline: bool = True
+        self, seqs: Sequence[PlannedSeq], pipeline: bool = True
     ) -> tuple[dict[str, Outcome], Timings]:
         async with self._lock:
             return await self._run(seqs, pipeline)
 
-    async def _run(self, seqs: Sequence[DenseSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
+    async def _run(self, seqs: Sequence[PlannedSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
         t0 = time.perf_counter()
         self._busy = 0.0
         self._attend_wait = 0.0
         self._failures = {}
         outcomes: dict[str, Outcome] = {}
-        valid: list[DenseSeq] = []
+        valid: list[PlannedSeq] = []
         for s in seqs:
             try:
                 if s.seq_id in outcomes:

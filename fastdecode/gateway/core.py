@@ -19,7 +19,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastdecode.errors import (
@@ -147,6 +147,18 @@ def _remaining(deadline: float | None) -> float | None:
     return left
 
 
+@dataclass
+class _Call:
+    """One generate call's bookkeeping: the status it is counted with, whether it was admitted (is
+    counted in flight) and whether its last chunk went out."""
+
+    api: str
+    arrival: float = field(default_factory=time.perf_counter)
+    status: Status = Status.OK
+    entered: bool = False
+    done: bool = False
+
+
 class GatewayCore:
     def __init__(
         self,
@@ -224,105 +236,136 @@ class GatewayCore:
         raises a ServiceError (already counted and logged); a consumer that stops early counts as
         CANCELLED and must close the generator (contextlib.aclosing), which cancels the upstream call.
         """
-        arrival = time.perf_counter()
-        status = Status.OK
-        entered = done = False
+        call = _Call(api)
         try:
-            if self.draining:
-                raise Unavailable("gateway is draining")
-            if self.inflight >= self.settings.max_concurrent_requests:
-                raise ResourceExhausted(f"{self.inflight} requests in flight at the gateway")
-            self.inflight += 1
-            entered = True
-            task = asyncio.current_task()
-            if task is not None:
-                self._tasks.add(task)
-            self.idle.clear()
-            self.metrics.in_flight(+1)
-
-            valid = await self._validate(params)
-            hidden = set(valid.stop_token_ids) | (set() if valid.ignore_eos else set(self.eos_ids))
-            out = OutputText(self.tokenizer, valid.stop, hidden, valid.prompt_ids)
-            await self._connected(_remaining(deadline))
-            n_prompt = len(valid.prompt_ids)
-            log.info("accepted (%s): %d prompt tokens, max_tokens %d", api, n_prompt, valid.max_tokens)
-            self.metrics.accepted(n_prompt)
+            self._admit(call)
+            valid, out = await self._accept(params, deadline, api)
             last: float | None = None
-            received: list[int] = []  # every token the scheduler sent, held-back ones included
-            lost_at: float | None = None
-            while True:
-                rest = valid
-                if received:  # a resubmission: continue from what was generated
-                    rest = replace(
-                        valid,
-                        prompt_ids=valid.prompt_ids + received,
-                        max_tokens=valid.max_tokens - len(received),
-                    )
-                events = self.scheduler.submit(request_id, rest, _remaining(deadline), len(received))
-                before = len(received)
-                try:
-                    async with contextlib.aclosing(self._relay(events, out, received, n_prompt)) as chunks:
-                        async for chunk in chunks:
-                            last = self._time_tokens(chunk, arrival, last)
-                            if chunk.finish_reason:
-                                elapsed = time.perf_counter() - arrival
-                                self.metrics.finished(chunk.finish_reason, elapsed)
-                                log.info(
-                                    "finished: %s, %d completion tokens in %.3fs",
-                                    chunk.finish_reason,
-                                    out.num_tokens,
-                                    elapsed,
-                                )
-                                done = True
-                                yield chunk
-                                return
-                            yield chunk
-                except DependencyDown:
-                    raise  # the scheduler's dependency stayed down: it would refuse a resubmission
-                except Unavailable as e:
-                    # Resubmit when the scheduler was lost (the connection failed, or it failed a
-                    # request it had taken). A live scheduler refusing a new request (draining, not
-                    # ready) answers the client at once, as before, unless we are already waiting
-                    # for a lost one to come back.
-                    if not (isinstance(e, SchedulerLost) or len(received) > before or lost_at is not None):
-                        raise
-                    if lost_at is None or len(received) > before:
-                        lost_at = time.monotonic()
-                    await self._await_scheduler(e, lost_at, deadline, len(received))
-                    continue
-                raise RuntimeError("the scheduler ended the token stream without a finish reason")
-        except asyncio.CancelledError:
-            cut = self.cut_off_error()
-            if cut is not None and not done:  # the drain's grace period ended: the client may retry
-                status = Status.UNAVAILABLE
-                log.info("ended by the drain after %.3fs", time.perf_counter() - arrival)
+            async with contextlib.aclosing(self._resubmitting(request_id, valid, out, deadline)) as chunks:
+                async for chunk in chunks:
+                    last = self._time_tokens(chunk, call.arrival, last)
+                    if chunk.finish_reason:
+                        self._finished(call, chunk)
+                        yield chunk
+                        return
+                    yield chunk
+            raise RuntimeError("the scheduler ended the token stream without a finish reason")
+        except (asyncio.CancelledError, GeneratorExit) as e:
+            cut = self._stopped(call, e)
+            if cut is not None:
                 raise cut from None
-            if not done:  # the client went away (or its deadline passed) before the end
-                status = Status.CANCELLED
-                log.info("cancelled after %.3fs", time.perf_counter() - arrival)
-            raise
-        except GeneratorExit:
-            # Closed by the adapter: its own wait (a write to the client) took the drain's cancel.
-            if self._cut_off and not done:
-                status = Status.UNAVAILABLE
-                log.info("ended by the drain after %.3fs", time.perf_counter() - arrival)
-            elif not done:
-                status = Status.CANCELLED
-                log.info("cancelled after %.3fs", time.perf_counter() - arrival)
             raise
         except Exception as e:  # noqa: BLE001 - every failure leaves as a ServiceError
-            failed = as_service_error(e, log)
-            status = failed.status
-            log.info("failed: %s: %s", failed.status.name, failed.message)
-            raise failed from None
+            raise self._failed(call, e) from None
         finally:
-            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
-            self.metrics.answered(status, api)
-            if entered:
-                self.inflight -= 1
-                self.metrics.in_flight(-1)
-                if self.inflight == 0:
-                    self.idle.set()
+            self._leave(call)
+
+    # -- its pieces: admission, acceptance, the resubmit loop, the exits
+    def _admit(self, call: _Call) -> None:
+        """Refuse while draining or at the concurrency limit; otherwise count the call in flight."""
+        if self.draining:
+            raise Unavailable("gateway is draining")
+        if self.inflight >= self.settings.max_concurrent_requests:
+            raise ResourceExhausted(f"{self.inflight} requests in flight at the gateway")
+        self.inflight += 1
+        call.entered = True
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)  # for cut_off()
+        self.idle.clear()
+        self.metrics.in_flight(+1)
+
+    async def _accept(
+        self, params: GenerateParams, deadline: float | None, api: str
+    ) -> tuple[ValidRequest, OutputText]:
+        """Validate and tokenize; wait for the scheduler's connection; count the request accepted."""
+        valid = await self._validate(params)
+        hidden = set(valid.stop_token_ids) | (set() if valid.ignore_eos else set(self.eos_ids))
+        out = OutputText(self.tokenizer, valid.stop, hidden, valid.prompt_ids)
+        await self._connected(_remaining(deadline))
+        n_prompt = len(valid.prompt_ids)
+        log.info("accepted (%s): %d prompt tokens, max_tokens %d", api, n_prompt, valid.max_tokens)
+        self.metrics.accepted(n_prompt)
+        return valid, out
+
+    async def _resubmitting(
+        self, request_id: str, valid: ValidRequest, out: OutputText, deadline: float | None
+    ) -> AsyncIterator[GenerationChunk]:
+        """The request's chunks from the scheduler, up to the one with finish_reason. A lost scheduler
+        costs time, not the request: once it answers again, the rest is resubmitted as prompt + the
+        tokens received so far (the remaining max_tokens, the next sample index)."""
+        received: list[int] = []  # every token the scheduler sent, held-back ones included
+        lost_at: float | None = None
+        while True:
+            rest = valid
+            if received:  # a resubmission: continue from what was generated
+                rest = replace(
+                    valid, prompt_ids=valid.prompt_ids + received, max_tokens=valid.max_tokens - len(received)
+                )
+            events = self.scheduler.submit(request_id, rest, _remaining(deadline), len(received))
+            before = len(received)
+            try:
+                relay = self._relay(events, out, received, len(valid.prompt_ids))
+                async with contextlib.aclosing(relay) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                        if chunk.finish_reason:
+                            return
+            except DependencyDown:
+                raise  # the scheduler's dependency stayed down: it would refuse a resubmission
+            except Unavailable as e:
+                # Resubmit when the scheduler was lost (the connection failed, or it failed a request
+                # it had taken). A live scheduler refusing a new request (draining, not ready) answers
+                # the client at once, unless we are already waiting for a lost one to come back.
+                if not (isinstance(e, SchedulerLost) or len(received) > before or lost_at is not None):
+                    raise
+                if lost_at is None or len(received) > before:
+                    lost_at = time.monotonic()
+                await self._await_scheduler(e, lost_at, deadline, len(received))
+                continue
+            return  # the stream ended without a finish reason: generate() raises
+
+    def _finished(self, call: _Call, last: GenerationChunk) -> None:
+        elapsed = time.perf_counter() - call.arrival
+        self.metrics.finished(last.finish_reason or "", elapsed)
+        log.info(
+            "finished: %s, %d completion tokens in %.3fs", last.finish_reason, last.completion_tokens, elapsed
+        )
+        call.done = True
+
+    def _stopped(self, call: _Call, e: asyncio.CancelledError | GeneratorExit) -> Unavailable | None:
+        """A call stopped from outside before its end: by the drain's cut-off (UNAVAILABLE, the client
+        may retry) or by the client (CANCELLED; gone, or its deadline passed). Returns the error to
+        end it with instead of `e`: the cut-off's, when its cancel landed here. A close (GeneratorExit:
+        the adapter's own wait took the cancel) stays a close; the adapter answers the cut-off."""
+        if call.done:
+            return None
+        elapsed = time.perf_counter() - call.arrival
+        if not self._cut_off:
+            call.status = Status.CANCELLED
+            log.info("cancelled after %.3fs", elapsed)
+            return None
+        call.status = Status.UNAVAILABLE
+        log.info("ended by the drain after %.3fs", elapsed)
+        return self.cut_off_error() if isinstance(e, asyncio.CancelledError) else None
+
+    def _failed(self, call: _Call, e: Exception) -> ServiceError:
+        failed = as_service_error(e, log)
+        call.status = failed.status
+        log.info("failed: %s: %s", failed.status.name, failed.message)
+        return failed
+
+    def _leave(self, call: _Call) -> None:
+        """Every call, admitted or not, is counted once as answered."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.discard(task)
+        self.metrics.answered(call.status, call.api)
+        if call.entered:
+            self.inflight -= 1
+            self.metrics.in_flight(-1)
+            if self.inflight == 0:
+                self.idle.set()
 
     async def _relay(
         self, events: AsyncIterator[UpstreamEvent], out: OutputText, received: list[int], n_prompt: int

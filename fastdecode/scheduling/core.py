@@ -49,7 +49,9 @@ from fastdecode.scheduling.types import (
     PlannedSeq,
     Request,
     Reservation,
+    SchedulerStats,
     ShardSpec,
+    ShardStats,
     Step,
     TokenEvent,
 )
@@ -629,13 +631,6 @@ class SchedulerCore:
             raise NotFound(f"unknown running sequence {seq_id!r}")
         return seq.shard
 
-    def tokens_of(self, seq_id: str) -> list[int]:
-        """A running sequence's token history (prompt + generated)."""
-        seq = self._running.get(seq_id) or self._waiting.get(seq_id)
-        if seq is None:
-            raise NotFound(f"unknown sequence {seq_id!r}")
-        return list(seq.tokens)
-
     def kv_tokens_per_shard(self) -> list[int]:
         """KV tokens each shard holds now (planned chunks included)."""
         out = [0] * len(self._shards)
@@ -644,8 +639,8 @@ class SchedulerCore:
                 out[seq.shard] += seq.kv
         return out
 
-    def stats(self) -> dict:
-        """Counts and per-shard load, shaped like the SchedulerStats message."""
+    def stats(self) -> SchedulerStats:
+        """Counts and per-shard load (the scheduler's GetStats and its metrics)."""
         tokens = self.kv_tokens_per_shard()
         expected = [0.0] * len(self._shards)
         committed = [0] * len(self._shards)
@@ -653,32 +648,30 @@ class SchedulerCore:
             if seq.shard is not None:
                 expected[seq.shard] += len(seq.req.prompt) + self._expected_gen(seq)
                 committed[seq.shard] += self._commitment(seq, self._shards[seq.shard].spec.block_size)
-        return {
-            "running": self.running,
-            "waiting": self.waiting,
-            "steps": self._step,
-            "finished": self._finished,
-            "recoveries": self._recoveries,
-            "preemptions": self.preemptions,
-            "admission": getattr(self._admission, "name", type(self._admission).__name__),
-            "w_limit": self._admission.w_limit(self._step),
-            "kv_load_tokens": float(sum(tokens)),
-            "expected_ratio": self._ratio,
-            "shards": [
-                {
-                    "shard": i,
-                    "healthy": sh.healthy,
-                    "sequences": len(sh.seqs),
-                    "tokens": tokens[i],
-                    "expected_tokens": int(round(expected[i])),
-                    # KV blocks allocated on the shard (tokens, whole blocks) and what admission
-                    # counts against it (blocks plus the running sequences' headroom)
-                    "reserved_tokens": sh.blocks * sh.spec.block_size,
-                    "committed_tokens": committed[i],
-                    "capacity_tokens": sh.spec.capacity_tokens,
-                    "block_size": sh.spec.block_size,
-                    "speed": sh.spec.speed,
-                }
+        return SchedulerStats(
+            running=self.running,
+            waiting=self.waiting,
+            steps=self._step,
+            finished=self._finished,
+            recoveries=self._recoveries,
+            preemptions=self.preemptions,
+            admission=getattr(self._admission, "name", type(self._admission).__name__),
+            w_limit=self._admission.w_limit(self._step),
+            kv_load_tokens=float(sum(tokens)),
+            expected_ratio=self._ratio,
+            shards=[
+                ShardStats(
+                    shard=i,
+                    healthy=sh.healthy,
+                    sequences=len(sh.seqs),
+                    tokens=tokens[i],
+                    expected_tokens=int(round(expected[i])),
+                    reserved_tokens=sh.blocks * sh.spec.block_size,
+                    committed_tokens=committed[i],
+                    capacity_tokens=sh.spec.capacity_tokens,
+                    block_size=sh.spec.block_size,
+                    speed=sh.spec.speed,
+                )
                 for i, sh in enumerate(self._shards)
             ],
-        }
+        )

@@ -34,16 +34,18 @@ class Request:
 
 @dataclass
 class PlannedSeq:
-    """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`."""
+    """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`. The one
+    type on both sides of the step boundary: the scheduler core plans it, gpu_dense's StepRunner runs
+    it (fastdecode.convert carries it over the wire as a dense.proto PlannedSequence)."""
 
     seq_id: str
     shard: int
     mini_batch: int
     token_ids: list[int]
     start_pos: int
-    sampling: Sampling
-    sample: bool
-    sample_index: int
+    sampling: Sampling = field(default_factory=Sampling)
+    sample: bool = True  # False: a prefill chunk before the prompt's last (nothing to sample yet)
+    sample_index: int = 0
 
 
 @dataclass
@@ -119,3 +121,36 @@ class ShardSpec:
     capacity_tokens: int
     speed: float = 1.0
     block_size: int = 1
+
+
+@dataclass
+class ShardStats:
+    """One shard's load as the scheduler core counts it."""
+
+    shard: int
+    healthy: bool
+    sequences: int
+    tokens: int  # KV tokens held (planned chunks included)
+    expected_tokens: int  # tokens its sequences are expected to reach (the length estimate)
+    reserved_tokens: int  # KV blocks allocated on the shard, in tokens (whole blocks)
+    committed_tokens: int  # what admission counts against it: blocks plus running sequences' headroom
+    capacity_tokens: int
+    block_size: int
+    speed: float
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler core's counts and per-shard load (`SchedulerCore.stats`)."""
+
+    running: int
+    waiting: int
+    steps: int
+    finished: int
+    recoveries: int
+    preemptions: int
+    admission: str  # the policy's name
+    w_limit: float | None  # the stabilized policy's load limit this step (None: no limit)
+    kv_load_tokens: float
+    expected_ratio: float  # expected share of max_tokens a sequence generates
+    shards: list[ShardStats]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +51,20 @@ def error_response(e: ServiceError, status_override: int | None = None) -> JSONR
     return JSONResponse(body, status_code=status_override or status, headers=headers)
 
 
+E = TypeVar("E", bound=Exception)
+
+
+def _on(app: FastAPI, kind: type[E], handle: Callable[[Request, E], Awaitable[Response]]) -> None:
+    """Register `handle` for `kind`, typed as the handler of any exception Starlette expects."""
+
+    async def handler(request: Request, e: Exception) -> Response:
+        if not isinstance(e, kind):  # Starlette calls it for `kind` only
+            raise e
+        return await handle(request, e)
+
+    app.add_exception_handler(kind, handler)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client hangs up (the body is already read: receive() waits for that)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -77,9 +91,9 @@ class OpenAIApp:
             openapi_url=None,
             max_body_size=settings.max_message_bytes,
         )
-        app.add_exception_handler(ServiceError, self._on_error)  # type: ignore[arg-type]
-        app.add_exception_handler(RequestValidationError, self._on_validation)  # type: ignore[arg-type]
-        app.add_exception_handler(HTTPException, self._on_http)  # type: ignore[arg-type]
+        _on(app, ServiceError, self._on_error)
+        _on(app, RequestValidationError, self._on_validation)
+        _on(app, HTTPException, self._on_http)
         app.add_exception_handler(Exception, self._on_internal)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])

@@ -60,7 +60,7 @@ class GrpcSchedulerLink:
         try:
             await asyncio.wait_for(self.channel.channel_ready(), timeout)
         except TimeoutError:
-            raise Unavailable(f"scheduler {self.target} is unreachable") from None
+            raise Unavailable(f"scheduler {self.target} is not reachable") from None
 
     async def submit(
         self, request_id: str, request: ValidRequest, timeout: float | None, sample_offset: int = 0
@@ -85,14 +85,14 @@ class GrpcSchedulerLink:
             )
         except grpc.aio.AioRpcError as e:
             raise upstream_error(e) from None
-        return BackendInfo(info.model_type, info.vocab_size, info.num_shards, info.device)
+        return convert.backend_info_from_proto(info)
 
     async def not_ready_reason(self, timeout: float) -> str | None:
         try:
             st = await self.stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and not _answered(e):
-                return f"scheduler {self.target} unreachable"
+                return f"scheduler {self.target} not reachable"
             return f"scheduler: {e.details()}"
         return st.not_ready_reason or None
 

@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 from pydantic import SecretStr
 
 from fastdecode.convert import chunk_to_proto, model_card_to_proto, params_from_proto
-from fastdecode.errors import InvalidInput
+from fastdecode.errors import InvalidInput, Unauthenticated
 from fastdecode.gateway.auth import bearer_matches
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.model import ModelConfig
@@ -45,10 +45,11 @@ GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 def _deny(handler: grpc.RpcMethodHandler, message: str, api_request: bool) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
 
+    @handles_errors(trailers=ERROR_TRAILER)
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
         if api_request:
             GATEWAY_REQUESTS.labels(grpc.StatusCode.UNAUTHENTICATED.name, "grpc").inc()
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, ERROR_TRAILER)
+        raise Unauthenticated(message)
 
     kind = {
         (False, False): grpc.unary_unary_rpc_method_handler,

@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from fastdecode import codec
+from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem
 from fastdecode.errors import ServiceError, Unavailable
 from fastdecode.protocol import DATA_PLANE_OPTIONS
@@ -33,18 +34,6 @@ log = logging.getLogger("fastdecode.gpu_dense.shards")
 
 _ids = itertools.count(1)
 ATTEND_METHOD = f"/{kv_pb.DESCRIPTOR.services_by_name['KVAttention'].full_name}/Attend"
-
-
-def attend_request(layer: int, item: AttendItem, request_id: int) -> bytes:
-    """One item's AttendRequest as wire bytes."""
-    head = kv_pb.AttendRequest(
-        request_id=request_id,
-        layer=layer,
-        seq_ids=item.seq_ids,
-        num_tokens=item.num_tokens,
-        start_pos=item.start_pos,
-    )
-    return codec.serialize_with(head, q=item.q, k=item.k, v=item.v)
 
 
 class _Stream:
@@ -207,3 +196,11 @@ class ShardLinks:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         for link in self.links:
             await link.close()
+
+
+def connect(
+    addresses: Sequence[str], tls: TLSFiles | None = None, timeout: float = 60.0, concurrent: bool = False
+) -> ShardLinks:
+    """gpu_dense's ShardPlane to these shards, shard i at addresses[i] (registered in pyproject.toml
+    as the `grpc` shard plane, for the benchmarks in fastdecode)."""
+    return ShardLinks([ShardLink(i, a, tls, timeout) for i, a in enumerate(addresses)], concurrent)

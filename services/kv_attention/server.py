@@ -7,37 +7,18 @@ from collections.abc import Sequence
 
 import grpc
 import torch
-from prometheus_client import Counter, Gauge, Histogram
 
-from fastdecode import codec
+from fastdecode import codec, convert
 from fastdecode.kv import KV_DTYPES, native
 from fastdecode.protocol import DATA_PLANE_OPTIONS
-from fastdecode.rpc import Server, abort, code_from_int, item_error, request_id_of
+from fastdecode.rpc import Server, code_from_int, handles_errors, item_error, request_id_of
 from fastdecode.settings import ShardSettings
 from fastdecode.shard import ShardCore
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from services.kv_attention.metrics import ShardMetrics
 
 log = logging.getLogger("fastdecode.kv_attention")
-
-KV_USAGE = Gauge("fastdecode_kv_usage_ratio", "Reserved share of the shard's KV pool", ["shard"])
-KV_TOKENS = Gauge("fastdecode_kv_tokens_held", "Tokens held in the shard's KV-cache", ["shard"])
-KV_BYTES_USED = Gauge("fastdecode_kv_bytes_used", "Bytes of the KV pool holding tokens", ["shard"])
-KV_BYTES_CAPACITY = Gauge("fastdecode_kv_bytes_capacity", "Bytes of the shard's KV pool", ["shard"])
-KV_SEQUENCES = Gauge("fastdecode_kv_sequences", "Sequences with KV on the shard", ["shard"])
-ATTENTION_SECONDS = Histogram(
-    "fastdecode_kv_attention_seconds",
-    "Attention compute time per Attend item (one layer of one mini-batch)",
-    ["shard"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
-)
-KV_BYTES_READ = Counter(
-    "fastdecode_kv_bytes_read_total", "KV-cache bytes read by attention (keys and values)", ["shard"]
-)
-ATTEND_ERRORS = Counter(
-    "fastdecode_kv_attend_errors_total", "Attend items answered with an error", ["shard", "code"]
-)
-
 
 Settings = ShardSettings  # the one settings class: fastdecode.settings
 
@@ -52,42 +33,26 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             settings.block_size,
             backend=settings.attention_backend,
         )
-        # per-item metrics, resolved once rather than by label on every item
-        self._attention_seconds = ATTENTION_SECONDS.labels(self.shard)
-        self._kv_bytes_read = KV_BYTES_READ.labels(self.shard)
+        self.metrics = ShardMetrics(self.shard, settings.kv_capacity)
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        s = self.core.store
-        if s is None:
-            # Visible from the first scrape, before any sequence: an idle shard is empty, not absent.
-            # Its pool is sized by the first reservation's geometry; until then the budget is its size.
-            for gauge in (KV_USAGE, KV_TOKENS, KV_BYTES_USED, KV_SEQUENCES):
-                gauge.labels(self.shard).set(0)
-            KV_BYTES_CAPACITY.labels(self.shard).set(self.settings.kv_capacity)
-        elif s.capacity_tokens:
-            KV_USAGE.labels(self.shard).set(s.tokens_reserved / s.capacity_tokens)
-            KV_TOKENS.labels(self.shard).set(s.tokens_held)
-            KV_BYTES_USED.labels(self.shard).set(s.bytes_used)
-            KV_BYTES_CAPACITY.labels(self.shard).set(s.capacity_bytes)
-            KV_SEQUENCES.labels(self.shard).set(len(s.seqs))
+        self.metrics.pool(self.core.store)
 
+    @handles_errors
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
         g, seqs = request.geometry, request.sequences
-        try:
-            free = self.core.reserve(
-                (g.num_layers, g.num_kv_heads, g.head_dim), [(s.seq_id, s.max_tokens) for s in seqs]
-            )
-        except Exception as e:  # noqa: BLE001 - mapped to a status in one place
-            await abort(context, e)
-            raise  # unreachable: abort raises
+        free = self.core.reserve(
+            (g.num_layers, g.num_kv_heads, g.head_dim), [(s.seq_id, s.max_tokens) for s in seqs]
+        )
         self._update_gauges()
         for rid, seq in zip(_request_ids(context, [s.seq_id for s in seqs]), seqs, strict=True):
             log.info("reserved %d KV tokens", seq.max_tokens, extra={"request_id": rid})
         return pb.ReserveResponse(free_tokens=free)
 
+    @handles_errors
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
@@ -104,28 +69,9 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         self._update_gauges()
         return pb.ReleaseResponse(released=released)
 
+    @handles_errors
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ShardStats:
-        s = self.core.store
-        stats = pb.ShardStats(
-            shard_id=self.settings.shard_id,
-            kv_dtype=codec.wire_dtype(self.core.dtype),
-            block_size=self.settings.block_size,
-        )
-        if s is not None:
-            stats.configured = True
-            stats.sequences = len(s.seqs)
-            stats.tokens_held = s.tokens_held
-            stats.tokens_reserved = s.tokens_reserved
-            stats.bytes_used = s.bytes_used
-            stats.bytes_capacity = s.capacity_bytes
-            stats.attention_busy_seconds = s.busy_seconds
-            stats.attend_items = s.attend_calls
-            stats.free_tokens = s.free_tokens
-            stats.attended_token_pairs = self.core.attended_pairs
-            stats.blocks_in_use, stats.blocks_free = s.blocks_in_use, s.blocks_free
-        else:
-            stats.bytes_capacity = self.settings.kv_capacity
-        return stats
+        return convert.shard_stats_to_proto(self.settings.shard_id, self.core)
 
     def answer(self, req: pb.AttendRequest) -> bytes | pb.AttendResponse:
         """One Attend item, run right here on the event loop: a hop to a worker thread and back
@@ -135,17 +81,17 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         through), an error as an AttendResponse message."""
         try:
             r = self.core.attend(req)
-            self._attention_seconds.observe(r.seconds)
-            self._kv_bytes_read.inc(r.kv_bytes_read)
+            self.metrics.attended(r.seconds, r.kv_bytes_read)
             head = pb.AttendResponse(request_id=req.request_id, attend_seconds=r.seconds)
             return codec.serialize_with(head, o=r.o)
         except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
             resp = pb.AttendResponse(request_id=req.request_id)
             resp.error.CopyFrom(item_error(e))
-            ATTEND_ERRORS.labels(self.shard, code_from_int(resp.error.code).name).inc()
+            self.metrics.attend_failed(code_from_int(resp.error.code).name)
             log.debug("attend item %d failed: %s", req.request_id, e)
             return resp
 
+    @handles_errors
     async def Attend(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         # Direct reads and writes on the stream: no async generator between us and gRPC.
         while (req := await context.read()) is not grpc.aio.EOF:

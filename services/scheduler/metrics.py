@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from fastdecode.scheduling import SchedulerStats
 from fastdecode.scheduling.driver import SchedulerMetrics
 
 RUNNING = Gauge("fastdecode_num_requests_running", "Sequences decoding")
@@ -56,14 +57,14 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
         STEP_SECONDS.observe(seconds)
         BATCH_SIZE.observe(batch)
 
-    def state(self, stats: dict, decisions_delta: dict[str, int]) -> None:
-        RUNNING.set(stats["running"])
-        WAITING.set(stats["waiting"])
-        KV_LOAD.set(stats["kv_load_tokens"])
-        for sh in stats["shards"]:
-            SHARD_TOKENS.labels(str(sh["shard"])).set(sh["tokens"])
-            SHARD_HEALTHY.labels(str(sh["shard"])).set(1 if sh["healthy"] else 0)
-            if sh["capacity_tokens"]:
-                SHARD_USAGE.labels(str(sh["shard"])).set(sh["reserved_tokens"] / sh["capacity_tokens"])
+    def state(self, stats: SchedulerStats, decisions_delta: dict[str, int]) -> None:
+        RUNNING.set(stats.running)
+        WAITING.set(stats.waiting)
+        KV_LOAD.set(stats.kv_load_tokens)
+        for sh in stats.shards:
+            SHARD_TOKENS.labels(str(sh.shard)).set(sh.tokens)
+            SHARD_HEALTHY.labels(str(sh.shard)).set(1 if sh.healthy else 0)
+            if sh.capacity_tokens:
+                SHARD_USAGE.labels(str(sh.shard)).set(sh.reserved_tokens / sh.capacity_tokens)
         for decision, count in decisions_delta.items():
             ADMISSIONS.labels(decision).inc(count)

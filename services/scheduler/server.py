@@ -59,31 +59,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.SchedulerStats:
         if self.driver.core is None:
             raise Unavailable("scheduler not ready")
-        st = self.driver.core.stats()
-        out = pb.SchedulerStats(
-            running=st["running"],
-            waiting=st["waiting"],
-            steps=st["steps"],
-            finished=st["finished"],
-            recoveries=st["recoveries"],
-            preemptions=st["preemptions"],
-            kv_load_tokens=st["kv_load_tokens"],
-            w_limit=st["w_limit"] or 0.0,
-            admission=st["admission"],
-            not_ready_reason=self.driver.not_ready_reason() or "",
+        addresses = [shard.link.address for shard in self.driver.shards]
+        return convert.scheduler_stats_to_proto(
+            self.driver.core.stats(), addresses, self.driver.not_ready_reason()
         )
-        for sh in st["shards"]:
-            out.shards.add(
-                shard=sh["shard"],
-                address=self.driver.shards[sh["shard"]].link.address,
-                healthy=sh["healthy"],
-                sequences=sh["sequences"],
-                tokens=sh["tokens"],
-                expected_tokens=sh["expected_tokens"],
-                capacity_tokens=sh["capacity_tokens"],
-                block_tokens=sh["reserved_tokens"],
-            )
-        return out
 
     @handles_errors
     async def AddShard(

@@ -41,8 +41,8 @@ from fastdecode.client import (
     Usage,
     _chunk,
     _collect,
+    _generate_args,
     _Policy,
-    _request,
 )
 from fastdecode.fleet import free_port, start_service, stop_processes
 from fastdecode.protocol import ERROR_TRAILER
@@ -66,16 +66,17 @@ class _Status(grpc.RpcError):
 
 
 def test_request_sets_only_what_is_given() -> None:
-    r = _request("hi", None, 16, 0.0, 1.0, 0, None, "\n", None, False)
+    r, timeout = _generate_args("hi", max_tokens=16, stop="\n", timeout=3.0)
+    assert timeout == 3.0
     assert r.WhichOneof("input") == "prompt" and r.prompt == "hi"
     assert list(r.stop) == ["\n"]
     assert r.HasField("max_tokens") and not r.HasField("seed")
-    r = _request(None, [1, 2], None, None, None, None, 7, ["a", "b"], [3], True)
+    r, _ = _generate_args(None, [1, 2], None, None, None, None, 7, ["a", "b"], [3], ignore_eos=True)
     assert r.WhichOneof("input") == "token_ids" and list(r.token_ids.ids) == [1, 2]
     assert not r.HasField("max_tokens") and not r.HasField("temperature") and r.seed == 7
     assert list(r.stop) == ["a", "b"] and list(r.stop_token_ids) == [3] and r.ignore_eos
     with pytest.raises(ValueError, match="not both"):
-        _request("hi", [1], 16, 0.0, 1.0, 0, None, None, None, False)
+        _generate_args("hi", [1])
 
 
 def test_chunks_and_completion() -> None:

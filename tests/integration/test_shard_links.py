@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from fastdecode import codec
+from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem
 from fastdecode.errors import InvalidInput, Unavailable
 from fastdecode.rpc import item_error
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
-from services.gpu_dense.shards import ShardLink, ShardLinks, attend_request
+from services.gpu_dense.shards import ShardLink, ShardLinks
 
 HANG_LAYER = 7
 BAD_LAYER = 9

@@ -34,7 +34,7 @@ class FakeScheduler:
     async def wait_connected(self, timeout: float) -> None:
         if self.down:
             await asyncio.sleep(min(timeout, 0.01))
-            raise Unavailable("scheduler fake:0 is unreachable")
+            raise Unavailable("scheduler fake:0 is not reachable")
 
     async def submit(
         self, request_id: str, request: ValidRequest, timeout: float | None, sample_offset: int = 0
@@ -58,11 +58,11 @@ class FakeScheduler:
 
     async def model_info(self, timeout: float, wait_for_ready: bool = False) -> BackendInfo:
         if self.down:
-            raise Unavailable("scheduler fake:0 is unreachable")
+            raise Unavailable("scheduler fake:0 is not reachable")
         return self.info
 
     async def not_ready_reason(self, timeout: float) -> str | None:
-        return "scheduler fake:0 unreachable" if self.down else None
+        return "scheduler fake:0 not reachable" if self.down else None
 
     async def close(self) -> None:
         pass

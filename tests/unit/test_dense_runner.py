@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.dense import AttendItem, DenseSeq, PipelineChooser, StepRunner
+from fastdecode.dense import AttendItem, PipelineChooser, StepRunner
 from fastdecode.engine import LocalEngine
 from fastdecode.errors import Unavailable
 from fastdecode.kv import KVStore
 from fastdecode.model import DenseModel
+from fastdecode.scheduling import PlannedSeq
 
 
 class InProcessShards:
@@ -62,7 +63,7 @@ def _decode(
         shards.stores[i % 2].reserve(f"s{i}", 64)
     runner = StepRunner(model, shards, chooser)
     out: dict[str, list] = {f"s{i}": [] for i in range(len(PROMPTS))}
-    seqs = [DenseSeq(f"s{i}", i % 2, (i // 2) % 2, p, 0) for i, p in enumerate(PROMPTS)]
+    seqs = [PlannedSeq(f"s{i}", i % 2, (i // 2) % 2, p, 0) for i, p in enumerate(PROMPTS)]
 
     async def run() -> None:
         nonlocal seqs
@@ -77,7 +78,7 @@ def _decode(
                 out[s.seq_id].append(o.error if o.error is not None else o.token_id)
                 if o.error is None:
                     nxt.append(
-                        DenseSeq(
+                        PlannedSeq(
                             s.seq_id, s.shard, s.mini_batch, [o.token_id], s.start_pos + len(s.token_ids)
                         )
                     )

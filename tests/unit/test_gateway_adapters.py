@@ -162,7 +162,7 @@ def test_upstream_errors_keep_their_status_and_an_early_close_cancels_upstream(l
 
 def test_an_unreachable_scheduler_is_unavailable(llama_dir: Path) -> None:
     core, _ = make_core(llama_dir, FakeScheduler(down=True), connect_timeout=0.01)
-    with pytest.raises(Unavailable, match="unreachable"):
+    with pytest.raises(Unavailable, match="not reachable"):
         asyncio.run(_run(core, GenerateParams(token_ids=[5])))
 
 
@@ -237,8 +237,8 @@ def test_readiness_tells_why_the_fleet_cannot_generate(llama_dir: Path) -> None:
     core.ready = True
     assert asyncio.run(core.check_readiness()) is None
     link.down = True
-    assert asyncio.run(core.check_readiness()) == "scheduler fake:0 unreachable"
-    assert core.not_ready_reason() == "scheduler fake:0 unreachable"  # what /health answers
+    assert asyncio.run(core.check_readiness()) == "scheduler fake:0 not reachable"
+    assert core.not_ready_reason() == "scheduler fake:0 not reachable"  # what /health answers
     link.down = False
     assert asyncio.run(core.check_readiness()) is None
     core.draining = True

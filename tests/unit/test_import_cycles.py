@@ -101,3 +101,46 @@ def test_no_import_cycle() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def _dynamic_imports(path: Path) -> list[str]:
+    """Module names given as string constants to importlib.import_module or __import__."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append(node.args[0].value)
+    return found
+
+
+def test_fastdecode_never_imports_services() -> None:
+    """The dependency goes one way: services -> fastdecode. fastdecode's tools reach the adapters
+    through the entry points the distribution declares (fastdecode/serving.py `registered`)."""
+    back = sorted(
+        f"{name} -> {dep}"
+        for name, deps in import_graph().items()
+        if name.split(".")[0] == "fastdecode"
+        for dep in deps
+        if dep.split(".")[0] == "services"
+    )
+    assert back == [], back
+    dynamic = sorted(
+        f"{p.relative_to(REPO)}: {m}"
+        for p in (REPO / "fastdecode").rglob("*.py")
+        for m in _dynamic_imports(p)
+        if m.split(".")[0] == "services"
+    )
+    assert dynamic == [], dynamic
+
+
+def test_the_direction_check_sees_an_import_back(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import importlib\nimportlib.import_module('services.gateway.server')\n")
+    assert _dynamic_imports(bad) == ["services.gateway.server"]
+    graph = import_graph()
+    graph["fastdecode.cli.serve"] = graph["fastdecode.cli.serve"] | {"services.gateway.server"}
+    assert any(
+        d.startswith("services.") for n, ds in graph.items() if n.startswith("fastdecode.") for d in ds
+    )

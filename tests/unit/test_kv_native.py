@@ -7,7 +7,7 @@ Two tolerances per KV dtype:
   meet q rounded to int16 per row (an integer dot product), an error that grows with the scores:
   ~3e-5 at unit variance, ~2e-4 with scores spread by 30; int8 storage itself costs 100x more.
 - STORAGE_TOL: against fp64 attention over the original fp32 k, v, i.e. including what storing
-  them in the pool's dtype costs (unit-variance random q, k, v; documented in the README).
+  them in the pool's dtype costs (unit-variance random q, k, v; documented in docs/kernel.md).
 """
 
 from __future__ import annotations

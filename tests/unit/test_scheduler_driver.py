@@ -49,7 +49,7 @@ def test_health_loop_survives_a_shard_that_passes_health_then_fails_stats() -> N
         while not driver.shards[1].healthy:
             await asyncio.sleep(0.01)
             assert not loop.done(), loop.exception()
-        assert driver.core.stats()["shards"][1]["healthy"]
+        assert driver.core.stats().shards[1].healthy
         loop.cancel()
 
     asyncio.run(main())
@@ -65,7 +65,7 @@ def test_block_size_comes_from_the_shards() -> None:
         driver = driver_with(big_blocks, default)
         await driver.connect()
         assert driver.core is not None
-        return [s["capacity_tokens"] for s in driver.core.stats()["shards"]]
+        return [s.capacity_tokens for s in driver.core.stats().shards]
 
     capacities = asyncio.run(main())
     assert capacities == [

@@ -52,9 +52,9 @@ class Fleet:
         self.finish: dict[str, str | None] = {}
         self.plans: list[Step] = []
         self.overwrite = False
-        shards = core.stats()["shards"]
-        self.bs = [sh["block_size"] for sh in shards]
-        self.cap = [sh["capacity_tokens"] // sh["block_size"] for sh in shards]
+        shards = core.stats().shards
+        self.bs = [sh.block_size for sh in shards]
+        self.cap = [sh.capacity_tokens // sh.block_size for sh in shards]
         for j, n in (real_blocks or {}).items():
             self.cap[j] = n
         self.peak = [0] * nshards
@@ -63,9 +63,9 @@ class Fleet:
     def add_shard(self) -> None:
         self.kv.append({})
         self.reserved.append({})
-        new = self.core.stats()["shards"][-1]
-        self.bs.append(new["block_size"])
-        self.cap.append(new["capacity_tokens"] // new["block_size"])
+        new = self.core.stats().shards[-1]
+        self.bs.append(new.block_size)
+        self.cap.append(new.capacity_tokens // new.block_size)
         self.peak.append(0)
 
     def lose(self, shard: int) -> list[str]:
@@ -409,7 +409,7 @@ def test_add_shard_takes_new_sequences() -> None:
     core.submit(Request("new", [1] * 8, 50))
     st = fleet.step()
     assert [r.shard for r in st.reserve if r.seq_id == "new"] == [2]
-    assert core.stats()["shards"][2]["sequences"] == 1
+    assert core.stats().shards[2].sequences == 1
 
 
 # ------------------------------------------------------------------ shard loss and reservations
@@ -442,7 +442,7 @@ def test_shard_lost_reprefills_history_and_output_is_identical(budget: int) -> N
     for sid, p in prompts.items():
         assert fleet.out[sid] == reference(p, 12), sid  # nothing lost, nothing duplicated
         assert fleet.finish[sid] == "length"
-    assert core.stats()["recoveries"] == len(moved)
+    assert core.stats().recoveries == len(moved)
     assert all(s.shard == 1 for st in fleet.plans[8:] for s in st.seqs)
 
 
@@ -549,12 +549,10 @@ def test_stats_shape() -> None:
     core.submit(Request("a", [1, 2, 3], 5))
     Fleet(core, 2).step()
     s = core.stats()
-    assert s["running"] == 1 and s["waiting"] == 0 and s["steps"] == 1 and s["admission"] == "stabilized"
-    assert s["w_limit"] is not None and s["kv_load_tokens"] == 3
-    assert {"shard", "healthy", "sequences", "tokens", "expected_tokens", "capacity_tokens"} <= set(
-        s["shards"][0]
-    )
-    assert sum(x["tokens"] for x in s["shards"]) == 3
+    assert s.running == 1 and s.waiting == 0 and s.steps == 1 and s.admission == "stabilized"
+    assert s.w_limit is not None and s.kv_load_tokens == 3
+    assert [x.shard for x in s.shards] == [0, 1] and all(x.healthy for x in s.shards)
+    assert sum(x.tokens for x in s.shards) == 3
 
 
 def test_expected_length_learns_early_stops() -> None:
@@ -564,7 +562,7 @@ def test_expected_length_learns_early_stops() -> None:
     for sid in eos:
         core.submit(Request(sid, [1], 20))
     fleet.run()
-    assert core.stats()["expected_ratio"] < 0.3  # stops at 2 of 20: the estimate moved toward 0.1
+    assert core.stats().expected_ratio < 0.3  # stops at 2 of 20: the estimate moved toward 0.1
 
 
 def test_reservation_failed_on_the_only_shard_does_not_stall() -> None:
@@ -619,7 +617,7 @@ def test_admission_counts_tokens_held_not_max_tokens() -> None:
     assert [sum(1 for r in st.reserve if r.shard == j) for j in (0, 1)] == [3, 3]
     assert core.running == 6 and core.waiting == 0
     assert all(r.max_tokens == 8 for r in st.reserve)
-    assert [s["reserved_tokens"] for s in core.stats()["shards"]] == [48, 48]  # 3 prompts' blocks each
+    assert [s.reserved_tokens for s in core.stats().shards] == [48, 48]  # 3 prompts' blocks each
 
 
 def test_full_shard_preempts_the_youngest_and_tokens_equal_a_run_that_never_filled() -> None:
@@ -642,7 +640,7 @@ def test_full_shard_preempts_the_youngest_and_tokens_equal_a_run_that_never_fill
     assert tight.peak[0] <= 16  # the fake shard asserts this every step too
     preempted = [sid for st in tight.plans for sid in st.preempted]
     assert len(preempted) == tight_core.preemptions
-    assert tight_core.stats()["preemptions"] == tight_core.preemptions
+    assert tight_core.stats().preemptions == tight_core.preemptions
 
 
 def test_preemption_picks_the_youngest_and_requeues_it_at_the_head() -> None:

@@ -86,8 +86,8 @@ def test_reservations_never_exceed_capacity(
             if p.sample:
                 results[p.seq_id] = (EOS if p.sample_index + 1 >= stop_at[p.seq_id] else 5, 0.0)
         finished += sum(1 for e in core.apply(step, results) if e.finish_reason)
-        for s in core.stats()["shards"]:
-            assert s["reserved_tokens"] <= s["capacity_tokens"]
+        for s in core.stats().shards:
+            assert s.reserved_tokens <= s.capacity_tokens
     if lose is None:
         assert finished == accepted  # everything placeable ran to the end
 

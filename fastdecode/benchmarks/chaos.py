@@ -106,13 +106,14 @@ def run_chaos_bench(
     schedule = rng.sample(TARGETS, len(TARGETS)) + [rng.choice(TARGETS) for _ in range(max(0, kills - 3))]
     schedule = schedule[:kills]
 
-    def load(up: UpProcess) -> dict[int, _Outcome]:
+    def load(up: UpProcess, until: threading.Event | None = None) -> dict[int, _Outcome]:
+        """Every client its share of the prompts; with `until`, round after round until it is set."""
         out: dict[int, _Outcome] = {}
         per = requests_per_client
         threads = [
             threading.Thread(
                 target=_client,
-                args=(up.target, prompts[c * per : (c + 1) * per], gen_len, bound_s, out, c * per),
+                args=(up.target, prompts[c * per : (c + 1) * per], gen_len, bound_s, out, c * per, until, n),
                 daemon=True,
             )
             for c in range(clients)
@@ -120,7 +121,7 @@ def run_chaos_bench(
         for t in threads:
             t.start()
         for t in threads:
-            t.join(bound_s * per + 60)
+            t.join(bound_s * per * (1 if until is None else 20) + 60)
         return out
 
     with tempfile.TemporaryDirectory(prefix="fastdecode-chaos-") as tmp:
@@ -130,11 +131,17 @@ def run_chaos_bench(
             done = threading.Event()
             t0 = time.monotonic()
             killed: list[Kill] = []
-            killer = threading.Thread(
-                target=lambda: killed.extend(_killer(up, schedule, interval_s, seed, t0, done)), daemon=True
-            )
+            kills_done = threading.Event()  # the load goes on, round after round, through every kill
+
+            def kill_all() -> None:
+                try:
+                    killed.extend(_killer(up, schedule, interval_s, seed, t0, done))
+                finally:
+                    kills_done.set()
+
+            killer = threading.Thread(target=kill_all, daemon=True)
             killer.start()
-            chaos = load(up)
+            chaos = load(up, kills_done)
             load_s = time.monotonic() - t0
             done.set()
             killer.join(150)
@@ -153,21 +160,20 @@ def run_chaos_bench(
             )
 
     ref_tokens = {i: o.tokens for i, o in reference.items() if o.error is None}
+    # A key's prompt is key % n (the load ran in rounds while the kills went on).
+    equal = sum(o.error is None and o.tokens == ref_tokens.get(i % n) for i, o in chaos.items())
     errors = Counter(o.error for o in chaos.values() if o.error is not None)
     pauses = [o.longest_pause_s for o in chaos.values()]
-    kill_probe = probe_summary("repeated_kills", n, chaos, kills=len(killed))
-    kill_probe["tokens_equal_fault_free"] = sum(
-        o.error is None and i in ref_tokens and o.tokens == ref_tokens[i] for i, o in chaos.items()
+    kill_probe = probe_summary(
+        "repeated_kills", len(chaos), chaos, gen_len, kills=len(killed), tokens_equal_fault_free=equal
     )
     return {
         "probes": [p for p in (kill_probe, hostile, stays_down) if p is not None],
-        "requests_sent": n,
+        "requests_sent": len(chaos),
         "completed": sum(o.error is None for o in chaos.values()),
-        "failed": sum(errors.values()) + (n - len(chaos)),
+        "failed": sum(errors.values()) + max(0, n - len(chaos)),
         "failed_by_code": dict(errors),
-        "tokens_equal_fault_free": sum(
-            o.error is None and i in ref_tokens and o.tokens == ref_tokens[i] for i, o in chaos.items()
-        ),
+        "tokens_equal_fault_free": equal,
         "reference_completed": len(ref_tokens),
         "kills": [vars(k) for k in killed],
         "restarts": restarts,

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import signal
 import threading
@@ -43,40 +44,58 @@ class _Outcome:
 UNCLEAR = ("DEADLINE_EXCEEDED", "UNKNOWN")
 
 
-def probe_summary(name: str, sent: int, outcomes: dict[int, _Outcome], **extra: Any) -> dict[str, Any]:
+def probe_summary(
+    name: str, sent: int, outcomes: dict[int, _Outcome], expected_tokens: int | None = None, **extra: Any
+) -> dict[str, Any]:
     """One probe's figures: of `sent` requests, those completed, failed with a clear status, hung
     (ended by the client's deadline, or never), and lost (no trace of them at all)."""
     ended = [o for o in outcomes.values() if o.ended]
+    whole = [
+        o for o in ended if o.error is None and (expected_tokens is None or len(o.tokens) == expected_tokens)
+    ]
     return {
         "name": name,
         "requests": sent,
-        "completed": sum(o.error is None for o in ended),
+        "completed": len(whole),
         "failed_clear": sum(o.error is not None and o.error not in UNCLEAR for o in ended),
         "hung": sum(o.error in UNCLEAR for o in ended) + sum(not o.ended for o in outcomes.values()),
-        "lost": sent - len(outcomes),
+        # no trace of it, or an answer that ended "well" short of its tokens (ignore_eos streams)
+        "lost": sent - len(outcomes) + sum(o.error is None for o in ended) - len(whole),
         "max_answer_s": max((o.answer_s for o in ended), default=0.0),
         **extra,
     }
 
 
 def _client(
-    target: str, prompts: list[list[int]], gen_len: int, bound_s: float, out: dict[int, _Outcome], first: int
+    target: str,
+    prompts: list[list[int]],
+    gen_len: int,
+    bound_s: float,
+    out: dict[int, _Outcome],
+    first: int,
+    until: threading.Event | None = None,
+    total: int = 0,
 ) -> None:
+    """Stream `prompts` in turn; with `until`, round after round until it is set (request keys
+    round * total + first + offset, so key % total names the prompt)."""
     from fastdecode.client import Client, FastDecodeError
 
     with Client(target, timeout=bound_s) as client:
-        for offset, prompt in enumerate(prompts):
-            outcome = out[first + offset] = _Outcome()
-            start = last = time.monotonic()
-            try:
-                for chunk in client.stream(token_ids=prompt, max_tokens=gen_len, ignore_eos=True):
-                    now = time.monotonic()
-                    outcome.longest_pause_s = max(outcome.longest_pause_s, now - last)
-                    last = now
-                    outcome.tokens += chunk.token_ids
-            except FastDecodeError as e:
-                outcome.error, outcome.details = e.code.name, e.details or ""
-            outcome.ended, outcome.answer_s = True, time.monotonic() - start
+        for round_ in itertools.count():
+            for offset, prompt in enumerate(prompts):
+                outcome = out[round_ * total + first + offset] = _Outcome()
+                start = last = time.monotonic()
+                try:
+                    for chunk in client.stream(token_ids=prompt, max_tokens=gen_len, ignore_eos=True):
+                        now = time.monotonic()
+                        outcome.longest_pause_s = max(outcome.longest_pause_s, now - last)
+                        last = now
+                        outcome.tokens += chunk.token_ids
+                except FastDecodeError as e:
+                    outcome.error, outcome.details = e.code.name, e.details or ""
+                outcome.ended, outcome.answer_s = True, time.monotonic() - start
+            if until is None or until.is_set():
+                return
 
 
 OPEN = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
@@ -162,6 +181,7 @@ def hostile_probe(
         "hostile_internal_calls",
         len(reference),
         out,
+        len(next(iter(ref.values()), [])) or None,
         hostile_calls=len(codes),
         hostile_refused=sum(c == "UNAUTHENTICATED" for c in codes),
         tokens_equal_fault_free=sum(o.error is None and o.tokens == ref.get(i) for i, o in out.items()),

@@ -46,7 +46,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -76,6 +76,7 @@ __all__ = [
     "NotFoundError",
     "ResourceExhaustedError",
     "Stream",
+    "TokenLogprob",
     "Tokens",
     "UnavailableError",
     "Usage",
@@ -190,6 +191,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's token, its logprob under the model (temperature-free) and the `top`
+    alternatives as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed piece: the text delta and the new token ids; the last one has finish_reason."""
 
@@ -197,6 +208,8 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt positions 1.., when asked
 
 
 @dataclass(frozen=True)
@@ -205,6 +218,8 @@ class Completion:
     token_ids: list[int]  # the generated ids only
     finish_reason: str
     usage: Usage
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -238,16 +253,37 @@ def _generate_args(
     timeout: float | None = None,
     *,
     ignore_eos: bool = False,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_tokens: int = 0,
+    structured: dict[str, Any] | None = None,
 ) -> tuple[pb.GenerateRequest, float | None]:
     """The generate parameters, written once: `stream` and `generate` of both clients take these.
-    Returns the request, with only what is given set, and the timeout."""
+    Returns the request, with only what is given set, and the timeout. `logprobs`: each token's
+    logprob and this many alternatives (0..20); `prompt_logprobs` scores the prompt too; the
+    penalties are OpenAI's (presence, frequency) and vLLM's (repetition); min_tokens holds back EOS;
+    `structured` constrains the output ({"json_schema": {...}}, {"json_object": True},
+    {"regex": ...}, {"choice": [...]} or {"grammar": Lark text})."""
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
     req = pb.GenerateRequest(
         stop=[stop] if isinstance(stop, str) else list(stop or ()),
         stop_token_ids=list(stop_token_ids or ()),
         ignore_eos=ignore_eos,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
     )
+    if logprobs is not None:
+        req.logprobs = logprobs
+    if repetition_penalty is not None:
+        req.repetition_penalty = repetition_penalty
+    if structured is not None:
+        req.structured.CopyFrom(_structured(structured))
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:
@@ -307,11 +343,36 @@ def _taking(
 _takes_generate_args = _taking(_generate_args)
 
 
+def _structured(spec: dict[str, Any]) -> pb.StructuredOutput:
+    """{"json_schema": dict or JSON text} | {"json_object": True} | {"regex": str} | {"choice": [str]}
+    | {"grammar": Lark text}: exactly one key."""
+    if len(spec) != 1:
+        raise ValueError("structured takes exactly one of json_schema, json_object, regex, choice, grammar")
+    ((kind, value),) = spec.items()
+    if kind == "json_schema":
+        return pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=bool(value))
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(value)))
+    if kind in ("regex", "grammar"):
+        return pb.StructuredOutput(**{kind: value})
+    raise ValueError(f"unknown structured output {kind!r}")
+
+
+def _logprobs(entries: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(e.token_id, e.logprob, list(zip(e.top_token_ids, e.top_logprobs, strict=True)))
+        for e in entries
+    ]
+
+
 def _chunk(r: pb.GenerateResponse) -> Chunk:
+    lps, prompt_lps = _logprobs(r.logprobs), _logprobs(r.prompt_logprobs)
     if r.finish_reason:
         usage = Usage(r.usage.prompt_tokens, r.usage.completion_tokens)
-        return Chunk(r.text, list(r.token_ids), r.finish_reason, usage)
-    return Chunk(r.text, list(r.token_ids))
+        return Chunk(r.text, list(r.token_ids), r.finish_reason, usage, lps, prompt_lps)
+    return Chunk(r.text, list(r.token_ids), logprobs=lps, prompt_logprobs=prompt_lps)
 
 
 def _collect(chunks: list[Chunk]) -> Completion:
@@ -323,6 +384,8 @@ def _collect(chunks: list[Chunk]) -> Completion:
         token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=last.finish_reason or "",
         usage=last.usage or Usage(0, 0),
+        logprobs=[e for c in chunks for e in c.logprobs],
+        prompt_logprobs=[e for c in chunks for e in c.prompt_logprobs],
     )
 
 

@@ -8,14 +8,17 @@ the message is the cheapest form it has. Its other direction, `attend_request`, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fastdecode import codec
+from fastdecode.errors import InvalidInput
 from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard
 from fastdecode.gateway.text import GenerateParams, ValidRequest
-from fastdecode.sampling import SamplingParams
+from fastdecode.sampling import SamplingParams, TokenLogprob
 from fastdecode.scheduling import PlannedSeq, Request, SchedulerStats, Step, TokenEvent
+from fastdecode.structured import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -28,15 +31,67 @@ if TYPE_CHECKING:  # annotations only: the gateway, which converts neither, load
 
 # ---- sampling ---------------------------------------------------------------------------------------
 def sampling_to_proto(s: SamplingParams) -> dense_pb2.SamplingParams:
-    out = dense_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    out = dense_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens,
+        suppress_token_ids=s.suppress_ids,
+        grammar=s.grammar,
+    )
     if s.seed is not None:
         out.seed = s.seed
+    if s.repetition_penalty != 1.0:
+        out.repetition_penalty = s.repetition_penalty
     return out
 
 
 def sampling_from_proto(sp: dense_pb2.SamplingParams) -> SamplingParams:
-    """An unset top_p (0 on the wire) means 1.0: no nucleus cut."""
-    return SamplingParams(sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed if sp.HasField("seed") else None)
+    """An unset top_p (0 on the wire) means 1.0: no nucleus cut; an unset repetition_penalty, 1."""
+    return SamplingParams(
+        sp.temperature,
+        sp.top_p or 1.0,
+        sp.top_k,
+        sp.seed if sp.HasField("seed") else None,
+        top_logprobs=sp.top_logprobs,
+        prompt_logprobs=sp.prompt_logprobs,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+        min_tokens=sp.min_tokens,
+        suppress_ids=tuple(sp.suppress_token_ids),
+        grammar=sp.grammar,
+    )
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------
+def top_to_proto(top: tuple[tuple[int, float], ...]) -> dense_pb2.TopLogprobs:
+    return dense_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
+def top_from_proto(t: dense_pb2.TopLogprobs) -> tuple[tuple[int, float], ...]:
+    return tuple(zip(t.token_ids, t.logprobs, strict=True))
+
+
+def position_to_proto(p: TokenLogprob) -> dense_pb2.PositionLogprob:
+    return dense_pb2.PositionLogprob(token_id=p.token_id, logprob=p.logprob, top=top_to_proto(p.top))
+
+
+def position_from_proto(p: dense_pb2.PositionLogprob) -> TokenLogprob:
+    return TokenLogprob(p.token_id, p.logprob, top_from_proto(p.top))
+
+
+def token_logprob_to_proto(p: TokenLogprob) -> gw_pb.TokenLogprob:
+    return gw_pb.TokenLogprob(
+        token_id=p.token_id,
+        logprob=p.logprob,
+        top_token_ids=[t for t, _ in p.top],
+        top_logprobs=[lp for _, lp in p.top],
+    )
 
 
 # ---- gateway <-> client -----------------------------------------------------------------------------
@@ -53,7 +108,25 @@ def params_from_proto(r: gw_pb.GenerateRequest) -> GenerateParams:
         stop=list(r.stop),
         stop_token_ids=list(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
+        logprobs=r.logprobs if r.HasField("logprobs") else None,
+        prompt_logprobs=r.prompt_logprobs,
+        presence_penalty=r.presence_penalty,
+        frequency_penalty=r.frequency_penalty,
+        repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else None,
+        min_tokens=r.min_tokens,
+        structured=structured_from_proto(r.structured) if r.HasField("structured") else None,
     )
+
+
+def structured_from_proto(s: gw_pb.StructuredOutput) -> Structured:
+    kind = s.WhichOneof("kind")
+    if kind is None:
+        raise InvalidInput("structured is set but names no kind")
+    if kind == "choice":
+        return Structured("choice", json.dumps(list(s.choice.choices)))
+    if kind == "json_object":
+        return Structured("json_object")
+    return Structured(kind, getattr(s, kind))
 
 
 # ---- gateway <-> scheduler --------------------------------------------------------------------------
@@ -63,7 +136,7 @@ def submit_request(request_id: str, v: ValidRequest, sample_offset: int = 0) -> 
         request_id=request_id,
         prompt_token_ids=v.prompt_ids,
         max_tokens=v.max_tokens,
-        sampling=sampling_to_proto(SamplingParams(v.temperature, v.top_p, v.top_k, v.seed)),
+        sampling=sampling_to_proto(v.sampling()),
         stop_token_ids=list(v.stop_token_ids),
         ignore_eos=v.ignore_eos,
     )
@@ -90,14 +163,16 @@ def token_event_to_proto(ev: TokenEvent) -> scheduler_pb2.TokenEvent:
         completion_tokens=ev.completion_tokens,
         step=ev.step,
         shard=ev.shard,
+        top=[top_to_proto(t) for t in ev.top],
+        prompt_logprobs=[position_to_proto(p) for p in ev.prompt_logprobs],
     )
 
 
 # ---- scheduler <-> gpu_dense ------------------------------------------------------------------------
 def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
-    plan = dense_pb2.StepPlan(step=step.step, pipeline=pipeline)
+    plan = dense_pb2.StepPlan(step=step.step, pipeline=pipeline, ended=[sid for sid, _ in step.release])
     for p in step.seqs:
-        plan.sequences.add(
+        q = plan.sequences.add(
             seq_id=p.seq_id,
             shard=p.shard,
             mini_batch=p.mini_batch,
@@ -107,6 +182,8 @@ def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
             sample=p.sample,
             sample_index=p.sample_index,
         )
+        if p.next_token is not None:
+            q.next_token_id = p.next_token
     return plan
 
 
@@ -121,6 +198,7 @@ def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
             sampling=sampling_from_proto(p.sampling),
             sample=p.sample,
             sample_index=p.sample_index,
+            next_token=p.next_token_id if p.HasField("next_token_id") else None,
         )
         for p in plan.sequences
     ]
@@ -133,6 +211,8 @@ def timings_to_proto(t: Timings) -> dense_pb2.StepTimings:
         step_seconds=t.step_seconds,
         attend_seconds=t.attend_seconds,
         overlap_ratio=t.overlap_ratio,
+        pipelined=t.pipelined,
+        s_part_cpu_seconds=t.s_part_cpu_seconds,
     )
 
 
@@ -198,7 +278,12 @@ def scheduler_stats_to_proto(
 
 # ---- gateway -> client ------------------------------------------------------------------------------
 def chunk_to_proto(c: GenerationChunk) -> gw_pb.GenerateResponse:
-    resp = gw_pb.GenerateResponse(text=c.text, token_ids=c.token_ids)
+    resp = gw_pb.GenerateResponse(
+        text=c.text,
+        token_ids=c.token_ids,
+        logprobs=[token_logprob_to_proto(p) for p in c.logprobs],
+        prompt_logprobs=[token_logprob_to_proto(p) for p in c.prompt_logprobs],
+    )
     if c.finish_reason:
         resp.finish_reason = c.finish_reason
         resp.usage.prompt_tokens = c.prompt_tokens

@@ -86,14 +86,17 @@ def spawn_service(
     metrics: bool = False,
     env: dict[str, str] | None = None,
     on_progress: ProgressObserver | None = None,
+    prefix: list[str] | None = None,
 ) -> _Pending:
-    """Spawn `fastdecode serve ...`; wait_ready() then blocks until it reports SERVING."""
+    """Spawn `fastdecode serve ...`; wait_ready() then blocks until it reports SERVING. `prefix`: a
+    command the service starts under, e.g. taskset or `ip netns exec` (each execs it: same pid)."""
     ready = workdir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     progress = workdir / f"{name}.progress.json"
     progress.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "fastdecode.cli", "serve", *args, "--host", host, "--port", str(port)]
+    cmd = [*(prefix or []), sys.executable, "-m", "fastdecode.cli", "serve", *args]
+    cmd += ["--host", host, "--port", str(port)]
     cmd += ["--ready-file", str(ready)]
     if metrics:
         cmd += ["--metrics-port", "0"]
@@ -167,10 +170,19 @@ def start_service(
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
     on_progress: ProgressObserver | None = None,
+    prefix: list[str] | None = None,
 ) -> ServiceProcess:
     """Spawn `fastdecode serve ...` and wait until it reports SERVING through its ready file."""
     pending = spawn_service(
-        name, args, workdir, host=host, port=port, metrics=metrics, env=env, on_progress=on_progress
+        name,
+        args,
+        workdir,
+        host=host,
+        port=port,
+        metrics=metrics,
+        env=env,
+        on_progress=on_progress,
+        prefix=prefix,
     )
     return wait_ready(pending, timeout, on_progress)
 

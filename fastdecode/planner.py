@@ -158,6 +158,43 @@ def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int, ov
     return layers + profile.head_at(batch)
 
 
+@dataclass
+class SplitParts:
+    """One decode step's measured parts on separate hosts (seconds per step, all layers): the dense
+    host's S-part compute as the fleet runs it (`dense_s`: two half batches when piped), the
+    exchange's CPU on the dense host (`dense_exchange_s`: gRPC, codec, event loop), the shards'
+    attention (`attention_s`, the slowest shard) and the shard process's CPU beyond it
+    (`shard_exchange_s`: parsing q, k, v, encoding o)."""
+
+    dense_s: float
+    attention_s: float
+    num_layers: int
+    dense_exchange_s: float = 0.0
+    shard_exchange_s: float = 0.0
+    wire_s: float = 0.0  # per layer: network latency of one round trip beyond both sides' CPU
+
+
+def split_step_s(parts: SplitParts, pipelined: bool) -> float:
+    """Predicted fleet step on separate dense and shard hardware. Per layer the dense host spends
+    d = (S + X) / N, the shard host r = (R + Y) / N. Unpiped they run one after the other: d + r + wire.
+    With two mini-batches each side works on one half while the other side works on the other, so
+    a layer takes the busier side, but no less than one half's own chain: half of both sides plus
+    the wire, ((d + r) / 2 + wire), which is what limits it when the sides are balanced."""
+    if parts.num_layers < 1 or min(parts.dense_s, parts.attention_s) < 0:
+        raise InvalidInput("split parts need num_layers >= 1 and non-negative times")
+    n = parts.num_layers
+    d = (parts.dense_s + max(0.0, parts.dense_exchange_s)) / n
+    r = (parts.attention_s + max(0.0, parts.shard_exchange_s)) / n
+    layer = max(d, r, (d + r) / 2 + parts.wire_s) if pipelined else d + r + parts.wire_s
+    return n * layer
+
+
+def split_ideal_ratio(dense_s: float, attention_s: float) -> float:
+    """The most the split can gain over one host doing both: (S + R) / max(S, R)."""
+    top = max(dense_s, attention_s)
+    return (dense_s + attention_s) / top if top > 0 else float("nan")
+
+
 def predicted_tokens_per_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
     return batch / predicted_step_s(profile, batch, shards, seq_len)
 

@@ -1,12 +1,15 @@
-"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds,
+the OpenAI penalties and min_tokens, and logprobs (the sampled token's and the top-k alternatives).
 
 A seeded row draws its noise from a generator seeded by (seed, sample_index), so the
 token it gets does not depend on what else is in the batch or on which step it runs.
-Imports no gRPC.
+Logprobs are always those of the raw logits (log-softmax, temperature-free, before penalties or a
+grammar mask), as OpenAI defines them. Imports no gRPC.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +17,18 @@ import torch
 from fastdecode.errors import InvalidInput
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over the seed space
+MAX_TOP_LOGPROBS = 20  # as vLLM and OpenAI's chat API: the alternatives reported per position
+MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
+MAX_REPETITION_PENALTY = 100.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's token and its logprob, with the `top` alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -22,6 +37,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    top_logprobs: int = 0  # alternatives reported per sampled token (the sampled one's always is)
+    prompt_logprobs: bool = False  # score the prompt's positions at prefill (OpenAI's echo)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of seen tokens
+    min_tokens: int = 0  # EOS and `suppress_ids` are masked until this many tokens were sampled
+    suppress_ids: tuple[int, ...] = ()  # the request's stop token ids (EOS is the runner's to add)
+    grammar: str = ""  # an llguidance grammar the output must match (fastdecode.structured)
 
     def validate(self) -> None:
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
@@ -32,6 +55,29 @@ class SamplingParams:
             raise InvalidInput(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidInput(f"seed must be in [0, 2**64), got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidInput(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails too
+                raise InvalidInput(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidInput(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}],"
+                f" got {self.repetition_penalty}"
+            )
+        if self.min_tokens < 0:
+            raise InvalidInput(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher)."""
+        return self.penalized or bool(self.grammar)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the sequence's token history (prompt + generated)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -42,15 +88,74 @@ def _row_seed(seed: int, index: int) -> int:
     return ((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
+def penalize(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    sample_index: Sequence[int],
+    history: Sequence[Sequence[int] | None],
+    eos_ids: Sequence[int] = (),
+) -> torch.Tensor:
+    """The logits the sampler draws from: penalties (vLLM's order: repetition, then frequency and
+    presence) over each row's `history` (prompt + generated; its last sample_index tokens are the
+    generated ones), and min_tokens. Rows that need none are untouched; returns `logits` itself when
+    no row does."""
+    rows = [
+        i
+        for i, p in enumerate(params)
+        if (p.penalized and history[i]) or (p.min_tokens and sample_index[i] < p.min_tokens)
+    ]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        p, row = params[i], out[i]
+        hist = history[i]
+        if p.penalized and hist:
+            seen = torch.tensor(list(hist), device=logits.device)
+            if p.repetition_penalty != 1.0:
+                ids = seen.unique()
+                vals = row[ids]
+                row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            n_out = min(sample_index[i], len(hist))
+            if n_out and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(seen[len(hist) - n_out :], minlength=vocab)[:vocab].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.min_tokens and sample_index[i] < p.min_tokens:
+            banned = [t for t in (*eos_ids, *p.suppress_ids) if 0 <= t < vocab]
+            if banned:
+                row[torch.tensor(banned, device=logits.device)] = float("-inf")
+    return out
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """The k best (id, logprob) of each row of a [N, V] log-softmax, best first."""
+    if k <= 0:
+        return [() for _ in range(logprobs.shape[0])]
+    vals, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+    return [
+        tuple(zip(r_ids, r_vals, strict=True))
+        for r_ids, r_vals in zip(ids.tolist(), vals.tolist(), strict=True)
+    ]
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], sample_index: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    sample_index: list[int],
+    processed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] fp32 -> (token ids [N] int64, logprobs [N] fp32 under the model's distribution)."""
+    """logits [N, V] fp32 -> (token ids [N] int64, logprobs [N] fp32 under the model's distribution).
+
+    `processed`: the logits to draw from when they differ from the model's (penalties, a grammar
+    mask); the logprobs stay those of `logits`."""
     n, vocab = logits.shape
     if len(params) != n or len(sample_index) != n:
         raise InvalidInput("one SamplingParams and sample_index per row required")
     logits = logits.float()
     logprobs_all = torch.log_softmax(logits, dim=-1)
+    if processed is not None:
+        logits = processed.float()
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -81,6 +81,12 @@ class ShardCore:
         ids = list(self.store.seqs) if seq_ids is None else list(seq_ids)
         return [self.store.release(s) for s in ids]
 
+    def fill(self, seq_ids: Sequence[str], tokens: int, seed: int) -> int:
+        """Random KV for held sequences, written straight into the pool (benchmarks)."""
+        if self.store is None:
+            raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
+        return self.store.fill_synthetic(list(seq_ids), tokens, seed)
+
     def attend(self, req: pb.AttendRequest) -> AttendResult:
         """Decode q, k, v (views of the message bytes), append k and v, attend; raises domain errors."""
         store = self.store

@@ -84,3 +84,49 @@ def plot_fleet_bench(result: dict[str, Any], path: str | Path) -> Path:
     out = Path(path)
     fleet_bench_figure(result).savefig(out, format="png", dpi=100)
     return out
+
+
+def split_bench_figure(result: dict[str, Any]) -> Figure:
+    """`bench split`: tokens/s of LocalEngine (dense host alone) and of the fleet against context,
+    the crossover marked; ratio and ideal ratio on the right."""
+    from matplotlib.figure import Figure
+
+    points = result.get("points") or []
+    if not points:
+        raise ValueError("no points to plot")
+    ctx = [p["context"] for p in points]
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    tps, ratio = fig.subplots(1, 2)
+    for key, label in (("local", "LocalEngine (dense host alone)"), ("fleet", "fleet (dense + shard hosts)")):
+        tps.plot(ctx, [p[f"{key}_tokens_per_s"] for p in points], "o-", color=COLORS[key], label=label)
+    cross = result.get("crossover_context")
+    if cross is not None:
+        tps.axvline(cross, color="gray", ls="--", lw=1, label=f"crossover: {cross}")
+    tps.set_xscale("log", base=2)
+    tps.set_xlabel("context (tokens cached per sequence)")
+    tps.set_ylabel("tokens / s (all sequences)")
+    tps.set_title("throughput")
+    tps.set_ylim(bottom=0)
+    tps.legend(fontsize="small")
+    ratio.plot(ctx, [p["ratio"] for p in points], "o-", color=COLORS["fleet"], label="fleet / local")
+    ratio.plot(ctx, [p["ideal_ratio"] for p in points], "--", color="black", label="ideal (S+R)/max(S,R)")
+    ratio.axhline(1.0, color="gray", lw=1)
+    ratio.set_xscale("log", base=2)
+    ratio.set_xlabel("context")
+    ratio.set_title("ratio")
+    ratio.legend(fontsize="small")
+    for ax in (tps, ratio):
+        ax.grid(alpha=0.3)
+    model = Path(str(result.get("model", "?"))).name
+    shards = ", ".join(result.get("shard_cpus", []))
+    fig.suptitle(
+        f"bench split: {model}, B={result.get('batch')}, {result.get('kv_dtype')} KV, dense CPUs "
+        f"{result.get('dense_cpus')}, shard CPUs {shards} ({result.get('isolation')})"
+    )
+    return fig
+
+
+def plot_split_bench(result: dict[str, Any], path: str | Path) -> Path:
+    out = Path(path)
+    split_bench_figure(result).savefig(out, format="png", dpi=100)
+    return out

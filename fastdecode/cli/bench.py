@@ -170,6 +170,21 @@ def fleet_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) ->
         click.echo(f"plot written to {plot_fleet_bench(result, plot)}", err=True)  # stdout stays JSON
 
 
+@bench.command("structured")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: SmolLM2 (imported).")
+@click.option("--batch", "-B", type=int, default=32, show_default=True)
+@click.option("--steps", "-n", type=int, default=24, show_default=True, help="Timed decode steps per set.")
+@click.option("--device", default="cpu", show_default=True)
+def structured_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
+    """Per-step cost of the JSON-schema token mask (llguidance) at batch B, against the plain step."""
+    from fastdecode.benchmarks.structured import run
+    from fastdecode.gguf_import import default_model_dir
+
+    path = Path(model) if model else default_model_dir()
+    emit(run_bench(lambda: run(path, **kw)), as_json, "structured outputs: mask cost per decode step")
+
+
 @bench.command("load")
 @json_option
 @click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: the small preset.")
@@ -254,3 +269,84 @@ def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
         raise SystemExit(1)
     if any(p["hung"] or p["lost"] for p in result["probes"]):
         raise SystemExit(1)
+
+
+def _contexts(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {text!r}", param_hint="--contexts"
+        ) from None
+    if not out or min(out) < 1:
+        raise click.BadParameter("contexts must be positive integers", param_hint="--contexts")
+    return out
+
+
+@bench.command("split")
+@json_option
+@click.option("--model", type=click.Path(), default=None, help="Checkpoint dir or .gguf (default: SmolLM2).")
+@click.option(
+    "--contexts", default="512,1024,2048,4096,8192", show_default=True, help="Tokens cached per sequence."
+)
+@click.option("--batch", "-B", type=int, default=32, show_default=True)
+@click.option("--kv-dtype", type=KV_DTYPES, default="bfloat16", show_default=True)
+@click.option("--dense-cpus", default=None, help="The dense host's CPUs, e.g. 0-3 (default: the first CPU).")
+@click.option(
+    "--shard-cpus",
+    default=None,
+    help="Shard hosts' CPUs, hosts separated by ',' and ranges within one joined by '+', e.g. 4-7,8-11 "
+    "(default: the CPUs the dense host leaves, one shard host).",
+)
+@click.option("--link-rate", default=None, help="tbf rate on each veth (e.g. 10gbit), with namespaces.")
+@click.option("--pipeline", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@click.option(
+    "--isolation",
+    type=click.Choice(["auto", "netns", "loopback"]),
+    default="auto",
+    show_default=True,
+    help="auto: network namespaces + veth where permitted, else pinned loopback.",
+)
+@click.option(
+    "--nice",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Scheduling priority of every emulated host's processes (LocalEngine's too); on a shared "
+    "machine -10 keeps other work from taking their CPUs (root).",
+)
+@click.option("--steps", "-n", type=int, default=8, show_default=True, help="Timed decode steps per context.")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also draw tokens/s of both systems against context (crossover marked) into this PNG.",
+)
+def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None, **kw: Any) -> None:
+    """Does the split pay? LocalEngine on a dense host's CPUs against the fleet with its attention on
+    shard hosts' CPUs (emulated on this machine), at each context: tokens/s, ratio, the measured parts
+    S and R, the exchange's CPU, the ideal ratio (S + R) / max(S, R), the efficiency, and the planner's
+    predicted step against the measured one. --json: one JSON object on the last line."""
+    from fastdecode.benchmarks.common import format_table
+    from fastdecode.benchmarks.split import POINT_KEYS, run_split_bench
+    from fastdecode.cli.gguf import resolve_model
+
+    ctx = _contexts(contexts)
+    if plot is not None and not plot.resolve().parent.is_dir():
+        raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
+    result = run_bench(lambda: run_split_bench(resolve_model(model), ctx, **kw))
+    if plot is not None:
+        from fastdecode.benchmarks.plot import plot_split_bench
+
+        click.echo(f"plot written to {plot_split_bench(result, plot)}", err=True)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"ISOLATION: {result['isolation']}: {result['isolation_detail']}")
+    click.echo(f"dense CPUs {result['dense_cpus']}, shard CPUs {' | '.join(result['shard_cpus'])}")
+    click.echo(format_table(result["points"], [*POINT_KEYS, "pipelined"]))
+    cross = result["crossover_context"]
+    click.echo(f"crossover context: {cross if cross is not None else 'none (the fleet never won)'}")
+    before, after = result["load_avg_1m_before"], result["load_avg_1m_after"]
+    click.echo(f"load average (1 min) before/after: {before:.2f}/{after:.2f}")

@@ -14,21 +14,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
 
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.engine import SeqChunk, pack
-from fastdecode.errors import InvalidInput
+from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.model import DenseModel
-from fastdecode.sampling import sample
+from fastdecode.sampling import TokenLogprob, penalize, sample, top_logprobs
 from fastdecode.scheduling.types import PlannedSeq
+from fastdecode.structured import GrammarBank
 
 T = TypeVar("T")
 log = logging.getLogger("fastdecode.gpu_dense.runner")
+# Token histories kept for penalized sequences: the least recently stepped go first past this many
+# (a sequence that ends is dropped through `forget`; this bounds what a missed release can leave).
+MAX_HISTORIES = 4096
 
 
 @dataclass
@@ -62,11 +67,14 @@ class Outcome:
     token_id: int = -1
     logprob: float = 0.0
     error: BaseException | None = None
+    top: tuple[tuple[int, float], ...] = ()  # the sampled position's top alternatives, when asked
+    prompt: list[TokenLogprob] = field(default_factory=list)  # scored positions start_pos+1..
 
 
 @dataclass
 class Timings:
     s_part_seconds: float = 0.0  # S-part and sampling compute
+    s_part_cpu_seconds: float = 0.0  # CPU of the step's thread in it: wall less preemption by others
     shard_wait_seconds: float = 0.0  # step time not covered by S-part work
     step_seconds: float = 0.0
     attend_seconds: float = 0.0  # time mini-batches spent awaiting the shards, summed over them
@@ -99,14 +107,27 @@ class _Group:
 
 
 class StepRunner:
-    def __init__(self, model: DenseModel, shards: ShardPlane, chooser: PipelineChooser | None = None) -> None:
+    def __init__(
+        self,
+        model: DenseModel,
+        shards: ShardPlane,
+        chooser: PipelineChooser | None = None,
+        grammars: GrammarBank | None = None,
+    ) -> None:
         self.model = model
+        self.grammars = grammars  # None: requests with a grammar fail (no tokenizer here)
         self.shards = shards
         # None: follow each plan's pipeline flag; else the plan's flag allows, the chooser decides
         self.chooser = chooser
         self._busy = 0.0
+        self._busy_cpu = 0.0
         self._attend_wait = 0.0
         self._failures: dict[str, BaseException] = {}
+        # prompt + generated tokens of each penalized sequence, rebuilt from the chunks it is fed: a
+        # re-prefill (start_pos 0: recovery, preemption) starts it again, a re-run step truncates it
+        self._history: OrderedDict[str, list[int]] = OrderedDict()
+        self._prompt: dict[str, list[TokenLogprob]] = {}  # this step's prompt logprobs, per sequence
+        self.mask_seconds = 0.0  # the last step's grammar mask time (on a worker thread)
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
 
     @property
@@ -114,11 +135,12 @@ class StepRunner:
         return self.shards.num_shards
 
     def _compute(self, fn: Callable[[], T]) -> T:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn()
         finally:
             self._busy += time.perf_counter() - t0
+            self._busy_cpu += time.thread_time() - c0
 
     def validate(self, s: PlannedSeq) -> None:
         c = self.model.config
@@ -134,7 +156,78 @@ class StepRunner:
             raise InvalidInput(f"token id outside the vocabulary [0, {c.vocab_size})")
         if s.start_pos < 0 or s.start_pos + len(s.token_ids) > c.max_position_embeddings:
             raise InvalidInput(f"positions outside [0, {c.max_position_embeddings})")
+        if s.next_token is not None and not 0 <= s.next_token < c.vocab_size:
+            raise InvalidInput(f"next_token_id outside the vocabulary [0, {c.vocab_size})")
         s.sampling.validate()
+
+    def forget(self, seq_ids: Iterable[str]) -> None:
+        """These sequences ended: drop what the runner kept for them."""
+        seq_ids = list(seq_ids)
+        for sid in seq_ids:
+            self._history.pop(sid, None)
+        if self.grammars is not None:
+            self.grammars.forget(seq_ids)
+
+    def _track(self, s: PlannedSeq) -> list[int] | None:
+        """The sequence's history after this step's tokens (None when its sampling needs none)."""
+        if not s.sampling.needs_history:
+            return None
+        hist = [] if s.start_pos == 0 else self._history.get(s.seq_id)
+        if hist is None or len(hist) < s.start_pos:
+            raise FailedPrecondition(
+                f"sequence {s.seq_id!r}: gpu_dense holds no token history up to position {s.start_pos}"
+                " (it restarted): the penalties need the sequence prefilled again"
+            )
+        del hist[s.start_pos :]
+        hist.extend(s.token_ids)
+        self._history[s.seq_id] = hist
+        self._history.move_to_end(s.seq_id)
+        while len(self._history) > MAX_HISTORIES:
+            self._history.popitem(last=False)
+        return hist
+
+    def _start_masks(
+        self, seqs: Sequence[PlannedSeq], history: dict[str, list[int] | None]
+    ) -> asyncio.Future[dict[str, torch.Tensor | BaseException]] | None:
+        rows: list[tuple[str, str, list[int]]] = []
+        failed: dict[str, torch.Tensor | BaseException] = {}
+        for s in seqs:
+            if not (s.sample and s.sampling.grammar):
+                continue
+            hist = history.get(s.seq_id) or []
+            if self.grammars is None:
+                failed[s.seq_id] = FailedPrecondition(
+                    "structured outputs are off: gpu_dense has no tokenizer"
+                )
+            elif s.sample_index > len(hist):
+                failed[s.seq_id] = InvalidInput(
+                    f"sample_index {s.sample_index} exceeds the sequence's tokens"
+                )
+            else:
+                rows.append((s.seq_id, s.sampling.grammar, hist[len(hist) - s.sample_index :]))
+        if not rows and not failed:
+            return None
+        bank = self.grammars
+
+        def compute() -> dict[str, torch.Tensor | BaseException]:
+            t0 = time.perf_counter()
+            out = dict(failed)
+            if rows and bank is not None:
+                out.update(zip((r[0] for r in rows), bank.masks(rows), strict=True))
+            self.mask_seconds = time.perf_counter() - t0
+            return out
+
+        return asyncio.ensure_future(asyncio.to_thread(compute))
+
+    def _prompt_logprobs(self, s: PlannedSeq, hidden: torch.Tensor) -> list[TokenLogprob]:
+        """Scores of the chunk's tokens after its first (and of next_token) from its rows' logits."""
+        targets = list(s.token_ids[1:]) + ([s.next_token] if s.next_token is not None else [])
+        if not targets:
+            return []
+        lp = torch.log_softmax(self.model.logits(hidden[: len(targets)]).float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist()
+        tops = top_logprobs(lp, s.sampling.top_logprobs)
+        return [TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops, strict=True)]
 
     @staticmethod
     def _groups(seqs: list[PlannedSeq]) -> list[_Group]:
@@ -154,7 +247,8 @@ class StepRunner:
         return groups
 
     async def _mini_batch(self, slot: int, seqs: list[PlannedSeq]) -> torch.Tensor:
-        """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states."""
+        """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states.
+        The prompt logprobs a sequence asks for are scored here, from all of its chunk's rows."""
         model = self.model
         ids, pos, last = pack([SeqChunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
         groups = self._groups(seqs)
@@ -197,6 +291,16 @@ class StepRunner:
 
             hidden, q, k, v = self._compute(post)  # type: ignore[assignment]
         self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
+        row = 0
+        for s in seqs:
+            if s.sampling.prompt_logprobs and s.seq_id not in self._failures:
+                h, start = hidden, row
+                self._prompt[s.seq_id] = self._compute(
+                    lambda s=s, h=h, start=start: self._prompt_logprobs(
+                        s, h[start : start + len(s.token_ids)]
+                    )
+                )
+            row += len(s.token_ids)
         return hidden.index_select(0, last)
 
     async def run(
@@ -208,19 +312,26 @@ class StepRunner:
     async def _run(self, seqs: Sequence[PlannedSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
         t0 = time.perf_counter()
         self._busy = 0.0
+        self._busy_cpu = 0.0
         self._attend_wait = 0.0
         self._failures = {}
+        self._prompt = {}
         outcomes: dict[str, Outcome] = {}
         valid: list[PlannedSeq] = []
+        history: dict[str, list[int] | None] = {}
         for s in seqs:
             try:
                 if s.seq_id in outcomes:
                     raise InvalidInput(f"sequence {s.seq_id!r} appears twice in one step")
                 self.validate(s)
+                history[s.seq_id] = self._track(s)
                 valid.append(s)
                 outcomes[s.seq_id] = Outcome()
-            except InvalidInput as e:
+            except (InvalidInput, FailedPrecondition) as e:
                 outcomes[s.seq_id] = Outcome(error=e)
+        # The grammar masks need only the tokens known now: computed on a worker thread (llguidance
+        # drops the GIL) while the layers run, so their cost hides behind the step.
+        masks = self._start_masks(valid, history)
         split = [[s for s in valid if s.mini_batch == mb] for mb in (0, 1)]
         piped = pipeline and all(split)  # one empty half: nothing to overlap
         if piped and self.chooser is not None:
@@ -229,21 +340,47 @@ class StepRunner:
         batches = [sorted(b, key=lambda s: s.shard) for b in batches if b]
         hiddens = await asyncio.gather(*(self._mini_batch(i, b) for i, b in enumerate(batches)))
         ordered = [s for b in batches for s in b]
+        allowed: dict[str, torch.Tensor] = {}
+        if masks is not None:
+            for sid, m in (await masks).items():
+                if isinstance(m, BaseException):
+                    self._failures[sid] = m
+                else:
+                    allowed[sid] = m
         rows = [i for i, s in enumerate(ordered) if s.sample and s.seq_id not in self._failures]
         if rows:
             hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
             idx = torch.tensor(rows, device=hidden.device)
 
-            def head() -> tuple[list[int], list[float]]:
+            def head() -> tuple[list[int], list[float], dict[int, tuple[tuple[int, float], ...]]]:
                 logits = self.model.logits(hidden.index_select(0, idx))
-                toks, lps = sample(
-                    logits, [ordered[i].sampling for i in rows], [ordered[i].sample_index for i in rows]
-                )
-                return toks.tolist(), lps.tolist()
+                params = [ordered[i].sampling for i in rows]
+                index = [ordered[i].sample_index for i in rows]
+                hist = [history[ordered[i].seq_id] for i in rows]
+                processed = penalize(logits, params, index, hist, self.model.config.eos_token_ids)
+                masked = [j for j, i in enumerate(rows) if ordered[i].seq_id in allowed]
+                if masked:
+                    if processed is logits:
+                        processed = logits.clone()
+                    keep = torch.stack([allowed[ordered[rows[j]].seq_id] for j in masked]).to(logits.device)
+                    sel = torch.tensor(masked, device=logits.device)
+                    processed[sel] = processed[sel].masked_fill(~keep, float("-inf"))
+                toks, lps = sample(logits, params, index, None if processed is logits else processed)
+                tops: dict[int, tuple[tuple[int, float], ...]] = {}
+                asking = [j for j, p in enumerate(params) if p.top_logprobs]
+                if asking:  # only the rows that ask pay for the top-k
+                    sub = torch.log_softmax(logits[asking].float(), dim=-1)
+                    k = max(params[j].top_logprobs for j in asking)
+                    for j, top in zip(asking, top_logprobs(sub, k), strict=True):
+                        tops[j] = top[: params[j].top_logprobs]
+                return toks.tolist(), lps.tolist(), tops
 
-            toks, lps = self._compute(head)
-            for i, tok, lp in zip(rows, toks, lps, strict=True):
-                outcomes[ordered[i].seq_id] = Outcome(tok, lp)
+            toks, lps, tops = self._compute(head)
+            for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
+                outcomes[ordered[i].seq_id] = Outcome(tok, lp, top=tops.get(j, ()))
+        for sid, scored in self._prompt.items():
+            if sid in outcomes and sid not in self._failures:
+                outcomes[sid].prompt = scored
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
         step = time.perf_counter() - t0
@@ -259,4 +396,6 @@ class StepRunner:
                     on * 1e3,
                     off * 1e3,
                 )
-        return outcomes, Timings(self._busy, max(0.0, step - self._busy), step, self._attend_wait, piped)
+        return outcomes, Timings(
+            self._busy, self._busy_cpu, max(0.0, step - self._busy), step, self._attend_wait, piped
+        )

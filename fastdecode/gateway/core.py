@@ -36,6 +36,7 @@ from fastdecode.errors import (
 from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
 from fastdecode.logs import request_context
 from fastdecode.model import ModelConfig
+from fastdecode.sampling import TokenLogprob
 from fastdecode.settings import GatewaySettings
 from fastdecode.tokenizer import Tokenizer
 
@@ -57,6 +58,9 @@ class UpstreamEvent:
 
     token_ids: list[int]
     finish_reason: str = ""
+    logprobs: list[float] = field(default_factory=list)  # per token id
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's next positions
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,10 @@ class GenerationChunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's, when asked
+    # With prompt logprobs, on the first chunk: the prompt's first token (it has no logprob)
+    prompt_first_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -295,17 +303,24 @@ class GatewayCore:
         costs time, not the request: once it answers again, the rest is resubmitted as prompt + the
         tokens received so far (the remaining max_tokens, the next sample index)."""
         received: list[int] = []  # every token the scheduler sent, held-back ones included
+        scored: list[TokenLogprob] = []  # prompt logprobs sent so far (positions 1..)
         lost_at: float | None = None
         while True:
             rest = valid
             if received:  # a resubmission: continue from what was generated
                 rest = replace(
-                    valid, prompt_ids=valid.prompt_ids + received, max_tokens=valid.max_tokens - len(received)
+                    valid,
+                    prompt_ids=valid.prompt_ids + received,
+                    max_tokens=valid.max_tokens - len(received),
+                    prompt_logprobs=False,  # the prompt was scored in full before any token came
                 )
             events = self.scheduler.submit(request_id, rest, _remaining(deadline), len(received))
             before = len(received)
             try:
-                relay = self._relay(events, out, received, len(valid.prompt_ids))
+                first = valid.prompt_ids[0] if valid.prompt_logprobs and not (received or scored) else None
+                relay = self._relay(
+                    events, out, received, len(valid.prompt_ids), valid.logprobs is not None, scored, first
+                )
                 async with contextlib.aclosing(relay) as chunks:
                     async for chunk in chunks:
                         yield chunk
@@ -368,16 +383,34 @@ class GatewayCore:
                 self.idle.set()
 
     async def _relay(
-        self, events: AsyncIterator[UpstreamEvent], out: OutputText, received: list[int], n_prompt: int
+        self,
+        events: AsyncIterator[UpstreamEvent],
+        out: OutputText,
+        received: list[int],
+        n_prompt: int,
+        logprobs: bool = False,
+        scored: list[TokenLogprob] | None = None,
+        first_prompt_token: int | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """The scheduler's token events as text chunks (stop strings applied); each event's ids are
-        appended to `received`. The last chunk carries finish_reason and usage."""
+        appended to `received`, its prompt logprobs to `scored` (a resubmission re-scores nothing).
+        The last chunk carries finish_reason and usage."""
+        scored = [] if scored is None else scored
         async with contextlib.aclosing(events):  # closing cancels the scheduler call
             async for ev in events:
                 received += ev.token_ids
                 delta = out.push(ev.token_ids)
                 finish = "stop" if delta.stopped else ev.finish_reason
                 chunk = GenerationChunk(delta.text, list(delta.token_ids))
+                if logprobs:  # taken ids are a prefix of the event's
+                    chunk.logprobs = [
+                        TokenLogprob(t, ev.logprobs[i], ev.top[i] if i < len(ev.top) else ())
+                        for i, t in enumerate(delta.token_ids)
+                    ]
+                if ev.prompt_logprobs and len(scored) < n_prompt - 1:
+                    chunk.prompt_logprobs = ev.prompt_logprobs[: n_prompt - 1 - len(scored)]
+                    scored += chunk.prompt_logprobs
+                chunk.prompt_first_token, first_prompt_token = first_prompt_token, None
                 if finish:
                     if not delta.stopped:
                         tail = out.finish()
@@ -388,7 +421,7 @@ class GatewayCore:
                     chunk.completion_tokens = out.num_tokens
                     yield chunk
                     return
-                if chunk.text or chunk.token_ids:
+                if chunk.text or chunk.token_ids or chunk.prompt_logprobs:
                     yield chunk
 
     def _time_tokens(self, chunk: GenerationChunk, arrival: float, last: float | None) -> float | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,6 +17,8 @@ from fastdecode.errors import ServiceError, Status
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GenerationChunk
 from fastdecode.gateway.text import GenerateParams, unencodable
+from fastdecode.sampling import MAX_TOP_LOGPROBS, TokenLogprob
+from fastdecode.structured import Structured
 
 # The one table from our Status to (HTTP status, OpenAI error type). Anything else is a 500 server_error.
 HTTP_STATUS: dict[Status, tuple[int, str]] = {
@@ -94,8 +98,15 @@ class RequestBody(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="extension (vLLM)")
+    min_tokens: int | None = Field(None, description="extension (vLLM)")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's structured-output extras (extra_body in the openai client)
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM)")
+    guided_regex: str | None = Field(None, description="extension (vLLM)")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM)")
+    guided_grammar: str | None = Field(None, description="extension (vLLM): a Lark grammar")
 
 
 class CompletionBody(RequestBody):
@@ -129,35 +140,79 @@ class ChatBody(RequestBody):
     response_format: dict[str, Any] | None = None
 
 
+MAX_N = 16  # choices per request
+
+
+def choice_params(params: GenerateParams, index: int) -> GenerateParams:
+    """Choice `index` of n: its own seed stream (seed + index), so each choice equals the single
+    request with that seed. Without a seed every choice draws its own noise."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + index) % 2**64)
+
+
 def _invalid(message: str, param: str | None = None) -> APIError:
     return APIError(Status.INVALID_ARGUMENT, message, param)
 
 
 def refuse_unsupported(body: RequestBody) -> None:
     """Parameters we cannot honour are a clear 400, not silently ignored."""
-    if body.n not in (None, 1):
-        raise _invalid(f"n={body.n}: only one choice per request is supported (n=1)", "n")
-    if body.presence_penalty or body.frequency_penalty:
-        param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-        raise _invalid(f"{param} is not supported (leave it unset or 0)", param)
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise _invalid(f"n={body.n}: n must be in [1, {MAX_N}]", "n")
     if body.logit_bias:
         raise _invalid("logit_bias is not supported", "logit_bias")
     if isinstance(body, CompletionBody):
-        if body.logprobs is not None:
-            raise _invalid("logprobs are not supported", "logprobs")
-        if body.echo:
-            raise _invalid("echo is not supported", "echo")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
         if body.suffix:
             raise _invalid("suffix is not supported", "suffix")
         if body.best_of not in (None, 1):
             raise _invalid("best_of is not supported (only 1)", "best_of")
     if isinstance(body, ChatBody):
-        if body.logprobs or body.top_logprobs is not None:
-            raise _invalid("logprobs are not supported", "logprobs")
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise _invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+            if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise _invalid(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
+                    "top_logprobs",
+                )
         if body.tools:
             raise _invalid("tool calling is not supported", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise _invalid("only response_format {'type': 'text'} is supported", "response_format")
+
+
+def structured_output(body: RequestBody) -> Structured | None:
+    """response_format (chat) or one of vLLM's guided_* extras, as one Structured (or None)."""
+    found: list[tuple[str, Structured]] = []
+    if isinstance(body, ChatBody) and body.response_format is not None:
+        rf = body.response_format
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", Structured("json_object")))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise _invalid(
+                    "response_format json_schema needs json_schema.schema, an object", "response_format"
+                )
+            found.append(("response_format", Structured("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise _invalid(
+                f"response_format type {kind!r}: one of text, json_object, json_schema", "response_format"
+            )
+    if body.guided_json is not None:
+        spec = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        found.append(("guided_json", Structured("json_schema", spec)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", Structured("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", Structured("choice", json.dumps(body.guided_choice))))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", Structured("grammar", body.guided_grammar)))
+    if len(found) > 1:
+        raise _invalid(f"{' and '.join(n for n, _ in found)}: set one structured output", found[1][0])
+    return found[0][1] if found else None
 
 
 def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
@@ -172,6 +227,10 @@ def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
         "stop": stop,
         "stop_token_ids": list(body.stop_token_ids or []),
         "ignore_eos": body.ignore_eos,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_tokens": body.min_tokens,
     }
 
 
@@ -183,6 +242,9 @@ def completion_params(body: CompletionBody) -> GenerateParams:
             raise _invalid(f"{len(prompt)} prompts: send one prompt per request", "prompt")
         prompt = prompt[0]
     sampling = _sampling(body, body.max_tokens)
+    sampling["logprobs"] = body.logprobs
+    sampling["prompt_logprobs"] = bool(body.echo and body.logprobs is not None)
+    sampling["structured"] = structured_output(body)
     if isinstance(prompt, str):
         return GenerateParams(prompt=prompt, **sampling)
     return GenerateParams(token_ids=list(prompt), **sampling)  # type: ignore[arg-type]
@@ -207,6 +269,8 @@ def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> Gen
     return GenerateParams(
         prompt=prompt,
         **_sampling(body, max_tokens),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        structured=structured_output(body),
         add_special_tokens=False,  # the template writes BOS itself where the model wants one
         default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
     )
@@ -217,51 +281,134 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _usage(c: GenerationChunk) -> dict[str, int]:
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens,
-    }
+def _usage(*lasts: GenerationChunk) -> dict[str, int]:
+    """As OpenAI counts n choices: the prompt once, the completions' tokens summed."""
+    prompt = lasts[0].prompt_tokens
+    completion = sum(c.completion_tokens for c in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class LogprobsShape:
+    """OpenAI's logprobs objects: completions' parallel lists (`tokens`, `token_logprobs`,
+    `top_logprobs`, `text_offset`) or chat's `content` list. Tokens the output hides (EOS, stop ids)
+    are left out, as their text is; a token's string is its own decoded text."""
+
+    def __init__(self, chat: bool, decode: Callable[[int], str], hidden: Collection[int]) -> None:
+        self.chat = chat
+        self.decode = decode
+        self.hidden = frozenset(hidden)
+        self.offset = 0  # completions' text_offset of the next token
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def of(self, entries: Sequence[TokenLogprob | None]) -> dict[str, Any]:
+        """`None` stands for a position with no logprob (the first prompt token, with echo)."""
+        shown = [e for e in entries if e is None or e.token_id not in self.hidden]
+        if self.chat:
+            content = [
+                self._chat_entry(e.token_id, e.logprob)
+                | {"top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]}
+                for e in shown
+                if e is not None
+            ]
+            return {"content": content, "refusal": None}
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in shown:
+            if e is None:
+                continue
+            text = self.decode(e.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({self.decode(t): lp for t, lp in e.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def first_prompt_token(self, token_id: int) -> dict[str, Any]:
+        """Completions' echo: the prompt's first token, which has no logprob (null)."""
+        text = self.decode(token_id)
+        self.offset += len(text)
+        return {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+
+
+def join_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One logprobs object of several (completions' lists or chat's content), in order."""
+    out: dict[str, Any] = {}
+    for p in parts:
+        for k, v in p.items():
+            if isinstance(v, list):
+                out.setdefault(k, []).extend(v)
+            else:
+                out[k] = v
+    return out
 
 
 class ResponseShape:
     """Response objects of one request: completions or chat, whole or as stream chunks."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        logprobs: LogprobsShape | None = None,
+        echo: str | None = None,
+        index: int = 0,
+    ) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.logprobs = logprobs  # None: the request asked for none
+        self.echo = echo  # completions' echo: the prompt text, sent before the completion
+        self.index = index  # the choice this shape writes (n > 1)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, last: GenerationChunk) -> dict[str, Any]:
+    def choice(
+        self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": last.finish_reason}
-        obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [choice], "usage": _usage(last)}
+            choice = {"index": self.index, "text": (self.echo or "") + text}
+        return choice | {"logprobs": logprobs, "finish_reason": last.finish_reason}
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+    def whole(
+        self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return self.response([self.choice(text, last, logprobs)], [last])
+
+    def response(self, choices: list[dict[str, Any]], lasts: Sequence[GenerationChunk]) -> dict[str, Any]:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": _usage(*lasts)}
+
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text or ""}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {**self._head(obj), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk has it, null but in the last one
         return sse(out)
 
-    def usage_chunk(self, last: GenerationChunk) -> bytes:
+    def usage_chunk(self, *lasts: GenerationChunk) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": _usage(last)})
+        return sse({**self._head(obj), "choices": [], "usage": _usage(*lasts)})

@@ -11,6 +11,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from fastdecode.errors import InvalidInput
+from fastdecode.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from fastdecode.structured import Structured, compile_grammar
 from fastdecode.tokenizer import Tokenizer
 
 # Prompt tokens that seed the detokenizer, so the first generated token decodes with the
@@ -50,6 +52,13 @@ class GenerateParams:
     add_special_tokens: bool = True
     # max_tokens when unset (None: Limits.default_max_tokens); chat asks for the rest of the context.
     default_max_tokens: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and k alternatives
+    prompt_logprobs: bool = False  # score the prompt too (OpenAI's echo with logprobs)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    structured: Structured | None = None  # the output must match it (compiled in resolve)
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,29 @@ class ValidRequest:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    grammar: str = ""  # llguidance's, compiled from GenerateParams.structured
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.seed,
+            top_logprobs=self.logprobs or 0,
+            prompt_logprobs=self.prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            suppress_ids=self.stop_token_ids if self.min_tokens else (),
+            grammar=self.grammar,
+        )
 
 
 def unencodable(value: object, path: str = "") -> str | None:
@@ -121,6 +153,16 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
         raise InvalidInput(f"top_k must be in [0, {limits.vocab_size}] (0 = off), got {p.top_k}")
     if p.seed is not None and not 0 <= p.seed < 2**64:
         raise InvalidInput(f"seed must be in [0, 2**64), got {p.seed}")
+    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.logprobs}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if v is not None and not -2.0 <= v <= 2.0:  # NaN fails too
+            raise InvalidInput(f"{name} must be in [-2, 2], got {v}")
+    if p.repetition_penalty is not None and not 0.0 < p.repetition_penalty <= 100.0:
+        raise InvalidInput(f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}")
+    if p.min_tokens is not None and p.min_tokens < 0:
+        raise InvalidInput(f"min_tokens must be >= 0, got {p.min_tokens}")
     if len(p.stop) > limits.max_stop:
         raise InvalidInput(f"{len(p.stop)} stop strings; the limit is {limits.max_stop}")
     check_text("stop", list(p.stop))
@@ -174,6 +216,13 @@ def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits) -> ValidRe
         stop=tuple(dict.fromkeys(p.stop)),
         stop_token_ids=tuple(dict.fromkeys(p.stop_token_ids)),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        presence_penalty=p.presence_penalty or 0.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
+        min_tokens=min(p.min_tokens or 0, max_tokens),
+        grammar=compile_grammar(p.structured) if p.structured is not None else "",
     )
 
 

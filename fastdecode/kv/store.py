@@ -376,6 +376,24 @@ class KVStore:
                 pool[layer][:, slots] = rows.to(self.dtype)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)
 
+    def fill_synthetic(self, seq_ids: list[str], tokens: int, seed: int = 0) -> int:
+        """Give each sequence `tokens` tokens of random K/V in every layer, written straight into
+        the pool (no attention: linear in `tokens`, where a causal prefill is quadratic). Values do
+        not change what a decode step costs, so one random block serves every layer and sequence.
+        Returns the tokens written per sequence."""
+        if tokens < 1:
+            raise InvalidInput("fill needs tokens >= 1")
+        missing = [s for s in seq_ids if s not in self.seqs]
+        if missing:
+            raise NotFound(f"sequences not held by this shard: {missing[:3]}")
+        gen = torch.Generator().manual_seed(seed)
+        k = torch.randn(tokens, self.num_kv_heads, self.head_dim, generator=gen)
+        v = torch.randn(tokens, self.num_kv_heads, self.head_dim, generator=gen)
+        for sid in seq_ids:
+            for layer in range(self.num_layers):
+                self.write(layer, sid, 0, k, v)
+        return tokens
+
     # ---- attention --------------------------------------------------------------------------
     def _check(
         self,

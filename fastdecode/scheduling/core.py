@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from fastdecode.errors import (
     InternalError,
@@ -40,6 +40,7 @@ from fastdecode.errors import (
     ResourceExhausted,
     ServiceError,
 )
+from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
 from fastdecode.scheduling.types import (
@@ -49,6 +50,8 @@ from fastdecode.scheduling.types import (
     PlannedSeq,
     Request,
     Reservation,
+    Sampled,
+    Sampling,
     SchedulerStats,
     ShardSpec,
     ShardStats,
@@ -79,6 +82,7 @@ class _Seq:
     inflight: int | None = None  # step it is planned in, until applied
     blocks: int = 0  # KV blocks its shard holds for it (mirrors the shard's allocation)
     started: int = -1  # order of first admission: the highest is the youngest (preempted first)
+    scored: int = 1  # next prompt position whose logprob goes out (prompt_logprobs; 0 has none)
 
     @property
     def generated(self) -> int:
@@ -385,6 +389,7 @@ class SchedulerCore:
                 n = min(pending, budget)
                 budget -= n
             sample = seq.kv + n == len(seq.tokens)
+            sampling, next_token = self._prompt_scoring(seq, n)
             planned.append(
                 PlannedSeq(
                     seq_id=sid,
@@ -392,9 +397,10 @@ class SchedulerCore:
                     mini_batch=0,
                     token_ids=seq.tokens[seq.kv : seq.kv + n],
                     start_pos=seq.kv,
-                    sampling=seq.req.sampling,
+                    sampling=sampling,
                     sample=sample,
                     sample_index=seq.req.sample_offset + seq.generated,
+                    next_token=next_token,
                 )
             )
             marks[sid] = _Inflight(seq.epoch, sample, seq.kv, seq.blocks)
@@ -413,6 +419,20 @@ class SchedulerCore:
         self._step += 1
         preempted, self._preempted = self._preempted, []
         return Step(step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted)
+
+    @staticmethod
+    def _prompt_scoring(seq: _Seq, n: int) -> tuple[Sampling, int | None]:
+        """The sampling settings of a chunk of n tokens from seq.kv, and the prompt token after it:
+        prompt logprobs are asked only of chunks that hold prompt positions not yet sent out (a
+        re-prefill after preemption or recovery scores nothing twice, nor the generated history)."""
+        sp = seq.req.sampling
+        if not sp.prompt_logprobs:
+            return sp, None
+        n_prompt = len(seq.req.prompt)
+        end = seq.kv + n  # the chunk scores positions seq.kv+1 .. end (end when next_token is sent)
+        if seq.scored >= n_prompt or end < seq.scored:
+            return replace(sp, prompt_logprobs=False), None
+        return sp, (seq.tokens[end] if end < n_prompt else None)
 
     def _expected_gen(self, seq: _Seq) -> float:
         mt = seq.req.max_tokens
@@ -526,8 +546,14 @@ class SchedulerCore:
             seq.kv = min(seq.kv, p.start_pos)
             seq.inflight = None
 
-    def apply(self, step: Step, results: dict[str, tuple[int, float] | ServiceError]) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events."""
+    def apply(
+        self,
+        step: Step,
+        results: Mapping[str, tuple[int, float] | Sampled | ServiceError],
+        prompt_logprobs: Mapping[str, list[TokenLogprob]] | None = None,
+    ) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events.
+        `prompt_logprobs`: the positions start_pos+1.. each chunk scored, for the requests that asked."""
         marks = self._inflight.pop(step.step, None)
         if marks is None:
             if not step.seqs:
@@ -544,21 +570,42 @@ class SchedulerCore:
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=res))
                 self._leave(seq)
                 continue
+            scored = self._take_prompt_logprobs(seq, mark.start_pos, (prompt_logprobs or {}).get(sid))
             if not mark.sample:
-                continue  # a prefill chunk that is not the last: its KV is in, nothing to sample
+                if scored:  # a prefill chunk that is not the last: only its prompt logprobs go out
+                    events.append(self._event(seq, [], [], None, step.step, prompt_logprobs=scored))
+                continue  # its KV is in, nothing to sample
             if res is None:
                 err = InternalError("no result for a sampled sequence")
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=err))
                 self._leave(seq)
                 continue
-            tok, logprob = int(res[0]), float(res[1])
+            if not isinstance(res, Sampled):
+                res = Sampled(int(res[0]), float(res[1]))
+            tok = int(res.token_id)
             seq.tokens.append(tok)
             reason = self._stop_reason(seq, tok)
-            events.append(self._event(seq, [tok], [logprob], reason, step.step))
+            top = [res.top] if seq.req.sampling.top_logprobs else []
+            events.append(
+                self._event(seq, [tok], [res.logprob], reason, step.step, top=top, prompt_logprobs=scored)
+            )
             if reason is not None:
                 self._ratio += RATIO_SMOOTHING * (seq.generated / seq.req.max_tokens - self._ratio)
                 self._leave(seq)
         return events
+
+    @staticmethod
+    def _take_prompt_logprobs(
+        seq: _Seq, start_pos: int, got: list[TokenLogprob] | None
+    ) -> list[TokenLogprob]:
+        """The positions of a chunk's prompt logprobs not yet sent out (each goes out once)."""
+        if not got:
+            return []
+        n_prompt = len(seq.req.prompt)
+        first = seq.scored - (start_pos + 1)  # got[i] scores position start_pos + 1 + i
+        out = got[max(0, first) : n_prompt - (start_pos + 1)] if first < len(got) else []
+        seq.scored = max(seq.scored, start_pos + 1 + max(0, first) + len(out))
+        return out
 
     def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
         if (tok in self._eos and not seq.req.ignore_eos) or tok in seq.req.stop_token_ids:
@@ -575,6 +622,8 @@ class SchedulerCore:
         reason: str | None,
         step_no: int,
         error: ServiceError | None = None,
+        top: list[tuple[tuple[int, float], ...]] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> TokenEvent:
         return TokenEvent(
             seq_id=seq.req.seq_id,
@@ -586,6 +635,8 @@ class SchedulerCore:
             step=step_no,
             shard=seq.shard if seq.shard is not None else -1,
             error=error,
+            top=top or [],
+            prompt_logprobs=prompt_logprobs or [],
         )
 
     def _leave(self, seq: _Seq, *, finished: bool = True) -> None:

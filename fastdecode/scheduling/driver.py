@@ -24,9 +24,18 @@ from typing import Protocol
 from fastdecode.errors import DependencyDown, InvalidInput, ServiceError, Status, Unavailable
 from fastdecode.geometry import KVGeometry
 from fastdecode.logs import Throttle
+from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
 from fastdecode.scheduling.core import SchedulerCore
-from fastdecode.scheduling.types import Request, Reservation, SchedulerStats, ShardSpec, Step, TokenEvent
+from fastdecode.scheduling.types import (
+    Request,
+    Reservation,
+    Sampled,
+    SchedulerStats,
+    ShardSpec,
+    Step,
+    TokenEvent,
+)
 from fastdecode.settings import SchedulerSettings
 
 log = logging.getLogger("fastdecode.scheduler")
@@ -61,6 +70,8 @@ class ItemResult:
     token_id: int = -1
     logprob: float = 0.0
     error: ServiceError | None = None
+    top: tuple[tuple[int, float], ...] = ()  # the sampled position's alternatives, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the chunk's, when asked
 
 
 @dataclass(frozen=True)
@@ -358,7 +369,8 @@ class SchedulerDriver:
             core.abort(step)  # nothing of it is applied; planned again once gpu_dense is back
             await self._reconnect_dense(e)
             return
-        results: dict[str, tuple[int, float] | ServiceError] = {}
+        results: dict[str, Sampled | ServiceError] = {}
+        scored: dict[str, list[TokenLogprob]] = {}
         lost: set[int] = set()
         full: list[str] = []
         shard_of = {p.seq_id: p.shard for p in step.seqs}
@@ -372,8 +384,11 @@ class SchedulerDriver:
                     full.append(r.seq_id)  # no free KV block: retried, the core preempts
                     continue
                 results[r.seq_id] = r.error
-            elif r.token_id >= 0:
-                results[r.seq_id] = (r.token_id, r.logprob)
+            else:
+                if r.token_id >= 0:
+                    results[r.seq_id] = Sampled(r.token_id, r.logprob, r.top)
+                if r.prompt_logprobs:
+                    scored[r.seq_id] = r.prompt_logprobs
         if outcome.error is not None:
             failed = Unavailable(f"step failed: {outcome.error.message}")
             results = {p.seq_id: failed for p in step.seqs}
@@ -381,7 +396,7 @@ class SchedulerDriver:
             self._shard_lost(shard, "attend stream failed")
         if full and outcome.error is None:
             core.kv_exhausted(step, full)  # its preemptions are logged with the next step
-        self._dispatch(core.apply(step, results))
+        self._dispatch(core.apply(step, results, scored))
         self.metrics.step(time.perf_counter() - t0, len(step.seqs))
         self._report()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fastdecode.errors import ServiceError
 from fastdecode.sampling import SamplingParams as Sampling  # one definition of sampling settings
+from fastdecode.sampling import TokenLogprob
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -46,6 +47,7 @@ class PlannedSeq:
     sampling: Sampling = field(default_factory=Sampling)
     sample: bool = True  # False: a prefill chunk before the prompt's last (nothing to sample yet)
     sample_index: int = 0
+    next_token: int | None = None  # the prompt token after a chunk whose prompt logprobs are asked
 
 
 @dataclass
@@ -110,6 +112,17 @@ class TokenEvent:
     step: int
     shard: int
     error: ServiceError | None = None  # typed (status, message); set when finish_reason is FINISH_ERROR
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's next positions
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sequence's sampled token of a step, with what it reported beside it."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

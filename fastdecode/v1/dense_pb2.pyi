@@ -20,19 +20,53 @@ class AddShardResponse(_message.Message):
     def __init__(self, shard: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "top_logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "suppress_token_ids", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_logprobs: int
+    prompt_logprobs: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    grammar: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PositionLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: TopLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class PlannedSequence(_message.Message):
-    __slots__ = ("seq_id", "shard", "mini_batch", "token_ids", "start_pos", "sampling", "sample", "sample_index")
+    __slots__ = ("seq_id", "shard", "mini_batch", "token_ids", "start_pos", "sampling", "sample", "sample_index", "next_token_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MINI_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +75,7 @@ class PlannedSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     shard: int
     mini_batch: int
@@ -49,43 +84,54 @@ class PlannedSequence(_message.Message):
     sampling: SamplingParams
     sample: bool
     sample_index: int
-    def __init__(self, seq_id: _Optional[str] = ..., shard: _Optional[int] = ..., mini_batch: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    next_token_id: int
+    def __init__(self, seq_id: _Optional[str] = ..., shard: _Optional[int] = ..., mini_batch: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., sample_index: _Optional[int] = ..., next_token_id: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "sequences", "pipeline")
+    __slots__ = ("step", "sequences", "pipeline", "ended")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     step: int
     sequences: _containers.RepeatedCompositeFieldContainer[PlannedSequence]
     pipeline: bool
-    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PlannedSequence, _Mapping]]] = ..., pipeline: _Optional[bool] = ...) -> None: ...
+    ended: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PlannedSequence, _Mapping]]] = ..., pipeline: _Optional[bool] = ..., ended: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "error")
+    __slots__ = ("seq_id", "token_id", "logprob", "error", "top", "prompt_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
     error: _tensor_pb2.ItemError
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ...) -> None: ...
+    top: TopLogprobs
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprob]
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., top: _Optional[_Union[TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("s_part_seconds", "shard_wait_seconds", "step_seconds", "attend_seconds", "overlap_ratio")
+    __slots__ = ("s_part_seconds", "shard_wait_seconds", "step_seconds", "attend_seconds", "overlap_ratio", "pipelined", "s_part_cpu_seconds")
     S_PART_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    S_PART_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     s_part_seconds: float
     shard_wait_seconds: float
     step_seconds: float
     attend_seconds: float
     overlap_ratio: float
-    def __init__(self, s_part_seconds: _Optional[float] = ..., shard_wait_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., attend_seconds: _Optional[float] = ..., overlap_ratio: _Optional[float] = ...) -> None: ...
+    pipelined: bool
+    s_part_cpu_seconds: float
+    def __init__(self, s_part_seconds: _Optional[float] = ..., shard_wait_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., attend_seconds: _Optional[float] = ..., overlap_ratio: _Optional[float] = ..., pipelined: _Optional[bool] = ..., s_part_cpu_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "results", "timings", "error")

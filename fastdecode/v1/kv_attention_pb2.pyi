@@ -122,3 +122,19 @@ class ShardStats(_message.Message):
     blocks_in_use: int
     blocks_free: int
     def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ...) -> None: ...
+
+class FillRequest(_message.Message):
+    __slots__ = ("seq_ids", "tokens", "seed")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    tokens: int
+    seed: int
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class FillResponse(_message.Message):
+    __slots__ = ("tokens_written",)
+    TOKENS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    tokens_written: int
+    def __init__(self, tokens_written: _Optional[int] = ...) -> None: ...

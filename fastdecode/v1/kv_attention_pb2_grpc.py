@@ -56,6 +56,11 @@ class KVAttentionStub:
                 request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.StatsRequest.SerializeToString,
                 response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.ShardStats.FromString,
                 _registered_method=True)
+        self.Fill = channel.unary_unary(
+                '/fastdecode.v1.KVAttention/Fill',
+                request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillResponse.FromString,
+                _registered_method=True)
 
 
 class KVAttentionServicer:
@@ -91,6 +96,14 @@ class KVAttentionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fill(self, request, context):
+        """Benchmarks: give held sequences `tokens` tokens of random KV in every layer, written straight
+        into the pool (linear in the context; a causal prefill over Attend is quadratic).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVAttentionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +126,11 @@ def add_KVAttentionServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.StatsRequest.FromString,
                     response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.ShardStats.SerializeToString,
+            ),
+            'Fill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fill,
+                    request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +243,33 @@ class KVAttention:
             '/fastdecode.v1.KVAttention/Stats',
             fastdecode_dot_v1_dot_kv__attention__pb2.StatsRequest.SerializeToString,
             fastdecode_dot_v1_dot_kv__attention__pb2.ShardStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.KVAttention/Fill',
+            fastdecode_dot_v1_dot_kv__attention__pb2.FillRequest.SerializeToString,
+            fastdecode_dot_v1_dot_kv__attention__pb2.FillResponse.FromString,
             options,
             channel_credentials,
             insecure,

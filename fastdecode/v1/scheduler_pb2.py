@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fastdecode.v1 import dense_pb2 as fastdecode_dot_v1_dot_dense__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x61stdecode/v1/scheduler.proto\x12\rfastdecode.v1\x1a\x19\x66\x61stdecode/v1/dense.proto\"\xcb\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.fastdecode.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1b\n\x13sample_index_offset\x18\x07 \x01(\x05\"\x97\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05shard\x18\x07 \x01(\x05\"\x17\n\x15SchedulerStatsRequest\"\xa7\x01\n\tShardLoad\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tsequences\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x65xpected_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x03\x12\x14\n\x0c\x62lock_tokens\x18\x08 \x01(\x03\"\xfc\x01\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x10\n\x08\x66inished\x18\x04 \x01(\x04\x12\x12\n\nrecoveries\x18\x05 \x01(\x04\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.fastdecode.v1.ShardLoad\x12\x16\n\x0ekv_load_tokens\x18\x07 \x01(\x01\x12\x0f\n\x07w_limit\x18\x08 \x01(\x01\x12\x11\n\tadmission\x18\t \x01(\t\x12\x18\n\x10not_ready_reason\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x32\xb4\x02\n\tScheduler\x12\x43\n\x06Submit\x12\x1c.fastdecode.v1.SubmitRequest\x1a\x19.fastdecode.v1.TokenEvent0\x01\x12\x44\n\x0cGetModelInfo\x12\x1a.fastdecode.v1.InfoRequest\x1a\x18.fastdecode.v1.ModelInfo\x12O\n\x08GetStats\x12$.fastdecode.v1.SchedulerStatsRequest\x1a\x1d.fastdecode.v1.SchedulerStats\x12K\n\x08\x41\x64\x64Shard\x12\x1e.fastdecode.v1.AddShardRequest\x1a\x1f.fastdecode.v1.AddShardResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x61stdecode/v1/scheduler.proto\x12\rfastdecode.v1\x1a\x19\x66\x61stdecode/v1/dense.proto\"\xcb\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.fastdecode.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1b\n\x13sample_index_offset\x18\x07 \x01(\x05\"\xf9\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05shard\x18\x07 \x01(\x05\x12\'\n\x03top\x18( \x03(\x0b\x32\x1a.fastdecode.v1.TopLogprobs\x12\x37\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x1e.fastdecode.v1.PositionLogprob\"\x17\n\x15SchedulerStatsRequest\"\xa7\x01\n\tShardLoad\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tsequences\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x65xpected_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x03\x12\x14\n\x0c\x62lock_tokens\x18\x08 \x01(\x03\"\xfc\x01\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x10\n\x08\x66inished\x18\x04 \x01(\x04\x12\x12\n\nrecoveries\x18\x05 \x01(\x04\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.fastdecode.v1.ShardLoad\x12\x16\n\x0ekv_load_tokens\x18\x07 \x01(\x01\x12\x0f\n\x07w_limit\x18\x08 \x01(\x01\x12\x11\n\tadmission\x18\t \x01(\t\x12\x18\n\x10not_ready_reason\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x32\xb4\x02\n\tScheduler\x12\x43\n\x06Submit\x12\x1c.fastdecode.v1.SubmitRequest\x1a\x19.fastdecode.v1.TokenEvent0\x01\x12\x44\n\x0cGetModelInfo\x12\x1a.fastdecode.v1.InfoRequest\x1a\x18.fastdecode.v1.ModelInfo\x12O\n\x08GetStats\x12$.fastdecode.v1.SchedulerStatsRequest\x1a\x1d.fastdecode.v1.SchedulerStats\x12K\n\x08\x41\x64\x64Shard\x12\x1e.fastdecode.v1.AddShardRequest\x1a\x1f.fastdecode.v1.AddShardResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITREQUEST']._serialized_start=76
   _globals['_SUBMITREQUEST']._serialized_end=279
   _globals['_TOKENEVENT']._serialized_start=282
-  _globals['_TOKENEVENT']._serialized_end=433
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=435
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=458
-  _globals['_SHARDLOAD']._serialized_start=461
-  _globals['_SHARDLOAD']._serialized_end=628
-  _globals['_SCHEDULERSTATS']._serialized_start=631
-  _globals['_SCHEDULERSTATS']._serialized_end=883
-  _globals['_SCHEDULER']._serialized_start=886
-  _globals['_SCHEDULER']._serialized_end=1194
+  _globals['_TOKENEVENT']._serialized_end=531
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=533
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=556
+  _globals['_SHARDLOAD']._serialized_start=559
+  _globals['_SHARDLOAD']._serialized_end=726
+  _globals['_SCHEDULERSTATS']._serialized_start=729
+  _globals['_SCHEDULERSTATS']._serialized_end=981
+  _globals['_SCHEDULER']._serialized_start=984
+  _globals['_SCHEDULER']._serialized_end=1292
 # @@protoc_insertion_point(module_scope)

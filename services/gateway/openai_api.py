@@ -29,11 +29,14 @@ from fastdecode.gateway.openai import (
     APIError,
     ChatBody,
     CompletionBody,
+    LogprobsShape,
     RequestBody,
     ResponseShape,
     chat_params,
+    choice_params,
     completion_params,
     error_body,
+    join_logprobs,
     sse,
 )
 from fastdecode.gateway.text import GenerateParams
@@ -171,7 +174,15 @@ class OpenAIApp:
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
         self._check_model(body.model)
-        return await self._run(request, completion_params(body), body, chat=False)
+        params = completion_params(body)
+        echo = None
+        if body.echo:  # the prompt as sent, or the text of its token ids
+            echo = (
+                params.prompt
+                if params.prompt is not None
+                else self.core.tokenizer.decode(params.token_ids or [])
+            )
+        return await self._run(request, params, body, chat=False, echo=echo)
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
         self._check_model(body.model)
@@ -191,38 +202,66 @@ class OpenAIApp:
             raise as_service_error(e, log) from None
         return await self._run(request, params, body, chat=True)
 
-    async def _run(self, request: Request, params: GenerateParams, body: RequestBody, chat: bool) -> Response:
+    async def _run(
+        self, request: Request, params: GenerateParams, body: RequestBody, chat: bool, echo: str | None = None
+    ) -> Response:
         rid: str = request.state.request_id
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        shape = ResponseShape(chat, rid, self.core.model_id, include_usage)
-        producer = self.core.generate(params, rid, None, "http")
+        n = body.n or 1
+
+        def shape(i: int) -> ResponseShape:
+            lp = None
+            if params.logprobs is not None:
+                tok = self.core.tokenizer
+                hidden = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.core.eos_ids))
+                lp = LogprobsShape(chat, lambda t: tok.decode([t], skip_special_tokens=False), hidden)
+            return ResponseShape(chat, rid, self.core.model_id, include_usage, lp, echo, index=i)
+
+        # n choices are n sequences (each prefills the prompt), one seed stream each
+        shapes = [shape(i) for i in range(n)]
+        producers = [
+            self.core.generate(choice_params(params, i), rid if n == 1 else f"{rid}-{i}", None, "http")
+            for i in range(n)
+        ]
         if not body.stream:
-            return await self._whole(request, producer, shape)
+            return await self._whole(request, producers, shapes)
         try:
             # Up to the first token before answering: a request refused up front (invalid, queue
             # full, draining) gets its own status code rather than an error inside a 200 stream.
-            first = await anext(producer)
+            firsts = list(await asyncio.gather(*(anext(p) for p in producers)))
         except ServiceError as e:
+            await asyncio.gather(*(p.aclose() for p in producers), return_exceptions=True)
             return error_response(e)
         except BaseException:
-            await producer.aclose()
+            await asyncio.gather(*(p.aclose() for p in producers), return_exceptions=True)
             raise
         return StreamingResponse(
-            self._events(first, producer, shape), media_type="text/event-stream", headers=SSE_HEADERS
+            self._events(firsts, producers, shapes), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
+    async def _collect(
+        self, producer: AsyncGenerator[GenerationChunk], shape: ResponseShape
+    ) -> tuple[dict[str, Any], GenerationChunk]:
+        parts: list[str] = []
+        logprobs: list[dict[str, Any]] = []
+        last: GenerationChunk | None = None
+        async with contextlib.aclosing(producer) as chunks:
+            async for c in chunks:
+                parts.append(c.text)
+                if shape.logprobs is not None:
+                    logprobs += self._logprobs(shape.logprobs, c)
+                last = c
+        assert last is not None and last.finish_reason, "generate() ends with a finish reason"
+        whole = join_logprobs(logprobs) if shape.logprobs is not None else None
+        return shape.choice("".join(parts), last, whole), last
+
     async def _whole(
-        self, request: Request, producer: AsyncGenerator[GenerationChunk], shape: ResponseShape
+        self, request: Request, producers: list[AsyncGenerator[GenerationChunk]], shapes: list[ResponseShape]
     ) -> Response:
-        async def collect() -> tuple[str, GenerationChunk]:
-            parts: list[str] = []
-            last: GenerationChunk | None = None
-            async with contextlib.aclosing(producer) as chunks:
-                async for c in chunks:
-                    parts.append(c.text)
-                    last = c
-            assert last is not None and last.finish_reason, "generate() ends with a finish reason"
-            return "".join(parts), last
+        async def collect() -> list[tuple[dict[str, Any], GenerationChunk]]:
+            return list(
+                await asyncio.gather(*(self._collect(p, s) for p, s in zip(producers, shapes, strict=True)))
+            )
 
         # A client that hangs up cancels the generation (and frees its KV) instead of letting it run on.
         work = asyncio.ensure_future(collect())
@@ -238,33 +277,92 @@ class OpenAIApp:
         if work.cancelled():
             return Response(status_code=499)  # nobody is listening
         try:
-            text, last = work.result()
+            done = work.result()
         except ServiceError as e:
             return error_response(e)
-        return JSONResponse(shape.whole(text, last))
+        return JSONResponse(shapes[0].response([c for c, _ in done], [last for _, last in done]))
+
+    @staticmethod
+    def _logprobs(lp: LogprobsShape, c: GenerationChunk) -> list[dict[str, Any]]:
+        """The logprobs objects of one chunk: the prompt's first (echo), then its tokens'."""
+        out = []
+        if c.prompt_first_token is not None:
+            out.append(lp.first_prompt_token(c.prompt_first_token))
+        if c.prompt_logprobs:
+            out.append(lp.of(c.prompt_logprobs))
+        out.append(lp.of(c.logprobs))
+        return out
+
+    @staticmethod
+    async def _merged(
+        firsts: list[GenerationChunk], producers: list[AsyncGenerator[GenerationChunk]]
+    ) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        """(choice, chunk) as each choice's chunks arrive, the first ones first."""
+        for i, f in enumerate(firsts):
+            yield i, f
+        if len(producers) == 1:  # in this task, as before n: the drain's cut-off lands here
+            async with contextlib.aclosing(producers[0]) as chunks:
+                async for c in chunks:
+                    yield 0, c
+            return
+        queue: asyncio.Queue[tuple[int, GenerationChunk | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, producer: AsyncGenerator[GenerationChunk]) -> None:
+            try:
+                async with contextlib.aclosing(producer) as chunks:
+                    async for c in chunks:
+                        await queue.put((i, c))
+                await queue.put((i, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(producers)]
+        try:
+            left = len(tasks)
+            while left:
+                i, c = await queue.get()
+                if c is None:
+                    left -= 1
+                elif isinstance(c, BaseException):
+                    raise c
+                else:
+                    yield i, c
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _events(
-        self, first: GenerationChunk, producer: AsyncGenerator[GenerationChunk], shape: ResponseShape
+        self,
+        firsts: list[GenerationChunk],
+        producers: list[AsyncGenerator[GenerationChunk]],
+        shapes: list[ResponseShape],
     ) -> AsyncIterator[bytes]:
-        async with contextlib.aclosing(producer) as chunks:
+        lasts = list(firsts)
+        async with contextlib.aclosing(self._merged(firsts, producers)) as chunks:
             try:
-                if shape.chat:
-                    yield shape.chunk(None, None, role=True)
-                last = first
-                if first.text or first.finish_reason:
-                    yield self._event(shape, first)
-                async for c in chunks:
-                    last = c
-                    if c.text or c.finish_reason:
-                        yield self._event(shape, c)
-                if shape.include_usage:
-                    yield shape.usage_chunk(last)
+                if shapes[0].chat:
+                    for shape in shapes:
+                        yield shape.chunk(None, None, role=True)
+                async for i, c in chunks:
+                    lasts[i] = c
+                    if c.text or c.finish_reason or self._has_logprobs(shapes[i], c):
+                        yield self._event(shapes[i], c)
+                if shapes[0].include_usage:
+                    yield shapes[0].usage_chunk(*lasts)
             except ServiceError as e:  # after the 200: the error travels as an event, as OpenAI's do
                 yield sse(error_body(e)[1])
         yield b"data: [DONE]\n\n"
 
     @staticmethod
-    def _event(shape: ResponseShape, c: GenerationChunk) -> bytes:
-        if shape.chat and c.text and c.finish_reason:  # OpenAI sends the finish on an empty delta
-            return shape.chunk(c.text, None) + shape.chunk(None, c.finish_reason)
-        return shape.chunk(c.text, c.finish_reason)
+    def _has_logprobs(shape: ResponseShape, c: GenerationChunk) -> bool:
+        return shape.logprobs is not None and bool(c.logprobs or c.prompt_logprobs or c.prompt_first_token)
+
+    def _event(self, shape: ResponseShape, c: GenerationChunk) -> bytes:
+        text = c.text
+        if shape.echo is not None:  # the prompt leads the first chunk
+            text, shape.echo = shape.echo + text, None
+        lp = join_logprobs(self._logprobs(shape.logprobs, c)) if shape.logprobs is not None else None
+        if shape.chat and text and c.finish_reason:  # OpenAI sends the finish on an empty delta
+            return shape.chunk(text, None, logprobs=lp) + shape.chunk(None, c.finish_reason)
+        return shape.chunk(text, c.finish_reason, logprobs=lp)

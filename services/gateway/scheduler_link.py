@@ -72,7 +72,13 @@ class GrpcSchedulerLink:
         )
         try:
             async for ev in call:
-                yield UpstreamEvent(list(ev.token_ids), ev.finish_reason)
+                yield UpstreamEvent(
+                    list(ev.token_ids),
+                    ev.finish_reason,
+                    list(ev.logprobs),
+                    [convert.top_from_proto(t) for t in ev.top],
+                    [convert.position_from_proto(p) for p in ev.prompt_logprobs],
+                )
         except grpc.aio.AioRpcError as e:
             raise upstream_error(e) from None
         finally:

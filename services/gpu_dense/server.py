@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import torch
@@ -16,6 +17,7 @@ from fastdecode.model import DenseModel
 from fastdecode.progress import LOADING_WEIGHTS, ProgressFile
 from fastdecode.rpc import Server, handles_errors, item_error
 from fastdecode.settings import DenseSettings, split_addresses
+from fastdecode.structured import GrammarBank
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense import metrics
@@ -40,7 +42,9 @@ class DenseService(pb_grpc.DenseServicer):
             DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype], progress
         )
         chooser = PipelineChooser() if s.pipeline_mode == "auto" else None
-        self.runner = StepRunner(self.model, self.links, chooser)
+        c = self.model.config
+        grammars = GrammarBank(Path(s.model) / "tokenizer.json", c.vocab_size, c.eos_token_ids)
+        self.runner = StepRunner(self.model, self.links, chooser, grammars)
 
     def _ready(self) -> tuple[DenseModel, StepRunner]:
         if self.model is None or self.runner is None:
@@ -75,13 +79,20 @@ class DenseService(pb_grpc.DenseServicer):
 
     async def step(self, runner: StepRunner, plan: pb.StepPlan) -> pb.StepResult:
         result = pb.StepResult(step=plan.step)
+        runner.forget(plan.ended)
         try:
             outcomes, t = await runner.run(convert.planned_seqs_from_proto(plan), plan.pipeline)
         except Exception as e:  # noqa: BLE001 - a failed step is reported in-band
             result.error.CopyFrom(item_error(e))
             return result
         for sid, o in outcomes.items():
-            r = result.results.add(seq_id=sid, token_id=o.token_id, logprob=o.logprob)
+            r = result.results.add(
+                seq_id=sid,
+                token_id=o.token_id,
+                logprob=o.logprob,
+                top=convert.top_to_proto(o.top),
+                prompt_logprobs=[convert.position_to_proto(p) for p in o.prompt],
+            )
             if o.error is not None:
                 r.error.CopyFrom(item_error(o.error))
                 log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})

@@ -73,6 +73,14 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ShardStats:
         return convert.shard_stats_to_proto(self.settings.shard_id, self.core)
 
+    @handles_errors
+    async def Fill(self, request: pb.FillRequest, context: grpc.aio.ServicerContext) -> pb.FillResponse:
+        # On the loop, like Attend items: a fill never interleaves with a step's attention.
+        n = self.core.fill(list(request.seq_ids), request.tokens, request.seed)
+        self._update_gauges()
+        log.info("filled %d sequences with %d tokens of random KV", len(request.seq_ids), n)
+        return pb.FillResponse(tokens_written=n)
+
     def answer(self, req: pb.AttendRequest) -> bytes | pb.AttendResponse:
         """One Attend item, run right here on the event loop: a hop to a worker thread and back
         cost more than the item on this path (see `bench transport --breakdown`). Reserve and

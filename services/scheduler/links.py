@@ -68,7 +68,14 @@ class GrpcDenseLink:
             self._reset()
             raise Unavailable(f"gpu_dense at {self.address} closed the step stream")
         items = [
-            ItemResult(r.seq_id, r.token_id, r.logprob, error_from_item(r.error) if r.error.code else None)
+            ItemResult(
+                r.seq_id,
+                r.token_id,
+                r.logprob,
+                error_from_item(r.error) if r.error.code else None,
+                convert.top_from_proto(r.top),
+                [convert.position_from_proto(p) for p in r.prompt_logprobs],
+            )
             for r in result.results
         ]
         return StepOutcome(items, error_from_item(result.error) if result.error.code else None)

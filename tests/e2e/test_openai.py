@@ -241,8 +241,10 @@ def test_wrong_or_missing_token_is_401(base: str, model_id: str) -> None:
         ({"prompt": ""}, None, ["prompt is empty"]),
         ({"prompt": ["a", "b"]}, "prompt", ["one prompt per request"]),
         ({"prompt": [5, 1 << 20]}, None, ["vocabulary"]),
-        ({"prompt": "hi", "n": 2}, "n", ["n=2"]),
-        ({"prompt": "hi", "logprobs": 2}, "logprobs", ["not supported"]),
+        ({"prompt": "hi", "n": 17}, "n", ["n=17"]),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", ["logprobs must be in [0, 20]"]),
+        ({"prompt": "hi", "presence_penalty": 3}, None, ["presence_penalty"]),
+        ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias", ["not supported"]),
         ({"prompt": "hi", "stop": ["x"] * 17}, None, ["stop strings"]),
         ({}, "prompt", ["Field required"]),
     ],
@@ -260,7 +262,7 @@ def test_bad_chat_params_are_400(base: str, model_id: str) -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages.0.role"),
         ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ]
     for body, param in cases:
@@ -335,7 +337,7 @@ def test_http_requests_are_counted_in_gateway_metrics(fleet: UpProcess, base: st
     metrics = fleet.state["gateway"]["metrics"]
     before = scrape(metrics)
     call(base, "/v1/completions", {"model": model_id, "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
-    call(base, "/v1/completions", {"model": model_id, "prompt": "hi", "n": 3})
+    call(base, "/v1/completions", {"model": model_id, "prompt": "hi", "n": 17})
     call(base, "/v1/completions", {"model": model_id, "prompt": "hi"}, token="nope")
     after = scrape(metrics)
 

@@ -388,3 +388,72 @@ def test_cut_off_ends_an_http_stream_with_an_error_event_then_done(llama_dir: Pa
     error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     assert error["type"] == "service_unavailable_error" and "draining" in error["message"]
     assert answered == [(Status.UNAVAILABLE, "http")]
+
+
+def _post(app: object, path: str, body: dict) -> tuple[int, bytes]:
+    """One POST through the ASGI app (no socket): (status, body bytes)."""
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "state": {"request_id": "r1"},
+    }
+    sent: list[dict] = []
+    requests = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop()
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))  # type: ignore[operator]
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_n_choices_logprobs_and_usage_over_http(llama_dir: Path) -> None:
+    """n choices are n sequences, each with its own seed (seed + index); usage counts the prompt once;
+    streamed, every chunk names its choice; logprobs come in OpenAI's completions shape."""
+    link = FakeScheduler()
+    seen: list[tuple[str, int | None]] = []
+
+    def script(rid: str, req: object) -> list:
+        seen.append((rid, req.seed))  # type: ignore[attr-defined]
+        return [
+            UpstreamEvent([5], logprobs=[-0.5], top=[((5, -0.5), (6, -1.5))]),
+            UpstreamEvent([6], "length", [-0.25], [((6, -0.25), (5, -2.0))]),
+        ]
+
+    link.script = script
+    core, _ = make_core(llama_dir, link, http_port=0)
+    core.ready = True
+    app = _Front(OpenAIApp(core, core.settings).app, core, None, 1 << 20)
+    body = {"model": core.model_id, "prompt": [5, 7, 9], "max_tokens": 2, "n": 3, "seed": 10, "logprobs": 2}
+    status, raw = _post(app, "/v1/completions", body)
+    assert status == 200, raw
+    out = json.loads(raw)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert sorted(seed for _, seed in seen) == [10, 11, 12] and len({rid for rid, _ in seen}) == 3
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    lp = out["choices"][1]["logprobs"]
+    assert lp["token_logprobs"] == [-0.5, -0.25] and len(lp["top_logprobs"][0]) == 2
+    assert lp["text_offset"][0] == 0
+    status, raw = _post(
+        app, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    events = [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert sorted({c["index"] for e in events for c in e["choices"]}) == [0, 1, 2]
+    assert events[-1]["usage"]["completion_tokens"] == 6

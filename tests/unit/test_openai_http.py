@@ -23,6 +23,7 @@ from fastdecode.gateway.openai import (
     completion_params,
     error_body,
 )
+from fastdecode.structured import Structured
 from fastdecode.tokenizer import Tokenizer
 
 CONVERSATION = [
@@ -130,13 +131,12 @@ def test_completion_params() -> None:
     [
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [[1], [2]]}, "prompt"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "logprobs": 0}, "logprobs"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
         ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ],
 )
@@ -144,6 +144,17 @@ def test_unsupported_completion_params_are_refused(body: dict, param: str) -> No
     with pytest.raises(APIError) as e:
         completion_params(CompletionBody(**body))
     assert e.value.status is Status.INVALID_ARGUMENT and e.value.param == param
+
+
+def test_logprobs_echo_and_penalties_reach_the_params() -> None:
+    p = completion_params(CompletionBody(prompt="x", logprobs=3, echo=True, presence_penalty=0.5))
+    assert (p.logprobs, p.prompt_logprobs, p.presence_penalty) == (3, True, 0.5)
+    p = completion_params(CompletionBody(prompt="x", echo=True))  # echo without logprobs: text only
+    assert (p.logprobs, p.prompt_logprobs) == (None, False)
+    p = completion_params(
+        CompletionBody(prompt="x", frequency_penalty=-1, repetition_penalty=1.3, min_tokens=4)
+    )
+    assert (p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (-1, 1.3, 4)
 
 
 def test_chat_params() -> None:
@@ -167,15 +178,44 @@ def test_chat_params() -> None:
     for bad, param in [
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
             "response_format",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            "response_format",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+                "guided_regex": "a+",
+            },
+            "guided_regex",
         ),
     ]:
         with pytest.raises(APIError) as e:
             chat_params(ChatBody(**bad), template, 8)
         assert e.value.param == param
+    user = [{"role": "user", "content": "x"}]
+    assert chat_params(ChatBody(messages=user, logprobs=True), template, 8).logprobs == 0
+    assert chat_params(ChatBody(messages=user, logprobs=True, top_logprobs=5), template, 8).logprobs == 5
+    assert chat_params(ChatBody(messages=user), template, 8).logprobs is None
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
+    assert chat_params(ChatBody(messages=user, response_format=rf), template, 8).structured == Structured(
+        "json_schema", '{"type": "integer"}'
+    )
+    got = chat_params(ChatBody(messages=user, response_format={"type": "json_object"}), template, 8)
+    assert got.structured == Structured("json_object")
+    got = completion_params(CompletionBody(prompt="x", guided_choice=["a", "b"]))
+    assert got.structured == Structured("choice", '["a", "b"]')
+    assert completion_params(CompletionBody(prompt="x")).structured is None
 
 
 # ---- errors and ids -------------------------------------------------------------------------------

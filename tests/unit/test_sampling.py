@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastdecode.errors import InvalidInput
-from fastdecode.sampling import SamplingParams, sample
+from fastdecode.sampling import SamplingParams, penalize, sample, top_logprobs
 
 
 def logits(n: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -64,3 +64,37 @@ def test_top_k_restricts_support_and_distribution_follows_probs() -> None:
 def test_invalid_params(params: SamplingParams) -> None:
     with pytest.raises(InvalidInput):
         params.validate()
+
+
+def test_penalties_follow_the_openai_and_vllm_definitions() -> None:
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    history = [1, 3, 2, 2, 2]  # prompt [1, 3], then generated 2, 2, 2 (sample_index 3)
+    # OpenAI: logit - frequency * count - presence * (count > 0), over the generated tokens only
+    got = penalize(x, [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)], [3], [history])
+    assert got.tolist() == [[2.0, -1.0, 0.5 - 1.5 - 0.25, 3.0, 1.0]]
+    # vLLM's repetition penalty: prompt and generated tokens, positive logits divided, negative multiplied
+    got = penalize(x, [SamplingParams(repetition_penalty=2.0)], [3], [history])
+    assert got.tolist() == [[2.0, -2.0, 0.25, 1.5, 1.0]]
+    # min_tokens: EOS and the stop ids are out until that many tokens were sampled, then back
+    p = SamplingParams(min_tokens=2, suppress_ids=(4,))
+    got = penalize(x, [p], [1], [None], eos_ids=[3])
+    assert got[0, 3] == float("-inf") and got[0, 4] == float("-inf") and got[0, 0] == 2.0
+    assert penalize(x, [p], [2], [None], eos_ids=[3]) is x  # nothing to do: the same tensor
+    # the draw uses the penalized logits, the reported logprob stays the model's
+    toks, lps = sample(x, [SamplingParams()], [0], processed=got)
+    assert toks.item() == 0
+    assert lps.item() == pytest.approx(torch.log_softmax(x, -1)[0, 0].item())
+
+
+def test_top_logprobs_are_the_best_first() -> None:
+    lp = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), -1)
+    (top,) = top_logprobs(lp, 2)
+    assert [t for t, _ in top] == [1, 3]
+    assert [v for _, v in top] == pytest.approx([lp[0, 1].item(), lp[0, 3].item()])
+    assert top_logprobs(lp, 0) == [()]
+    with pytest.raises(InvalidInput):
+        SamplingParams(top_logprobs=21).validate()
+    with pytest.raises(InvalidInput):
+        SamplingParams(presence_penalty=float("nan")).validate()
+    with pytest.raises(InvalidInput):
+        SamplingParams(repetition_penalty=0).validate()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastdecode.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
+from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling import (
     NaiveAdmission,
     PlannedSeq,
@@ -689,3 +690,42 @@ def test_preempted_sequence_cancelled_while_waiting_leaves_nothing_behind() -> N
     fleet.run()
     assert fleet.out["a"] == reference([1, 2, 3, 4], 11)
     assert fleet.reserved == [{}]
+
+
+def _score(step: Step) -> dict[str, list[TokenLogprob]]:
+    """What gpu_dense answers for prompt logprobs: position p scored as -p, for the chunk's positions
+    start_pos+1.. (and next_token's)."""
+    out = {}
+    for p in step.seqs:
+        if p.sampling.prompt_logprobs:
+            targets = p.token_ids[1:] + ([p.next_token] if p.next_token is not None else [])
+            out[p.seq_id] = [TokenLogprob(t, -float(p.start_pos + 1 + i)) for i, t in enumerate(targets)]
+    return out
+
+
+def test_prompt_logprobs_go_out_once_per_position_across_chunks_and_a_lost_shard() -> None:
+    core = core_with(nshards=2, prefill_token_budget=4)
+    prompt = list(range(10, 20))
+    core.submit(Request("a", prompt, max_tokens=3, sampling=Sampling(prompt_logprobs=True, top_logprobs=2)))
+    scored: list[TokenLogprob] = []
+    events: list[TokenEvent] = []
+    plans = []
+    lost = False
+    while len(events) == 0 or not events[-1].finish_reason:
+        st = core.next_step()
+        assert st is not None
+        plans.append(planned(st, "a"))
+        results = {p.seq_id: (1 + p.sample_index, -0.5) for p in st.seqs if p.sample}
+        evs = core.apply(st, results, _score(st))
+        for ev in evs:
+            scored += ev.prompt_logprobs
+        events += [e for e in evs if e.token_ids or e.finish_reason]
+        if len(events) == 1 and not lost:  # after the first token the shard is lost: re-prefill
+            core.shard_lost(core.shard_of("a"))
+            lost = True
+    # chunks ask for the next prompt token while inside the prompt; the re-prefill asks for nothing
+    assert [(p.start_pos, p.next_token) for p in plans[:3]] == [(0, 14), (4, 18), (8, None)]
+    assert all(not p.sampling.prompt_logprobs for p in plans[3:])
+    assert [(e.token_id, e.logprob) for e in scored] == [(prompt[i], -float(i)) for i in range(1, 10)]
+    assert [e.token_ids for e in events] == [[1], [2], [3]]
+    assert all(len(e.top) == 1 for e in events)  # one alternatives entry per token (top_logprobs asked)

@@ -1,0 +1,467 @@
+"""`fastdecode bench split`: does the split pay? A dense host and shard hosts emulated on one machine.
+
+Each host is a CPU set (fastdecode.benchmarks.hosts): gpu_dense runs pinned to the dense host's
+CPUs, each kv_attention shard to its shard host's (in its own network namespace where permitted),
+torch and OpenMP threads sized to the set. This process plays the scheduler: it sends gpu_dense
+the StepPlans the scheduler would (decode steps of B sequences, two mini-batches) from the dense
+host's CPUs, where it also runs LocalEngine: the dense host alone, the user's alternative.
+
+At each context the KV-cache is written synthetically, straight into the pools (the shards' Fill
+RPC, KVStore.fill_synthetic locally: linear in the context, no causal prefill), then decode steps
+run interleaved, a fleet step then a local step at the same positions, so both see the same
+machine noise. With `--pipeline auto`, gpu_dense is started fresh at each context and its
+chooser's probe steps run (untimed) before the timed ones, so the mode it chose is the one timed.
+
+Measured in the same run, per step (medians): S, the dense half alone (LocalEngine's step less
+its attention); R, the attention on the shard host (the slowest shard's busy time); the exchange's
+CPU on the dense host (gpu_dense's process CPU less S's CPU) and on the shard host (the shard's CPU
+less R). From them: ideal_ratio = (S + R) / max(S, R), efficiency = ratio / ideal_ratio, and the
+planner's predicted fleet step (planner.split_step_s) against the measured one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdecode import codec
+from fastdecode.benchmarks.attention import torch_threads
+from fastdecode.benchmarks.common import median, run_async
+from fastdecode.benchmarks.hosts import (
+    HostLayout,
+    Isolation,
+    cpu_list,
+    host_layout,
+    isolated_hosts,
+    pin_command,
+    pinned_process,
+    thread_env,
+)
+from fastdecode.benchmarks.transport import process_cpu_seconds
+from fastdecode.engine import LocalEngine, SeqChunk
+from fastdecode.errors import InvalidInput, ServiceError
+from fastdecode.fleet import ServiceProcess, spawn_service, start_service, stop_processes, wait_ready
+from fastdecode.model import ModelConfig
+from fastdecode.planner import SplitParts, split_ideal_ratio, split_step_s
+from fastdecode.rpc import aio_channel
+from fastdecode.v1 import dense_pb2, dense_pb2_grpc
+from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+
+DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
+PIPELINE_MODES = ("auto", "on", "off")
+_SETTLE_S = 0.02  # between a fleet and a local step: spin-waiting OpenMP workers go idle
+_CHOOSER_PROBES = 8  # fastdecode.dense.pipeline.PipelineChooser's default, per mode
+POINT_KEYS = (
+    "context",
+    "local_tokens_per_s",
+    "fleet_tokens_per_s",
+    "ratio",
+    "s_ms",
+    "r_ms",
+    "exchange_cpu_ms",
+    "ideal_ratio",
+    "efficiency",
+    "predicted_step_ms",
+    "measured_step_ms",
+)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench split] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Setup:
+    model: Path
+    cfg: ModelConfig
+    batch: int
+    kv_dtype: str
+    layout: HostLayout
+    iso: Isolation
+    pipeline: str
+    steps: int
+    warmup: int
+    workdir: Path
+    seed: int
+    nice: int = 0
+
+
+def _shard_rows(batch: int, shards: int) -> list[range]:
+    return [range(i * batch // shards, (i + 1) * batch // shards) for i in range(shards)]
+
+
+def _plan(step: int, ids: list[str], owner: list[int], tokens: list[int], pos: int, pipeline: bool) -> Any:
+    plan = dense_pb2.StepPlan(step=step, pipeline=pipeline)
+    for i, (sid, tok) in enumerate(zip(ids, tokens, strict=True)):
+        plan.sequences.add(
+            seq_id=sid,
+            shard=owner[i],
+            mini_batch=i % 2 if pipeline else 0,
+            token_ids=[tok],
+            start_pos=pos,
+            sample=True,
+            sample_index=step,
+        )
+    return plan
+
+
+def _start_shards(s: _Setup, capacity: int) -> list[ServiceProcess]:
+    pending = []
+    for i, cpus in enumerate(s.layout.shards):
+        args = ["kv-attention", "--shard-id", str(i), "--kv-capacity", str(capacity)]
+        args += ["--kv-dtype", s.kv_dtype, "--threads", str(len(cpus))]
+        pending.append(
+            spawn_service(
+                f"kv_attention-{i}",
+                args,
+                s.workdir,
+                host=s.iso.shard_hosts[i],
+                env=thread_env(cpus),
+                prefix=s.iso.shard_prefix[i] + pin_command(cpus, s.nice),
+            )
+        )
+    return [wait_ready(p, 180.0) for p in pending]
+
+
+def _start_dense(s: _Setup, shards: list[ServiceProcess]) -> ServiceProcess:
+    args = ["gpu-dense", "--model", str(s.model), "--device", "cpu"]
+    args += ["--shards", ",".join(p.address for p in shards), "--threads", str(s.layout.dense_threads)]
+    if s.pipeline == "auto":
+        args += ["--pipeline-mode", "auto"]
+    return start_service(
+        "gpu_dense",
+        args,
+        s.workdir,
+        host=s.iso.dense_host,
+        env=thread_env(s.layout.dense),
+        timeout=180.0,
+        prefix=pin_command(s.layout.dense, s.nice),
+    )
+
+
+async def _busy_each(stubs: list[kv_grpc.KVAttentionStub]) -> list[float]:
+    stats = await asyncio.gather(*(st.Stats(kv_pb.StatsRequest(), timeout=30) for st in stubs))
+    return [x.attention_busy_seconds for x in stats]
+
+
+async def _point(
+    s: _Setup, context: int, shards: list[ServiceProcess], engine: LocalEngine, max_tokens: int
+) -> dict[str, Any]:
+    cfg, batch = s.cfg, s.batch
+    ids = [f"split-{context}-{i}" for i in range(batch)]
+    owner = [0] * batch
+    rows = _shard_rows(batch, len(shards))
+    for i, r in enumerate(rows):
+        for j in r:
+            owner[j] = i
+    channels = [aio_channel(p.address) for p in shards]
+    stubs = [kv_grpc.KVAttentionStub(ch) for ch in channels]
+    dense: ServiceProcess | None = None
+    dense_ch = None
+    geometry = kv_pb.KVGeometry(
+        num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim
+    )
+    try:
+        t0 = time.perf_counter()
+        for st, r in zip(stubs, rows, strict=True):
+            part = [ids[j] for j in r]
+            await st.Release(kv_pb.ReleaseRequest(all=True), timeout=60)
+            seqs = [kv_pb.SequenceReservation(seq_id=x, max_tokens=max_tokens) for x in part]
+            await st.Reserve(kv_pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=60)
+        await asyncio.gather(
+            *(
+                st.Fill(
+                    kv_pb.FillRequest(seq_ids=[ids[j] for j in r], tokens=context, seed=s.seed), timeout=900
+                )
+                for st, r in zip(stubs, rows, strict=True)
+            )
+        )
+        for sid in list(engine.kv.seqs):
+            engine.kv.release(sid)
+        for sid in ids:
+            engine.kv.reserve(sid, max_tokens)
+        await asyncio.to_thread(engine.kv.fill_synthetic, ids, context, s.seed)
+        _log(f"context {context}: KV written in {time.perf_counter() - t0:.1f} s")
+        # A fresh gpu_dense per context: --pipeline auto decides for this context, not the last one.
+        dense = await asyncio.to_thread(_start_dense, s, shards)
+        dense_ch = aio_channel(dense.address)
+        call = dense_pb2_grpc.DenseStub(dense_ch).Run(timeout=7200)
+        gen = torch.Generator().manual_seed(s.seed + context)
+        tokens = torch.randint(3, cfg.vocab_size, (batch,), generator=gen).tolist()
+        local_tokens = list(tokens)
+        piped_plan = s.pipeline != "off"
+        fleet_warmup = s.warmup + (2 * _CHOOSER_PROBES if s.pipeline == "auto" else 0)
+        fleet_pos = local_pos = context
+
+        async def fleet_step(step: int) -> tuple[float, Any]:
+            nonlocal tokens, fleet_pos
+            plan = _plan(step, ids, owner, tokens, fleet_pos, piped_plan)
+            t = time.perf_counter()
+            await call.write(plan)
+            res = await call.read()
+            dt = time.perf_counter() - t
+            if res.error.code:
+                raise ServiceError(f"context {context}, step {step}: {res.error.message}")
+            bad = [r for r in res.results if r.error.code]
+            if bad:
+                raise ServiceError(f"context {context}, step {step}, {bad[0].seq_id}: {bad[0].error.message}")
+            by_id = {r.seq_id: r.token_id for r in res.results}
+            tokens = [by_id[x] for x in ids]
+            fleet_pos += 1
+            return dt, res.timings
+
+        def local_step() -> tuple[float, float, float]:
+            nonlocal local_tokens, local_pos
+            chunks = [SeqChunk(x, [t], local_pos) for x, t in zip(ids, local_tokens, strict=True)]
+            busy0, cpu0 = engine.kv.busy_seconds, time.process_time()
+            t = time.perf_counter()
+            with torch.inference_mode():
+                local_tokens = engine.forward(chunks).argmax(-1).tolist()
+            dt = time.perf_counter() - t
+            local_pos += 1
+            return dt, engine.kv.busy_seconds - busy0, time.process_time() - cpu0
+
+        for step in range(fleet_warmup):  # warm-up, and the chooser's probes under auto
+            await fleet_step(step)
+        for _ in range(min(2, s.warmup) or 1):
+            local_step()
+        fleet_s, local_s, attn_local, cpu_local, s_part, s_cpu, piped = [], [], [], [], [], [], []
+        dense_cpu = 0.0
+        shard_cpu = [0.0] * len(shards)
+        busy0 = await _busy_each(stubs)
+        for k in range(s.steps):
+            await asyncio.sleep(_SETTLE_S)
+            c0 = process_cpu_seconds(dense.pid)
+            sc0 = [process_cpu_seconds(p.pid) for p in shards]
+            dt, timings = await fleet_step(fleet_warmup + k)
+            dense_cpu += process_cpu_seconds(dense.pid) - c0
+            for i, p in enumerate(shards):
+                shard_cpu[i] += process_cpu_seconds(p.pid) - sc0[i]
+            fleet_s.append(dt)
+            s_part.append(timings.s_part_seconds)
+            s_cpu.append(timings.s_part_cpu_seconds)
+            piped.append(timings.pipelined)
+            await asyncio.sleep(_SETTLE_S)
+            ldt, lattn, lcpu = local_step()
+            local_s.append(ldt)
+            attn_local.append(lattn)
+            cpu_local.append(lcpu)
+        busy1 = await _busy_each(stubs)
+        await call.done_writing()
+    finally:
+        if dense_ch is not None:
+            await dense_ch.close()
+        for ch in channels:
+            await ch.close()
+        if dense is not None:
+            await asyncio.to_thread(stop_processes, [dense], 10.0)
+    busy = [b1 - b0 for b0, b1 in zip(busy0, busy1, strict=True)]
+    return _summarise(
+        s,
+        context,
+        _Samples(fleet_s, local_s, attn_local, cpu_local, s_part, s_cpu, piped),
+        dense_cpu,
+        shard_cpu,
+        busy,
+    )
+
+
+@dataclass
+class _Samples:
+    """Per timed step: fleet and local wall seconds, LocalEngine's attention and CPU seconds,
+    gpu_dense's S-part wall and CPU seconds, and whether gpu_dense ran the step piped."""
+
+    fleet: list[float]
+    local: list[float]
+    local_attention: list[float]
+    local_cpu: list[float]
+    s_part: list[float]
+    s_part_cpu: list[float]
+    piped: list[bool]
+
+
+def _summarise(
+    s: _Setup, context: int, x: _Samples, dense_cpu: float, shard_cpu: list[float], shard_busy: list[float]
+) -> dict[str, Any]:
+    n = s.steps
+    fleet, local = median(x.fleet), median(x.local)
+    s_dense = median([t - a for t, a in zip(x.local, x.local_attention, strict=True)])  # S: dense alone
+    r_shard = max(shard_busy) / n  # the slowest shard host's attention per step
+    # The dense half as the fleet runs it (two half batches when piped: on a CPU dense host at
+    # small B that reads every weight twice). Its CPU is the stepping thread's (exact with one torch
+    # thread; with more, its workers' share is taken as wall x threads). The exchange's CPU on the
+    # dense host is gpu_dense's process CPU beyond it: gRPC, codec, event loop.
+    threads = s.layout.dense_threads
+    s_fleet = median(x.s_part)
+    compute_cpu = median(x.s_part_cpu) if threads == 1 else s_fleet * threads
+    exchange_cpu = dense_cpu / n - compute_cpu
+    slowest = max(range(len(shard_busy)), key=lambda i: shard_busy[i])
+    shard_exchange = max(0.0, shard_cpu[slowest] / n / s.layout.shard_threads(slowest) - r_shard)
+    pipelined = sum(x.piped) * 2 > len(x.piped)
+    round_trips = s.cfg.num_hidden_layers * len(s.layout.shards) * (2 if pipelined else 1)
+    # The prediction takes both sides' compute in wall time (the shard's R is too), so that on a
+    # host shared with other work it sees the same slowdown as the measured step.
+    parts = SplitParts(
+        dense_s=s_fleet,
+        attention_s=r_shard,
+        num_layers=s.cfg.num_hidden_layers,
+        dense_exchange_s=max(0.0, exchange_cpu),
+        shard_exchange_s=shard_exchange,
+    )
+    predicted = split_step_s(parts, pipelined)
+    ratio = local / fleet
+    ideal = split_ideal_ratio(s_dense, r_shard)
+    return {
+        "context": context,
+        "local_tokens_per_s": s.batch / local,
+        "fleet_tokens_per_s": s.batch / fleet,
+        "ratio": ratio,
+        "s_ms": s_dense * 1e3,
+        "r_ms": r_shard * 1e3,
+        "exchange_cpu_ms": exchange_cpu * 1e3,
+        "ideal_ratio": ideal,
+        "efficiency": ratio / ideal,
+        "predicted_step_ms": predicted * 1e3,
+        "measured_step_ms": fleet * 1e3,
+        "predicted_error": predicted / fleet - 1.0,
+        "pipelined": pipelined,
+        "local_step_ms": local * 1e3,
+        "local_attention_ms": median(x.local_attention) * 1e3,
+        "fleet_s_part_ms": s_fleet * 1e3,
+        "fleet_s_part_cpu_ms": compute_cpu * 1e3,
+        "dense_cpu_ms": dense_cpu / n * 1e3,
+        "round_trips_per_step": round_trips,
+        "exchange_cpu_ms_per_round_trip": exchange_cpu * 1e3 / round_trips,
+        "shard_exchange_cpu_ms": shard_exchange * 1e3,
+        "fleet_step_ms_stdev": statistics.pstdev(x.fleet) * 1e3,
+        "local_step_ms_stdev": statistics.pstdev(x.local) * 1e3,
+    }
+
+
+async def _run(s: _Setup, contexts: list[int]) -> list[dict[str, Any]]:
+    cfg = s.cfg
+    longest = max(contexts)
+    extra = s.steps + s.warmup + 2 * _CHOOSER_PROBES + 4
+    max_tokens = longest + extra
+    itemsize = torch.empty((), dtype=codec.DTYPE_NAMES[s.kv_dtype]).element_size()
+    per_seq = (max_tokens + 32) * cfg.kv_bytes_per_token(itemsize)
+    rows = _shard_rows(s.batch, len(s.layout.shards))
+    capacity = max(len(r) for r in rows) * per_seq + (16 << 20)
+    shards: list[ServiceProcess] = []
+    try:
+        shards = await asyncio.to_thread(_start_shards, s, capacity)
+        engine = await asyncio.to_thread(
+            LocalEngine.from_pretrained,
+            s.model,
+            kv_capacity_bytes=s.batch * per_seq + (16 << 20),
+            kv_dtype=codec.DTYPE_NAMES[s.kv_dtype],
+        )
+        points = []
+        for context in contexts:
+            p = await _point(s, context, shards, engine, context + extra)
+            _log(
+                f"context {context}: local {p['local_tokens_per_s']:.1f} tok/s, fleet "
+                f"{p['fleet_tokens_per_s']:.1f} tok/s, ratio {p['ratio']:.3f} "
+                f"(ideal {p['ideal_ratio']:.3f}), "
+                f"{'piped' if p['pipelined'] else 'plain'}"
+            )
+            points.append(p)
+        return points
+    finally:
+        await asyncio.to_thread(stop_processes, shards, 10.0)
+
+
+def crossover(points: list[dict[str, Any]]) -> int | None:
+    """The smallest measured context at which the fleet's ratio is >= 1 (None: never)."""
+    won = [p["context"] for p in points if p["ratio"] >= 1.0]
+    return min(won) if won else None
+
+
+def run_split_bench(
+    model: Path,
+    contexts: list[int] | tuple[int, ...] = DEFAULT_CONTEXTS,
+    batch: int = 32,
+    kv_dtype: str = "bfloat16",
+    dense_cpus: str | None = None,
+    shard_cpus: str | None = None,
+    link_rate: str | None = None,
+    pipeline: str = "auto",
+    steps: int = 8,
+    warmup: int = 3,
+    isolation: str = "auto",
+    seed: int = 0,
+    nice: int = 0,
+) -> dict[str, Any]:
+    """Fleet (dense host + shard hosts) against LocalEngine on the dense host, at each context."""
+    contexts = sorted(set(contexts))
+    if not contexts or min(contexts) < 1 or batch < 2 or steps < 1 or warmup < 0:
+        raise InvalidInput("contexts must be >= 1, batch >= 2 (two mini-batches), steps >= 1, warmup >= 0")
+    if pipeline not in PIPELINE_MODES:
+        raise InvalidInput(f"pipeline must be one of {PIPELINE_MODES}")
+    if isolation not in ("auto", "netns", "loopback"):
+        raise InvalidInput("isolation must be auto, netns or loopback")
+    if kv_dtype not in codec.DTYPE_NAMES:
+        raise InvalidInput(f"kv_dtype must be one of {sorted(codec.DTYPE_NAMES)}")
+    if not -20 <= nice <= 19 or (nice < 0 and os.geteuid() != 0):
+        raise InvalidInput("nice must be in [-20, 19]; below 0 needs root")
+    cfg = ModelConfig.from_pretrained(model)
+    extra = steps + warmup + 2 * _CHOOSER_PROBES + 4
+    room = cfg.max_position_embeddings - extra
+    if room < 1:
+        raise InvalidInput(
+            f"{extra} decode steps do not fit the model's {cfg.max_position_embeddings} positions"
+        )
+    # A context at the model's limit (SmolLM2: 8192) leaves no room to decode: it is measured at
+    # the longest that does, and the point says so (`context_asked`).
+    asked = {min(c, room): c for c in contexts}
+    contexts = sorted(asked)
+    layout = host_layout(dense_cpus, shard_cpus)
+    if batch < len(layout.shards):
+        raise InvalidInput(f"batch {batch} is smaller than the {len(layout.shards)} shard hosts")
+    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-split-"))
+    load0 = os.getloadavg()
+    try:
+        with isolated_hosts(len(layout.shards), link_rate, netns=isolation != "loopback") as iso:
+            if isolation == "netns" and iso.kind != "netns+veth":
+                raise InvalidInput(f"network namespaces were asked for but not available: {iso.description}")
+            _log(f"{iso.kind}: {layout.describe()}")
+            setup = _Setup(
+                model, cfg, batch, kv_dtype, layout, iso, pipeline, steps, warmup, workdir, seed, nice
+            )
+            with pinned_process(layout.dense, nice), torch_threads(layout.dense_threads):
+                points = run_async(_run(setup, contexts))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    load1 = os.getloadavg()
+    for p in points:
+        if asked[p["context"]] != p["context"]:
+            p["context_asked"] = asked[p["context"]]
+    cross = crossover(points)
+    return {
+        "model": str(model),
+        "batch": batch,
+        "kv_dtype": kv_dtype,
+        "pipeline": pipeline,
+        "steps": steps,
+        "isolation": iso.kind,
+        "isolation_detail": iso.description + (f"; every host's processes at nice {nice}" if nice else ""),
+        "dense_cpus": cpu_list(layout.dense),
+        "shard_cpus": [cpu_list(c) for c in layout.shards],
+        "link_rate": link_rate,
+        "nice": nice,
+        "crossover_context": cross,
+        "load_avg_1m_before": load0[0],
+        "load_avg_1m_after": load1[0],
+        "points": points,
+    }

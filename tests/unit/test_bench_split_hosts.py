@@ -1,0 +1,105 @@
+"""`bench split`'s pure parts: CPU-set parsing, host layout, the planner's split step, the fill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdecode.benchmarks.hosts import cpu_list, host_layout, parse_cpu_set, parse_hosts, thread_env
+from fastdecode.benchmarks.split import crossover
+from fastdecode.errors import InvalidInput, NotFound
+from fastdecode.kv import KVStore
+from fastdecode.planner import SplitParts, split_ideal_ratio, split_step_s
+
+
+def test_cpu_set_parsing() -> None:
+    assert parse_cpu_set("0") == (0,)
+    assert parse_cpu_set("0-3") == (0, 1, 2, 3)
+    assert parse_cpu_set(" 6-7 + 0-1 ") == (0, 1, 6, 7)
+    assert parse_hosts("4-7,8-11") == ((4, 5, 6, 7), (8, 9, 10, 11))
+    assert parse_hosts("1") == ((1,),)
+    for bad in ("", "a", "3-1", "1-", "0,1"):
+        with pytest.raises(InvalidInput):
+            parse_cpu_set(bad)
+    with pytest.raises(InvalidInput):
+        parse_hosts(" ")
+
+
+def test_cpu_list_is_the_kernel_form() -> None:
+    assert cpu_list((0, 1, 2, 3, 8, 10, 11)) == "0-3,8,10-11"
+    assert cpu_list((5,)) == "5"
+    assert parse_cpu_set(cpu_list((0, 1, 2, 3)).replace(",", "+")) == (0, 1, 2, 3)
+
+
+def test_default_layout_gives_the_first_cpu_to_the_dense_host() -> None:
+    layout = host_layout(available={0, 1})
+    assert layout.dense == (0,) and layout.shards == ((1,),)
+    layout = host_layout(available={2, 3, 4, 5})
+    assert layout.dense == (2,) and layout.shards == ((3, 4, 5),)
+    assert layout.dense_threads == 1 and layout.shard_threads(0) == 3
+    assert "shard host 0: CPUs 3-5" in layout.describe()
+
+
+def test_several_shard_hosts() -> None:
+    layout = host_layout("0-3", "4-7,8-11", available=set(range(16)))
+    assert layout.dense == (0, 1, 2, 3)
+    assert layout.shards == ((4, 5, 6, 7), (8, 9, 10, 11))
+    assert [layout.shard_threads(i) for i in range(2)] == [4, 4]
+    assert thread_env(layout.shards[1])["OMP_NUM_THREADS"] == "4"
+
+
+def test_layout_rejects_overlap_missing_cpus_and_no_room() -> None:
+    with pytest.raises(InvalidInput, match="overlap"):
+        host_layout("0-1", "1-2", available={0, 1, 2})
+    with pytest.raises(InvalidInput, match="not available"):
+        host_layout("0", "7", available={0, 1})
+    with pytest.raises(InvalidInput, match="no CPU left"):
+        host_layout(available={0})
+
+
+def test_split_step_overlaps_when_piped() -> None:
+    # per layer: dense 4 ms, shard 6 ms over 10 layers
+    parts = SplitParts(dense_s=0.03, attention_s=0.05, num_layers=10, dense_exchange_s=0.01)
+    assert split_step_s(parts, pipelined=False) == pytest.approx(0.09)
+    assert split_step_s(parts, pipelined=True) == pytest.approx(0.05)  # the shard side sets it
+    # balanced sides: one half's chain (half of each side plus the wire) sets the layer
+    even = SplitParts(dense_s=0.05, attention_s=0.05, num_layers=10, wire_s=0.001)
+    assert split_step_s(even, pipelined=True) == pytest.approx(0.06)
+    assert split_ideal_ratio(0.2, 0.3) == pytest.approx(0.5 / 0.3)
+    with pytest.raises(InvalidInput):
+        split_step_s(SplitParts(0.1, 0.1, 0), True)
+
+
+def test_crossover_is_the_smallest_context_won() -> None:
+    pts = [{"context": c, "ratio": r} for c, r in ((512, 0.9), (1024, 1.01), (2048, 0.99), (4096, 1.3))]
+    assert crossover(pts) == 1024
+    assert crossover([{"context": 512, "ratio": 0.5}]) is None
+
+
+def test_fill_synthetic_writes_every_layer_linearly() -> None:
+    store = KVStore(3, 2, 8, 1 << 20, torch.bfloat16, block_size=16)
+    store.reserve("a", 40)
+    store.reserve("b", 40)
+    assert store.fill_synthetic(["a", "b"], 33, seed=1) == 33
+    assert store.seqs["a"].lengths == [33, 33, 33]
+    assert store.tokens_held == 2 * 33
+    # decode attends over the filled cache like over a prefilled one
+    q = torch.randn(2, 4, 8)
+    kv = torch.randn(2, 2, 8)
+    o = store.attend(0, ["a", "b"], [1, 1], [33, 33], q, kv, kv)
+    assert o.shape == (2, 32) and torch.isfinite(o.float()).all()
+    with pytest.raises(NotFound):
+        store.fill_synthetic(["zz"], 4)
+    with pytest.raises(InvalidInput):
+        store.fill_synthetic(["a"], 0)
+
+
+def test_step_timings_carry_the_mode_and_the_s_part_cpu() -> None:
+    from fastdecode.convert import timings_to_proto
+    from fastdecode.dense.runner import Timings
+
+    t = Timings(s_part_seconds=0.2, s_part_cpu_seconds=0.15, step_seconds=0.3, pipelined=True)
+    p = timings_to_proto(t)
+    assert p.pipelined is True
+    assert p.s_part_cpu_seconds == pytest.approx(0.15) and p.s_part_seconds == pytest.approx(0.2)
+    assert timings_to_proto(Timings()).pipelined is False

@@ -1,0 +1,63 @@
+"""Structured outputs without servers: grammars compile or are a clear InvalidInput, and a
+GrammarBank's masks follow the generated tokens (replayed and rolled back) on the real tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdecode.errors import InvalidInput
+from fastdecode.structured import GrammarBank, Structured, compile_grammar, unpack_bitmask
+from fastdecode.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        Structured("json_schema", "{not json"),
+        Structured("json_schema", json.dumps({"type": "wat"})),
+        Structured("json_schema", json.dumps({"properties": {"a": {"$ref": "#/nope"}}})),
+        Structured("regex", "(a"),
+        Structured("choice", "[]"),
+        Structured("choice", '["a", 3]'),
+        Structured("grammar", "start: ("),
+        Structured("yaml", ""),
+    ],
+)
+def test_what_does_not_compile_is_invalid_input(bad: Structured) -> None:
+    with pytest.raises(InvalidInput):
+        compile_grammar(bad)
+
+
+def test_unpack_bitmask() -> None:
+    bm = torch.tensor([[0b101, -1]], dtype=torch.int32)
+    got = unpack_bitmask(bm, 40)
+    assert got[0, :3].tolist() == [True, False, True]
+    assert not got[0, 3:32].any() and got[0, 32:].all() and got.shape == (1, 40)
+
+
+def _allowed_text(tok: Tokenizer, mask: torch.Tensor) -> set[str]:
+    return {tok.decode([i]) for i in mask.nonzero().flatten().tolist()}
+
+
+def test_masks_follow_the_tokens(smollm2: Path) -> None:
+    tok = Tokenizer.from_pretrained(smollm2)
+    bank = GrammarBank(smollm2 / "tokenizer.json", 49152, [2])
+    grammar = compile_grammar(Structured("choice", json.dumps(["Paris", "London"])))
+    (m,) = bank.masks([("s", grammar, [])])
+    assert isinstance(m, torch.Tensor) and m.shape == (49152,)
+    first = _allowed_text(tok, m)
+    assert "Paris" in first and "London" in first and " Paris" not in first and not m[2]
+    paris = tok.encode("Paris", add_special_tokens=False)
+    (m,) = bank.masks([("s", grammar, paris)])
+    assert m.nonzero().flatten().tolist() == [2]  # the choice is complete: only EOS
+    (m,) = bank.masks([("s", grammar, [])])  # a step run again: rolled back to no tokens
+    assert _allowed_text(tok, m) == first
+    bank.forget(["s"])
+    (m,) = bank.masks([("s", grammar, paris)])  # a fresh matcher replays the tokens so far
+    assert m.nonzero().flatten().tolist() == [2]
+    (err,) = bank.masks([("s", grammar, paris + paris)])
+    assert isinstance(err, InvalidInput)

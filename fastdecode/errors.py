@@ -104,6 +104,11 @@ class Unavailable(ServiceError):
     status = Status.UNAVAILABLE
 
 
+class DependencyDown(Unavailable):
+    """A service this one needs has stayed unreachable past its bound: the request ends now rather
+    than wait, and resubmitting it to the same service does not help until that one is back."""
+
+
 class FailedPrecondition(ServiceError):
     """The system is not in a state that allows the call."""
 

@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdecode.errors import Unavailable
+from fastdecode.fleet_secret import (
+    FLEET_SECRET_ENV,
+    FLEET_SECRET_FILE_ENV,
+    generate_secret,
+    load_fleet_secret,
+    write_secret_file,
+)
 from fastdecode.progress import PROGRESS_ENV, READY, STARTING, WAITING_FOR_HEALTH, read_progress
+from fastdecode.settings import TLSFiles
 
 # on_progress(service, phase, done, total), phases as in fastdecode.progress; total 0 = unknown.
 ProgressObserver = Callable[[str, str, int, int], None]
@@ -51,6 +59,7 @@ class ServiceProcess:
             "log": str(self.log_path),
             "restarts": self.restarts,
             "exit_code": self.proc.poll(),  # None while running (a drained shard exits with 0)
+            "alive": self.proc.poll() is None,  # a dead pid is never listed as running
         }
 
     def log_tail(self, lines: int = 30) -> str:
@@ -227,6 +236,9 @@ class Fleet:
     dense_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
+    # The fleet secret's file (FASTDECODE_FLEET_SECRET_FILE to every service). Unset: the one the
+    # environment names, else a file holding FASTDECODE_FLEET_SECRET, else a fresh secret's file.
+    secret_file: Path | None = None
     kv: list[ServiceProcess] = field(default_factory=list)
     dense: ServiceProcess | None = None
     scheduler: ServiceProcess | None = None
@@ -236,6 +248,23 @@ class Fleet:
     def services(self) -> list[ServiceProcess]:
         return [s for s in (self.gateway, self.scheduler, self.dense) if s] + self.kv
 
+    def _resolve_secret(self, workdir: Path) -> Path:
+        """Where the services read the fleet secret (never argv: `ps` shows it)."""
+        given = {**os.environ, **self.env}
+        if self.secret_file is None and given.get(FLEET_SECRET_FILE_ENV):
+            self.secret_file = Path(given[FLEET_SECRET_FILE_ENV])
+        if self.secret_file is None:
+            secret = given.get(FLEET_SECRET_ENV) or generate_secret()
+            self.secret_file = write_secret_file(workdir / "fleet.secret", secret.replace(",", "\n"))
+        load_fleet_secret(None, self.secret_file)  # a bad one is one clear error before anything starts
+        return self.secret_file
+
+    @property
+    def peer_credentials(self) -> TLSFiles:
+        """What a caller needs for the internal services of this fleet (tests, benchmarks, probes);
+        add certificate files where the fleet runs TLS."""
+        return TLSFiles(secret=load_fleet_secret(None, self.secret_file) if self.secret_file else None)
+
     def start(self, timeout: float = 180.0, on_progress: ProgressObserver | None = None) -> Fleet:
         """Start every service in dependency order; `on_progress` hears each one's start-up phases."""
         if self.workdir is None:
@@ -244,7 +273,8 @@ class Fleet:
         w = self.workdir
         # The services share this host's cores: OpenMP workers that spin after every parallel region
         # steal them from the other processes (measured: 3.4x slower decode on 2 cores). Spin briefly.
-        env = {**co_located_env(), **self.env}
+        env = {**co_located_env(), **self.env, FLEET_SECRET_FILE_ENV: str(self._resolve_secret(w))}
+        env.pop(FLEET_SECRET_ENV, None)  # the file is the one source: rotation edits it
         try:
             pending = [
                 spawn_service(
@@ -370,6 +400,7 @@ class Fleet:
             "gpu_dense": self.dense.state() if self.dense else None,
             "kv_attention": [s.state() for s in self.kv],
             "logs": str(self.workdir) if self.workdir else None,
+            "fleet_secret_file": str(self.secret_file) if self.secret_file else None,
         }
 
     def stop(self, grace: float = 25.0) -> None:
@@ -453,8 +484,9 @@ class Supervisor:
                     SupervisorEvent(
                         svc.name,
                         "gave-up",
-                        f"{svc.name} died {len(recent)} times in {self.policy.window:.0f}s; "
-                        "not restarting it",
+                        # It died once more than it was restarted: say what was counted.
+                        f"{svc.name} was restarted {len(recent)} times in {self.policy.window:.0f}s and "
+                        f"died again (exit code {code}); not restarting it",
                     )
                 )
                 continue
@@ -485,6 +517,13 @@ class Supervisor:
         return min(self.policy.max_backoff, self.policy.backoff * 2**n)
 
 
+def state_credentials(state: dict) -> TLSFiles:
+    """The fleet secret for calls to the internal services of the fleet a state file describes (it
+    names the secret's file, never the secret)."""
+    path = state.get("fleet_secret_file")
+    return TLSFiles(secret=load_fleet_secret(None, Path(path)) if path else None)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -510,6 +549,10 @@ class UpProcess:
     @property
     def target(self) -> str:
         return str(self.state["gateway"]["address"])
+
+    @property
+    def peer_credentials(self) -> TLSFiles:
+        return state_credentials(self.state)
 
     @property
     def http(self) -> str | None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -36,6 +37,26 @@ class _Context(logging.Filter):
             record.request_id = REQUEST_ID.get()
         record.request_tag = f" [{record.request_id}]" if record.request_id else ""
         return True
+
+
+class Throttle:
+    """At most one log line per `key` every `seconds`, saying how many were held back: a condition
+    that repeats every step (a shard refusing every reservation) must not flood the log."""
+
+    def __init__(self, seconds: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds, self.clock = seconds, clock
+        self._last: dict[object, float] = {}
+        self._held: dict[object, int] = {}
+
+    def __call__(self, key: object) -> int | None:
+        """None: stay quiet; else log now, and this many like it were held back since the last."""
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.seconds:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)
 
 
 def log_formatter(json_logs: bool) -> logging.Formatter:

@@ -30,6 +30,9 @@ REQUEST_ID_KEY = "x-request-id"
 # Trailer on every error status the gateway answers itself, so a client can tell them from transport
 # failures (a lost connection), which are worth retrying (fastdecode.client).
 ERROR_SOURCE_KEY = "fastdecode-error-source"
+# Set on an UNAVAILABLE whose cause is a dependency that stayed down (errors.DependencyDown): the
+# gateway ends the request instead of resubmitting it to a scheduler that would refuse it again.
+DEPENDENCY_DOWN_KEY = "fastdecode-dependency-down"
 ERROR_TRAILER = ((ERROR_SOURCE_KEY, "gateway"),)
 # The scheduler marks its own answers to Submit the same way: the gateway resubmits a request after
 # a lost connection, not after a status the scheduler gave.

@@ -23,8 +23,9 @@ from grpc_reflection.v1alpha import reflection
 
 from fastdecode import errors
 from fastdecode.errors import ServiceError, Status
+from fastdecode.internal_auth import OPEN_PREFIXES, CredentialedChannel, FleetAuthInterceptor
 from fastdecode.metrics import start_metrics_server
-from fastdecode.protocol import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
+from fastdecode.protocol import CHANNEL_OPTIONS, DEPENDENCY_DOWN_KEY, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
 from fastdecode.serving import write_ready_file
 from fastdecode.settings import TLSFiles
 from fastdecode.v1 import tensor_pb2
@@ -106,6 +107,8 @@ async def abort(
 ) -> NoReturn:
     """End the call with `exc`'s status (context.abort raises; this never returns)."""
     code, msg = status_for(exc)
+    if isinstance(exc, errors.DependencyDown):
+        trailers = (*trailers, (DEPENDENCY_DOWN_KEY, "1"))
     await context.abort(code, msg, trailers)
     raise AssertionError("context.abort returned")  # grpc.aio raises AbortError from abort
 
@@ -204,7 +207,11 @@ def _bytes_or(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes
 class GuardedRequests(grpc.aio.ServerInterceptor):
     """Every method parses its requests with a guarded deserializer: bytes that do not parse end the
     call with INVALID_ARGUMENT naming the message type and one WARNING line; the server goes on.
-    A handler may also answer with wire bytes it serialized itself (they go out as they are)."""
+    A handler may also answer with wire bytes it serialized itself (they go out as they are).
+    `only`: guard just the methods under these path prefixes (the gateway guards its own)."""
+
+    def __init__(self, only: tuple[str, ...] = ()) -> None:
+        self.only = only
 
     async def intercept_service(
         self,
@@ -213,6 +220,8 @@ class GuardedRequests(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
+            return handler
+        if self.only and not (details.method or "").startswith(self.only):
             return handler
         method = details.method
         inner = handler.request_deserializer
@@ -286,17 +295,28 @@ class GuardedRequests(grpc.aio.ServerInterceptor):
 def aio_channel(
     target: str, tls: TLSFiles | None = None, options: Sequence[tuple[str, int]] = ()
 ) -> grpc.aio.Channel:
-    """A channel with CHANNEL_OPTIONS plus `options` (DATA_PLANE_OPTIONS for Attend links)."""
+    """A channel with CHANNEL_OPTIONS plus `options` (DATA_PLANE_OPTIONS for Attend links); every call
+    on it carries the fleet secret when `tls` has one."""
     opts = [*CHANNEL_OPTIONS, *options]
     if tls is not None and (tls.enabled or tls.ca):
-        return grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
-    return grpc.aio.insecure_channel(target, options=opts)
+        channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
+    else:
+        channel = grpc.aio.insecure_channel(target, options=opts)
+    return _credentialed(channel, tls)
 
 
 def sync_channel(target: str, tls: TLSFiles | None = None) -> grpc.Channel:
     if tls is not None and (tls.enabled or tls.ca):
-        return grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return _credentialed(channel, tls)
+
+
+def _credentialed(channel: Any, tls: TLSFiles | None) -> Any:
+    if tls is None or tls.secret is None:
+        return channel
+    return CredentialedChannel(channel, tls.secret)
 
 
 # ---- server bootstrap ---------------------------------------------------------------------------
@@ -306,6 +326,21 @@ STOP_TAIL_SECONDS = 1.0
 # The health service name that says only "this process works" (liveness), apart from readiness
 # ("" and the service's own names), which says whether it can do its work now.
 LIVENESS_SERVICE = "liveness"
+
+
+class _Health(health.aio.HealthServicer):
+    """grpc.health.v1 with List answered (the stock aio servicer leaves it to the sync base, which
+    raised NotImplementedError: a traceback in the log per call)."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in self._server_status.items()
+            }
+        )
 
 
 class Server:
@@ -326,11 +361,18 @@ class Server:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         guard_requests: bool = True,
         options: Sequence[tuple[str, int]] = (),
+        internal: bool = True,
     ) -> None:
-        # Undecodable bytes are INVALID_ARGUMENT everywhere (the gateway parses its own, guarded too).
-        guards = [GuardedRequests()] if guard_requests else []
+        # Undecodable bytes are INVALID_ARGUMENT everywhere (the gateway parses its own, guarded too:
+        # then only health and reflection, which are ours to guard, are).
+        guards = [GuardedRequests() if guard_requests else GuardedRequests(only=OPEN_PREFIXES)]
+        # An internal service (internal=False: the gateway's public port) refuses callers without the
+        # fleet secret, first of all, so their bytes are never parsed.
+        fleet_auth = [FleetAuthInterceptor(tls.secret)] if internal and tls and tls.secret else []
+        if internal and not fleet_auth:
+            log.warning("no fleet secret configured: internal calls are not authenticated")
         self.server = grpc.aio.server(
-            interceptors=[*interceptors, *guards] or None,
+            interceptors=[*fleet_auth, *interceptors, *guards] or None,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -341,7 +383,7 @@ class Server:
             ],
         )
         self.service_names = list(service_names)
-        self.health = health.aio.HealthServicer()
+        self.health = _Health()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server

@@ -13,13 +13,14 @@ This module imports no gRPC (TLSFiles builds credentials only when asked).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fastdecode.fleet_secret import FleetSecret, load_fleet_secret
 from fastdecode.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -33,11 +34,14 @@ _DIR = {"path": "dir"}
 
 @dataclass(frozen=True)
 class TLSFiles:
-    """Certificate files. With a CA, servers require client certificates (mutual TLS)."""
+    """How a service proves itself to its peers and checks them: certificate files (with a CA, servers
+    require client certificates: mutual TLS) and the fleet secret every internal call carries
+    (fastdecode.fleet_secret; servers then refuse internal calls without it)."""
 
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
+    secret: FleetSecret | None = field(default=None, repr=False, compare=False)
 
     @property
     def enabled(self) -> bool:
@@ -78,6 +82,14 @@ class ServiceSettings(BaseSettings):
     tls_cert: Path | None = Field(None, description="Server cert (PEM).")
     tls_key: Path | None = Field(None, description="Server key (PEM).")
     tls_ca: Path | None = Field(None, description="CA (PEM): enables mTLS.")
+    fleet_secret: SecretStr | None = Field(
+        None,
+        description="Secret every internal call carries and checks (comma-separated: accepted ones).",
+        json_schema_extra=_ENV_ONLY,  # environment only: argv shows in `ps`
+    )
+    fleet_secret_file: Path | None = Field(
+        None, description="File with the fleet secret (first line sent, every line accepted)."
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads.")
     ready_file: Path | None = Field(
         None, description="Write the bound ports here once serving.", json_schema_extra=_HIDDEN
@@ -91,7 +103,10 @@ class ServiceSettings(BaseSettings):
 
     @property
     def tls(self) -> TLSFiles:
-        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+        secret = self.fleet_secret.get_secret_value() if self.fleet_secret else None
+        return TLSFiles(
+            self.tls_cert, self.tls_key, self.tls_ca, load_fleet_secret(secret, self.fleet_secret_file)
+        )
 
     def configure_logging(self, name: str) -> logging.Logger:
         return configure_logging(name, self.log_level, self.log_json)
@@ -167,6 +182,12 @@ class SchedulerSettings(ServiceSettings):
     health_interval: float = Field(1.0, gt=0, description="Seconds between shard health probes.")
     step_timeout: float = Field(120.0, gt=0, description="Seconds one step may take at gpu_dense.")
     startup_timeout: float = Field(300.0, gt=0, description="Seconds to wait for gpu_dense at start.")
+    dense_down_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds requests wait for a lost gpu_dense (a restart is a few seconds of backoff "
+        "plus its start); then they fail UNAVAILABLE and new ones are refused until it is back.",
+    )
     control_timeout: float = Field(
         10.0,
         gt=0,
@@ -213,7 +234,7 @@ class GatewaySettings(ServiceSettings):
         1.0, gt=0, description="Seconds between looks at whether the fleet can generate (readiness)."
     )
     scheduler_recovery_timeout: float = Field(
-        120.0,
+        30.0,
         ge=0,
         description="Seconds a request waits for a lost scheduler to come back before it fails "
         "(it is then resubmitted from its tokens so far); 0: fail at once.",

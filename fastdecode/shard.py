@@ -59,7 +59,13 @@ class ShardCore:
         elif not self.store.geometry_matches(*geometry):
             s = self.store
             have = (s.num_layers, s.num_kv_heads, s.head_dim)
-            raise FailedPrecondition(f"shard holds KV of geometry {have}, not {geometry}")
+            if s.seqs:
+                raise InvalidInput(f"this shard holds KV of geometry {have}, not {geometry}")
+            # Empty: the pool is rebuilt for the new geometry, so one odd reservation on an idle shard
+            # (a stray client, a test) cannot pin it to a geometry the fleet does not use.
+            log.warning("KV pool holds nothing: rebuilding it from geometry %s for %s", have, geometry)
+            self.store = None
+            return self.store_for(*geometry)
         return self.store
 
     def reserve(

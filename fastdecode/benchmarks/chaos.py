@@ -17,10 +17,17 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastdecode.benchmarks.chaos_probes import (
+    _client,
+    _Outcome,
+    hostile_probe,
+    probe_summary,
+    stays_down_probe,
+)
 from fastdecode.benchmarks.fleet_bench import percentile, prompts_for
 from fastdecode.benchmarks.transport import ensure_model
 from fastdecode.fleet import UpProcess, launch_up
@@ -33,13 +40,6 @@ class Kill:
     service: str
     at_s: float  # since the load started
     back_after_s: float | None = None  # until `up` reported a new pid; None: not back in time
-
-
-@dataclass
-class _Outcome:
-    tokens: list[int] = field(default_factory=list)
-    error: str | None = None
-    longest_pause_s: float = 0.0  # the longest wait for a chunk, the first one included
 
 
 def _pid_of(state: dict[str, Any], service: str, rng: random.Random) -> tuple[str, int]:
@@ -76,25 +76,6 @@ def _killer(
     return kills
 
 
-def _client(
-    target: str, prompts: list[list[int]], gen_len: int, bound_s: float, out: dict[int, _Outcome], first: int
-) -> None:
-    from fastdecode.client import Client, FastDecodeError
-
-    with Client(target, timeout=bound_s) as client:
-        for offset, prompt in enumerate(prompts):
-            outcome = out[first + offset] = _Outcome()
-            last = time.monotonic()
-            try:
-                for chunk in client.stream(token_ids=prompt, max_tokens=gen_len, ignore_eos=True):
-                    now = time.monotonic()
-                    outcome.longest_pause_s = max(outcome.longest_pause_s, now - last)
-                    last = now
-                    outcome.tokens += chunk.token_ids
-            except FastDecodeError as e:
-                outcome.error = e.code.name
-
-
 def run_chaos_bench(
     model: Path | None = None,
     *,
@@ -108,8 +89,12 @@ def run_chaos_bench(
     seed: int = 0,
     bound_s: float = 300.0,
     kv_capacity: int = 128 << 20,
+    probes: bool = True,
+    down_timeout_s: float = 3.0,
 ) -> dict[str, Any]:
-    """Run the load twice on one fleet: fault-free (the reference), then under the kill schedule."""
+    """Run the load twice on one fleet: fault-free (the reference), then under the kill schedule;
+    with `probes`, also hostile internal calls under load and a gpu_dense that stays down
+    (fastdecode.benchmarks.chaos_probes). Every probe reports the same figures (probe_summary)."""
     from fastdecode.model.config import ModelConfig
 
     model = model or ensure_model("llama", "tiny")
@@ -121,13 +106,14 @@ def run_chaos_bench(
     schedule = rng.sample(TARGETS, len(TARGETS)) + [rng.choice(TARGETS) for _ in range(max(0, kills - 3))]
     schedule = schedule[:kills]
 
-    def load(up: UpProcess) -> dict[int, _Outcome]:
+    def load(up: UpProcess, until: threading.Event | None = None) -> dict[int, _Outcome]:
+        """Every client its share of the prompts; with `until`, round after round until it is set."""
         out: dict[int, _Outcome] = {}
         per = requests_per_client
         threads = [
             threading.Thread(
                 target=_client,
-                args=(up.target, prompts[c * per : (c + 1) * per], gen_len, bound_s, out, c * per),
+                args=(up.target, prompts[c * per : (c + 1) * per], gen_len, bound_s, out, c * per, until, n),
                 daemon=True,
             )
             for c in range(clients)
@@ -135,7 +121,7 @@ def run_chaos_bench(
         for t in threads:
             t.start()
         for t in threads:
-            t.join(bound_s * per + 60)
+            t.join(bound_s * per * (1 if until is None else 20) + 60)
         return out
 
     with tempfile.TemporaryDirectory(prefix="fastdecode-chaos-") as tmp:
@@ -145,31 +131,49 @@ def run_chaos_bench(
             done = threading.Event()
             t0 = time.monotonic()
             killed: list[Kill] = []
-            killer = threading.Thread(
-                target=lambda: killed.extend(_killer(up, schedule, interval_s, seed, t0, done)), daemon=True
-            )
+            kills_done = threading.Event()  # the load goes on, round after round, through every kill
+
+            def kill_all() -> None:
+                try:
+                    killed.extend(_killer(up, schedule, interval_s, seed, t0, done))
+                finally:
+                    kills_done.set()
+
+            killer = threading.Thread(target=kill_all, daemon=True)
             killer.start()
-            chaos = load(up)
+            chaos = load(up, kills_done)
             load_s = time.monotonic() - t0
             done.set()
             killer.join(150)
             restarts = {
                 k: v["restarts"] for k, v in up.reload().items() if isinstance(v, dict) and "restarts" in v
             } | {f"kv_attention-{i}": s["restarts"] for i, s in enumerate(up.state["kv_attention"])}
+            hostile: dict[str, Any] | None = None
+            if probes:
+                hostile = hostile_probe(up, load, reference)
         finally:
             up.stop()
+        stays_down: dict[str, Any] | None = None
+        if probes:
+            stays_down = stays_down_probe(
+                model, Path(tmp) / "down", prompts, gen_len, shards, kv_capacity, down_timeout_s, clients
+            )
 
     ref_tokens = {i: o.tokens for i, o in reference.items() if o.error is None}
+    # A key's prompt is key % n (the load ran in rounds while the kills went on).
+    equal = sum(o.error is None and o.tokens == ref_tokens.get(i % n) for i, o in chaos.items())
     errors = Counter(o.error for o in chaos.values() if o.error is not None)
     pauses = [o.longest_pause_s for o in chaos.values()]
+    kill_probe = probe_summary(
+        "repeated_kills", len(chaos), chaos, gen_len, kills=len(killed), tokens_equal_fault_free=equal
+    )
     return {
-        "requests_sent": n,
+        "probes": [p for p in (kill_probe, hostile, stays_down) if p is not None],
+        "requests_sent": len(chaos),
         "completed": sum(o.error is None for o in chaos.values()),
-        "failed": sum(errors.values()) + (n - len(chaos)),
+        "failed": sum(errors.values()) + max(0, n - len(chaos)),
         "failed_by_code": dict(errors),
-        "tokens_equal_fault_free": sum(
-            o.error is None and i in ref_tokens and o.tokens == ref_tokens[i] for i, o in chaos.items()
-        ),
+        "tokens_equal_fault_free": equal,
         "reference_completed": len(ref_tokens),
         "kills": [vars(k) for k in killed],
         "restarts": restarts,

@@ -127,12 +127,15 @@ class _Watch:
     """Samples the scheduler and the shards while the load runs: the peaks the chat mode reports."""
 
     def __init__(self, state: dict[str, Any]) -> None:
+        from fastdecode.fleet import state_credentials
         from fastdecode.rpc import sync_channel
         from fastdecode.v1 import kv_attention_pb2_grpc, scheduler_pb2_grpc
 
-        self.sched = scheduler_pb2_grpc.SchedulerStub(sync_channel(state["scheduler"]["address"]))
+        creds = state_credentials(state)
+        self.sched = scheduler_pb2_grpc.SchedulerStub(sync_channel(state["scheduler"]["address"], creds))
         self.shards = [
-            kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k["address"])) for k in state["kv_attention"]
+            kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k["address"], creds))
+            for k in state["kv_attention"]
         ]
         self.peak_running = self.peak_waiting = self.peak_in_use = self.peak_held = 0
         self.capacity = 0

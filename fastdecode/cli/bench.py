@@ -241,9 +241,24 @@ def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Picks the kill order and the prompts.")
 @click.option("--bound-s", type=float, default=300.0, show_default=True, help="Per-request deadline.")
+@click.option(
+    "--probes/--no-probes",
+    default=True,
+    show_default=True,
+    help="Also hostile internal calls under load, and a gpu_dense that stays down.",
+)
+@click.option(
+    "--down-timeout-s",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="The stays-down probe's scheduler --dense-down-timeout.",
+)
 def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     """kill -9 shards, gpu_dense and the scheduler under load (`up` restarts them): requests sent,
-    completed, failed, tokens equal to a fault-free run, and the longest pause a client saw."""
+    completed, failed, tokens equal to a fault-free run, and the longest pause a client saw; per
+    probe (repeated kills, hostile internal calls, a service that stays down): requests, completed,
+    failed with a clear status, hung, lost, and the longest time to an answer."""
     from fastdecode.benchmarks.chaos import run_chaos_bench
 
     result = run_bench(lambda: run_chaos_bench(Path(model) if model else None, **kw))
@@ -252,7 +267,15 @@ def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
         for k in result["kills"]:
             back = "not back" if k["back_after_s"] is None else f"back after {k['back_after_s']:.2f}s"
             click.echo(f"killed {k['service']} at {k['at_s']:.2f}s, {back}")
+        for p in result["probes"]:
+            click.echo(
+                f"probe {p['name']}: {p['requests']} requests, {p['completed']} completed, "
+                f"{p['failed_clear']} failed clearly, {p['hung']} hung, {p['lost']} lost, "
+                f"longest answer {p['max_answer_s']:.2f}s"
+            )
     if result["failed"] or result["tokens_equal_fault_free"] != result["requests_sent"]:
+        raise SystemExit(1)
+    if any(p["hung"] or p["lost"] for p in result["probes"]):
         raise SystemExit(1)
 
 

@@ -68,6 +68,45 @@ def _write_state(path: Path, state: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def _hide_token_from_ps(ctx: click.Context) -> None:
+    """`--auth-token X` on the command line shows in `ps` for as long as `up` runs: start this
+    command again with the token in the environment instead (the services get it from there too)."""
+    import os
+
+    if ctx.get_parameter_source("auth_token") is not click.core.ParameterSource.COMMANDLINE:
+        return
+    argv, token, i = list(sys.orig_argv), None, 1
+    while i < len(argv):
+        if argv[i] == "--auth-token" and i + 1 < len(argv):
+            token = argv[i + 1]
+            del argv[i : i + 2]
+            continue
+        if argv[i].startswith("--auth-token="):
+            token = argv.pop(i).partition("=")[2]
+            continue
+        i += 1
+    if token is None:
+        return
+    click.echo(
+        "note: --auth-token moved into the environment (FASTDECODE_AUTH_TOKEN) to keep it out of ps", err=True
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv[1:]], {**os.environ, "FASTDECODE_AUTH_TOKEN": token})
+
+
+def _read_token_file(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise click.UsageError(f"cannot read --auth-token-file {path}: {e.strerror or e}") from None
+    if not token:
+        raise click.UsageError(f"--auth-token-file {path} is empty")
+    return token
+
+
 def _make_fleet(
     model: str | None,
     shards: int,
@@ -107,7 +146,27 @@ def _make_fleet(
 @click.option(
     "--state-file", type=click.Path(dir_okay=False), default=None, help="Write pids and addresses here."
 )
-@click.option("--auth-token", envvar="FASTDECODE_AUTH_TOKEN", default=None, help="Require this bearer token.")
+@click.option(
+    "--auth-token",
+    envvar="FASTDECODE_AUTH_TOKEN",
+    default=None,
+    help="Require this bearer token (better: the env var or --auth-token-file; given here, `up` moves it "
+    "into its environment so `ps` does not show it).",
+)
+@click.option(
+    "--auth-token-file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Read the bearer token from this file.",
+)
+@click.option(
+    "--fleet-secret-file",
+    type=click.Path(dir_okay=False, exists=True),
+    envvar="FASTDECODE_FLEET_SECRET_FILE",
+    default=None,
+    help="The secret internal calls carry (first line sent, every line accepted); default: "
+    "FASTDECODE_FLEET_SECRET, else a fresh one in the logs dir (docs/internal-auth.md).",
+)
 @click.option("--log-json", is_flag=True, help="Services log JSON lines (sets FASTDECODE_LOG_JSON).")
 @click.option(
     "--http-port", type=int, default=None, help="Gateway's OpenAI-compatible HTTP port on 127.0.0.1 (0: any)."
@@ -131,6 +190,8 @@ def up(
     port: int,
     state_file: str | None,
     auth_token: str | None,
+    auth_token_file: str | None,
+    fleet_secret_file: str | None,
     log_json: bool,
     http_port: int | None,
     restart: str,
@@ -143,6 +204,8 @@ def up(
     from fastdecode.errors import ServiceError
     from fastdecode.fleet import RestartPolicy, Supervisor
 
+    _hide_token_from_ps(click.get_current_context())
+    auth_token = _read_token_file(auth_token_file) or auth_token
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -160,12 +223,14 @@ def up(
         env={"FASTDECODE_LOG_JSON": "1"} if log_json else None,  # the services' ServiceSettings.log_json
         prefix_sharing=prefix_sharing,
     )
+    fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:
         with startup_progress() as on_progress:  # None (no output) when stderr is not a terminal
             fleet.start(on_progress=on_progress)
     except ServiceError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
+    failed = False
     try:
         if state_file:
             _write_state(Path(state_file), fleet.state())
@@ -181,11 +246,20 @@ def up(
                 click.echo(f"{'' if event.kind == 'restarted' else 'warning: '}{event.message}", err=True)
             if events and state_file:
                 _write_state(Path(state_file), fleet.state())
+            gave_up = [e for e in events if e.kind == "gave-up"]
+            if gave_up:
+                # The restart budget is spent: the fleet cannot be what the state file says. Stop it
+                # and exit non-zero with the reason rather than serve requests that cannot finish.
+                click.echo(f"error: {gave_up[0].message}; stopping the fleet", err=True)
+                failed = True
+                break
     finally:
         click.echo("stopping the fleet", err=True)
         fleet.stop()
         if state_file:
             Path(state_file).unlink(missing_ok=True)
+    if failed:
+        sys.exit(1)
 
 
 @click.command()

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from fastdecode.errors import (
     DeadlineExceeded,
+    DependencyDown,
     InvalidInput,
     ModelLoadError,
     ResourceExhausted,
@@ -327,6 +328,8 @@ class GatewayCore:
                         yield chunk
                         if chunk.finish_reason:
                             return
+            except DependencyDown:
+                raise  # the scheduler's dependency stayed down: it would refuse a resubmission
             except Unavailable as e:
                 # Resubmit when the scheduler was lost (the connection failed, or it failed a request
                 # it had taken). A live scheduler refusing a new request (draining, not ready) answers

@@ -11,12 +11,12 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastdecode.errors import ServiceError, Status
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GenerationChunk
-from fastdecode.gateway.text import GenerateParams
+from fastdecode.gateway.text import GenerateParams, unencodable
 from fastdecode.sampling import MAX_TOP_LOGPROBS, TokenLogprob
 from fastdecode.structured import Structured
 
@@ -73,6 +73,16 @@ class RequestBody(BaseModel):
     # Unknown fields are ignored, as vLLM does (SDKs add new ones); the unsupported fields that would
     # change the answer are declared below and refused when set.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        # JSON may carry lone surrogates ("\ud800"): refused here (400), before any of it reaches the
+        # tokenizer (which raised TypeError: HTTP 500) or an error message that echoes it.
+        where = unencodable(data)
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode text (a lone surrogate cannot be encoded)")
+        return data
 
     model: str | None = None
     max_tokens: int | None = None

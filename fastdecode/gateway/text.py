@@ -99,6 +99,32 @@ class ValidRequest:
         )
 
 
+def unencodable(value: object, path: str = "") -> str | None:
+    """Where in `value` (str, or lists and dicts of them) a string cannot be UTF-8 encoded (a lone
+    surrogate such as "\\ud800", which JSON escapes allow): its path, or None when all is text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{path or 'text'} (character {e.start})"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and unencodable(key) is not None:
+            return f"a key of {path or 'the request'}"  # never echo the key: it cannot be encoded
+        where = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
+        found = unencodable(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def check_text(what: str, value: object) -> None:
+    where = unencodable(value, what)
+    if where is not None:
+        raise InvalidInput(f"{where} is not valid Unicode text (a lone surrogate cannot be encoded)")
+
+
 def check_params(p: GenerateParams, limits: Limits) -> None:
     """Everything that can be checked before tokenizing; raises InvalidInput."""
     if p.prompt is None and p.token_ids is None:
@@ -106,6 +132,7 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
     if p.prompt is not None:
         if not p.prompt:
             raise InvalidInput("prompt is empty")
+        check_text("prompt", p.prompt)
         if len(p.prompt) > limits.max_prompt_chars:
             raise InvalidInput(
                 f"prompt has {len(p.prompt)} characters; the limit is {limits.max_prompt_chars}"
@@ -138,6 +165,7 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
         raise InvalidInput(f"min_tokens must be >= 0, got {p.min_tokens}")
     if len(p.stop) > limits.max_stop:
         raise InvalidInput(f"{len(p.stop)} stop strings; the limit is {limits.max_stop}")
+    check_text("stop", list(p.stop))
     for s in p.stop:
         if not s:
             raise InvalidInput("a stop string is empty")

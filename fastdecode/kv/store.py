@@ -655,13 +655,15 @@ class KVStore:
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidInput("a sequence appears twice in one attend call")
         seqs: list[_Seq] = []
-        for sid, start in zip(seq_ids, start_pos, strict=True):
+        # Messages name a sequence by its place in the call, not its id: the error reaches every
+        # request of the batch, which must not learn the others' ids.
+        for i, (sid, start) in enumerate(zip(seq_ids, start_pos, strict=True)):
             seq = self.seqs.get(sid)
             if seq is None:
-                raise NotFound(f"sequence {sid!r} is not held by this shard")
+                raise NotFound(f"sequence {i} of {len(seq_ids)} in this call is not held by this shard")
             if not 0 <= start <= seq.lengths[layer]:
                 raise InvalidInput(
-                    f"sequence {sid!r} layer {layer}: start_pos {start} leaves a gap "
+                    f"sequence {i} of {len(seq_ids)} layer {layer}: start_pos {start} leaves a gap "
                     f"(holds {seq.lengths[layer]} tokens)"
                 )
             seqs.append(seq)

@@ -21,8 +21,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fastdecode.errors import DeadlineExceeded, InvalidInput, NotFound, ServiceError, Status, Unavailable
+from fastdecode.errors import (
+    DeadlineExceeded,
+    DependencyDown,
+    InvalidInput,
+    NotFound,
+    ServiceError,
+    Status,
+    Unavailable,
+)
 from fastdecode.geometry import KVGeometry
+from fastdecode.logs import Throttle
 from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
 from fastdecode.scheduling.core import SHARD_REMOVED, Move, SchedulerCore
@@ -162,6 +171,9 @@ def capacity_tokens(state: ShardState, geometry: KVGeometry) -> int:
     return max(0, (state.bytes_capacity // per_token) // block * block - block)
 
 
+REFUSAL_BACKOFF_MAX = 60.0  # seconds a shard that refused reservations waits, at most, to be taken back
+
+
 @dataclass
 class ShardTrack:
     """The driver's view of one shard: its link, health, and measured speed."""
@@ -173,6 +185,10 @@ class ShardTrack:
     r: float | None = None  # measured seconds per new token per cached token
     moved_out: int = 0  # sequences migrated off it
     moved_bytes: int = 0
+    # Reservations refused in a row (its wrong answers), and when a probe may take it back: a shard
+    # that keeps refusing waits longer each time instead of flapping every probe.
+    refusals: int = 0
+    retry_at: float = 0.0
 
 
 @dataclass
@@ -210,6 +226,9 @@ class SchedulerDriver:
         self.migrated_bytes = 0
         self.migration_seconds = 0.0
         self.migrations_failed = 0
+        # Set once gpu_dense has been down past dense_down_timeout: what every request gets meanwhile.
+        self.dense_dead: DependencyDown | None = None
+        self._throttle = Throttle(10.0)  # conditions that repeat every step or probe: one line per 10 s
 
     def not_ready_reason(self) -> str | None:
         """Why the fleet behind this scheduler cannot generate now (None: it can): readiness."""
@@ -311,6 +330,8 @@ class SchedulerDriver:
             raise Unavailable("scheduler is draining" if self.draining else "scheduler not ready")
         if req.seq_id in self.streams:
             raise InvalidInput(f"request id {req.seq_id!r} is already running")
+        if self.dense_dead is not None:  # admission refuses while gpu_dense stays down
+            raise self.dense_dead
         core.submit(req)
         stream = self.streams[req.seq_id] = _Mailbox()
         log.info("queued: %d prompt tokens, max_tokens %d", len(req.prompt), req.max_tokens)
@@ -580,8 +601,15 @@ class SchedulerDriver:
         while True:
             await asyncio.sleep(wait)
             wait = min(DENSE_RETRY_MAX_S, wait * 2)
+            left = since + self.s.dense_down_timeout - time.monotonic()
+            if self.dense_dead is None and left <= 0:
+                self._fail_paused(since)
+            # info() waits for gpu_dense to answer: never past the moment the paused requests must end.
+            timeout = (
+                self.s.control_timeout if self.dense_dead else max(0.05, min(self.s.control_timeout, left))
+            )
             try:
-                info = await self.dense.info(self.s.control_timeout)
+                info = await self.dense.info(timeout)
                 if info.geometry != self.info.geometry or info.num_shards > len(self.shards):
                     # A different model or shard list behind the same address: nothing here fits it.
                     self.dense_down = "gpu_dense came back with a different model or shard list"
@@ -593,11 +621,27 @@ class SchedulerDriver:
                 continue
             break
         self.dense_down = None
+        self.dense_dead = None
         self.metrics.dense_reconnected()
         log.info(
             "gpu_dense is back after %.2fs; resuming %d requests", time.monotonic() - since, len(self.streams)
         )
         self.wake.set()
+
+    def _fail_paused(self, since: float) -> None:
+        """gpu_dense stayed down past the bound: every paused request ends now with UNAVAILABLE
+        naming it, and new ones are refused until it is back (the reconnect loop goes on)."""
+        assert self.core is not None
+        self.dense_dead = DependencyDown(
+            f"gpu_dense down for {time.monotonic() - since:.0f}s ({self.dense_down}); retry once it is back"
+        )
+        log.error("%s: failing %d requests", self.dense_dead.message, len(self.streams))
+        for sid, stream in list(self.streams.items()):
+            stream.queue.put_nowait(self.dense_dead)
+            try:
+                self.core.cancel(sid)  # its KV is freed with the first step after the reconnect
+            except ServiceError:
+                pass
 
     async def _release(self, releases: list[tuple[str, int]]) -> None:
         by_shard: dict[int, list[str]] = defaultdict(list)
@@ -622,6 +666,7 @@ class SchedulerDriver:
                 found = await self.shards[shard].link.reserve(
                     self.info.geometry, seqs, self.s.control_timeout, self.info.model
                 )
+                self.shards[shard].refusals = 0
                 for s, c in zip(seqs, found, strict=False):
                     cached[s.seq_id] = int(c)
                     log.info(
@@ -634,8 +679,23 @@ class SchedulerDriver:
             except ServiceError as e:
                 if e.status in (Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED):
                     self._shard_lost(shard, f"reserve failed: {e.message}")
-                else:
-                    log.warning("reserve of %d seqs on shard %d failed: %s", len(ids), shard, e.message)
+                elif e.status is not Status.RESOURCE_EXHAUSTED:
+                    # The fleet's own reservation refused (a geometry or state the shard should not
+                    # have): that shard's fault. Out of placement until a probe finds it empty and
+                    # SERVING, instead of placing the same sequences on it again every step.
+                    track = self.shards[shard]
+                    track.refusals += 1
+                    wait = min(REFUSAL_BACKOFF_MAX, self.s.health_interval * 2**track.refusals)
+                    track.retry_at = time.monotonic() + wait
+                    self._shard_lost(shard, f"it refused a reservation: {e.status.name}: {e.message}")
+                elif (held := self._throttle(("reserve", shard))) is not None:
+                    log.warning(
+                        "reserve of %d seqs on shard %d failed: %s (%d more since the last line)",
+                        len(ids),
+                        shard,
+                        e.message,
+                        held,
+                    )
                 for sid in ids:
                     self.core.reservation_failed(sid)
                 failed += ids
@@ -704,7 +764,8 @@ class SchedulerDriver:
                     continue
                 await self._probe(i, track)
             except Exception:  # noqa: BLE001 - one shard's odd answer must not stop the others' probes
-                log.exception("probing shard %d (%s) failed", i, track.link.address)
+                if self._throttle(("probe", i)) is not None:
+                    log.exception("probing shard %d (%s) failed", i, track.link.address)
 
     async def _probe_removed(self, index: int, track: ShardTrack) -> None:
         """A removed shard answering SERVING again, empty, is a restarted process on its address (a
@@ -732,11 +793,14 @@ class SchedulerDriver:
             await self._measure(index, track)
         elif not ok and track.healthy:
             self._shard_lost(index, "health check failed")
-        elif ok and not track.healthy:
+        elif ok and not track.healthy and time.monotonic() >= track.retry_at:
             try:
                 state = await track.link.stats(self.s.probe_timeout)
             except ServiceError as e:  # SERVING but cannot say what it holds: still lost, ask again later
-                log.warning("shard %d answers health but not Stats (%s); still lost", index, e.status.name)
+                if self._throttle(("stats", index)) is not None:
+                    log.warning(
+                        "shard %d answers health but not Stats (%s); still lost", index, e.status.name
+                    )
                 return
             if state.sequences:
                 # Alive but marked lost (its stream failed, not the process): every sequence it holds
@@ -746,9 +810,10 @@ class SchedulerDriver:
                     await track.link.release(None, self.s.control_timeout)
                     held, state = state.sequences, await track.link.stats(self.s.probe_timeout)
                 except ServiceError as e:  # gone again: still lost, ask again later
-                    log.warning(
-                        "shard %d answers health but not Release (%s); still lost", index, e.status.name
-                    )
+                    if self._throttle(("release", index)) is not None:
+                        log.warning(
+                            "shard %d answers health but not Release (%s); still lost", index, e.status.name
+                        )
                     return
                 log.info(
                     "shard %d (%s) answers again: freed the %d sequences it held",

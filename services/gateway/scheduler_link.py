@@ -9,10 +9,18 @@ from collections.abc import AsyncIterator
 import grpc
 
 from fastdecode import convert
-from fastdecode.errors import InternalError, ServiceError, Status, Unavailable, error_for, has_domain_meaning
+from fastdecode.errors import (
+    DependencyDown,
+    InternalError,
+    ServiceError,
+    Status,
+    Unavailable,
+    error_for,
+    has_domain_meaning,
+)
 from fastdecode.gateway.core import BackendInfo, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import ValidRequest
-from fastdecode.protocol import ERROR_SOURCE_KEY
+from fastdecode.protocol import DEPENDENCY_DOWN_KEY, ERROR_SOURCE_KEY
 from fastdecode.rpc import aio_channel, request_metadata, status_from_code
 from fastdecode.settings import TLSFiles
 from fastdecode.v1 import dense_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -30,6 +38,8 @@ def upstream_error(e: grpc.aio.AioRpcError) -> ServiceError:
     status, details = status_from_code(e.code()), e.details() or ""
     if status is Status.UNAVAILABLE and not _answered(e):  # the connection failed, not the scheduler
         return SchedulerLost(f"scheduler lost: {details}")
+    if status is Status.UNAVAILABLE and any(k == DEPENDENCY_DOWN_KEY for k, _ in e.trailing_metadata() or ()):
+        return DependencyDown(details)  # gpu_dense stayed down: resubmitting would be refused again
     if status in (Status.DEADLINE_EXCEEDED, Status.CANCELLED):
         return error_for(status, f"scheduler: {details}")
     if not has_domain_meaning(status):  # INTERNAL, UNKNOWN, UNAUTHENTICATED, ...

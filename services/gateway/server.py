@@ -203,6 +203,7 @@ async def serve(settings: GatewaySettings) -> None:
         interceptors=[BearerAuthInterceptor(token)] if token else (),
         max_message_bytes=settings.max_message_bytes,
         guard_requests=False,  # its handlers parse with their own guard (BadRequest, counted as rejected)
+        internal=False,  # public: clients need the bearer token, not the fleet secret
     )
     link = GrpcSchedulerLink(settings.scheduler, settings.tls)
     core = GatewayCore(settings, tokenizer, config, link, PrometheusGatewayMetrics())

@@ -83,6 +83,10 @@ class GrpcDenseLink:
         return StepOutcome(items, error_from_item(result.error) if result.error.code else None)
 
     def _reset(self) -> None:
+        if self._queue is not None:
+            # End the plans() generator first: cancelling the call while gRPC's reader task awaits it
+            # left "Task was destroyed" / "aclose(): already running" errors after repeated losses.
+            self._queue.put_nowait(None)
         if self._call is not None:
             self._call.cancel()
         self._call, self._queue = None, None

@@ -282,6 +282,7 @@ def test_compose_cluster_generates_like_the_process_fleet(
             "FASTDECODE_KV_CAPACITY": str(64 * 2**20),
             "FASTDECODE_DEVICE": "cpu",
             "FASTDECODE_AUTH_TOKEN": TOKEN,
+            "FASTDECODE_FLEET_SECRET": "compose-e2e-fleet-secret-0123456789",
         },
         env_file,
     )

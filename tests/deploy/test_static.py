@@ -105,6 +105,7 @@ def test_dockerignore_keeps_context_small() -> None:
 def _compose_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTDECODE_", "COMPOSE_", "DOCKER_"))}
     env["FASTDECODE_MODEL_DIR"] = "/srv/models/tiny"
+    env["FASTDECODE_FLEET_SECRET"] = "compose-static-fleet-secret"
     env.update(extra or {})
     return env
 
@@ -196,6 +197,21 @@ def test_compose_default_config(docker_compose: str) -> None:
     for svc in cfg["services"].values():
         assert "deploy" not in svc
         assert not any(k.startswith("FASTDECODE_TLS_") for k in svc["environment"])
+
+
+def test_compose_needs_and_wires_the_fleet_secret(docker_compose: str) -> None:
+    cfg = _compose_config(docker_compose, "docker-compose.yml")
+    for name, svc in cfg["services"].items():
+        assert svc["environment"]["FASTDECODE_FLEET_SECRET"] == "compose-static-fleet-secret", name
+    proc = subprocess.run(
+        [docker_compose, "-f", "docker-compose.yml", "config"],
+        env={k: v for k, v in _compose_env().items() if k != "FASTDECODE_FLEET_SECRET"},
+        cwd=COMPOSE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "FASTDECODE_FLEET_SECRET" in proc.stderr
 
 
 def test_compose_gateway_ports_follow_env(docker_compose: str) -> None:
@@ -675,3 +691,26 @@ def test_chart_refuses_bad_values() -> None:
         chart.render(
             {"gateway": {"http": {"enabled": False, "port": 50051}}}, name=RELEASE, namespace=NAMESPACE
         )
+
+
+def test_chart_wires_a_generated_fleet_secret_into_every_service() -> None:
+    """Every container reads the fleet secret from a Secret the chart generates (internal calls
+    without it are refused), or from the user's own Secret when one is named."""
+    import base64
+
+    own: dict[str, Any] = {"fleetSecret": {"existingSecret": "mine"}}
+    for values, name in (({}, f"{RELEASE}-fastdecode-fleet"), (own, "mine")):
+        docs = _render(values)
+        secrets = _by_kind(docs, "Secret")
+        if values:
+            assert name not in secrets
+        else:
+            value = base64.b64decode(secrets[name]["data"]["fleet-secret"]).decode()
+            assert len(value) >= 32 and value.isalnum()
+        workloads = [*_by_kind(docs, "Deployment").values(), *_by_kind(docs, "StatefulSet").values()]
+        assert len(workloads) == 4
+        for w in workloads:
+            for c in w["spec"]["template"]["spec"]["containers"]:
+                (env,) = [e for e in c["env"] if e["name"] == "FASTDECODE_FLEET_SECRET"]
+                assert env["valueFrom"]["secretKeyRef"] == {"name": name, "key": "fleet-secret"}
+                assert not any("secret" in str(a).lower() for a in c.get("args", []))

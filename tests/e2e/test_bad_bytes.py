@@ -10,6 +10,7 @@ import grpc
 
 from fastdecode.client import Client
 from fastdecode.fleet import Fleet
+from fastdecode.rpc import sync_channel
 from fastdecode.v1 import dense_pb2, kv_attention_pb2, scheduler_pb2
 
 GARBAGE = b"\xff\xff\xff\xff"  # field 31 with a truncated varint: the wire format is corrupt
@@ -52,7 +53,7 @@ def test_garbage_to_every_internal_method_is_invalid_argument(
         addresses = {"kv": f.kv[0].address, "dense": f.dense.address, "scheduler": f.scheduler.address}
         checked = 0
         for key, desc in services.items():
-            with grpc.insecure_channel(addresses[key]) as channel:
+            with sync_channel(addresses[key], f.peer_credentials) as channel:
                 for method in desc.methods:
                     e = _call(channel, desc.full_name, method)
                     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (

@@ -29,7 +29,7 @@ PROMPTS_8 = [
 
 def shard_stats(fleet: UpProcess) -> list[kv_attention_pb2.ShardStats]:
     return [
-        kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k["address"])).Stats(
+        kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k["address"], fleet.peer_credentials)).Stats(
             kv_attention_pb2.StatsRequest(), timeout=5
         )
         for k in fleet.state["kv_attention"]
@@ -37,7 +37,9 @@ def shard_stats(fleet: UpProcess) -> list[kv_attention_pb2.ShardStats]:
 
 
 def scheduler_steps(fleet: UpProcess) -> int:
-    stub = scheduler_pb2_grpc.SchedulerStub(sync_channel(fleet.state["scheduler"]["address"]))
+    stub = scheduler_pb2_grpc.SchedulerStub(
+        sync_channel(fleet.state["scheduler"]["address"], fleet.peer_credentials)
+    )
     return stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5).steps
 
 

@@ -150,7 +150,7 @@ def test_attend_fuzz_in_band_invalid_input(
     start_pos: list[int],
 ) -> None:
     address = fleet.state["kv_attention"][0]["address"]
-    stub = kv_attention_pb2_grpc.KVAttentionStub(sync_channel(address))
+    stub = kv_attention_pb2_grpc.KVAttentionStub(sync_channel(address, fleet.peer_credentials))
     geometry = kv_attention_pb2.KVGeometry(num_layers=4, num_kv_heads=8, head_dim=32)  # the tiny llama
     try:
         stub.Reserve(
@@ -179,7 +179,7 @@ def test_attend_fuzz_in_band_invalid_input(
 
 def test_shard_healthy_after_attend_fuzz(fleet: UpProcess) -> None:
     address = fleet.state["kv_attention"][0]["address"]
-    channel = sync_channel(address)
+    channel = sync_channel(address, fleet.peer_credentials)
     kv_attention_pb2_grpc.KVAttentionStub(channel).Release(
         kv_attention_pb2.ReleaseRequest(seq_ids=["fuzz"]), timeout=5
     )

@@ -60,8 +60,9 @@ def test_full_context_requests_share_shards_and_preempt_without_failing(
     fleet: Fleet, short_model: Path, hf_greedy: Callable
 ) -> None:
     assert fleet.gateway and fleet.scheduler
-    sched = scheduler_pb2_grpc.SchedulerStub(sync_channel(fleet.scheduler.address))
-    shards = [kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k.address)) for k in fleet.kv]
+    creds = fleet.peer_credentials
+    sched = scheduler_pb2_grpc.SchedulerStub(sync_channel(fleet.scheduler.address, creds))
+    shards = [kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k.address, creds)) for k in fleet.kv]
     peak = {"running": 0, "blocks": 0}
     done = threading.Event()
 

@@ -433,6 +433,7 @@ def _gateway(fleet: UpProcess, model: Path, workdir: Path, name: str, *extra: st
         workdir,
         metrics=True,
         timeout=60,
+        env={"FASTDECODE_FLEET_SECRET_FILE": fleet.state["fleet_secret_file"]},  # a member of the fleet
     )
 
 

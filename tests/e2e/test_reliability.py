@@ -56,7 +56,7 @@ def fleet(model_factory: Callable, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def shard_stats(f: Fleet) -> list[kv_attention_pb2.ShardStats]:
     return [
-        kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k.address)).Stats(
+        kv_attention_pb2_grpc.KVAttentionStub(sync_channel(k.address, f.peer_credentials)).Stats(
             kv_attention_pb2.StatsRequest(), timeout=5
         )
         for k in f.kv
@@ -65,7 +65,7 @@ def shard_stats(f: Fleet) -> list[kv_attention_pb2.ShardStats]:
 
 def sched_stats(f: Fleet) -> scheduler_pb2.SchedulerStats:
     assert f.scheduler
-    stub = scheduler_pb2_grpc.SchedulerStub(sync_channel(f.scheduler.address))
+    stub = scheduler_pb2_grpc.SchedulerStub(sync_channel(f.scheduler.address, f.peer_credentials))
     return stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
 
 
@@ -116,7 +116,7 @@ def test_shard_added_at_runtime_takes_new_sequences(fleet: Fleet) -> None:
     assert fleet.gateway and fleet.scheduler and fleet.workdir
     extra = start_service("kv_attention-extra", fleet._kv_args(len(fleet.kv)), fleet.workdir)
     fleet.kv.append(extra)  # stopped with the fleet
-    stub = scheduler_pb2_grpc.SchedulerStub(sync_channel(fleet.scheduler.address))
+    stub = scheduler_pb2_grpc.SchedulerStub(sync_channel(fleet.scheduler.address, fleet.peer_credentials))
     index = stub.AddShard(dense_pb2.AddShardRequest(address=extra.address), timeout=30).shard
     assert index == len(fleet.kv) - 1
     with Client(fleet.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(6) as pool:

@@ -14,12 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
 # or a plain helper and must import without it.
 GRPC_MODULES = {
     "fastdecode.rpc",
+    "fastdecode.internal_auth",  # the fleet secret on gRPC calls (server interceptor, channel wrapper)
     "fastdecode.client",
     "fastdecode.benchmarks.transport",
     "fastdecode.benchmarks.fleet_bench",
     "fastdecode.benchmarks.load_bench",
     "fastdecode.benchmarks.chaos",
     "fastdecode.benchmarks.migrate",  # drives a fleet (RemoveShard, GetStats)
+    "fastdecode.benchmarks.chaos_probes",
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
     "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
     "fastdecode.benchmarks.split",  # drives gpu_dense and the shards over gRPC

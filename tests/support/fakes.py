@@ -144,6 +144,8 @@ class FakeShard:
     peers: dict[str, FakeShard] = field(default_factory=dict)  # migration targets by address
     migrate_error: ServiceError | None = None
     retired: bool = False
+    reserve_error: ServiceError | None = None  # what Reserve answers instead (a shard in a wrong state)
+    reserve_calls: int = 0
 
     async def healthy(self, timeout: float) -> bool:
         return self.serving
@@ -167,8 +169,11 @@ class FakeShard:
     async def reserve(
         self, geometry: KVGeometry, seqs: list[Reservation], timeout: float, model: str = ""
     ) -> list[int]:
+        self.reserve_calls += 1
         if not self.serving:
             raise Unavailable(f"shard {self.address} is down")
+        if self.reserve_error is not None:
+            raise self.reserve_error
         self.held.update({s.seq_id: s.max_tokens for s in seqs})
         return [0] * len(seqs)
 

@@ -238,3 +238,21 @@ def test_output_text_releases_held_text_at_finish(tok: Tokenizer) -> None:
     assert shown == "wait for "
     end = out.finish()
     assert not end.stopped and shown + end.text == "wait for it"
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ("ok \ud800", "prompt (character 3)"),
+        (["fine", "\udfff"], "prompt[1] (character 0)"),
+        ({"messages": [{"role": "user", "content": "a\ud800"}]}, "prompt.messages[0].content (character 1)"),
+        ({"\ud800": "x"}, "a key of prompt"),
+    ],
+)
+def test_lone_surrogates_are_found_and_never_echoed(value: object, where: str) -> None:
+    from fastdecode.gateway.text import check_text
+
+    with pytest.raises(InvalidInput) as info:
+        check_text("prompt", value)
+    assert info.value.message.startswith(where)
+    info.value.message.encode("utf-8")  # the message itself is always text

@@ -301,3 +301,28 @@ def test_front_refuses_before_reading_the_body(llama_dir: Path) -> None:
     status, headers, body = asyncio.run(run("/v1/completions", [auth, (b"content-length", b"101")]))
     assert status == 413 and "101 bytes" in body["error"]["message"]
     assert headers[b"x-request-id"].startswith(b"gw-")
+
+
+@pytest.mark.parametrize(
+    ("kind", "raw"),
+    [
+        ("completion", '{"prompt": "hi \\ud800"}'),
+        ("completion", '{"prompt": "hi", "stop": ["\\udfff"]}'),
+        ("chat", '{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+        ("chat", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'),
+        ("chat", '{"messages": [{"role": "user", "content": "x"}], "user": {"\\ud800": 1}}'),
+    ],
+)
+def test_lone_surrogates_in_a_body_are_a_validation_error(kind: str, raw: str) -> None:
+    """JSON escapes can carry a lone surrogate: the body is refused (400 through the validation
+    handler) with a message that is itself text, never passed on to the tokenizer (HTTP 500)."""
+    from pydantic import ValidationError
+
+    from fastdecode.gateway.openai import ChatBody, CompletionBody
+
+    with pytest.raises(ValidationError) as info:
+        # FastAPI parses the body with json.loads (which keeps a lone surrogate), then validates
+        (ChatBody if kind == "chat" else CompletionBody).model_validate(json.loads(raw))
+    message = info.value.errors()[0]["msg"]
+    assert "lone surrogate" in message
+    message.encode("utf-8")

@@ -275,3 +275,71 @@ def test_a_restarted_scheduler_adopts_the_shards_gpu_dense_gained_at_run_time() 
             await SchedulerDriver(SETTINGS, dense, [FakeShard("fake:2"), FakeShard("fake:3")]).connect()
 
     asyncio.run(main())
+
+
+def test_a_shard_that_refuses_reservations_is_its_fault_not_a_loop(caplog: pytest.LogCaptureFixture) -> None:
+    """One shard answers every Reserve with INVALID_ARGUMENT (a geometry it should not hold): it is
+    marked lost, requests complete on the other one, it is asked again after a doubling wait rather
+    than every step, and the log says so a few times, not once per step."""
+
+    async def main() -> tuple[int, int]:
+        bad = FakeShard("fake:2", reserve_error=InvalidInput("holds KV of another geometry"))
+        good = FakeShard("fake:3")
+        driver = driver_with(bad, good)
+        await driver.connect()
+        tasks = [asyncio.create_task(t) for t in (driver.step_loop(), driver.health_loop())]
+        done = 0
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 0.5  # 50 health intervals of steady load
+            while loop.time() < end:
+                reqs = [_collect(driver, Request(f"r{done}-{i}", [3, 4], max_tokens=3)) for i in range(2)]
+                assert await asyncio.wait_for(asyncio.gather(*reqs), 10) == [[1, 2, 3]] * 2
+                done += 2
+        finally:
+            for t in tasks:
+                t.cancel()
+        return done, bad.reserve_calls
+
+    with caplog.at_level("WARNING", logger="fastdecode"):
+        done, calls = asyncio.run(main())
+    assert done >= 10
+    assert 1 <= calls <= 7, calls  # waits 0.02, 0.04, 0.08, 0.16, 0.32 s: a handful in 0.5 s
+    lost = [r for r in caplog.records if "refused a reservation" in r.getMessage()]
+    assert len(lost) == calls
+
+
+def test_a_gpu_dense_that_stays_down_fails_requests_within_the_bound_and_refuses_new_ones() -> None:
+    """Past dense_down_timeout every paused request ends UNAVAILABLE naming gpu_dense, new ones are
+    refused at once (admission), readiness says why; once gpu_dense is back, requests run again."""
+    from fastdecode.errors import DependencyDown
+
+    settings = SETTINGS.model_copy(update={"dense_down_timeout": 0.3})
+
+    async def main() -> None:
+        dense = FakeDense(dies_after=2)
+        driver = SchedulerDriver(settings, dense, [FakeShard("fake:2"), FakeShard("fake:3")])
+        await driver.connect()
+        loop = asyncio.create_task(driver.step_loop())
+        try:
+            t0 = asyncio.get_running_loop().time()
+            runs = [_collect(driver, Request(f"r{i}", [3, 4], max_tokens=50)) for i in range(3)]
+            outs = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 5)
+            took = asyncio.get_running_loop().time() - t0
+            assert all(isinstance(o, DependencyDown) and "gpu_dense" in o.message for o in outs), outs
+            assert 0.3 <= took < 2.5, took
+            t1 = asyncio.get_running_loop().time()
+            with pytest.raises(DependencyDown, match="gpu_dense"):
+                await _collect(driver, Request("late", [3, 4], max_tokens=3))
+            assert asyncio.get_running_loop().time() - t1 < 0.1  # refused, not queued
+            assert "gpu_dense" in (driver.not_ready_reason() or "")
+            dense.down = False
+            for _ in range(200):
+                if driver.dense_dead is None:
+                    break
+                await asyncio.sleep(0.02)
+            assert await _collect(driver, Request("after", [3, 4], max_tokens=3)) == [1, 2, 3]
+        finally:
+            loop.cancel()
+
+    asyncio.run(main())

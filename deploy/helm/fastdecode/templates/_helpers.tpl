@@ -132,9 +132,20 @@ envFrom:
 {{- end }}
 
 {{/* Env every container gets; call with (dict "root" $ "port" 50051). */}}
+{{/* The Secret with the fleet secret every internal call carries (docs/internal-auth.md). */}}
+{{- define "fastdecode.fleetSecretName" -}}
+{{- default (printf "%s-fleet" (include "fastdecode.fullname" .)) .Values.fleetSecret.existingSecret }}
+{{- end }}
+
 {{- define "fastdecode.commonEnv" -}}
 - name: FASTDECODE_PORT
   value: {{ .port | quote }}
+# Internal calls carry it and are checked against it (environment only: argv shows in ps).
+- name: FASTDECODE_FLEET_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "fastdecode.fleetSecretName" .root }}
+      key: {{ .root.Values.fleetSecret.key }}
 {{- if .root.Values.tls.enabled }}
 - name: FASTDECODE_TLS_CERT
   value: {{ printf "%s/tls.crt" .root.Values.tls.mountPath | quote }}

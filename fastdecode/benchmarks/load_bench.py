@@ -112,8 +112,8 @@ class _Watch:
     """Samples the scheduler and the shards while the load runs: the peaks the chat mode reports."""
 
     def __init__(self, state: dict[str, Any]) -> None:
-        from fastdecode.fleet import state_credentials
-        from fastdecode.rpc import sync_channel
+        from fastdecode.runtime.rpc import sync_channel
+        from fastdecode.tools.fleet import state_credentials
         from fastdecode.v1 import kv_attention_pb2_grpc, scheduler_pb2_grpc
 
         creds = state_credentials(state)
@@ -189,9 +189,9 @@ def run_load_bench(
     context: int | None = None,
     kv_contexts: float = 2.0,
 ) -> dict[str, Any]:
-    from fastdecode.errors import InvalidInput
-    from fastdecode.fleet import launch_up
     from fastdecode.model import ModelConfig
+    from fastdecode.runtime.errors import InvalidInput
+    from fastdecode.tools.fleet import launch_up
 
     path = model or ensure_model("llama", "small")
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-load-"))

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.kv import native
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

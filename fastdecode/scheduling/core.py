@@ -32,7 +32,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from fastdecode.errors import (
+from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.runtime.errors import (
     FailedPrecondition,
     InternalError,
     InvalidInput,
@@ -41,7 +42,6 @@ from fastdecode.errors import (
     ResourceExhausted,
     ServiceError,
 )
-from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
 from fastdecode.scheduling.types import (

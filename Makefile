@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
 protos: $(STAMP)
-	$(BIN)/python -m fastdecode.codegen
+	$(BIN)/python -m fastdecode.tools.codegen
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec_bench.py

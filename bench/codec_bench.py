@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from fastdecode import codec
 from fastdecode.benchmarks.common import format_table, gbps, median
+from fastdecode.runtime import codec
 from fastdecode.v1 import tensor_pb2
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.checkpoint import make_model
+from fastdecode.tools.checkpoint import make_model
 
 # Keep tests polite on small CI machines: servers started by tests inherit this too.
 os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fastdecode.benchmarks.common import GIB, gbps, median, memory_probe, time_once
-from fastdecode.errors import InvalidInput
 from fastdecode.kv import BACKENDS, KV_DTYPES, KVStore, huge_page_empty, huge_page_share, kv_bytes_per_element
 from fastdecode.kv import native as native_kernel
+from fastdecode.runtime.errors import InvalidInput
 
 LENGTHS = ("uniform", "mixed")
 

@@ -26,15 +26,15 @@ from typing import Any
 
 import torch
 
-from fastdecode import codec
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
-from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem, ShardPlane
-from fastdecode.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.model import ModelConfig
-from fastdecode.rpc import sync_channel
-from fastdecode.serving import SHARD_PLANES, registered
+from fastdecode.runtime import codec
+from fastdecode.runtime.convert import attend_request
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.runtime.serving import SHARD_PLANES, registered
+from fastdecode.tools.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 

@@ -30,7 +30,7 @@ from fastdecode.benchmarks.chaos_probes import (
 )
 from fastdecode.benchmarks.fleet_bench import percentile, prompts_for
 from fastdecode.benchmarks.transport import ensure_model
-from fastdecode.fleet import UpProcess, launch_up
+from fastdecode.tools.fleet import UpProcess, launch_up
 
 TARGETS = ("kv_attention", "gpu_dense", "scheduler")
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 
-from fastdecode.fleet import UpProcess, launch_up
-from fastdecode.rpc import sync_channel
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import UpProcess, launch_up
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc

@@ -22,17 +22,17 @@ from typing import Any
 
 import torch
 
-from fastdecode import codec
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.benchmarks.transport import DEFAULT_SERVICE_ENV, process_cpu_seconds
-from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem
-from fastdecode.errors import InvalidInput, ServiceError
-from fastdecode.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
-from fastdecode.geometry import Geometry
-from fastdecode.rpc import sync_channel
-from fastdecode.serving import SHARD_PLANES, registered
+from fastdecode.runtime import codec
+from fastdecode.runtime.convert import attend_request
+from fastdecode.runtime.errors import InvalidInput, ServiceError
+from fastdecode.runtime.geometry import Geometry
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.runtime.serving import SHARD_PLANES, registered
+from fastdecode.tools.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 

@@ -25,10 +25,10 @@ import torch
 
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds
-from fastdecode.metrics import metric_total, scrape
+from fastdecode.runtime.metrics import metric_total, scrape
 
 if TYPE_CHECKING:
-    from fastdecode.planner import Profile
+    from fastdecode.planning.planner import Profile
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,7 +92,7 @@ def run_hf(model: Path, prompts: list[list[int]], gen_len: int) -> dict[str, flo
 def run_local(
     model: Path, prompts: list[list[int]], gen_len: int, device: str, kv_dtype: str = "float32"
 ) -> dict[str, float]:
-    from fastdecode.engine import LocalEngine
+    from fastdecode.dense.engine import LocalEngine
 
     engine = LocalEngine.from_pretrained(model, device=device, kv_dtype=getattr(torch, kv_dtype))
     times: list[float] = []
@@ -151,7 +151,7 @@ def run_fleet(
     pipeline: str = "auto",
     kv_dtype: str = "float32",
 ) -> dict[str, float]:
-    from fastdecode.fleet import launch_up
+    from fastdecode.tools.fleet import launch_up
 
     workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-fleet-"))
     up = launch_up(
@@ -246,9 +246,9 @@ def planner_profile(model: str, batch: int, shards: int, device: str, context: i
     host each round trip follows one layer's S-part of compute on the cores the shards share, as in
     a step (the shards' threads have gone idle and wake on busy cores)."""
     from fastdecode.benchmarks.breakdown import layer_transport_s
-    from fastdecode.fleet import CO_LOCATED_ENV, shard_threads
     from fastdecode.model import ModelConfig
-    from fastdecode.planner import measure_profile
+    from fastdecode.planning.planner import measure_profile
+    from fastdecode.tools.fleet import CO_LOCATED_ENV, shard_threads
 
     threads = shard_threads(shards)
     profile = measure_profile(
@@ -275,8 +275,8 @@ def planner_profile_as_services(
     slower than with the default one, and a long-spinning thread left over from the S-part stand-in
     would take a core from the shards during the round trip (0.4-1.1 ms more per layer, 0.2-0.5
     with the services' spin)."""
-    from fastdecode.fleet import co_located_env
-    from fastdecode.planner import Profile
+    from fastdecode.planning.planner import Profile
+    from fastdecode.tools.fleet import co_located_env
 
     args = [str(model), batch, shards, device, context, kv_dtype]
     code = (
@@ -304,9 +304,9 @@ def run_fleet_bench(
     pipeline: str = "auto",
     kv_dtype: str = "float32",
 ) -> dict[str, Any]:
-    from fastdecode.fleet import shard_threads
     from fastdecode.model import ModelConfig
-    from fastdecode.planner import predicted_step_s
+    from fastdecode.planning.planner import predicted_step_s
+    from fastdecode.tools.fleet import shard_threads
 
     path = model or ensure_model("llama", "small")
     cfg = ModelConfig.from_pretrained(path)

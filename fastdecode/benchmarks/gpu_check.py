@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fastdecode.benchmarks.hosts import cpu_list
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 NO_GPU = "gpu-check: no GPU found (torch.cuda.is_available() is False): nothing to check, exiting 0"
 PROMPTS = ([1, 504, 3458, 314], [1, 9690, 30, 11, 1148], [1, 2, 3, 4, 5, 6, 7, 8])
@@ -40,7 +40,7 @@ _SPLIT_MIN_S = 45.0  # a split run is not started with less of the budget left
 
 
 def cuda_vs_cpu_tokens(model_dir: Path, max_tokens: int = 24) -> dict[str, Any]:
-    from fastdecode.engine import LocalEngine
+    from fastdecode.dense.engine import LocalEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -56,7 +56,7 @@ def cuda_vs_cpu_tokens(model_dir: Path, max_tokens: int = 24) -> dict[str, Any]:
 
 def bf16_t_of_b(model_dir: Path, batches: tuple[int, ...] = BF16_BATCHES) -> dict[str, float]:
     from fastdecode.model import DenseModel
-    from fastdecode.planner import _dense_times
+    from fastdecode.planning.planner import _dense_times
 
     m = DenseModel.from_pretrained(model_dir, device="cuda", dtype=torch.bfloat16)
     return {str(b): s * 1e3 for b, s in _dense_times(m, batches, "cuda").items()}
@@ -127,8 +127,8 @@ def run_gpu_check(model_dir: Path | None = None, budget_s: float = 450.0) -> dic
     if not torch.cuda.is_available():
         return None
     from fastdecode.benchmarks.exchange import run_exchange_bench
-    from fastdecode.checkpoint import ensure_default_model
-    from fastdecode.geometry import GEOMETRIES
+    from fastdecode.runtime.geometry import GEOMETRIES
+    from fastdecode.tools.checkpoint import ensure_default_model
 
     t0 = time.monotonic()
     model_dir = model_dir or ensure_default_model()

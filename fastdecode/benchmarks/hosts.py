@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 CpuSet = tuple[int, ...]
 NETNS_PREFIX = "fdsplit"

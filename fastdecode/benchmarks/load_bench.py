@@ -127,8 +127,8 @@ class _Watch:
     """Samples the scheduler and the shards while the load runs: the peaks the chat mode reports."""
 
     def __init__(self, state: dict[str, Any]) -> None:
-        from fastdecode.fleet import state_credentials
-        from fastdecode.rpc import sync_channel
+        from fastdecode.runtime.rpc import sync_channel
+        from fastdecode.tools.fleet import state_credentials
         from fastdecode.v1 import kv_attention_pb2_grpc, scheduler_pb2_grpc
 
         creds = state_credentials(state)
@@ -205,9 +205,9 @@ def run_load_bench(
     kv_contexts: float = 2.0,
     shared_prefix: int = 0,
 ) -> dict[str, Any]:
-    from fastdecode.errors import InvalidInput
-    from fastdecode.fleet import launch_up
     from fastdecode.model import ModelConfig
+    from fastdecode.runtime.errors import InvalidInput
+    from fastdecode.tools.fleet import launch_up
 
     path = model or ensure_model("llama", "small")
     if shared_prefix:
@@ -284,9 +284,9 @@ def run_shared_prefix_bench(
     bound_s: float,
 ) -> dict[str, Any]:
     """The same shared-prefix load on a fleet with prefix sharing on, then on one with it off."""
-    from fastdecode.errors import InvalidInput
-    from fastdecode.fleet import launch_up
     from fastdecode.model import ModelConfig
+    from fastdecode.runtime.errors import InvalidInput
+    from fastdecode.tools.fleet import launch_up
 
     cfg = ModelConfig.from_pretrained(path)
     prompt_len = prefix_len + question_len

@@ -24,7 +24,7 @@ from typing import Any
 
 from fastdecode.benchmarks.fleet_bench import percentile, prompts_for
 from fastdecode.benchmarks.transport import ensure_model
-from fastdecode.fleet import launch_up
+from fastdecode.tools.fleet import launch_up
 
 
 def _streams(
@@ -58,7 +58,7 @@ def _streams(
 
 
 def _stats(address: str) -> Any:
-    from fastdecode.rpc import sync_channel
+    from fastdecode.runtime.rpc import sync_channel
     from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     with sync_channel(address) as ch:
@@ -68,7 +68,7 @@ def _stats(address: str) -> Any:
 
 
 def _remove(address: str, shard: int) -> Any:
-    from fastdecode.rpc import sync_channel
+    from fastdecode.runtime.rpc import sync_channel
     from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     with sync_channel(address) as ch:

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from fastdecode import codec
 from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.hosts import (
@@ -50,12 +49,13 @@ from fastdecode.benchmarks.hosts import (
     thread_env,
 )
 from fastdecode.benchmarks.transport import process_cpu_seconds
-from fastdecode.engine import LocalEngine, SeqChunk
-from fastdecode.errors import InvalidInput, ServiceError
-from fastdecode.fleet import ServiceProcess, spawn_service, start_service, stop_processes, wait_ready
+from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.model import ModelConfig, resolve_device
-from fastdecode.planner import SplitParts, split_ideal_ratio, split_step_s
-from fastdecode.rpc import aio_channel
+from fastdecode.planning.planner import SplitParts, split_ideal_ratio, split_step_s
+from fastdecode.runtime import codec
+from fastdecode.runtime.errors import InvalidInput, ServiceError
+from fastdecode.runtime.rpc import aio_channel
+from fastdecode.tools.fleet import ServiceProcess, spawn_service, start_service, stop_processes, wait_ready
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc

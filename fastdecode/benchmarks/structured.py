@@ -23,12 +23,12 @@ import torch
 
 from fastdecode.benchmarks.common import median
 from fastdecode.dense import AttendItem, StepRunner
+from fastdecode.dense.sampling import SamplingParams
+from fastdecode.dense.structured import GrammarBank, Structured, compile_grammar
 from fastdecode.kv import KVStore
 from fastdecode.model import DenseModel
-from fastdecode.sampling import SamplingParams
+from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.scheduling import PlannedSeq
-from fastdecode.structured import GrammarBank, Structured, compile_grammar
-from fastdecode.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

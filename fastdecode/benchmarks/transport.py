@@ -19,15 +19,16 @@ from pathlib import Path
 
 import torch
 
-from fastdecode import checkpoint, codec
 from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median, run_async
-from fastdecode.checkpoint import default_model_dir
-from fastdecode.engine import LocalEngine, SeqChunk
-from fastdecode.errors import InvalidInput, ServiceError
-from fastdecode.fleet import ServiceProcess, start_service, stop_processes
+from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.model import ModelConfig
-from fastdecode.rpc import aio_channel
+from fastdecode.runtime import codec
+from fastdecode.runtime.errors import InvalidInput, ServiceError
+from fastdecode.runtime.rpc import aio_channel
+from fastdecode.tools import checkpoint
+from fastdecode.tools.checkpoint import default_model_dir
+from fastdecode.tools.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc

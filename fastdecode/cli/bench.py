@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from fastdecode.errors import ServiceError
+from fastdecode.runtime.errors import ServiceError
 
 KV_DTYPES = click.Choice(["float32", "float16", "bfloat16"])
 ATTN_KV_DTYPES = click.Choice(["float32", "float16", "bfloat16", "int8"])
@@ -179,7 +179,7 @@ def fleet_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) ->
 def structured_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     """Per-step cost of the JSON-schema token mask (llguidance) at batch B, against the plain step."""
     from fastdecode.benchmarks.structured import run
-    from fastdecode.gguf_import import default_model_dir
+    from fastdecode.tools.gguf_import import default_model_dir
 
     path = Path(model) if model else default_model_dir()
     emit(run_bench(lambda: run(path, **kw)), as_json, "structured outputs: mask cost per decode step")
@@ -405,7 +405,7 @@ def exchange_cmd(
     raw TCP echo and a bare gRPC echo of the same bytes (same run). Last line with --json: one object."""
     from fastdecode.benchmarks.common import format_table
     from fastdecode.benchmarks.exchange import COLUMNS, run_exchange_bench
-    from fastdecode.geometry import geometry as resolve
+    from fastdecode.runtime.geometry import geometry as resolve
 
     dims = {k: kw.pop(k) for k in ("hidden", "heads", "kv_heads", "head_dim")}
     explicit = any(v is not None for v in dims.values())

@@ -1,5 +1,5 @@
 """The root `fastdecode` group and the helpers the `serve` commands share: flags derived from the
-services' settings classes (fastdecode.settings), and running a service with them."""
+services' settings classes (fastdecode.runtime.settings), and running a service with them."""
 
 from __future__ import annotations
 
@@ -38,9 +38,10 @@ def _flag_type(annotation: Any, extra: dict[str, Any]) -> tuple[Any, bool]:
 
 
 def settings_options(settings_cls: type[BaseSettings]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """One flag per field of `settings_cls` (fastdecode.settings), derived from the field: --name-with-dashes,
-    its type or choices, and help = description + default + environment variable. Flags default to None
-    so that a flag not given leaves the value to the environment, then to the field's default."""
+    """One flag per field of `settings_cls` (fastdecode.runtime.settings), derived from the field:
+    --name-with-dashes, its type or choices, and help = description + default + environment variable.
+    Flags default to None so that a flag not given leaves the value to the environment, then to the
+    field's default."""
     prefix = str(settings_cls.model_config.get("env_prefix", ""))
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from fastdecode.errors import ServiceError
-from fastdecode.settings import LocalSettings
+from fastdecode.runtime.errors import ServiceError
+from fastdecode.runtime.settings import LocalSettings
 
 
 class ErrorReportingGroup(click.Group):

@@ -51,9 +51,14 @@ def _progress() -> Iterator[Callable[[str, int, int], None] | None]:
 
 def resolve_model(model: str | None) -> Path:
     """The checkpoint directory for a --model argument (see the module docstring)."""
-    from fastdecode.checkpoint import check_checkpoint
     from fastdecode.cli.progress import progress_wanted
-    from fastdecode.gguf_import import cached_import, default_model_dir, ensure_default_model, is_complete
+    from fastdecode.tools.checkpoint import check_checkpoint
+    from fastdecode.tools.gguf_import import (
+        cached_import,
+        default_model_dir,
+        ensure_default_model,
+        is_complete,
+    )
 
     if model is None:
         if not is_complete(default_model_dir()):
@@ -75,9 +80,9 @@ def resolve_model(model: str | None) -> Path:
 def chat_token_ids(model_dir: Path, messages: Sequence[dict[str, str]]) -> list[int]:
     """Prompt ids for `messages` through the model's chat template, as /v1/chat/completions makes
     them (the template writes any BOS itself, so no special tokens are added)."""
-    from fastdecode.errors import InvalidInput
     from fastdecode.gateway.chat import ChatTemplate
-    from fastdecode.tokenizer import Tokenizer
+    from fastdecode.runtime.errors import InvalidInput
+    from fastdecode.runtime.tokenizer import Tokenizer
 
     template = ChatTemplate.from_pretrained(model_dir)
     if template is None:
@@ -98,7 +103,7 @@ def chat_token_ids(model_dir: Path, messages: Sequence[dict[str, str]]) -> list[
 )
 def import_gguf_cmd(file: str, out: str, dtype: str) -> None:
     """Import a GGUF FILE (llama.cpp/Ollama; llama, mistral, qwen2) as a checkpoint directory."""
-    from fastdecode.gguf_import import import_gguf
+    from fastdecode.tools.gguf_import import import_gguf
 
     with _progress() as on_stage:
         stage = None if on_stage is None else (lambda d, t: on_stage("import", d, t))

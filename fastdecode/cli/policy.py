@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fastdecode.errors import ServiceError
+from fastdecode.runtime.errors import ServiceError
 
 SIM_KEYS = (
     "tokens_per_s",
@@ -79,7 +79,7 @@ def simulate_cmd(
     as_json: bool,
 ) -> None:
     """Replay a workload against the real scheduler core with modelled S- and R-part costs."""
-    from fastdecode.sim import CostModel, SimConfig, load_workload, paper_workload, simulate
+    from fastdecode.planning.sim import CostModel, SimConfig, load_workload, paper_workload, simulate
 
     try:
         if workload:
@@ -89,7 +89,7 @@ def simulate_cmd(
                 seed, batch=batch, gen_len=gen_len, prompt_len=prompt_len, requests=requests
             )
         if profile:
-            from fastdecode.planner import Profile
+            from fastdecode.planning.planner import Profile
 
             cost = CostModel.from_profile(Profile.load(profile))
         else:
@@ -186,7 +186,7 @@ def plan_cmd(
 ) -> None:
     """Choose batch size B and shard count P from measured T(B) and R (the paper's model); with
     --dense-step-ms, the exchange workers and shards a GPU host needs per batch (--exchange)."""
-    from fastdecode import planner
+    from fastdecode.planning import planner
 
     if dense_step_ms is not None or exchange_file is not None:
         _plan_gpu_host(dense_step_ms, exchange_file, geometry, cores, dtype_bytes, shards, as_json)
@@ -200,7 +200,7 @@ def plan_cmd(
         else:
             if not model_dir:
                 try:
-                    from fastdecode.checkpoint import ensure_default_model
+                    from fastdecode.tools.checkpoint import ensure_default_model
                 except ImportError as e:
                     raise click.ClickException(f"no --model/--profile and no default model: {e}") from e
                 model_dir = str(ensure_default_model())
@@ -246,8 +246,8 @@ def _plan_gpu_host(
     shards: int | None,
     as_json: bool,
 ) -> None:
-    from fastdecode.exchange_plan import ExchangeCosts, parse_step_ms, plan_hosts
-    from fastdecode.geometry import GEOMETRIES
+    from fastdecode.planning.exchange_plan import ExchangeCosts, parse_step_ms, plan_hosts
+    from fastdecode.runtime.geometry import GEOMETRIES
 
     if step_spec is None or exchange_file is None:
         raise click.UsageError("GPU host mode needs both --dense-step-ms and --exchange")

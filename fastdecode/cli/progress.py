@@ -1,6 +1,6 @@
 """`fastdecode up`'s start-up progress, drawn with rich on a terminal and nowhere else.
 
-fleet.Fleet.start reports phases per service (fastdecode.progress); this module turns them into
+fleet.Fleet.start reports phases per service (fastdecode.runtime.progress); this module turns them into
 one live line per service on stderr: a byte bar while gpu_dense loads its weights, a pulsing bar
 while a service waits for its health check. The display is transient (cleared once the fleet is
 up), so the terminal keeps only the plain lines that logs and pipes also get.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from fastdecode.progress import LOADING_WEIGHTS, READY
+from fastdecode.runtime.progress import LOADING_WEIGHTS, READY
 
 Observer = Callable[[str, str, int, int], None]  # fleet.ProgressObserver, without importing fleet
 

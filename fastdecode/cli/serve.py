@@ -7,11 +7,11 @@ from typing import Any
 import click
 
 from fastdecode.cli.common import run_service, settings_options
-from fastdecode.serving import SERVICES, registered
-from fastdecode.settings import DenseSettings, GatewaySettings, SchedulerSettings, ShardSettings
+from fastdecode.runtime.serving import SERVICES, registered
+from fastdecode.runtime.settings import DenseSettings, GatewaySettings, SchedulerSettings, ShardSettings
 
 # Each command runs the `serve()` the services package registers under the command's name (the entry
-# points in pyproject.toml): fastdecode never imports services (fastdecode/serving.py).
+# points in pyproject.toml): fastdecode never imports services (fastdecode/runtime/serving.py).
 
 
 @click.group()

@@ -41,7 +41,7 @@ def _call(opts: dict[str, Any], method: str, request: Any, timeout: float) -> An
     """One unary call to the scheduler; a failure is one line on stderr and exit 1."""
     import grpc
 
-    from fastdecode.rpc import TLSFiles, sync_channel
+    from fastdecode.runtime.rpc import TLSFiles, sync_channel
     from fastdecode.v1 import scheduler_pb2_grpc
 
     target = opts["target"]

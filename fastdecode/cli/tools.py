@@ -23,7 +23,7 @@ def health(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from fastdecode.rpc import TLSFiles, sync_channel
+    from fastdecode.runtime.rpc import TLSFiles, sync_channel
 
     tls = TLSFiles(*(Path(p) if p else None for p in (tls_cert, tls_key, tls_ca)))
     try:
@@ -52,7 +52,7 @@ def health(
 )
 def make_model_cmd(arch: str, preset: str, out: str, seed: int, chat_template: bool) -> None:
     """Write a random-weight HuggingFace checkpoint with a trained byte-level BPE tokenizer."""
-    from fastdecode.checkpoint import make_model
+    from fastdecode.tools.checkpoint import make_model
 
     path = make_model(arch, preset, Path(out), seed=seed, chat_template=chat_template)
     click.echo(str(path))
@@ -97,10 +97,10 @@ def run(
 ) -> None:
     """Generate in-process with LocalEngine (no servers)."""
     from fastdecode.cli.gguf import chat_token_ids, resolve_model
-    from fastdecode.engine import LocalEngine
-    from fastdecode.errors import ServiceError
-    from fastdecode.sampling import SamplingParams
-    from fastdecode.tokenizer import Tokenizer
+    from fastdecode.dense.engine import LocalEngine
+    from fastdecode.dense.sampling import SamplingParams
+    from fastdecode.runtime.errors import ServiceError
+    from fastdecode.runtime.tokenizer import Tokenizer
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")

@@ -122,7 +122,7 @@ def _make_fleet(
     prefix_sharing: str = "on",
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
-    from fastdecode.fleet import Fleet
+    from fastdecode.tools.fleet import Fleet
 
     path = resolve_model(model)  # before any service starts: a bad model is one clear line
     return Fleet(
@@ -201,8 +201,8 @@ def up(
     import threading
 
     from fastdecode.cli.progress import startup_progress
-    from fastdecode.errors import ServiceError
-    from fastdecode.fleet import RestartPolicy, Supervisor
+    from fastdecode.runtime.errors import ServiceError
+    from fastdecode.tools.fleet import RestartPolicy, Supervisor
 
     _hide_token_from_ps(click.get_current_context())
     auth_token = _read_token_file(auth_token_file) or auth_token
@@ -274,7 +274,7 @@ def demo(question: str, max_tokens: int, model: str | None) -> None:
 
     from fastdecode.cli.gguf import chat_token_ids
     from fastdecode.client import Client
-    from fastdecode.errors import ServiceError
+    from fastdecode.runtime.errors import ServiceError
 
     t0 = time.monotonic()
     fleet = _make_fleet(model, 2, 0, "auto", 256 << 20, "float32", "naive")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 ALIGN = 64  # cache-line aligned slices: the copies run at memcpy speed
 _LEN = struct.Struct("<I")

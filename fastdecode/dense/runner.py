@@ -21,13 +21,13 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.pipeline import PipelineChooser
-from fastdecode.engine import SeqChunk, pack
-from fastdecode.errors import FailedPrecondition, InvalidInput
+from fastdecode.dense.sampling import TokenLogprob, penalize, sample, top_logprobs
+from fastdecode.dense.structured import GrammarBank
 from fastdecode.model import DenseModel
-from fastdecode.sampling import TokenLogprob, penalize, sample, top_logprobs
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
 from fastdecode.scheduling.types import PlannedSeq
-from fastdecode.structured import GrammarBank
 
 T = TypeVar("T")
 log = logging.getLogger("fastdecode.gpu_dense.runner")

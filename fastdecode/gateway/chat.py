@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from fastdecode.errors import InvalidInput, ModelLoadError
+from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 

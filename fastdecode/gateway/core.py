@@ -22,7 +22,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from fastdecode.errors import (
+from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
+from fastdecode.model import ModelConfig
+from fastdecode.runtime.errors import (
     DeadlineExceeded,
     DependencyDown,
     InvalidInput,
@@ -33,12 +36,9 @@ from fastdecode.errors import (
     Unavailable,
     as_service_error,
 )
-from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
-from fastdecode.logs import request_context
-from fastdecode.model import ModelConfig
-from fastdecode.sampling import TokenLogprob
-from fastdecode.settings import GatewaySettings
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.runtime.logs import request_context
+from fastdecode.runtime.settings import GatewaySettings
+from fastdecode.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("fastdecode.gateway")
 
@@ -136,7 +136,8 @@ class ModelCard:
 
 # ---- request ids --------------------------------------------------------------------------------
 # A client's id is kept when it is 1-128 printable ASCII characters without spaces or commas (commas
-# separate ids in x-request-id metadata: fastdecode.rpc.request_metadata); otherwise the gateway makes one.
+# separate ids in x-request-id metadata: fastdecode.runtime.rpc.request_metadata); otherwise the
+# gateway makes one.
 _SANE_REQUEST_ID = re.compile(r"[!-+\--~]{1,128}")
 
 

@@ -10,10 +10,10 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from fastdecode.errors import InvalidInput
-from fastdecode.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from fastdecode.structured import Structured, compile_grammar
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.dense.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from fastdecode.dense.structured import Structured, compile_grammar
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.tokenizer import Tokenizer
 
 # Prompt tokens that seed the detokenizer, so the first generated token decodes with the
 # spacing it has after the prompt (SentencePiece drops a leading space otherwise), as vLLM does.

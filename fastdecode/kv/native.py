@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from fastdecode.errors import FailedPrecondition
+from fastdecode.runtime.errors import FailedPrecondition
 
 _BUILD_HINT = (
     "build it with `make setup` (or `pip install --no-build-isolation -e .` with torch installed), "

@@ -46,9 +46,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.kv import native
 from fastdecode.kv.prefix import PrefixCache, chain_hashes, prefix_seed
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from fastdecode.errors import ModelLoadError
-from fastdecode.geometry import KVGeometry
+from fastdecode.runtime.errors import ModelLoadError
+from fastdecode.runtime.geometry import KVGeometry
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastdecode.errors import InvalidInput
 from fastdecode.model.config import ModelConfig, rope_inv_freq
 from fastdecode.model.weights import load_weights
+from fastdecode.runtime.errors import InvalidInput
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from fastdecode.errors import ModelLoadError
+from fastdecode.runtime.errors import ModelLoadError
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 
 @dataclass(frozen=True)

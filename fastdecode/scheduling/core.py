@@ -41,7 +41,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from fastdecode.errors import (
+from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.kv.prefix import chain_hashes
+from fastdecode.runtime.errors import (
     FailedPrecondition,
     InternalError,
     InvalidInput,
@@ -50,8 +52,6 @@ from fastdecode.errors import (
     ResourceExhausted,
     ServiceError,
 )
-from fastdecode.kv.prefix import chain_hashes
-from fastdecode.sampling import TokenLogprob
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
 from fastdecode.scheduling.types import (

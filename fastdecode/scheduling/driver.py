@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fastdecode.errors import (
+from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.runtime.errors import (
     DeadlineExceeded,
     DependencyDown,
     InvalidInput,
@@ -30,9 +31,9 @@ from fastdecode.errors import (
     Status,
     Unavailable,
 )
-from fastdecode.geometry import KVGeometry
-from fastdecode.logs import Throttle
-from fastdecode.sampling import TokenLogprob
+from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.runtime.logs import Throttle
+from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
 from fastdecode.scheduling.core import SHARD_REMOVED, Move, SchedulerCore
 from fastdecode.scheduling.types import (
@@ -45,7 +46,6 @@ from fastdecode.scheduling.types import (
     Step,
     TokenEvent,
 )
-from fastdecode.settings import SchedulerSettings
 
 log = logging.getLogger("fastdecode.scheduler")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fastdecode.errors import ServiceError
-from fastdecode.sampling import SamplingParams as Sampling  # one definition of sampling settings
-from fastdecode.sampling import TokenLogprob
+from fastdecode.dense.sampling import SamplingParams as Sampling  # one definition of sampling settings
+from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.runtime.errors import ServiceError
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -37,7 +37,7 @@ class Request:
 class PlannedSeq:
     """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`. The one
     type on both sides of the step boundary: the scheduler core plans it, gpu_dense's StepRunner runs
-    it (fastdecode.convert carries it over the wire as a dense.proto PlannedSequence)."""
+    it (fastdecode.runtime.convert carries it over the wire as a dense.proto PlannedSequence)."""
 
     seq_id: str
     shard: int

@@ -12,12 +12,12 @@ import uvicorn
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastdecode.errors import Status, Unavailable
 from fastdecode.gateway.auth import bearer_matches
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.gateway.openai import APIError
 from fastdecode.protocol import REQUEST_ID_KEY
-from fastdecode.settings import GatewaySettings
+from fastdecode.runtime.errors import Status, Unavailable
+from fastdecode.runtime.settings import GatewaySettings
 from services.gateway.openai_api import GENERATION_PATHS, OpenAIApp, error_response
 
 
@@ -125,7 +125,7 @@ class HTTPServer:
         tls = settings.tls
         config = uvicorn.Config(
             _Front(self.api.app, core, token, settings.max_message_bytes),
-            log_config=None,  # the service's logging (fastdecode.logs) is already set up
+            log_config=None,  # the service's logging (fastdecode.runtime.logs) is already set up
             access_log=False,  # the gateway logs each request itself, with its id
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(settings.grace_seconds)),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from fastdecode.errors import Status
 from fastdecode.gateway.core import GatewayMetrics
+from fastdecode.runtime.errors import Status
 
 TTFT = Histogram(
     "fastdecode_time_to_first_token_seconds",

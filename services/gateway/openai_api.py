@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from fastdecode.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GatewayCore, GenerationChunk
 from fastdecode.gateway.openai import (
@@ -40,7 +39,8 @@ from fastdecode.gateway.openai import (
     sse,
 )
 from fastdecode.gateway.text import GenerateParams
-from fastdecode.settings import GatewaySettings
+from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
+from fastdecode.runtime.settings import GatewaySettings
 
 log = logging.getLogger("fastdecode.gateway.http")
 

@@ -8,8 +8,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from fastdecode import convert
-from fastdecode.errors import (
+from fastdecode.gateway.core import BackendInfo, SchedulerLost, UpstreamEvent
+from fastdecode.gateway.text import ValidRequest
+from fastdecode.protocol import DEPENDENCY_DOWN_KEY, ERROR_SOURCE_KEY
+from fastdecode.runtime import convert
+from fastdecode.runtime.errors import (
     DependencyDown,
     InternalError,
     ServiceError,
@@ -18,11 +21,8 @@ from fastdecode.errors import (
     error_for,
     has_domain_meaning,
 )
-from fastdecode.gateway.core import BackendInfo, SchedulerLost, UpstreamEvent
-from fastdecode.gateway.text import ValidRequest
-from fastdecode.protocol import DEPENDENCY_DOWN_KEY, ERROR_SOURCE_KEY
-from fastdecode.rpc import aio_channel, request_metadata, status_from_code
-from fastdecode.settings import TLSFiles
+from fastdecode.runtime.rpc import aio_channel, request_metadata, status_from_code
+from fastdecode.runtime.settings import TLSFiles
 from fastdecode.v1 import dense_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("fastdecode.gateway")

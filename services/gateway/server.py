@@ -13,21 +13,21 @@ import grpc
 from google.protobuf.message import Message
 from pydantic import SecretStr
 
-from fastdecode.convert import chunk_to_proto, model_card_to_proto, params_from_proto
-from fastdecode.errors import InvalidInput, Unauthenticated
 from fastdecode.gateway.auth import bearer_matches
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.model import ModelConfig
 from fastdecode.protocol import ERROR_TRAILER, REQUEST_ID_KEY
-from fastdecode.rpc import BadRequest, Server, guarded_parser, handles_errors, request_id_of
-from fastdecode.settings import GatewaySettings
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.runtime.convert import chunk_to_proto, model_card_to_proto, params_from_proto
+from fastdecode.runtime.errors import InvalidInput, Unauthenticated
+from fastdecode.runtime.rpc import BadRequest, Server, guarded_parser, handles_errors, request_id_of
+from fastdecode.runtime.settings import GatewaySettings
+from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
 from services.gateway.metrics import GATEWAY_REQUESTS, PrometheusGatewayMetrics
 from services.gateway.scheduler_link import GrpcSchedulerLink
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name  # fastdecode.v1.Gateway
-Settings = GatewaySettings  # the one settings class: fastdecode.settings
+Settings = GatewaySettings  # the one settings class: fastdecode.runtime.settings
 __all__ = ["ERROR_TRAILER", "SERVICE_NAME", "GatewayServicer", "Settings", "serve"]
 
 

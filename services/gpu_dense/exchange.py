@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from fastdecode import errors
 from fastdecode.dense import AttendItem
 from fastdecode.dense.handoff import Arena, ArenaPool, Slice, aligned, frame, read_frame
-from fastdecode.errors import Status, Unavailable
-from fastdecode.settings import TLSFiles
+from fastdecode.runtime import errors
+from fastdecode.runtime.errors import Status, Unavailable
+from fastdecode.runtime.settings import TLSFiles
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
 

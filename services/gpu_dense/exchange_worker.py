@@ -23,9 +23,9 @@ import torch
 
 from fastdecode.dense import AttendItem
 from fastdecode.dense.handoff import Arena, Attached, Slice, frame, read_frame
-from fastdecode.errors import Status
-from fastdecode.rpc import status_of
-from fastdecode.settings import TLSFiles
+from fastdecode.runtime.errors import Status
+from fastdecode.runtime.rpc import status_of
+from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.shards import ShardLink, ShardLinks
 
 

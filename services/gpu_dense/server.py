@@ -10,14 +10,14 @@ from pathlib import Path
 import grpc
 import torch
 
-from fastdecode import codec, convert
 from fastdecode.dense import PipelineChooser, StepRunner
-from fastdecode.errors import InvalidInput, Unavailable
+from fastdecode.dense.structured import GrammarBank
 from fastdecode.model import DenseModel
-from fastdecode.progress import LOADING_WEIGHTS, ProgressFile
-from fastdecode.rpc import Server, handles_errors, item_error
-from fastdecode.settings import DenseSettings, split_addresses
-from fastdecode.structured import GrammarBank
+from fastdecode.runtime import codec, convert
+from fastdecode.runtime.errors import InvalidInput, Unavailable
+from fastdecode.runtime.progress import LOADING_WEIGHTS, ProgressFile
+from fastdecode.runtime.rpc import Server, handles_errors, item_error
+from fastdecode.runtime.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense import metrics
@@ -25,7 +25,7 @@ from services.gpu_dense.shards import ShardLink, ShardLinks, make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
-Settings = DenseSettings  # the one settings class: fastdecode.settings
+Settings = DenseSettings  # the one settings class: fastdecode.runtime.settings
 
 
 class DenseService(pb_grpc.DenseServicer):

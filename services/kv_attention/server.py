@@ -1,4 +1,4 @@
-"""kv_attention: the R-part service. A thin gRPC adapter around fastdecode.shard.ShardCore."""
+"""kv_attention: the R-part service. A thin gRPC adapter around fastdecode.kv.shard.ShardCore."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 import torch
 
-from fastdecode import codec, convert
-from fastdecode.errors import FailedPrecondition, InvalidInput
 from fastdecode.kv import KV_DTYPES, native
+from fastdecode.kv.shard import ShardCore
 from fastdecode.protocol import DATA_PLANE_OPTIONS
-from fastdecode.rpc import (
+from fastdecode.runtime import codec, convert
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.runtime.rpc import (
     Server,
     aio_channel,
     code_from_int,
@@ -23,15 +24,14 @@ from fastdecode.rpc import (
     request_id_of,
     request_metadata,
 )
-from fastdecode.settings import ShardSettings
-from fastdecode.shard import ShardCore
+from fastdecode.runtime.settings import ShardSettings
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from services.kv_attention.metrics import ShardMetrics
 
 log = logging.getLogger("fastdecode.kv_attention")
 
-Settings = ShardSettings  # the one settings class: fastdecode.settings
+Settings = ShardSettings  # the one settings class: fastdecode.runtime.settings
 
 
 class KVAttentionService(pb_grpc.KVAttentionServicer):

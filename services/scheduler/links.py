@@ -1,5 +1,5 @@
 """The scheduler driver's links over gRPC: gpu_dense (one persistent Run stream, reopened after a
-failure) and each kv_attention shard. Every failure leaves as a domain error (fastdecode.errors)."""
+failure) and each kv_attention shard. Every failure leaves as a domain error (fastdecode.runtime.errors)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastdecode import codec, convert
-from fastdecode.errors import Unavailable
-from fastdecode.geometry import KVGeometry
-from fastdecode.rpc import aio_channel, error_from_item, error_from_rpc, request_metadata
+from fastdecode.runtime import codec, convert
+from fastdecode.runtime.errors import Unavailable
+from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.runtime.rpc import aio_channel, error_from_item, error_from_rpc, request_metadata
+from fastdecode.runtime.settings import TLSFiles
 from fastdecode.scheduling import Reservation, Step
 from fastdecode.scheduling.driver import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
-from fastdecode.settings import TLSFiles
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc
 
 

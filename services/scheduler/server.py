@@ -7,20 +7,20 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from fastdecode import convert
-from fastdecode.errors import InvalidInput, Unavailable
-from fastdecode.logs import bind_request_id
 from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
-from fastdecode.rpc import Server, handles_errors, request_id_of
+from fastdecode.runtime import convert
+from fastdecode.runtime.errors import InvalidInput, Unavailable
+from fastdecode.runtime.logs import bind_request_id
+from fastdecode.runtime.rpc import Server, handles_errors, request_id_of
+from fastdecode.runtime.settings import SchedulerSettings, split_addresses
 from fastdecode.scheduling.driver import SchedulerDriver
-from fastdecode.settings import SchedulerSettings, split_addresses
 from fastdecode.v1 import dense_pb2
 from fastdecode.v1 import scheduler_pb2 as pb
 from fastdecode.v1 import scheduler_pb2_grpc as pb_grpc
 from services.scheduler.links import GrpcDenseLink, GrpcShardLink
 from services.scheduler.metrics import PrometheusSchedulerMetrics
 
-Settings = SchedulerSettings  # the one settings class: fastdecode.settings
+Settings = SchedulerSettings  # the one settings class: fastdecode.runtime.settings
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):

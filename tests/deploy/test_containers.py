@@ -125,7 +125,7 @@ def image(engine: Any, durations: dict[str, float]) -> str:
 def process_fleet_tokens(model_dir: Path, workdir: Path, prompt: str, n: int) -> list[int]:
     """The tokens the process fleet (`fastdecode up`, 2 shards, CPU) generates for this prompt."""
     from fastdecode.client import Client
-    from fastdecode.fleet import launch_up
+    from fastdecode.tools.fleet import launch_up
 
     workdir.mkdir(parents=True, exist_ok=True)
     up = launch_up(model_dir, workdir, shards=2, device="cpu", timeout=180)
@@ -140,7 +140,7 @@ def transformers_tokens(
     hf_greedy: Callable[[Path, tuple[int, ...], int], list[int]], model_dir: Path, prompt: str, n: int
 ) -> list[int]:
     """transformers' greedy generate in fp32 (tests/conftest.py), which the fleet equals by design."""
-    from fastdecode.tokenizer import Tokenizer
+    from fastdecode.runtime.tokenizer import Tokenizer
 
     prompt_ids = Tokenizer.from_pretrained(model_dir).encode(prompt)
     return list(hf_greedy(model_dir, tuple(prompt_ids), n))

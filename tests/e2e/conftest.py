@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fastdecode.fleet import UpProcess, free_port
+from fastdecode.tools.fleet import UpProcess, free_port
 from tests.support import TOKEN, start_up
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 
 from fastdecode.client import Client
-from fastdecode.fleet import Fleet
-from fastdecode.rpc import sync_channel
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import Fleet
 from fastdecode.v1 import dense_pb2, kv_attention_pb2, scheduler_pb2
 
 GARBAGE = b"\xff\xff\xff\xff"  # field 31 with a truncated varint: the wire format is corrupt

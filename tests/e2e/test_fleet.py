@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from fastdecode.client import Client, FastDecodeError
-from fastdecode.fleet import UpProcess
-from fastdecode.rpc import sync_channel
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import UpProcess
 from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support import TOKEN
 

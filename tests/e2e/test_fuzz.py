@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastdecode.fleet import UpProcess
-from fastdecode.rpc import sync_channel
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import UpProcess
 from fastdecode.v1 import gateway_pb2, kv_attention_pb2, kv_attention_pb2_grpc, tensor_pb2
 from tests.support import TOKEN
 

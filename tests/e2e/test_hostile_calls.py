@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.fleet import Fleet
-from fastdecode.rpc import TLSFiles, sync_channel
+from fastdecode.runtime.rpc import TLSFiles, sync_channel
+from fastdecode.tools.fleet import Fleet
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from fastdecode.client import Client
-from fastdecode.fleet import Fleet
-from fastdecode.fleet_secret import FleetSecret
-from fastdecode.rpc import TLSFiles, sync_channel
+from fastdecode.runtime.fleet_secret import FleetSecret
+from fastdecode.runtime.rpc import TLSFiles, sync_channel
+from fastdecode.tools.fleet import Fleet
 from tests.support import make_tls
 
 GARBAGE = b"\xff\xff\xff\xff"  # never parsed when the caller is refused
@@ -112,7 +112,7 @@ def test_up_keeps_the_token_and_the_secret_out_of_ps(model_factory: Callable, tm
     """`up --auth-token X` given on the command line: no process of the fleet shows X (nor the
     fleet secret) in its command line, and the gateway still requires X."""
     from fastdecode.client import FastDecodeError
-    from fastdecode.fleet import launch_up
+    from fastdecode.tools.fleet import launch_up
 
     token = "ps-visible-token-0123456789"
     up = launch_up(model_factory("llama"), tmp_path, "--auth-token", token, shards=1, kv_capacity=32 << 20)

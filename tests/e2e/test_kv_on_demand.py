@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fastdecode.client import Client
-from fastdecode.fleet import Fleet
 from fastdecode.model import ModelConfig
-from fastdecode.rpc import sync_channel
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import Fleet
 from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support import metric_total, scrape
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
-from fastdecode.fleet import UpProcess
-from fastdecode.rpc import REQUEST_ID_KEY, sync_channel
+from fastdecode.runtime.rpc import REQUEST_ID_KEY, sync_channel
+from fastdecode.tools.fleet import UpProcess
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support import TOKEN, Samples, scrape
 from tests.support import metric_total as total

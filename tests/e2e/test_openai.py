@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.fleet import ServiceProcess, UpProcess, start_service, stop_processes
-from fastdecode.rpc import REQUEST_ID_KEY, sync_channel
+from fastdecode.runtime.rpc import REQUEST_ID_KEY, sync_channel
+from fastdecode.tools.fleet import ServiceProcess, UpProcess, start_service, stop_processes
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support import TOKEN, metric_total, scrape
 

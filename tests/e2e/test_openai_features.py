@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastdecode.client import Client, InvalidRequestError
-from fastdecode.fleet import UpProcess, free_port
+from fastdecode.tools.fleet import UpProcess, free_port
 from tests.support import start_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

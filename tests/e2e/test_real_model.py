@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.fleet import UpProcess, free_port
+from fastdecode.tools.fleet import UpProcess, free_port
 from tests.support import start_up
 from tests.support.gguf import CHAT_QUESTIONS, hf_chat_greedy
 

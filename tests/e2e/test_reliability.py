@@ -18,8 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.client import Client, FastDecodeError
-from fastdecode.fleet import Fleet, start_service
-from fastdecode.rpc import sync_channel
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import Fleet, start_service
 from fastdecode.v1 import (
     dense_pb2,
     kv_attention_pb2,

@@ -21,7 +21,7 @@ from fastdecode.client import (
     ModelInfo,
     Tokens,
 )
-from fastdecode.fleet import UpProcess, free_port
+from fastdecode.tools.fleet import UpProcess, free_port
 from tests.support import TOKEN
 
 

@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.client import Client, FastDecodeError
-from fastdecode.fleet import Fleet
-from fastdecode.rpc import TLSFiles, sync_channel
+from fastdecode.runtime.rpc import TLSFiles, sync_channel
+from fastdecode.tools.fleet import Fleet
 from tests.support import make_tls
 
 SECRET = "s3cr3t-bearer-value"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.fleet import UpProcess
+from fastdecode.tools.fleet import UpProcess
 from tests.support import pid_alive, start_up
 
 STREAMS, TOKENS = 6, 48

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.fleet import UpProcess, launch_up
+from fastdecode.tools.fleet import UpProcess, launch_up
 from tests.support import pid_alive
 
 STREAMS, TOKENS = 12, 320

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fastdecode.client import Client
-from fastdecode.fleet import UpProcess, free_port
+from fastdecode.tools.fleet import UpProcess, free_port
 from tests.support import pid_alive, start_up
 
 

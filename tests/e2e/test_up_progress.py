@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fastdecode.fleet import UpProcess, free_port
+from fastdecode.tools.fleet import UpProcess, free_port
 
 ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
 PHASES = ("starting", "loading weights", "waiting for health")

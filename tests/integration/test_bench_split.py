@@ -88,8 +88,8 @@ def test_cli_bench_split_device_cuda_without_cuda_is_one_clear_error(model_facto
 def test_fill_rpc_writes_kv_and_maps_errors(tmp_path: Path) -> None:
     import grpc
 
-    from fastdecode.fleet import start_service, stop_processes
-    from fastdecode.rpc import sync_channel
+    from fastdecode.runtime.rpc import sync_channel
+    from fastdecode.tools.fleet import start_service, stop_processes
     from fastdecode.v1 import kv_attention_pb2 as kv_pb
     from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 

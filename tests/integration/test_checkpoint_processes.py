@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastdecode import checkpoint as ck
+from fastdecode.tools import checkpoint as ck
 
 REPO = Path(__file__).resolve().parents[2]
 

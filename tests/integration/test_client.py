@@ -44,10 +44,10 @@ from fastdecode.client import (
     _generate_args,
     _Policy,
 )
-from fastdecode.fleet import free_port, start_service, stop_processes
 from fastdecode.protocol import ERROR_TRAILER
-from fastdecode.rpc import MAX_MESSAGE_BYTES
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.runtime.rpc import MAX_MESSAGE_BYTES
+from fastdecode.runtime.tokenizer import Tokenizer
+from fastdecode.tools.fleet import free_port, start_service, stop_processes
 from fastdecode.v1 import gateway_pb2 as pb
 
 

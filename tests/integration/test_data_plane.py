@@ -13,11 +13,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastdecode import codec
-from fastdecode.engine import LocalEngine
-from fastdecode.fleet import ServiceProcess, start_service, stop_processes
+from fastdecode.dense.engine import LocalEngine
 from fastdecode.model import ModelConfig
-from fastdecode.rpc import sync_channel
+from fastdecode.runtime import codec
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc, tensor_pb2
 from tests.support import PROMPTS
 

@@ -16,7 +16,7 @@ import time
 import grpc
 import torch
 
-from fastdecode.errors import Unavailable
+from fastdecode.runtime.errors import Unavailable
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from services.gpu_dense.exchange import ExchangePlane
 from tests.integration.test_shard_links import EchoShard, _item

@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fastdecode.fleet import ServiceProcess, free_port, start_service, stop_processes
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.runtime.tokenizer import Tokenizer
+from fastdecode.tools.fleet import ServiceProcess, free_port, start_service, stop_processes
 from fastdecode.v1 import gateway_pb2 as pb
 
 TOKEN = "t0ps3cret-token"

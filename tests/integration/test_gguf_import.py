@@ -1,4 +1,4 @@
-"""fastdecode.gguf_import: GGUF files imported as checkpoints, against the source checkpoint and
+"""fastdecode.tools.gguf_import: GGUF files imported as checkpoints, against the source checkpoint and
 against transformers' own GGUF loader on the real model (SmolLM2-135M-Instruct)."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from fastdecode.engine import LocalEngine
-from fastdecode.errors import ModelLoadError
-from fastdecode.gguf_import import cached_import, import_gguf, unpermute_rotary
-from fastdecode.sampling import SamplingParams
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.dense.engine import LocalEngine
+from fastdecode.dense.sampling import SamplingParams
+from fastdecode.runtime.errors import ModelLoadError
+from fastdecode.runtime.tokenizer import Tokenizer
+from fastdecode.tools.gguf_import import cached_import, import_gguf, unpermute_rotary
 from tests.support.gguf import CHAT_QUESTIONS, hf_chat_greedy, llama_cpp_permute, write_gguf
 
 transformers = pytest.importorskip("transformers")

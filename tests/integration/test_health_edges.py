@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastdecode.rpc import Server
+from fastdecode.runtime.rpc import Server
 
 
 @pytest.mark.parametrize("guard_requests", [True, False], ids=["internal", "gateway"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastdecode.fleet import start_service, stop_processes
+from fastdecode.tools.fleet import start_service, stop_processes
 from tests.support import metric_total, scrape
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.engine import pack, run_layers
-from fastdecode.errors import ResourceExhausted
+from fastdecode.dense.engine import pack, run_layers
 from fastdecode.kv import KVStore
 from fastdecode.model import DenseModel
+from fastdecode.runtime.errors import ResourceExhausted
 from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
 
 BLOCK = 4

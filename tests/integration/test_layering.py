@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Modules under fastdecode/ that speak gRPC by design (adapters and tools); every other one is a core
 # or a plain helper and must import without it.
 GRPC_MODULES = {
-    "fastdecode.rpc",
-    "fastdecode.internal_auth",  # the fleet secret on gRPC calls (server interceptor, channel wrapper)
+    "fastdecode.runtime.rpc",
+    "fastdecode.runtime.internal_auth",  # the fleet secret on gRPC calls (interceptor, channel wrapper)
     "fastdecode.client",
     "fastdecode.benchmarks.transport",
     "fastdecode.benchmarks.fleet_bench",
@@ -67,10 +67,10 @@ def test_cores_import_without_grpc() -> None:
         "fastdecode.gateway.openai",
         "fastdecode.kv.store",
         "fastdecode.model.dense",
-        "fastdecode.engine",
-        "fastdecode.sampling",
-        "fastdecode.errors",
-        "fastdecode.settings",
+        "fastdecode.dense.engine",
+        "fastdecode.dense.sampling",
+        "fastdecode.runtime.errors",
+        "fastdecode.runtime.settings",
     }
     assert cores <= set(result["checked"])
     assert result["failed"] == {}
@@ -92,7 +92,9 @@ def test_the_sdk_loads_no_server_module() -> None:
     forbidden = [
         m
         for m in loaded
-        if m.startswith(("prometheus_client", "grpc_reflection.", "torch", "fastdecode.rpc", "pydantic"))
+        if m.startswith(
+            ("prometheus_client", "grpc_reflection.", "torch", "fastdecode.runtime.rpc", "pydantic")
+        )
         or m == "grpc_health.v1.health"
     ]
     assert forbidden == []

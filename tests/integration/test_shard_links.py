@@ -11,11 +11,11 @@ import grpc
 import pytest
 import torch
 
-from fastdecode import codec
-from fastdecode.convert import attend_request
 from fastdecode.dense import AttendItem
-from fastdecode.errors import InvalidInput, Unavailable
-from fastdecode.rpc import item_error
+from fastdecode.runtime import codec
+from fastdecode.runtime.convert import attend_request
+from fastdecode.runtime.errors import InvalidInput, Unavailable
+from fastdecode.runtime.rpc import item_error
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from services.gpu_dense.exchange import ExchangePlane

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fastdecode.fleet import UpProcess, launch_up
-from fastdecode.metrics import Samples as Samples  # re-exported: tests import these from here
-from fastdecode.metrics import metric_total as metric_total
-from fastdecode.metrics import scrape as scrape
+from fastdecode.runtime.metrics import Samples as Samples  # re-exported: tests import these from here
+from fastdecode.runtime.metrics import metric_total as metric_total
+from fastdecode.runtime.metrics import scrape as scrape
+from fastdecode.tools.fleet import UpProcess, launch_up
 
 PROMPTS: list[list[int]] = [
     [1, 17, 300, 45],

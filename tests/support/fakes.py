@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from fastdecode.errors import NotFound, ServiceError, Unavailable
 from fastdecode.gateway.core import BackendInfo, UpstreamEvent
 from fastdecode.gateway.text import ValidRequest
-from fastdecode.geometry import KVGeometry
+from fastdecode.runtime.errors import NotFound, ServiceError, Unavailable
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling import Reservation, Step
 from fastdecode.scheduling.driver import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
 

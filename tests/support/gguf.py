@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from fastdecode.gguf_import import DEFAULT_WHEEL_MEMBER, ensure_default_model, models_dir
+from fastdecode.tools.gguf_import import DEFAULT_WHEEL_MEMBER, ensure_default_model, models_dir
 
 _LAYER = {
     "input_layernorm": "attn_norm",
@@ -41,7 +41,7 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(model_dir: Path, out: Path, arch: str | None = None, pre: str | None = None) -> Path:
-    """A checkpoint directory (fastdecode.checkpoint.make_model's) as an F32 GGUF file.
+    """A checkpoint directory (fastdecode.tools.checkpoint.make_model's) as an F32 GGUF file.
 
     arch overrides general.architecture (an unsupported one for error tests); mistral is written as
     llama.cpp writes it: architecture "llama" with "mistral" in the name."""

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from fastdecode.benchmarks.attention import run_attention_bench, sequence_lengths
 from fastdecode.benchmarks.common import format_pairs, format_table
 from fastdecode.cli import main
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 ATTN_KEYS = {"effective_gbps", "memory_gbps", "ratio", "attend_ms_per_layer", "kv_bytes_per_layer", "layers"}
 

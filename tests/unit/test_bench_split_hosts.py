@@ -10,9 +10,9 @@ import torch
 from fastdecode.benchmarks.gpu_check import split_layouts
 from fastdecode.benchmarks.hosts import cpu_list, host_layout, parse_cpu_set, parse_hosts, thread_env
 from fastdecode.benchmarks.split import crossover, run_split_bench
-from fastdecode.errors import InvalidInput, NotFound
 from fastdecode.kv import KVStore
-from fastdecode.planner import SplitParts, split_ideal_ratio, split_step_s
+from fastdecode.planning.planner import SplitParts, split_ideal_ratio, split_step_s
+from fastdecode.runtime.errors import InvalidInput, NotFound
 
 
 def test_cpu_set_parsing() -> None:
@@ -124,8 +124,8 @@ def test_fill_synthetic_writes_every_layer_linearly() -> None:
 
 
 def test_step_timings_carry_the_mode_and_the_s_part_cpu() -> None:
-    from fastdecode.convert import timings_to_proto
     from fastdecode.dense.runner import Timings
+    from fastdecode.runtime.convert import timings_to_proto
 
     t = Timings(s_part_seconds=0.2, s_part_cpu_seconds=0.15, step_seconds=0.3, pipelined=True)
     p = timings_to_proto(t)

@@ -1,4 +1,5 @@
-"""fastdecode.checkpoint: random-weight HF checkpoints that transformers loads, plus a real BPE tokenizer."""
+"""fastdecode.tools.checkpoint: random-weight HF checkpoints that transformers loads, with a real BPE
+tokenizer."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from fastdecode import checkpoint as ck
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.tools import checkpoint as ck
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

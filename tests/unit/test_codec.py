@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastdecode import codec
-from fastdecode.codec import TensorCodecError
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime import codec
+from fastdecode.runtime.codec import TensorCodecError
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.v1 import kv_attention_pb2, tensor_pb2
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.uint8]
@@ -106,7 +106,7 @@ def test_unsupported_dtype_cannot_be_encoded() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_wire_reads_o_in_place_as_fromstring_would(dtype: torch.dtype) -> None:
-    from fastdecode.convert import parse_response
+    from fastdecode.runtime.convert import parse_response
     from fastdecode.v1 import kv_attention_pb2 as kv_pb
 
     o = torch.randn(5, 12).to(dtype)

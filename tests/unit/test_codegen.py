@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from fastdecode.codegen import REPO, generate
+from fastdecode.tools.codegen import REPO, generate
 
 
 def test_stubs_match_protos(tmp_path: Path) -> None:

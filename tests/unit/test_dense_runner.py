@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fastdecode.dense import AttendItem, PipelineChooser, StepRunner
-from fastdecode.engine import LocalEngine
-from fastdecode.errors import Unavailable
+from fastdecode.dense.engine import LocalEngine
 from fastdecode.kv import KVStore
 from fastdecode.model import DenseModel
+from fastdecode.runtime.errors import Unavailable
 from fastdecode.scheduling import PlannedSeq
 
 
@@ -168,9 +168,9 @@ def test_penalties_keep_the_history_a_re_prefill_restarts_and_a_lost_one_is_refu
     """The runner's penalized draw equals LocalEngine's logits through `penalize` over the same
     history; a sequence prefilled again from start_pos 0 (recovery, preemption) gets the same next
     token; a runner without the history (gpu_dense restarted) refuses the sequence, not the step."""
-    from fastdecode.engine import SeqChunk
-    from fastdecode.errors import FailedPrecondition
-    from fastdecode.sampling import SamplingParams, penalize
+    from fastdecode.dense.engine import SeqChunk
+    from fastdecode.dense.sampling import SamplingParams, penalize
+    from fastdecode.runtime.errors import FailedPrecondition
 
     path = model_factory("llama")
     model = DenseModel.from_pretrained(path, "cpu", torch.float32)

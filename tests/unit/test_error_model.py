@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from fastdecode import errors
-from fastdecode.errors import InvalidInput, ResourceExhausted, ServiceError, Status, Unavailable
 from fastdecode.gateway.core import SchedulerLost
 from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
-from fastdecode.rpc import GRPC_CODE, error_from_item, handles_errors, item_error, status_for
+from fastdecode.runtime import errors
+from fastdecode.runtime.errors import InvalidInput, ResourceExhausted, ServiceError, Status, Unavailable
+from fastdecode.runtime.rpc import GRPC_CODE, error_from_item, handles_errors, item_error, status_for
 from services.gateway.scheduler_link import upstream_error
 
 

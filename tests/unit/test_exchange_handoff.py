@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastdecode.dense.handoff import ALIGN, Arena, ArenaPool, Attached, Slice, aligned, frame, read_frame
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,4 +1,4 @@
-"""The GPU host's exchange plan (fastdecode/exchange_plan.py): costs from a bench exchange result,
+"""The GPU host's exchange plan (fastdecode/planning/exchange_plan.py): costs from a bench exchange result,
 workers enough to hide the exchange under the GPU's layer, capped by the cores, and the limit named."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from fastdecode.errors import InvalidInput
-from fastdecode.exchange_plan import ExchangeCosts, parse_step_ms, plan_host, plan_hosts
-from fastdecode.geometry import GEOMETRIES, geometry
+from fastdecode.planning.exchange_plan import ExchangeCosts, parse_step_ms, plan_host, plan_hosts
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import GEOMETRIES, geometry
 
 BENCH = {
     "rows": [

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode.errors import InvalidInput
-from fastdecode.fleet_secret import FleetSecret, generate_secret, load_fleet_secret, write_secret_file
-from fastdecode.settings import SchedulerSettings
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.fleet_secret import FleetSecret, generate_secret, load_fleet_secret, write_secret_file
+from fastdecode.runtime.settings import SchedulerSettings
 
 NEW, OLD = "n" * 20 + "new", "o" * 20 + "old"
 

@@ -12,13 +12,13 @@ import grpc
 import pytest
 from pydantic import SecretStr
 
-from fastdecode.convert import params_from_proto
-from fastdecode.errors import InvalidInput, ServiceError, Status, Unavailable
 from fastdecode.gateway.core import GatewayCore, GenerationChunk, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.model import ModelConfig
-from fastdecode.settings import GatewaySettings
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.runtime.convert import params_from_proto
+from fastdecode.runtime.errors import InvalidInput, ServiceError, Status, Unavailable
+from fastdecode.runtime.settings import GatewaySettings
+from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
 from services.gateway.http_server import _Front
 from services.gateway.openai_api import OpenAIApp

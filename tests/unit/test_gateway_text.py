@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastdecode.errors import InvalidInput
 from fastdecode.gateway.text import GenerateParams, Limits, OutputText, StopMatcher, check_params, resolve
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.tokenizer import Tokenizer
 
 LIMITS = Limits(vocab_size=100, max_context=64, max_prompt_chars=50, max_stop=3, max_stop_chars=8)
 

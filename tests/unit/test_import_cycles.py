@@ -117,7 +117,7 @@ def _dynamic_imports(path: Path) -> list[str]:
 
 def test_fastdecode_never_imports_services() -> None:
     """The dependency goes one way: services -> fastdecode. fastdecode's tools reach the adapters
-    through the entry points the distribution declares (fastdecode/serving.py `registered`)."""
+    through the entry points the distribution declares (fastdecode/runtime/serving.py `registered`)."""
     back = sorted(
         f"{name} -> {dep}"
         for name, deps in import_graph().items()

@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastdecode.errors import FailedPrecondition
 from fastdecode.kv import KV_DTYPES, KVStore, native
 from fastdecode.kv.store import kv_bytes_per_element
+from fastdecode.runtime.errors import FailedPrecondition
 
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
 

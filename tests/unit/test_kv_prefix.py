@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fastdecode.errors import ResourceExhausted
 from fastdecode.kv import KVStore
 from fastdecode.kv.prefix import PrefixCache, chain_hashes, prefix_seed
+from fastdecode.runtime.errors import ResourceExhausted
 
 BS = 4
 LAYERS, KVH, HD = 2, 1, 2

@@ -8,9 +8,9 @@ import mmap
 import pytest
 import torch
 
-from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.kv import BlockAllocator, KVStore, huge_page_empty, huge_page_share
 from fastdecode.kv.store import mapping_of
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 
 
 def naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fastdecode.logs import bind_request_id, configure_logging, request_context
+from fastdecode.runtime.logs import bind_request_id, configure_logging, request_context
 
 
 @pytest.fixture

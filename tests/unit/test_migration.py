@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator, Iterable
 import pytest
 import torch
 
-from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.kv import KVStore
+from fastdecode.kv.shard import ShardCore
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
+from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
 from fastdecode.scheduling.core import Move
 from fastdecode.scheduling.driver import SchedulerDriver
-from fastdecode.settings import SchedulerSettings
-from fastdecode.shard import ShardCore
 from tests.support.fakes import FakeDense, FakeShard
 from tests.unit.test_scheduling_core import Fleet
 
@@ -259,7 +259,7 @@ def test_remove_shard_migrates_then_takes_the_shard_out() -> None:
 def test_the_simulator_rebalances_a_skewed_load_and_counts_the_cost() -> None:
     import random
 
-    from fastdecode.sim import SimConfig, WorkItem, simulate
+    from fastdecode.planning.sim import SimConfig, WorkItem, simulate
 
     rng = random.Random(0)
     items = [

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fastdecode.engine import LocalEngine, SeqChunk
-from fastdecode.errors import ModelLoadError
+from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.model import DenseModel, ModelConfig
 from fastdecode.model.config import rope_inv_freq
+from fastdecode.runtime.errors import ModelLoadError
 from tests.support import PROMPTS
 
 ARCHS = ["llama", "mistral", "qwen2"]

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode.checkpoint import CHATML_TEMPLATE
-from fastdecode.errors import InvalidInput, ModelLoadError, ServiceError, Status
+from fastdecode.dense.structured import Structured
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import sane_request_id
 from fastdecode.gateway.openai import (
@@ -23,8 +22,9 @@ from fastdecode.gateway.openai import (
     completion_params,
     error_body,
 )
-from fastdecode.structured import Structured
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.runtime.errors import InvalidInput, ModelLoadError, ServiceError, Status
+from fastdecode.runtime.tokenizer import Tokenizer
+from fastdecode.tools.checkpoint import CHATML_TEMPLATE
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -265,7 +265,7 @@ def test_front_refuses_before_reading_the_body(llama_dir: Path) -> None:
 
     from fastdecode.gateway.core import GatewayCore
     from fastdecode.model import ModelConfig
-    from fastdecode.settings import GatewaySettings
+    from fastdecode.runtime.settings import GatewaySettings
     from services.gateway.http_server import _Front
     from tests.support.fakes import FakeScheduler
 

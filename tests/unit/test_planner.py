@@ -10,10 +10,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fastdecode import planner
 from fastdecode.cli.policy import plan_cmd, simulate_cmd
-from fastdecode.errors import InvalidInput
-from fastdecode.planner import Profile, plan
+from fastdecode.planning import planner
+from fastdecode.planning.planner import Profile, plan
+from fastdecode.runtime.errors import InvalidInput
 
 # T(B) = max(0.2 ms, 1.6 us * B) per layer: latency-bound (flat) up to B = 125, compute-bound after,
 # so E(B) = B / T(B) doubles with B up to 128 and then stays flat.
@@ -164,7 +164,7 @@ def test_simulate_cli_bad_workload(tmp_path: Path) -> None:
 def test_measure_on_a_tiny_model(tmp_path: Path) -> None:
     pytest.importorskip("fastdecode.model")
     pytest.importorskip("fastdecode.kv")
-    from fastdecode.checkpoint import make_model
+    from fastdecode.tools.checkpoint import make_model
 
     d = make_model("llama", "tiny", tmp_path / "m", seed=1)
     t = planner.measure_dense(d, [1, 4], "cpu", repeats=2, warmup=1)

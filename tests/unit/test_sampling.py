@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode.errors import InvalidInput
-from fastdecode.sampling import SamplingParams, penalize, sample, top_logprobs
+from fastdecode.dense.sampling import SamplingParams, penalize, sample, top_logprobs
+from fastdecode.runtime.errors import InvalidInput
 
 
 def logits(n: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:

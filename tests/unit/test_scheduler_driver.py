@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from fastdecode.errors import InvalidInput, ServiceError, Unavailable
-from fastdecode.geometry import KVGeometry
-from fastdecode.sampling import SamplingParams
+from fastdecode.dense.sampling import SamplingParams
+from fastdecode.runtime.errors import InvalidInput, ServiceError, Unavailable
+from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling import Request
 from fastdecode.scheduling.driver import DEFAULT_BLOCK_SIZE, SchedulerDriver, capacity_tokens
-from fastdecode.settings import SchedulerSettings
 from tests.support.fakes import FakeDense, FakeShard
 
 NAN_TEMPERATURE = SamplingParams(temperature=float("nan"))
@@ -312,7 +312,7 @@ def test_a_shard_that_refuses_reservations_is_its_fault_not_a_loop(caplog: pytes
 def test_a_gpu_dense_that_stays_down_fails_requests_within_the_bound_and_refuses_new_ones() -> None:
     """Past dense_down_timeout every paused request ends UNAVAILABLE naming gpu_dense, new ones are
     refused at once (admission), readiness says why; once gpu_dense is back, requests run again."""
-    from fastdecode.errors import DependencyDown
+    from fastdecode.runtime.errors import DependencyDown
 
     settings = SETTINGS.model_copy(update={"dense_down_timeout": 0.3})
 

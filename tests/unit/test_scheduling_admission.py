@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.scheduling.admission import (
     Candidate,
     MicroBatch,

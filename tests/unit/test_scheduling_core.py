@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastdecode.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
-from fastdecode.sampling import TokenLogprob
+from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.runtime.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
 from fastdecode.scheduling import (
     NaiveAdmission,
     PlannedSeq,

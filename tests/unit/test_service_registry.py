@@ -1,5 +1,5 @@
 """The entry points through which fastdecode's tools reach the service adapters (pyproject.toml,
-fastdecode/serving.py): every `fastdecode serve` command has its service, every target loads, and
+fastdecode/runtime/serving.py): every `fastdecode serve` command has its service, every target loads, and
 the installed metadata says what pyproject.toml says (a stale install is reported, not guessed)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from fastdecode.cli.serve import serve
-from fastdecode.errors import FailedPrecondition
-from fastdecode.serving import SERVICES, SHARD_PLANES, registered
+from fastdecode.runtime.errors import FailedPrecondition
+from fastdecode.runtime.serving import SERVICES, SHARD_PLANES, registered
 
 REPO = Path(__file__).resolve().parents[2]
 

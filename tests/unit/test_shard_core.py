@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode import codec
-from fastdecode.errors import InvalidInput, NotFound
-from fastdecode.shard import ShardCore
+from fastdecode.kv.shard import ShardCore
+from fastdecode.runtime import codec
+from fastdecode.runtime.errors import InvalidInput, NotFound
 from fastdecode.v1 import kv_attention_pb2 as pb
 
 REAL, BOGUS = (2, 2, 8), (1, 1, 2)

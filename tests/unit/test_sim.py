@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode.errors import InvalidInput
-from fastdecode.scheduling import PlannedSeq, Sampling, Step
-from fastdecode.sim import (
+from fastdecode.planning.sim import (
     CostModel,
     SimConfig,
     WorkItem,
@@ -19,6 +17,8 @@ from fastdecode.sim import (
     simulate,
     step_seconds,
 )
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.scheduling import PlannedSeq, Sampling, Step
 
 B, S, P = 32, 128, 4
 

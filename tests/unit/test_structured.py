@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.errors import InvalidInput
-from fastdecode.structured import GrammarBank, Structured, compile_grammar, unpack_bitmask
-from fastdecode.tokenizer import Tokenizer
+from fastdecode.dense.structured import GrammarBank, Structured, compile_grammar, unpack_bitmask
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode.errors import Unavailable
-from fastdecode.fleet import RestartPolicy, Supervisor
+from fastdecode.runtime.errors import Unavailable
+from fastdecode.tools.fleet import RestartPolicy, Supervisor
 
 
 @dataclass

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from fastdecode.model import DenseModel, ModelConfig
 from fastdecode.model.weights import load_weights
-from fastdecode.progress import ProgressFile, read_progress
+from fastdecode.runtime.progress import ProgressFile, read_progress
 
 
 def _load_with_progress(path: Path) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:

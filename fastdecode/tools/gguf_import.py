@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdecode.errors import InvalidInput, ModelLoadError
+from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
 # (done, total) in tensor bytes read from the GGUF file.
 ProgressCallback = Callable[[int, int], None]
@@ -110,7 +110,7 @@ class GGUFFile:
 
 
 def build_config(g: GGUFFile) -> dict[str, Any]:
-    """config.json contents (transformers 5 layout, as fastdecode.checkpoint writes them)."""
+    """config.json contents (transformers 5 layout, as fastdecode.tools.checkpoint writes them)."""
     arch = g.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
@@ -396,8 +396,8 @@ def is_complete(path: Path) -> bool:
 
 
 def models_dir() -> Path:
-    """The models cache: $FASTDECODE_MODELS_DIR or ./.models (as fastdecode.checkpoint)."""
-    from fastdecode.settings import LocalSettings  # the settings layer reads the environment
+    """The models cache: $FASTDECODE_MODELS_DIR or ./.models (as fastdecode.tools.checkpoint)."""
+    from fastdecode.runtime.settings import LocalSettings  # the settings layer reads the environment
 
     return LocalSettings().models_dir.resolve()
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from fastdecode.errors import InvalidInput, ModelLoadError
+from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
 
 class Tokenizer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdecode import codec
-from fastdecode.errors import FailedPrecondition, InvalidInput, NotFound
 from fastdecode.kv import KVStore
+from fastdecode.runtime import codec
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 from fastdecode.v1 import kv_attention_pb2 as pb
 
 log = logging.getLogger("fastdecode.kv_attention")

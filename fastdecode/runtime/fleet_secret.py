@@ -1,5 +1,5 @@
 """The fleet secret: what every internal call (scheduler, gpu_dense, kv_attention) carries so the callee
-knows the caller is part of the fleet. Pure Python; the gRPC side is fastdecode.internal_auth.
+knows the caller is part of the fleet. Pure Python; the gRPC side is fastdecode.runtime.internal_auth.
 
 A secret file holds one secret per line: the first is the one this process sends, every line is one
 it accepts. Rotation is therefore two rollouts: add the new secret as a second line everywhere, then
@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 # The call metadata key (gRPC keys are lower-case ASCII). Never the gateway's public `authorization`.
 FLEET_SECRET_KEY = "fastdecode-fleet-secret"

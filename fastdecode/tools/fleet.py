@@ -20,18 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastdecode.errors import Unavailable
-from fastdecode.fleet_secret import (
+from fastdecode.runtime.errors import Unavailable
+from fastdecode.runtime.fleet_secret import (
     FLEET_SECRET_ENV,
     FLEET_SECRET_FILE_ENV,
     generate_secret,
     load_fleet_secret,
     write_secret_file,
 )
-from fastdecode.progress import PROGRESS_ENV, READY, STARTING, WAITING_FOR_HEALTH, read_progress
-from fastdecode.settings import TLSFiles
+from fastdecode.runtime.progress import PROGRESS_ENV, READY, STARTING, WAITING_FOR_HEALTH, read_progress
+from fastdecode.runtime.settings import TLSFiles
 
-# on_progress(service, phase, done, total), phases as in fastdecode.progress; total 0 = unknown.
+# on_progress(service, phase, done, total), phases as in fastdecode.runtime.progress; total 0 = unknown.
 ProgressObserver = Callable[[str, str, int, int], None]
 
 

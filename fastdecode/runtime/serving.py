@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from fastdecode.errors import FailedPrecondition
+from fastdecode.runtime.errors import FailedPrecondition
 
 # Entry-point groups (pyproject.toml [project.entry-points.*]):
 SERVICES = "fastdecode.services"  # `serve` command name -> async serve(settings)

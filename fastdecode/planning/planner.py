@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EFFICIENCY_GAIN = 0.05  # "stops improving": the next measured batch size gains less than this
@@ -395,7 +395,7 @@ def _head_times(m: Any, batch_sizes: Sequence[int], device: str, *, repeats: int
     """Seconds of one step's head at each B: final norm, LM head and greedy sampling."""
     import torch
 
-    from fastdecode.sampling import SamplingParams, sample
+    from fastdecode.dense.sampling import SamplingParams, sample
 
     sync = _sync_for(device)
     gen = torch.Generator().manual_seed(0)

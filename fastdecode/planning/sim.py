@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fastdecode.errors import InvalidInput, ResourceExhausted, ServiceError
+from fastdecode.runtime.errors import InvalidInput, ResourceExhausted, ServiceError
 from fastdecode.scheduling import (
     NaiveAdmission,
     Request,
@@ -96,7 +96,7 @@ class CostModel:
     @classmethod
     def from_profile(cls, profile: object) -> CostModel:
         """From a planner Profile (T(B) samples interpolated, R, layers)."""
-        from fastdecode.planner import Profile
+        from fastdecode.planning.planner import Profile
 
         assert isinstance(profile, Profile)
         return cls(t_dense=profile.t_at, r_attn=profile.r_attn, num_layers=profile.num_layers)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdecode.errors import FailedPrecondition, InvalidInput
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_MATCHERS = 4096  # matchers kept for sequences not seen lately go first past this many

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from google.protobuf.message import Message
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.v1 import tensor_pb2
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from fastdecode.errors import InvalidInput
+from fastdecode.dense.sampling import SamplingParams, sample
 from fastdecode.kv import KVStore
 from fastdecode.model import DenseModel
-from fastdecode.sampling import SamplingParams, sample
+from fastdecode.runtime.errors import InvalidInput
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client import start_http_server
 
-log = logging.getLogger("fastdecode.metrics")
+log = logging.getLogger("fastdecode.runtime.metrics")
 
 
 def start_metrics_server(port: int | None, host: str = "127.0.0.1") -> int | None:

@@ -1,12 +1,12 @@
 """Proto messages to domain objects and back: one place per message family. Imports the generated
 messages (protobuf) but no gRPC; the service adapters call it, the cores never see a proto.
 
-One deliberate exception: the shard's side of an Attend item. `fastdecode.shard.ShardCore.attend`
+One deliberate exception: the shard's side of an Attend item. `fastdecode.kv.shard.ShardCore.attend`
 takes the AttendRequest message itself and attends on views of its bytes (q, k and v are decoded
 without a copy, codec.decode), and services/kv_attention serializes o straight into the answer's
 bytes (codec.serialize_with): the item is the latency every decode step pays once per layer, and the
 message is the cheapest form it has. gpu_dense's side, `attend_request`, is here. Errors travel as
-an in-band ItemError built and read by fastdecode.rpc (`item_error`, `error_from_item`), next to the
+an in-band ItemError built and read by fastdecode.runtime.rpc (`item_error`, `error_from_item`), next to the
 error tables."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
-from fastdecode import codec
-from fastdecode.errors import InvalidInput
+from fastdecode.dense.sampling import SamplingParams, TokenLogprob
+from fastdecode.dense.structured import Structured
 from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard
 from fastdecode.gateway.text import GenerateParams, ValidRequest
-from fastdecode.sampling import SamplingParams, TokenLogprob
+from fastdecode.runtime import codec
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.scheduling import PlannedSeq, Request, SchedulerStats, Step, TokenEvent
 from fastdecode.scheduling.types import RemoveResult
-from fastdecode.structured import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # annotations only: the gateway, which converts neither, load
     import torch
 
     from fastdecode.dense import AttendItem, Timings
+    from fastdecode.kv.shard import ShardCore
     from fastdecode.model import ModelConfig
-    from fastdecode.shard import ShardCore
 
 
 # ---- sampling ---------------------------------------------------------------------------------------

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from fastdecode.errors import InvalidInput, ModelLoadError
+from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
 ARCHS = ("llama", "mistral", "qwen2")
 PRESETS = ("tiny", "small")
 
-CORPUS_PATH = Path(__file__).resolve().parent / "data" / "corpus.txt"
+CORPUS_PATH = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -347,7 +347,7 @@ def make_model(arch: str, preset: str, out: Path | str, seed: int = 0, chat_temp
 
 def default_model_dir() -> Path:
     """Where the embedded default model (tiny llama) lives: $FASTDECODE_MODELS_DIR or ./.models."""
-    from fastdecode.settings import LocalSettings  # the settings layer reads the environment
+    from fastdecode.runtime.settings import LocalSettings  # the settings layer reads the environment
 
     return (LocalSettings().models_dir / DEFAULT_MODEL_NAME).resolve()
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
-from fastdecode.fleet_secret import FLEET_SECRET_KEY, FleetSecret
-from fastdecode.logs import Throttle
+from fastdecode.runtime.fleet_secret import FLEET_SECRET_KEY, FleetSecret
+from fastdecode.runtime.logs import Throttle
 
 log = logging.getLogger("fastdecode.auth")
 

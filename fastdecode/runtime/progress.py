@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fastdecode.serving import write_ready_file
+from fastdecode.runtime.serving import write_ready_file
 
 PROGRESS_ENV = "FASTDECODE_PROGRESS_FILE"
 

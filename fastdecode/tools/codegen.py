@@ -1,6 +1,6 @@
 """Regenerate the Python gRPC stubs (with .pyi) from protos/ into fastdecode/v1/.
 
-Run `python -m fastdecode.codegen` (or `make protos`). Generated files are never
+Run `python -m fastdecode.tools.codegen` (or `make protos`). Generated files are never
 edited by hand; tests/unit/test_codegen.py fails when they drift from protos/.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
 
 

@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fastdecode.errors import InvalidInput
-from fastdecode.geometry import Geometry
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import Geometry
 
 
 @dataclass(frozen=True)

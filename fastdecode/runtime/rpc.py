@@ -21,16 +21,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fastdecode import errors
-from fastdecode.errors import ServiceError, Status
-from fastdecode.internal_auth import OPEN_PREFIXES, CredentialedChannel, FleetAuthInterceptor
-from fastdecode.metrics import start_metrics_server
 from fastdecode.protocol import CHANNEL_OPTIONS, DEPENDENCY_DOWN_KEY, MAX_MESSAGE_BYTES, REQUEST_ID_KEY
-from fastdecode.serving import write_ready_file
-from fastdecode.settings import TLSFiles
+from fastdecode.runtime import errors
+from fastdecode.runtime.errors import ServiceError, Status
+from fastdecode.runtime.internal_auth import OPEN_PREFIXES, CredentialedChannel, FleetAuthInterceptor
+from fastdecode.runtime.metrics import start_metrics_server
+from fastdecode.runtime.serving import write_ready_file
+from fastdecode.runtime.settings import TLSFiles
 from fastdecode.v1 import tensor_pb2
 
-log = logging.getLogger("fastdecode.rpc")
+log = logging.getLogger("fastdecode.runtime.rpc")
 
 __all__ = [
     "CHANNEL_OPTIONS",

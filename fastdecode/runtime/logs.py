@@ -1,7 +1,7 @@
 """Structured logs for every service: one format, text or JSON (`--log-json`), and the id of the
 request being served on each line, so one request can be followed through the whole fleet.
 
-The id enters at the gateway and travels as gRPC metadata (`x-request-id`, see fastdecode.rpc); a
+The id enters at the gateway and travels as gRPC metadata (`x-request-id`, see fastdecode.runtime.rpc); a
 handler binds it with `request_context`, and every log line from that task carries it. Lines about
 one sequence inside a batched step name it explicitly: `log.info(..., extra={"request_id": sid})`.
 """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdecode.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over the seed space
 MAX_TOP_LOGPROBS = 20  # as vLLM and OpenAI's chat API: the alternatives reported per position
@@ -44,7 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of seen tokens
     min_tokens: int = 0  # EOS and `suppress_ids` are masked until this many tokens were sampled
     suppress_ids: tuple[int, ...] = ()  # the request's stop token ids (EOS is the runner's to add)
-    grammar: str = ""  # an llguidance grammar the output must match (fastdecode.structured)
+    grammar: str = ""  # an llguidance grammar the output must match (fastdecode.dense.structured)
 
     def validate(self) -> None:
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:

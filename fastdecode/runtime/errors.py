@@ -1,7 +1,7 @@
 """The one error model of the servers. Cores raise these; adapters map `Status` to the wire.
 
 Every domain error carries a `Status` of our own. Exactly one table maps it to gRPC codes
-(fastdecode.rpc.GRPC_CODE) and one to HTTP statuses (services.gateway.openai_api.HTTP_STATUS).
+(fastdecode.runtime.rpc.GRPC_CODE) and one to HTTP statuses (services.gateway.openai_api.HTTP_STATUS).
 Per-sequence failures travel as typed errors (status and message), never as strings to parse.
 
 This module imports no gRPC: the model, KV store, scheduling policy and sampling use it. The SDK
@@ -16,7 +16,7 @@ import traceback
 import warnings
 from typing import Any, ClassVar
 
-_log = logging.getLogger("fastdecode.errors")
+_log = logging.getLogger("fastdecode.runtime.errors")
 
 
 class Status(enum.Enum):
@@ -199,7 +199,7 @@ def __getattr__(name: str) -> Any:
     # against the old name keeps working (with a warning) until it is renamed.
     if name == "FastDecodeError":
         warnings.warn(
-            "fastdecode.errors.FastDecodeError is now ServiceError", DeprecationWarning, stacklevel=2
+            "fastdecode.runtime.errors.FastDecodeError is now ServiceError", DeprecationWarning, stacklevel=2
         )
         return ServiceError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

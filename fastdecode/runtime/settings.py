@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fastdecode.fleet_secret import FleetSecret, load_fleet_secret
-from fastdecode.logs import configure_logging
+from fastdecode.runtime.fleet_secret import FleetSecret, load_fleet_secret
+from fastdecode.runtime.logs import configure_logging
 
 if TYPE_CHECKING:
     import grpc
@@ -36,7 +36,7 @@ _DIR = {"path": "dir"}
 class TLSFiles:
     """How a service proves itself to its peers and checks them: certificate files (with a CA, servers
     require client certificates: mutual TLS) and the fleet secret every internal call carries
-    (fastdecode.fleet_secret; servers then refuse internal calls without it)."""
+    (fastdecode.runtime.fleet_secret; servers then refuse internal calls without it)."""
 
     cert: Path | None = None
     key: Path | None = None

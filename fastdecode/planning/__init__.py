@@ -1,0 +1,1 @@
+"""The paper's performance model (planner) and the discrete-event simulator."""

@@ -1,0 +1,1 @@
+"""Tools around the fleet: checkpoints, GGUF import, stub generation, the process supervisor."""

@@ -18,7 +18,7 @@ def test_tokenizer_training_deterministic_across_processes():
     assert first == ck.train_tokenizer.__wrapped__(2048, "bytelevel")
     # Another process (other hash seeds) with one worker thread gives the same bytes.
     code = (
-        "import sys; from fastdecode import checkpoint as ck; "
+        "import sys; from fastdecode.tools import checkpoint as ck; "
         "assert 'transformers' not in sys.modules; "
         "sys.stdout.write(ck.train_tokenizer(2048, 'bytelevel'))"
     )

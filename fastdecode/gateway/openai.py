@@ -282,15 +282,20 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 def _usage(*lasts: GenerationChunk) -> dict[str, Any]:
-    """As OpenAI counts n choices: the prompt once, the completions' tokens summed; the prompt's
-    cached tokens (a shared prefix) as OpenAI reports them."""
+    """As OpenAI counts n choices: the prompt once, the completions' tokens summed. The prompt,
+    counted once, was cached as far as the choice that found least of it cached (the one that
+    computed it); `choices_cached_tokens` (extension, n > 1) shows each choice's, so the siblings'
+    reuse of the prompt's full blocks is visible."""
     prompt = lasts[0].prompt_tokens
     completion = sum(c.completion_tokens for c in lasts)
+    details: dict[str, Any] = {"cached_tokens": min(c.cached_tokens for c in lasts)}
+    if len(lasts) > 1:
+        details["choices_cached_tokens"] = [c.cached_tokens for c in lasts]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": max(c.cached_tokens for c in lasts)},
+        "prompt_tokens_details": details,
     }
 
 

@@ -1,0 +1,95 @@
+"""`n` > 1 prefills the prompt once: the n choices are n sequences of one prompt submitted together,
+and prefix sharing makes the siblings wait for the first one's prefill and read its full KV blocks
+(the block holding the last prompt token is each choice's own). Real model (SmolLM2, fp32 KV), the
+official `openai` client; each choice equals the single request with seed + its index; with
+`--prefix-sharing off` n > 1 still works, every choice prefilling the prompt itself."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from fastdecode.tools.fleet import UpProcess, free_port
+from tests.support import metric_total, scrape, start_up
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+BLOCK = 16  # the fleet's default KV block size
+N = 4
+HIT_TOKENS = "fastdecode_kv_prefix_hit_tokens_total"
+
+
+def fleet_of(smollm2, tmp_path_factory, *extra: str) -> UpProcess:
+    return start_up(
+        smollm2, tmp_path_factory.mktemp("oa-n"), "--http-port", str(free_port()), *extra, timeout=300
+    )
+
+
+def hit_tokens(fleet: UpProcess) -> float:
+    return sum(metric_total(scrape(k["metrics"]), HIT_TOKENS) for k in fleet.state["kv_attention"])
+
+
+def messages() -> list[dict[str, str]]:
+    # A prompt of several blocks no earlier request of the fleet has cached (the nonce comes first).
+    system = f"Session {uuid.uuid4().hex}. " + "You are a terse assistant who answers in one short line. " * 8
+    return [{"role": "system", "content": system}, {"role": "user", "content": "Name a color."}]
+
+
+def run_n(fleet: UpProcess, sharing: bool) -> None:
+    shards = len(fleet.state["kv_attention"])
+    with openai.OpenAI(base_url=f"http://{fleet.http}/v1", api_key="x", timeout=120, max_retries=0) as oa:
+        kw = {"model": fleet.model.name, "max_tokens": 8, "temperature": 1.0, "messages": messages()}
+        before = hit_tokens(fleet)
+        r = oa.chat.completions.create(n=N, seed=500, **kw)
+        reused = hit_tokens(fleet) - before
+        prompt = r.usage.prompt_tokens
+        assert prompt > 4 * BLOCK
+        full = (prompt - 1) // BLOCK * BLOCK  # the last prompt token's block is each choice's own
+        per_choice = r.usage.prompt_tokens_details.model_extra["choices_cached_tokens"]
+        computed = per_choice.count(0)
+        if sharing:
+            # One choice per shard the choices land on computed the prompt (one shard: once), the
+            # siblings waited for it and read its full blocks: placement balances the siblings over
+            # the shards once the prefix is ready (prefix affinity against balance).
+            assert 1 <= computed <= (1 if shards == 1 else min(shards, N)), per_choice
+            assert sorted(per_choice) == [0] * computed + [full] * (N - computed), per_choice
+            assert reused == (N - computed) * full
+        else:
+            assert per_choice == [0] * N and reused == 0
+        assert r.usage.prompt_tokens_details.cached_tokens == 0  # the prompt, counted once, was new
+        assert [c.index for c in r.choices] == list(range(N))
+        for c in r.choices:
+            alone = oa.chat.completions.create(seed=500 + c.index, **kw)
+            assert c.message.content == alone.choices[0].message.content, c.index
+            assert alone.usage.prompt_tokens == prompt  # the prompt counted once
+            assert alone.usage.prompt_tokens_details.cached_tokens == (full if sharing else 0)
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2, tmp_path_factory) -> Iterator[UpProcess]:
+    f = fleet_of(smollm2, tmp_path_factory, "--shards", "1")
+    yield f
+    f.stop()
+
+
+def test_n_prefills_the_prompt_once(fleet) -> None:
+    run_n(fleet, sharing=True)
+
+
+def test_n_on_two_shards_prefills_at_most_once_per_shard(smollm2, tmp_path_factory) -> None:
+    f = fleet_of(smollm2, tmp_path_factory, "--shards", "2")
+    try:
+        run_n(f, sharing=True)
+    finally:
+        f.stop()
+
+
+def test_n_without_prefix_sharing_prefills_each_choice(smollm2, tmp_path_factory) -> None:
+    f = fleet_of(smollm2, tmp_path_factory, "--prefix-sharing", "off")
+    try:
+        run_n(f, sharing=False)
+    finally:
+        f.stop()

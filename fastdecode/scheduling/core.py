@@ -713,7 +713,9 @@ class SchedulerCore:
         need = self._commitment(seq, max(sh.spec.block_size for sh in self._shards))
         matches = [self._prefix_match(seq, j) for j in range(len(self._shards))]
         cached = [r * sh.spec.block_size for (r, _), sh in zip(matches, self._shards, strict=True)]
-        i = choose_shard(need, self._future_load(seq, horizon), loads, cached, self._affinity)
+        i = self._whole_prefix_shard(seq, need, loads, matches)
+        if i is None:
+            i = choose_shard(need, self._future_load(seq, horizon), loads, cached, self._affinity)
         if i is None:
             return False if any(s.available and need <= s.capacity for s in loads) else None
         if may_wait and matches[i][1] > matches[i][0]:
@@ -759,6 +761,22 @@ class SchedulerCore:
             known += 1
             ready += owner is None and ready == known - 1
         return ready, known
+
+    def _whole_prefix_shard(
+        self, seq: _Seq, need: int, loads: list[ShardLoad], matches: list[tuple[int, int]]
+    ) -> int | None:
+        """The shard holding ready every block the sequence could share (all of its prompt but the
+        last token's block), when it has room: a copy of a prompt (the n choices of one OpenAI
+        request) goes where its KV is, as a fork would, instead of computing it again on an emptier
+        shard. Requests that share only a system prompt differ in later blocks: balance places them."""
+        if not self._sharing or self._affinity <= 0:
+            return None
+        for j, ((ready, _), sh) in enumerate(zip(matches, self._shards, strict=True)):
+            s = loads[j]
+            whole = (len(seq.tokens) - 1) // sh.spec.block_size
+            if ready and ready == whole and s.available and s.reserved + need <= s.capacity:
+                return j
+        return None
 
     def _awaits_prefix(self, seq: _Seq) -> bool:
         """Its prefix is being computed on a shard right now and no shard holds as much of it ready:

@@ -92,3 +92,36 @@ def test_shared_blocks_do_not_count_against_the_shard_twice() -> None:
     before = core.stats().shards[0].reserved_tokens
     core.prefix_cached(step, {"a": 12})
     assert core.stats().shards[0].reserved_tokens == before - 12
+
+
+def test_copies_of_a_prompt_go_where_its_kv_is_and_others_balance() -> None:
+    # n choices of one prompt: the siblings wait for the first's prefill and read it on its shard,
+    # even where the default affinity would yield to balance; a prompt sharing only the system part
+    # (its own last full block differs) is balanced onto the emptier shard and computes it there.
+    core = _core(shards=2, affinity=0.5)
+    for name in ("c0", "c1", "c2"):
+        core.submit(Request(name, PREFIX + [20], 4))
+    core.submit(Request("other", PREFIX + [40, 41, 42, 43, 44], 4))
+    step = core.next_step()
+    assert step is not None and [r.seq_id for r in step.reserve] == ["c0"]
+    assert core.decisions["deferred_prefix"] == 3
+    _finish_prefill(core, core.prefix_cached(step, {"c0": 0}))
+    step = core.next_step()
+    assert step is not None
+    shard = {r.seq_id: r.shard for r in step.reserve}
+    home = core.shard_of("c0")
+    assert shard["c1"] == shard["c2"] == home
+    assert shard["other"] != home
+
+
+def test_with_affinity_off_copies_are_balanced() -> None:
+    core = _core(shards=2, affinity=0.0)
+    core.submit(Request("c0", PREFIX + [20], 4))
+    core.submit(Request("c1", PREFIX + [20], 4))
+    step = core.next_step()
+    assert step is not None
+    _finish_prefill(core, core.prefix_cached(step, {"c0": 0}))
+    step = core.next_step()
+    assert step is not None
+    (r,) = step.reserve
+    assert r.seq_id == "c1" and r.shard != core.shard_of("c0")

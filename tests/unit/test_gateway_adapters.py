@@ -451,7 +451,7 @@ def test_n_choices_logprobs_and_usage_over_http(llama_dir: Path) -> None:
         "prompt_tokens": 3,
         "completion_tokens": 6,
         "total_tokens": 9,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": 0, "choices_cached_tokens": [0, 0, 0]},
     }
     lp = out["choices"][1]["logprobs"]
     assert lp["token_logprobs"] == [-0.5, -0.25] and len(lp["top_logprobs"][0]) == 2

@@ -188,6 +188,7 @@ class SchedulerCore:
         self._waiting: OrderedDict[str, _Seq] = OrderedDict()
         self._running: OrderedDict[str, _Seq] = OrderedDict()  # admission order
         self._releases: list[tuple[str, int]] = []
+        self._ended: list[str] = []  # left for good since the last step (Step.ended)
         self._inflight: dict[int, dict[str, _Inflight]] = {}
         self._step = 0
         self._ratio = 1.0  # running estimate of generated / max_tokens
@@ -631,18 +632,21 @@ class SchedulerCore:
             seq.kv += n
             seq.inflight = step_no
         self._fit_growth(planned, marks, reserve)
-        if not planned and not reserve and not self._releases:
+        if not planned and not reserve and not self._releases and not self._ended:
             return None
         costs = [(p.shard, attention_cost(len(p.token_ids), p.start_pos)) for p in planned]
         split = split_mini_batches(costs)
         for p, mb in zip(planned, split, strict=True):
             p.mini_batch = mb
         release, self._releases = self._releases, []
+        ended, self._ended = self._ended, []
         if marks:
             self._inflight[step_no] = marks
         self._step += 1
         preempted, self._preempted = self._preempted, []
-        return Step(step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted)
+        return Step(
+            step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted, ended=ended
+        )
 
     @staticmethod
     def _prompt_scoring(seq: _Seq, n: int) -> tuple[Sampling, int | None]:
@@ -726,9 +730,9 @@ class SchedulerCore:
         sh.blocks += seq.blocks
         sh.seqs.add(seq.req.seq_id)
         seq.shard, seq.reserved_on, seq.kv = i, i, 0
-        ids = list(seq.tokens) if self._sharing else []
+        ids = list(seq.tokens) if self._shares(seq) else []
         reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=held, token_ids=ids))
-        if self._sharing:
+        if self._shares(seq):
             names = self._names(seq, sh.spec.block_size)
             for h in names:  # it will hold them once its prefill is in (those it finds cached, at once)
                 if h in sh.prefixes:
@@ -746,11 +750,18 @@ class SchedulerCore:
             seq.names = (block_size, len(seq.tokens), chain_hashes(_NAME_SEED, seq.tokens, block_size))
         return seq.names[2]
 
+    def _shares(self, seq: _Seq) -> bool:
+        """Whether the sequence takes part in prefix sharing. Not when gpu_dense must see its whole
+        prompt: prompt logprobs score every prompt position at prefill, and penalties and grammars
+        keep the token history on the dense side (as vLLM skips its prefix cache for prompt logprobs)."""
+        sp = seq.req.sampling
+        return self._sharing and not (sp.prompt_logprobs or sp.needs_history)
+
     def _prefix_match(self, seq: _Seq, shard: int) -> tuple[int, int]:
         """(blocks ready, blocks ready or being computed) of the sequence's prefix on a shard, of
         those a shard would share (the block of its last token is always its own)."""
         sh = self._shards[shard]
-        if not self._sharing or not sh.healthy or not sh.prefixes:
+        if not self._shares(seq) or not sh.healthy or not sh.prefixes:
             return 0, 0
         bs = sh.spec.block_size
         ready = known = 0
@@ -769,7 +780,7 @@ class SchedulerCore:
         last token's block), when it has room: a copy of a prompt (the n choices of one OpenAI
         request) goes where its KV is, as a fork would, instead of computing it again on an emptier
         shard. Requests that share only a system prompt differ in later blocks: balance places them."""
-        if not self._sharing or self._affinity <= 0:
+        if not self._shares(seq) or self._affinity <= 0:
             return None
         for j, ((ready, _), sh) in enumerate(zip(matches, self._shards, strict=True)):
             s = loads[j]
@@ -781,7 +792,7 @@ class SchedulerCore:
     def _awaits_prefix(self, seq: _Seq) -> bool:
         """Its prefix is being computed on a shard right now and no shard holds as much of it ready:
         waiting the few steps of that prefill beats computing and storing it a second time."""
-        if not self._sharing:
+        if not self._shares(seq):
             return False
         matches = [self._prefix_match(seq, j) for j in range(len(self._shards))]
         return max(k for _, k in matches) > max(r for r, _ in matches)
@@ -843,6 +854,7 @@ class SchedulerCore:
             reserve=step.reserve,
             release=step.release,
             preempted=step.preempted,
+            ended=step.ended,
         )
 
     def _place_unplaced(self, step_no: int, reserve: list[Reservation]) -> None:
@@ -999,6 +1011,7 @@ class SchedulerCore:
         """A running sequence is done (finished, failed, cancelled): free its shard room."""
         sid = seq.req.seq_id
         del self._running[sid]
+        self._ended.append(sid)
         self._cancel_move(seq)
         if seq.shard is not None:
             sh = self._shards[seq.shard]

@@ -125,3 +125,29 @@ def test_with_affinity_off_copies_are_balanced() -> None:
     assert step is not None
     (r,) = step.reserve
     assert r.seq_id == "c1" and r.shard != core.shard_of("c0")
+
+
+def test_sequences_whose_dense_side_needs_the_whole_prompt_neither_read_nor_publish_prefixes() -> None:
+    # Prompt logprobs score every prompt position at prefill; penalties and grammars keep the token
+    # history on gpu_dense: a prefill starting after a cached prefix would lose both.
+    from fastdecode.scheduling import Sampling
+
+    for sampling in (
+        Sampling(prompt_logprobs=True),
+        Sampling(repetition_penalty=1.3),
+        Sampling(frequency_penalty=0.5),
+        Sampling(grammar='{"grammars": []}'),
+    ):
+        core = _core(shards=1)
+        core.submit(Request("plain", PREFIX + [20], 4))
+        step = core.next_step()
+        assert step is not None
+        _finish_prefill(core, core.prefix_cached(step, {"plain": 0}))
+        core.submit(Request("whole", PREFIX + [30], 4, sampling=sampling))
+        step = core.next_step()
+        assert step is not None
+        (res,) = [r for r in step.reserve if r.seq_id == "whole"]
+        assert res.token_ids == []  # the shard neither finds nor names its blocks
+        (p,) = [p for p in step.seqs if p.seq_id == "whole"]
+        assert p.start_pos == 0 and p.token_ids == PREFIX + [30]
+        assert core.decisions.get("deferred_prefix", 0) == 0

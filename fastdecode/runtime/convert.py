@@ -179,7 +179,7 @@ def token_event_to_proto(ev: TokenEvent) -> scheduler_pb2.TokenEvent:
 
 # ---- scheduler <-> gpu_dense ------------------------------------------------------------------------
 def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
-    plan = dense_pb2.StepPlan(step=step.step, pipeline=pipeline, ended=[sid for sid, _ in step.release])
+    plan = dense_pb2.StepPlan(step=step.step, pipeline=pipeline, ended=step.ended)
     for p in step.seqs:
         q = plan.sequences.add(
             seq_id=p.seq_id,

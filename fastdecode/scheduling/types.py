@@ -78,6 +78,9 @@ class Step:
     reserve: list[Reservation]
     release: list[tuple[str, int]]
     preempted: list[str] = field(default_factory=list)
+    # Sequences that left for good (finished, failed, cancelled): gpu_dense drops what it keeps for
+    # them. Not `release`: a live migration and a preemption release KV of sequences that go on.
+    ended: list[str] = field(default_factory=list)
 
     def without(self, seq_ids: Iterable[str]) -> Step:
         """This step minus some sequences (and their reservations), e.g. after a failed reservation."""
@@ -88,6 +91,7 @@ class Step:
             reserve=[r for r in self.reserve if r.seq_id not in drop],
             release=list(self.release),
             preempted=list(self.preempted),
+            ended=list(self.ended),
         )
 
     def mini_batches(self) -> tuple[list[PlannedSeq], list[PlannedSeq]]:

@@ -100,7 +100,9 @@ def test_completion_logprobs_equal_transformers(oa, model_id, smollm2_hf) -> Non
         assert len(got.top_logprobs[i]) == 5
         check_top(smollm2_hf, row, got.top_logprobs[i], 5)
     assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
-    # streamed: the same numbers, chunk by chunk
+    # streamed: the same numbers, chunk by chunk. This second request reads the first one's prompt
+    # blocks from the shard's prefix cache, so gpu_dense computes only the prompt's tail, in another
+    # shape: fp32 rounding moves the logprobs by ~1e-5 (the tokens are the same).
     parts = list(
         oa.completions.create(
             model=model_id, prompt=prompt, max_tokens=8, temperature=0, logprobs=5, stream=True
@@ -109,7 +111,7 @@ def test_completion_logprobs_equal_transformers(oa, model_id, smollm2_hf) -> Non
     streamed = [
         v for c in parts if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
     ]
-    assert streamed == pytest.approx(got.token_logprobs, abs=1e-6)
+    assert streamed == pytest.approx(got.token_logprobs, abs=1e-4)
 
 
 def test_echo_scores_the_prompt(oa, model_id, smollm2_hf) -> None:
@@ -176,7 +178,8 @@ def test_chat_logprobs_equal_transformers(oa, model_id, smollm2_hf) -> None:
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content
     ]
-    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-6)
+    # (the second request reads the first's cached prompt blocks: fp32 rounding, see above)
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-4)
     # logprobs=True alone: the sampled token's, no alternatives; sampled at temperature 1: still the model's
     r = oa.chat.completions.create(model=model_id, messages=msgs, max_tokens=6, seed=3, logprobs=True)
     content = r.choices[0].logprobs.content

@@ -277,3 +277,28 @@ def test_the_simulator_rebalances_a_skewed_load_and_counts_the_cost() -> None:
     assert on.migrated_bytes == pytest.approx(on.migration_seconds * 1e10)
     assert on.imbalance_max_over_mean < off.imbalance_max_over_mean
     assert on.tokens == off.tokens  # every request still generates all of its tokens
+
+
+def test_a_moved_sequence_is_released_on_its_source_but_never_listed_as_ended() -> None:
+    # gpu_dense drops the token history (penalties, grammars) of the step's `ended` sequences: a
+    # migration's release of the source copy must not end a sequence that decodes on.
+    core = SchedulerCore([ShardSpec(4000, block_size=4) for _ in range(2)], [0])
+    fleet = Fleet(core, 2)
+    for i in range(4):
+        core.submit(Request(f"r{i}", [1 + i, 2, 3 + i], max_tokens=12))
+    for _ in range(3):
+        fleet.step()
+    core.drain_shard(0)
+    moves, _ = core.drain_moves(limit=8)
+    assert moves
+    for m in moves:
+        _copy(fleet, m)
+        assert core.end_move(m, ok=True)
+    step = fleet.step()
+    assert step is not None
+    moved = {m.seq_id for m in moves}
+    assert moved <= {sid for sid, _ in step.release} and not moved & set(step.ended)
+    ended: list[str] = list(step.ended)
+    while (step := fleet.step()) is not None:
+        ended += step.ended
+    assert sorted(ended) == [f"r{i}" for i in range(4)]  # each listed once, when it finished

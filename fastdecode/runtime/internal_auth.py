@@ -34,20 +34,32 @@ def _secret_of(metadata: Any) -> str | bytes | None:
     return None
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that answers UNAUTHENTICATED without parsing the request."""
-
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
-
+def handler_like(
+    handler: grpc.RpcMethodHandler, behavior: Callable[..., Any], parse_request: bool = False
+) -> grpc.RpcMethodHandler:
+    """A method handler of `handler`'s kind (unary or streaming each way) that runs `behavior`
+    instead: what an auth interceptor answers a refused call with. By default the request's bytes are
+    never parsed."""
     kind = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(handler.request_streaming, handler.response_streaming)]
-    # No deserializer: the refused caller's bytes are never parsed.
-    return kind(deny, request_deserializer=None, response_serializer=handler.response_serializer)
+    return kind(
+        behavior,
+        request_deserializer=handler.request_deserializer if parse_request else None,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind that answers UNAUTHENTICATED without parsing the request."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+
+    return handler_like(handler, deny)
 
 
 class FleetAuthInterceptor(grpc.aio.ServerInterceptor):

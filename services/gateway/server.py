@@ -19,6 +19,7 @@ from fastdecode.model import ModelConfig
 from fastdecode.protocol import ERROR_TRAILER, REQUEST_ID_KEY
 from fastdecode.runtime.convert import chunk_to_proto, model_card_to_proto, params_from_proto
 from fastdecode.runtime.errors import InvalidInput, Unauthenticated
+from fastdecode.runtime.internal_auth import handler_like
 from fastdecode.runtime.rpc import BadRequest, Server, guarded_parser, handles_errors, request_id_of
 from fastdecode.runtime.settings import GatewaySettings
 from fastdecode.runtime.tokenizer import Tokenizer
@@ -51,17 +52,7 @@ def _deny(handler: grpc.RpcMethodHandler, message: str, api_request: bool) -> gr
             GATEWAY_REQUESTS.labels(grpc.StatusCode.UNAUTHENTICATED.name, "grpc").inc()
         raise Unauthenticated(message)
 
-    kind = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return kind(
-        deny,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return handler_like(handler, deny, parse_request=True)
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):

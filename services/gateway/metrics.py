@@ -6,6 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode.gateway.core import GatewayMetrics
 from fastdecode.runtime.errors import Status
+from fastdecode.scheduling import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 TTFT = Histogram(
     "fastdecode_time_to_first_token_seconds",
@@ -51,7 +52,19 @@ PROMPT_TOKENS = Counter("fastdecode_prompt_tokens_total", "Prompt tokens of acce
 GENERATION_TOKENS = Counter("fastdecode_generation_tokens_total", "Tokens streamed to clients")
 
 
+APIS = ("grpc", "http")
+
+
 class PrometheusGatewayMetrics(GatewayMetrics):
+    def __init__(self) -> None:
+        # Every known label combination is exported (as 0) from the first scrape, not after first use:
+        # a rate() over a series that appears mid-window misses its first increments.
+        for reason in (FINISH_STOP, FINISH_LENGTH, FINISH_ERROR):
+            REQUESTS.labels(reason)
+        for status in Status:
+            for api in APIS:
+                GATEWAY_REQUESTS.labels(status.name, api)
+
     def answered(self, status: Status, api: str) -> None:
         GATEWAY_REQUESTS.labels(status.name, api).inc()  # Status names are gRPC's code names
 

@@ -30,6 +30,12 @@ STEP_SEQUENCES = Counter(
     "fastdecode_dense_sequences_total", "Sequences computed in steps, by outcome", ["outcome"]
 )
 
+# Exported (as 0) from the first scrape, not after the first step.
+for _mode in ("piped", "plain"):
+    STEPS.labels(_mode)
+for _outcome in ("ok", "error"):
+    STEP_SEQUENCES.labels(_outcome)
+
 
 def step_done(t: Timings, ok: int, failed: int) -> None:
     """One step that ran: its sequences by outcome and its timings."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode.kv import KVStore
+from fastdecode.runtime.errors import Status
 
 KV_USAGE = Gauge("fastdecode_kv_usage_ratio", "Reserved share of the shard's KV pool", ["shard"])
 KV_TOKENS = Gauge("fastdecode_kv_tokens_held", "Tokens held in the shard's KV-cache", ["shard"])
@@ -61,6 +62,9 @@ class ShardMetrics:
         self._attention_seconds = ATTENTION_SECONDS.labels(shard)
         self._kv_bytes_read = KV_BYTES_READ.labels(shard)
         self._prefix_counted: dict[str, int] = {}  # store counts already added to PREFIX_COUNTERS
+        for status in Status:  # every item error code exported (as 0) from the first scrape
+            if status is not Status.OK:
+                ATTEND_ERRORS.labels(shard, status.name)
 
     def pool(self, s: KVStore | None) -> None:
         """The pool's gauges (`s` None: no pool yet)."""

@@ -104,6 +104,10 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         try:
             r = self.core.attend(req)
             self.metrics.attended(r.seconds, r.kv_bytes_read)
+            if (store := self.core.store) is not None and req.layer == store.num_layers - 1:
+                # The store counts a token as held once its last layer is in: the gauges follow each
+                # mini-batch's step here, not only Reserve/Release (the Attend stream stays open).
+                self._update_gauges()
             head = pb.AttendResponse(request_id=req.request_id, attend_seconds=r.seconds)
             return codec.serialize_with(head, o=r.o)
         except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on

@@ -52,6 +52,12 @@ BATCH_SIZE = Histogram(
 
 
 class PrometheusSchedulerMetrics(SchedulerMetrics):
+    def __init__(self) -> None:
+        # Exported (as 0) from the first scrape; shards and decisions follow from the driver's first
+        # report at start-up.
+        for outcome in ("ok", "failed"):
+            MIGRATIONS.labels(outcome)
+
     def shard_lost(self, recovered_sequences: int) -> None:
         SHARD_LOSSES.inc()
         RECOVERIES.inc(recovered_sequences)

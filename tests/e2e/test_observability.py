@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
+from fastdecode.runtime.errors import Status
 from fastdecode.runtime.rpc import REQUEST_ID_KEY, sync_channel
+from fastdecode.scheduling import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from fastdecode.scheduling.core import ADMISSION_DECISIONS
 from fastdecode.tools.fleet import UpProcess
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.support import TOKEN, Samples, scrape
+from tests.support import TOKEN, Samples, scrape, start_up
 from tests.support import metric_total as total
 
 
@@ -96,6 +100,46 @@ def test_every_metrics_endpoint_moves_with_a_generation(fleet: UpProcess) -> Non
     moved("kv_attention", "fastdecode_kv_attention_seconds_count", 8 * layers)
     moved("kv_attention", "fastdecode_kv_bytes_read_total", 1)
     assert "fastdecode_kv_usage_ratio" in names(after["kv_attention"])
+
+
+def test_every_labelled_series_is_exported_from_the_first_scrape(
+    model_factory: Callable, tmp_path: Path
+) -> None:
+    """A fresh fleet, scraped before any request: every known label combination is there as 0 (issue
+    32: the gateway's and gpu_dense's counters appeared only after first use, so a rate() missed them)."""
+    fresh = start_up(model_factory("llama"), tmp_path, env={"FASTDECODE_AUTH_TOKEN": TOKEN})
+    try:
+        first = scrape_all(fresh)
+    finally:
+        fresh.stop()
+
+    def zero(service: str, name: str, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        assert key in first[service], f"{service}: {name}{labels} not exported before the first request"
+        assert first[service][key] == 0, f"{service}: {name}{labels} = {first[service][key]}"
+
+    for reason in (FINISH_STOP, FINISH_LENGTH, FINISH_ERROR):
+        zero("gateway", "fastdecode_requests_total", finish_reason=reason)
+    for status in Status:
+        for api in ("grpc", "http"):
+            zero("gateway", "fastdecode_gateway_requests_total", status=status.name, api=api)
+    for mode in ("piped", "plain"):
+        zero("gpu_dense", "fastdecode_dense_steps_total", mode=mode)
+    for outcome in ("ok", "error"):
+        zero("gpu_dense", "fastdecode_dense_sequences_total", outcome=outcome)
+    for decision in ADMISSION_DECISIONS:
+        zero("scheduler", "fastdecode_admission_decisions_total", decision=decision)
+    for outcome in ("ok", "failed"):
+        zero("scheduler", "fastdecode_migrations_total", outcome=outcome)
+    for shard in ("0", "1"):
+        zero("scheduler", "fastdecode_shard_kv_tokens", shard=shard)
+        assert first["scheduler"][("fastdecode_shard_healthy", (("shard", shard),))] == 1
+        for name in ("fastdecode_kv_tokens_held", "fastdecode_kv_sequences", "fastdecode_kv_usage_ratio"):
+            zero("kv_attention", name, shard=shard)
+        zero("kv_attention", "fastdecode_kv_prefix_hits_total", shard=shard)
+        for status in Status:
+            if status is not Status.OK:
+                zero("kv_attention", "fastdecode_kv_attend_errors_total", shard=shard, code=status.name)
 
 
 def json_lines(path: Path) -> list[dict]:

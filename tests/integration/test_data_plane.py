@@ -19,7 +19,7 @@ from fastdecode.runtime import codec
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc, tensor_pb2
-from tests.support import PROMPTS
+from tests.support import PROMPTS, metric_total, scrape
 
 MAX_NEW = 24
 
@@ -32,7 +32,10 @@ class DataPlane:
         for i in range(2):
             self.procs.append(
                 start_service(
-                    f"kv{i}", ["kv-attention", "--shard-id", str(i), "--kv-capacity", str(64 << 20)], workdir
+                    f"kv{i}",
+                    ["kv-attention", "--shard-id", str(i), "--kv-capacity", str(64 << 20)],
+                    workdir,
+                    metrics=True,
                 )
             )
         self.shard_addrs = [p.address for p in self.procs]
@@ -166,6 +169,34 @@ def test_sequences_land_on_both_shards_and_are_released(plane: DataPlane) -> Non
     assert any(a > 0 and b > 0 for a, b in seen)
     after = [s.Stats(kv_attention_pb2.StatsRequest(), timeout=5) for s in plane.shards]
     assert [a.sequences for a in after] == [0, 0] and [a.tokens_held for a in after] == [0, 0]
+
+
+def test_shard_kv_gauges_follow_every_step(plane: DataPlane) -> None:
+    """The shard's kv_tokens_held gauge after each step equals its Stats and the tokens the plan fed it,
+    while gpu_dense's Attend streams stay open (issue 32: the gauge moved only on Reserve/Release)."""
+    max_new, chunk = 6, 5
+    seen: list[tuple[list[float], list[int]]] = []
+
+    def probe(_: dense_pb2.StepResult) -> None:
+        gauges = [
+            metric_total(scrape(p.metrics), "fastdecode_kv_tokens_held", shard=str(i))
+            for i, p in enumerate(plane.procs[:2])
+        ]
+        held = [s.Stats(kv_attention_pb2.StatsRequest(), timeout=5).tokens_held for s in plane.shards]
+        seen.append((gauges, held))
+
+    plane.greedy(PROMPTS, max_new=max_new, chunk=chunk, on_step=probe)
+
+    def fed(prompt: list[int], step: int) -> int:  # tokens of `prompt` in the KV after `step` steps
+        prefill = -(-len(prompt) // chunk)
+        if step <= prefill:
+            return min(len(prompt), chunk * step)
+        return min(len(prompt) + step - prefill, len(prompt) + max_new - 1)
+
+    assert len(seen) > 3
+    for step, (gauges, held) in enumerate(seen, start=1):
+        want = [sum(fed(p, step) for i, p in enumerate(PROMPTS) if i % 2 == shard) for shard in (0, 1)]
+        assert gauges == held == want, f"step {step}: gauges {gauges}, Stats {held}, fed {want}"
 
 
 def test_pipeline_on_and_off_give_identical_tokens(plane: DataPlane) -> None:

@@ -41,16 +41,24 @@ def _call(opts: dict[str, Any], method: str, request: Any, timeout: float) -> An
     """One unary call to the scheduler; a failure is one line on stderr and exit 1."""
     import grpc
 
-    from fastdecode.runtime.rpc import TLSFiles, sync_channel
+    from fastdecode.runtime.rpc import sync_channel
+    from fastdecode.runtime.settings import ServiceSettings, TLSFiles
+    from fastdecode.tools.fleet import state_credentials
     from fastdecode.v1 import scheduler_pb2_grpc
 
+    # The fleet secret the scheduler checks: the state file's (it names the file `up` wrote), else
+    # FASTDECODE_FLEET_SECRET(_FILE) from the environment, as a pod's preStop hook has it.
+    secret = ServiceSettings().tls.secret
     target = opts["target"]
     if opts["state_file"]:
-        target = json.loads(Path(opts["state_file"]).read_text())["scheduler"]["address"]
+        state = json.loads(Path(opts["state_file"]).read_text())
+        target = state["scheduler"]["address"]
+        secret = state_credentials(state).secret or secret
     if not target:
         click.echo("error: give --target HOST:PORT (or --state-file)", err=True)
         sys.exit(2)
-    tls = TLSFiles(*(Path(p) if p else None for p in (opts["tls_cert"], opts["tls_key"], opts["tls_ca"])))
+    paths = (Path(p) if p else None for p in (opts["tls_cert"], opts["tls_key"], opts["tls_ca"]))
+    tls = TLSFiles(*paths, secret=secret)
     try:
         with sync_channel(target, tls) as ch:
             return getattr(scheduler_pb2_grpc.SchedulerStub(ch), method)(request, timeout=timeout)

@@ -47,6 +47,12 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 "what is new (docs/prefix-caching.md).",
             ),
             click.option(
+                "--host-shard",
+                is_flag=True,
+                help="One more shard, in gpu_dense's own process: the dense host's CPUs attend the "
+                "share the scheduler places there, with no network hop (docs/split-hosts.md).",
+            ),
+            click.option(
                 "--pipeline",
                 type=click.Choice(["auto", "on", "off"]),
                 default="auto",
@@ -120,6 +126,7 @@ def _make_fleet(
     http_port: int | None = None,
     env: dict[str, str] | None = None,
     prefix_sharing: str = "on",
+    host_shard: bool = False,
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.tools.fleet import Fleet
@@ -135,6 +142,7 @@ def _make_fleet(
         auth_token=auth_token,
         http_port=http_port,
         pipeline={"auto": None, "on": True, "off": False}[pipeline],
+        host_shard=host_shard,
         scheduler_args=["--admission", admission, "--prefix-sharing", prefix_sharing],
         env=dict(env or {}),
     )
@@ -186,6 +194,7 @@ def up(
     kv_dtype: str,
     admission: str,
     prefix_sharing: str,
+    host_shard: bool,
     pipeline: str,
     port: int,
     state_file: str | None,
@@ -222,6 +231,7 @@ def up(
         http_port,
         env={"FASTDECODE_LOG_JSON": "1"} if log_json else None,  # the services' ServiceSettings.log_json
         prefix_sharing=prefix_sharing,
+        host_shard=host_shard,
     )
     fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:

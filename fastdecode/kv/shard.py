@@ -41,6 +41,9 @@ class ShardCore:
         self.block_size = block_size
         self.store: KVStore | None = None  # built from the geometry of the first reservation
         self.attended_pairs = 0.0
+        # hosted in gpu_dense (--host-shard): its pipelined S-part's seconds on the cores this shard
+        # attends on (services/gpu_dense/host_shard.py); they count in its measured speed
+        self.host_busy_seconds = 0.0
 
     def store_for(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVStore:
         if min(num_layers, num_kv_heads, head_dim) < 1:
@@ -95,13 +98,28 @@ class ShardCore:
 
     def attend(self, req: pb.AttendRequest) -> AttendResult:
         """Decode q, k, v (views of the message bytes), append k and v, attend; raises domain errors."""
+        q, k, v = codec.decode(req.q), codec.decode(req.k), codec.decode(req.v)
+        return self.attend_tensors(
+            req.layer, list(req.seq_ids), list(req.num_tokens), list(req.start_pos), q, k, v
+        )
+
+    def attend_tensors(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> AttendResult:
+        """One item from tensors in hand: the wire's path above, and a shard hosted in gpu_dense's
+        own process (services/gpu_dense/host_shard.py), whose items never touch the wire."""
         store = self.store
         if store is None:
             raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
-        q, k, v = codec.decode(req.q), codec.decode(req.k), codec.decode(req.v)
-        start_pos, num_tokens = list(req.start_pos), list(req.num_tokens)
         t0 = time.perf_counter()
-        o = store.attend(req.layer, list(req.seq_ids), num_tokens, start_pos, q, k, v)
+        o = store.attend(layer, seq_ids, num_tokens, start_pos, q, k, v)
         seconds = time.perf_counter() - t0
         # Each new token attends to every cached token of its sequence, its own chunk included.
         ends = list(map(operator.add, start_pos, num_tokens))

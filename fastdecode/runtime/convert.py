@@ -376,6 +376,7 @@ def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
     stats.attend_items = s.attend_calls
     stats.free_tokens = s.free_tokens
     stats.attended_token_pairs = core.attended_pairs
+    stats.host_busy_seconds = core.host_busy_seconds
     stats.blocks_in_use, stats.blocks_free = s.blocks_in_use, s.blocks_free
     for name, value in s.prefix_stats.items():
         setattr(stats, f"prefix_{name}", value)

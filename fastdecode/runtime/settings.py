@@ -140,6 +140,17 @@ class DenseSettings(ServiceSettings):
         description="Processes that own the shards' Attend streams (shared-memory handoff); 0: in "
         "process; unset: the cores beyond --threads, capped by the shard count.",
     )
+    host_shard: int | None = Field(
+        None,
+        ge=0,
+        description="Index in --shards of a shard this process hosts: kv_attention served on that "
+        "address's port, its Attend items attended here with no wire (the dense host's idle CPUs "
+        "take a share of the attention). Off if unset.",
+    )
+    host_shard_kv_capacity: int = Field(1 << 30, ge=0, description="The hosted shard's KV pool in bytes.")
+    host_shard_kv_dtype: Literal["float32", "float16", "bfloat16", "int8"] = Field(
+        "float32", description="The hosted shard's KV-cache element type."
+    )
     pipeline_mode: Literal["plan", "auto"] = Field(
         "plan",
         description="plan: two mini-batches whenever the step plan asks; auto: the plan allows, a "

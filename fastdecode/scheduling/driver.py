@@ -102,7 +102,7 @@ class ShardState:
     bytes_capacity: int
     kv_itemsize: int
     block_size: int  # 0: the shard does not say
-    busy_seconds: float
+    busy_seconds: float  # its cores' busy time: attention (and a hosted shard's S-part, see links)
     attended_pairs: float
 
 

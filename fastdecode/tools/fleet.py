@@ -231,6 +231,9 @@ class Fleet:
     # Two-mini-batch pipeline. None = auto: the scheduler plans two mini-batches and gpu_dense runs
     # them pipelined or as one batch, whichever its measurement on live steps finds faster here.
     pipeline: bool | None = None
+    # One more shard, in gpu_dense's own process (--host-shard): the dense host's CPUs attend the
+    # share the scheduler places there, with no wire (services/gpu_dense/host_shard.py). Last index.
+    host_shard: bool = False
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     dense_args: list[str] = field(default_factory=list)
@@ -243,6 +246,7 @@ class Fleet:
     dense: ServiceProcess | None = None
     scheduler: ServiceProcess | None = None
     gateway: ServiceProcess | None = None
+    _hosted: str | None = field(default=None, repr=False)
 
     @property
     def services(self) -> list[ServiceProcess]:
@@ -289,7 +293,8 @@ class Fleet:
             ]
             for p in pending:  # shards start in parallel: each one imports torch
                 self.kv.append(wait_ready(p, timeout, on_progress))
-            shard_list = ",".join(s.address for s in self.kv)
+            addresses = [s.address for s in self.kv] + ([self.hosted_address] if self.host_shard else [])
+            shard_list = ",".join(addresses)
             self.dense = start_service(
                 "gpu_dense",
                 [
@@ -301,6 +306,7 @@ class Fleet:
                     "--device",
                     self.device,
                     *(["--pipeline-mode", "auto"] if self.pipeline is None else []),
+                    *(self._host_shard_args() if self.host_shard else []),
                     *self.dense_args,
                 ],
                 w,
@@ -352,6 +358,23 @@ class Fleet:
             raise
         return self
 
+    @property
+    def hosted_address(self) -> str:
+        """The address of the shard gpu_dense hosts (fixed once chosen: a restart binds it again)."""
+        if self._hosted is None:
+            self._hosted = f"127.0.0.1:{free_port()}"
+        return self._hosted
+
+    def _host_shard_args(self) -> list[str]:
+        return [
+            "--host-shard",
+            str(self.shards),
+            "--host-shard-kv-capacity",
+            str(self.kv_capacity),
+            "--host-shard-kv-dtype",
+            self.kv_dtype,
+        ]
+
     def _pipeline_flag(self) -> str:
         return "--no-pipeline" if self.pipeline is False else "--pipeline"
 
@@ -399,6 +422,7 @@ class Fleet:
             "scheduler": self.scheduler.state() if self.scheduler else None,
             "gpu_dense": self.dense.state() if self.dense else None,
             "kv_attention": [s.state() for s in self.kv],
+            "host_shard": self.hosted_address if self.host_shard else None,  # in gpu_dense's process
             "logs": str(self.workdir) if self.workdir else None,
             "fleet_secret_file": str(self.secret_file) if self.secret_file else None,
         }

@@ -154,7 +154,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStats(_message.Message):
-    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size", "blocks_in_use", "blocks_free", "prefix_queries", "prefix_hits", "prefix_hit_tokens", "prefix_evictions", "prefix_cached_blocks", "prefix_shared_bytes")
+    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size", "blocks_in_use", "blocks_free", "host_busy_seconds", "prefix_queries", "prefix_hits", "prefix_hit_tokens", "prefix_evictions", "prefix_cached_blocks", "prefix_shared_bytes")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class ShardStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    HOST_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -191,13 +192,14 @@ class ShardStats(_message.Message):
     block_size: int
     blocks_in_use: int
     blocks_free: int
+    host_busy_seconds: float
     prefix_queries: int
     prefix_hits: int
     prefix_hit_tokens: int
     prefix_evictions: int
     prefix_cached_blocks: int
     prefix_shared_bytes: int
-    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_shared_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ..., host_busy_seconds: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_shared_bytes: _Optional[int] = ...) -> None: ...
 
 class FillRequest(_message.Message):
     __slots__ = ("seq_ids", "tokens", "seed")

@@ -21,8 +21,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ class ShardAddress:
 
     index: int
     address: str
+    removed: bool = False  # RemoveShard: its items fail UNAVAILABLE, its worker closed its streams
 
     @property
     def name(self) -> str:
@@ -216,6 +217,26 @@ class ExchangePlane:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
+    async def remove(self, index: int) -> None:
+        """RemoveShard: the shard's items fail UNAVAILABLE from now on; its worker closes its streams.
+        Its index stays taken, so no other shard's moves."""
+        if not 0 <= index < len(self.links):
+            raise errors.NotFound(f"unknown shard {index}")
+        if not self.links[index].removed:
+            self.links[index] = replace(self.links[index], removed=True)
+            worker = self.workers[index % len(self.workers)]
+            if worker.alive:
+                worker.send(("remove", index))
+            log.info("removed %s", self.links[index].name)
+
+    def restore(self, index: int) -> None:
+        """AddShard of a removed shard's address (a restarted pod): it takes items again."""
+        if self.links[index].removed:
+            self.links[index] = replace(self.links[index], removed=False)
+            worker = self.workers[index % len(self.workers)]
+            if worker.alive:
+                worker.send(("restore", index))
+
     async def start(self) -> None:
         await asyncio.gather(*(self._ensure(w) for w in self.workers))
 
@@ -228,11 +249,19 @@ class ExchangePlane:
                 await worker.start()
 
     async def attend_layer(
-        self, slot: int, layer: int, items: Sequence[AttendItem]
+        self,
+        slot: int,
+        layer: int,
+        items: Sequence[AttendItem],
+        between: Callable[[], None] | None = None,
     ) -> list[torch.Tensor | BaseException]:
+        """`between`: as ShardLinks.attend_layer's, once every worker has its items."""
         out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
         by_worker: dict[int, list[int]] = {}
         for i, item in enumerate(items):
+            if self.links[item.shard].removed:
+                out[i] = Unavailable(f"{self.links[item.shard].name} was removed")
+                continue
             by_worker.setdefault(item.shard % len(self.workers), []).append(i)
         waits: list[tuple[_Worker, int, Arena, list[int], asyncio.Future[list[tuple[Any, ...]]]]] = []
         try:
@@ -249,6 +278,8 @@ class ExchangePlane:
                 except errors.ServiceError as e:
                     for i in idx:
                         out[i] = e
+            if between is not None:
+                between()
             for worker, _rid, arena, idx, fut in waits:
                 try:
                     results = await asyncio.wait_for(fut, self.timeout + WORKER_GRACE_S)

@@ -110,6 +110,10 @@ class _WorkerLoop:
                     task.cancel()
             elif kind == "add":
                 self.add(msg[1], msg[2], timeout, tls)
+            elif kind == "remove" and msg[1] in self.local:
+                await self.links.remove(self.local[msg[1]])
+            elif kind == "restore" and msg[1] in self.local:
+                self.links.restore(self.local[msg[1]])
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)

@@ -21,17 +21,21 @@ from fastdecode.runtime.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense import metrics
+from services.gpu_dense.exchange import ExchangePlane
+from services.gpu_dense.host_shard import HostShard, HostShardPlane
 from services.gpu_dense.shards import ShardLink, ShardLinks, make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
 Settings = DenseSettings  # the one settings class: fastdecode.runtime.settings
+ShardPlaneService = ShardLinks | ExchangePlane | HostShardPlane  # what the service asks of its plane
 
 
 class DenseService(pb_grpc.DenseServicer):
-    def __init__(self, settings: Settings, links: ShardLinks) -> None:
+    def __init__(self, settings: Settings, links: ShardPlaneService, host: HostShard | None = None) -> None:
         self.settings = settings
         self.links = links
+        self.host = host  # the shard this process hosts (--host-shard), if any
         self.model: DenseModel | None = None  # set by load(); calls before that get UNAVAILABLE
         self.runner: StepRunner | None = None
 
@@ -72,11 +76,7 @@ class DenseService(pb_grpc.DenseServicer):
             raise InvalidInput(f"shard address must be HOST:PORT, got {request.address!r}")
         for link in self.links.links:
             if link.address == address:
-                if link.removed:  # a removed shard back on its address (a restarted pod): same index
-                    self.links.links[link.index] = ShardLink(
-                        link.index, address, self.settings.tls, self.settings.shard_timeout
-                    )
-                    log.info("re-added %s", link.name)
+                self.links.restore(link.index)  # a removed shard back on its address (a restarted pod)
                 return pb.AddShardResponse(shard=link.index)
         link = ShardLink(self.links.num_shards, address, self.settings.tls, self.settings.shard_timeout)
         self.links.add(link)
@@ -109,6 +109,8 @@ class DenseService(pb_grpc.DenseServicer):
             if o.error is not None:
                 r.error.CopyFrom(item_error(o.error))
                 log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})
+        if self.host is not None and t.pipelined:  # the S-part ran on the hosted shard's cores too
+            self.host.service.core.host_busy_seconds += t.s_part_seconds
         failed = sum(1 for o in outcomes.values() if o.error is not None)
         result.timings.CopyFrom(convert.timings_to_proto(t))
         metrics.step_done(t, len(outcomes) - failed, failed)
@@ -149,8 +151,13 @@ async def serve(settings: Settings) -> None:
         settings.grace_seconds,
     )
     server.install_signal_handlers(settings.supervisor_pid)
-    links = await make_plane(settings, addresses)  # in process, or exchange worker processes
-    service = DenseService(settings, links)
+    host = _host_shard(settings, addresses)
+    remote = len(addresses) - (host is not None)
+    links: ShardPlaneService = await make_plane(settings, addresses, remote)  # in process, or workers
+    if host is not None:
+        links = HostShardPlane(links, host)
+        await host.start()
+    service = DenseService(settings, links, host)
     pb_grpc.add_DenseServicer_to_server(service, server.server)
     await server.start()  # NOT_SERVING while the weights load
     await service.load()
@@ -166,4 +173,18 @@ async def serve(settings: Settings) -> None:
     await server.stopping.wait()
     log.info("stopping")
     await server.stop()
+    if host is not None:
+        await host.stop()
     await links.close()
+
+
+def _host_shard(settings: Settings, addresses: list[str]) -> HostShard | None:
+    index = settings.host_shard
+    if index is None:
+        return None
+    if index >= len(addresses):
+        raise InvalidInput(f"--host-shard {index} is not an index into the {len(addresses)} --shards")
+    port = addresses[index].rsplit(":", 1)[-1]
+    if not port.isdigit() or int(port) == 0:
+        raise InvalidInput(f"the hosted shard's address {addresses[index]!r} needs a port (HOST:PORT)")
+    return HostShard(settings, index, addresses[index])

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -52,6 +52,7 @@ class ShardLink:
     def __init__(self, index: int, address: str, tls: TLSFiles | None = None, timeout: float = 60.0) -> None:
         self.index = index
         self.address = address
+        self.tls = tls
         self.timeout = timeout
         self.channel = aio_channel(address, tls, DATA_PLANE_OPTIONS)
         # requests are already wire bytes (no serializer); answers come as wire bytes too and parse
@@ -171,6 +172,13 @@ class ShardLinks:
             await link.close()
             log.info("removed %s", link.name)
 
+    def restore(self, index: int) -> None:
+        """AddShard of a removed shard's address (a restarted pod): a fresh link at the same index."""
+        old = self.links[index]
+        if old.removed:
+            self.links[index] = ShardLink(index, old.address, old.tls, old.timeout)
+            log.info("re-added %s", old.name)
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, min((x.timeout for x in self.links), default=1.0) / 4))
@@ -179,12 +187,22 @@ class ShardLinks:
                 link.expire(now)
 
     async def attend_layer(
-        self, slot: int, layer: int, items: Sequence[AttendItem]
+        self,
+        slot: int,
+        layer: int,
+        items: Sequence[AttendItem],
+        between: Callable[[], None] | None = None,
     ) -> list[torch.Tensor | BaseException]:
+        """`between` runs once every request is out and before the first answer is awaited (the
+        share of a shard hosted in this process, services/gpu_dense/host_shard.py)."""
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         if self.concurrent and len(items) > 1:
-            return list(await asyncio.gather(*(self._exchange(slot, layer, item) for item in items)))
+            tasks = [asyncio.ensure_future(self._exchange(slot, layer, item)) for item in items]
+            if between is not None:
+                await asyncio.sleep(0)  # each task posts its write
+                between()
+            return list(await asyncio.gather(*tasks))
         out: list[torch.Tensor | BaseException] = []
         sent: list[int | None] = []
         for item in items:  # all requests out before the first answer is awaited
@@ -195,6 +213,8 @@ class ShardLinks:
                 out.append(e)
                 continue
             out.append(torch.empty(0))  # placeholder, replaced by the answer
+        if between is not None:
+            between()
         for i, (item, rid) in enumerate(zip(items, sent, strict=True)):
             if rid is None:
                 continue
@@ -235,11 +255,14 @@ def connect(
     return ShardLinks([ShardLink(i, a, tls, timeout) for i, a in enumerate(addresses)], concurrent)
 
 
-async def make_plane(settings: DenseSettings, addresses: Sequence[str]) -> ShardLinks | ExchangePlane:
-    """gpu_dense's shard plane: in process (exchange_workers 0) or K started exchange workers."""
+async def make_plane(
+    settings: DenseSettings, addresses: Sequence[str], remote: int | None = None
+) -> ShardLinks | ExchangePlane:
+    """gpu_dense's shard plane: in process (exchange_workers 0) or K started exchange workers;
+    auto K counts the `remote` shards (all but a hosted one)."""
     k = settings.exchange_workers
     if k is None:
-        k = auto_workers(len(addresses), settings.threads, settings.device)
+        k = auto_workers(len(addresses) if remote is None else remote, settings.threads, settings.device)
     if k == 0:
         return connect(addresses, settings.tls, settings.shard_timeout)
     plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout)

@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from fastdecode.kv import KV_DTYPES, native
-from fastdecode.kv.shard import ShardCore
+from fastdecode.kv.shard import AttendResult, ShardCore
 from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.runtime import codec, convert
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
@@ -103,11 +103,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         through), an error as an AttendResponse message."""
         try:
             r = self.core.attend(req)
-            self.metrics.attended(r.seconds, r.kv_bytes_read)
-            if (store := self.core.store) is not None and req.layer == store.num_layers - 1:
-                # The store counts a token as held once its last layer is in: the gauges follow each
-                # mini-batch's step here, not only Reserve/Release (the Attend stream stays open).
-                self._update_gauges()
+            self._attended(req.layer, r)
             head = pb.AttendResponse(request_id=req.request_id, attend_seconds=r.seconds)
             return codec.serialize_with(head, o=r.o)
         except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
@@ -116,6 +112,33 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             self.metrics.attend_failed(code_from_int(resp.error.code).name)
             log.debug("attend item %d failed: %s", req.request_id, e)
             return resp
+
+    def attend_tensors(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """One item handed over in process by the gpu_dense that hosts this shard (no wire): attended
+        and accounted as answer() does; a failure is raised, for the caller's item."""
+        try:
+            r = self.core.attend_tensors(layer, seq_ids, num_tokens, start_pos, q, k, v)
+        except Exception as e:
+            self.metrics.attend_failed(code_from_int(item_error(e).code).name)
+            raise
+        self._attended(layer, r)
+        return r.o
+
+    def _attended(self, layer: int, r: AttendResult) -> None:
+        self.metrics.attended(r.seconds, r.kv_bytes_read)
+        if (store := self.core.store) is not None and layer == store.num_layers - 1:
+            # The store counts a token as held once its last layer is in: the gauges follow each
+            # mini-batch's step here, not only Reserve/Release (the Attend stream stays open).
+            self._update_gauges()
 
     @handles_errors
     async def Attend(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:

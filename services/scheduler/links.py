@@ -132,7 +132,8 @@ class GrpcShardLink:
             bytes_capacity=st.bytes_capacity,
             kv_itemsize=codec.torch_dtype(st.kv_dtype).itemsize,
             block_size=st.block_size,
-            busy_seconds=st.attention_busy_seconds,
+            # a shard hosted by gpu_dense shares its cores with the S-part: both count
+            busy_seconds=st.attention_busy_seconds + st.host_busy_seconds,
             attended_pairs=st.attended_token_pairs,
         )
 

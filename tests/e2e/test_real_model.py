@@ -4,6 +4,7 @@ same GGUF, and the capital-of-France answer names Paris. Generations stay short 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -13,7 +14,10 @@ from collections.abc import Iterator
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.tools.fleet import UpProcess, free_port
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import UpProcess, free_port, state_credentials
+from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from tests.support import start_up
 from tests.support.gguf import CHAT_QUESTIONS, hf_chat_greedy
 
@@ -104,3 +108,23 @@ def test_chat_flag_of_the_cli(command, real_fleet, expected, smollm2):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == expected[question][1]
+
+
+def test_greedy_equals_transformers_with_a_shard_hosted_in_gpu_dense(smollm2, expected, tmp_path):
+    """`up --host-shard`: one shard process and one shard in gpu_dense's own process, whose items
+    never touch the wire. The questions run at once, so the scheduler places on both; every one's
+    tokens equal transformers', and the hosted shard attended its share."""
+    up = start_up(smollm2, tmp_path, "--shards", "1", "--host-shard", timeout=300)
+    try:
+        with Client(up.target) as client, concurrent.futures.ThreadPoolExecutor(len(expected)) as pool:
+            runs = {
+                q: pool.submit(client.generate, token_ids=prompt, max_tokens=NEW_TOKENS, timeout=120)
+                for q, (prompt, _) in expected.items()
+            }
+            for question, (_, want) in expected.items():
+                assert runs[question].result().token_ids == want, question
+        with sync_channel(up.state["host_shard"], state_credentials(up.state)) as ch:
+            stats = kv_grpc.KVAttentionStub(ch).Stats(kv_pb.StatsRequest(), timeout=30)
+        assert stats.configured and stats.attended_token_pairs > 0
+    finally:
+        up.stop()

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.tools.fleet import UpProcess
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import UpProcess, state_credentials
+from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from tests.support import pid_alive, start_up
 
 STREAMS, TOKENS = 6, 48
@@ -53,14 +56,32 @@ def _wait_restarted(up: UpProcess, key: str, old_pid: int, timeout: float = 120)
     raise AssertionError(f"{key} did not come back:\n{up.log.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("victim", ["gpu_dense", "scheduler"])
+def _hosted_stats(up: UpProcess) -> kv_pb.ShardStats:
+    with sync_channel(up.state["host_shard"], state_credentials(up.state)) as ch:
+        return kv_grpc.KVAttentionStub(ch).Stats(kv_pb.StatsRequest(), timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("victim", "extra"),
+    [
+        ("gpu_dense", ()),
+        ("scheduler", ()),
+        # gpu_dense hosting a shard (--host-shard): the kill takes that shard's KV too
+        ("gpu_dense", ("--shards", "1", "--host-shard")),
+    ],
+    ids=["gpu_dense", "scheduler", "gpu_dense-hosting-a-shard"],
+)
 def test_a_killed_service_costs_time_not_requests(
-    model_factory: Callable, tmp_path: Path, victim: str
+    model_factory: Callable, tmp_path: Path, victim: str, extra: tuple[str, ...]
 ) -> None:
-    up = start_up(model_factory("llama"), tmp_path)
+    up = start_up(model_factory("llama"), tmp_path, *extra)
     try:
+        if extra:  # the hosted shard holds sequences: the kill takes KV, not only the S-part
+            assert up.state["host_shard"] and len(up.state["kv_attention"]) == 1
         expected = _stream_all(up.target)  # the fault-free run, same fleet
         assert all(len(t) == TOKENS for t in expected)
+        if extra:  # the scheduler placed some of them on the hosted shard, which attended them
+            assert _hosted_stats(up).attended_token_pairs > 0
         first: concurrent.futures.Future[None] = concurrent.futures.Future()
         with concurrent.futures.ThreadPoolExecutor(1) as runner:
             run = runner.submit(_stream_all, up.target, first)

@@ -1,0 +1,157 @@
+"""A kv_attention shard hosted in gpu_dense's own process (`--host-shard N`).
+
+Why: a dense host's cores idle whenever its S-part waits on the shards. On a CPU dense host at long
+contexts `bench split` measured the dense core idle 145 of 396 ms per step; a GPU host's CPU cores
+idle nearly all the time. A shard in gpu_dense's process puts them to work on the share of sequences
+placed there, with no wire and no codec between the S-part and that share's attention.
+
+To everyone else it is a real shard: the KVAttention service (Reserve, Release, Stats, Fill,
+migration, health, fleet secret) on its own port of this process, on this process's event loop,
+so the scheduler places sequences on it, measures its speed, drains and migrates it like any other.
+Only its Attend items skip the wire: HostShardPlane hands them to the service's core in process
+once the other shards' requests are out and before their answers are awaited, so the host's share
+is attended while the remote shards attend theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastdecode.dense import AttendItem
+from fastdecode.protocol import DATA_PLANE_OPTIONS
+from fastdecode.runtime.errors import ServiceError, as_service_error, error_for
+from fastdecode.runtime.rpc import Server
+from fastdecode.runtime.settings import DenseSettings, ShardSettings
+from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from services.gpu_dense.exchange import ExchangePlane
+from services.gpu_dense.shards import ShardLinks
+from services.kv_attention.server import KVAttentionService
+
+log = logging.getLogger("fastdecode.gpu_dense.host_shard")
+
+
+class HostShard:
+    """The hosted shard's service and its server on the port its address in --shards names."""
+
+    def __init__(self, settings: DenseSettings, index: int, address: str) -> None:
+        self.index = index
+        self.address = address
+        port = int(address.rsplit(":", 1)[1])
+        self.settings = ShardSettings(
+            host=settings.host,
+            port=port,
+            grace_seconds=settings.grace_seconds,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+            tls_ca=settings.tls_ca,
+            fleet_secret=settings.fleet_secret,
+            fleet_secret_file=settings.fleet_secret_file,
+            shard_id=index,
+            kv_capacity=settings.host_shard_kv_capacity,
+            kv_dtype=settings.host_shard_kv_dtype,
+        )
+        self.service = KVAttentionService(self.settings)
+        self.server = Server(
+            [kv_pb.DESCRIPTOR.services_by_name["KVAttention"].full_name],
+            self.settings.host,
+            port,
+            self.settings.tls,
+            self.settings.grace_seconds,
+            options=DATA_PLANE_OPTIONS,
+        )
+        kv_grpc.add_KVAttentionServicer_to_server(self.service, self.server.server)
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.server.set_serving(True)
+        log.info(
+            "hosting shard %d on %s:%d (capacity %d bytes, kv dtype %s)",
+            self.index,
+            self.settings.host,
+            self.server.port,
+            self.settings.kv_capacity,
+            self.settings.kv_dtype,
+        )
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+
+class HostShardPlane:
+    """gpu_dense's ShardPlane with one shard in process: items for it go to the hosted service,
+    the rest to the inner plane (in-process links or exchange workers), which keeps an entry for
+    every index, the hosted one included, so indices, Info, AddShard and RemoveShard stay as they are."""
+
+    def __init__(self, inner: ShardLinks | ExchangePlane, host: HostShard) -> None:
+        self.inner = inner
+        self.host = host
+
+    @property
+    def num_shards(self) -> int:
+        return self.inner.num_shards
+
+    @property
+    def links(self) -> list[Any]:
+        return self.inner.links
+
+    def add(self, link: Any) -> None:
+        self.inner.add(link)
+
+    async def remove(self, index: int) -> None:
+        await self.inner.remove(index)
+
+    def restore(self, index: int) -> None:
+        self.inner.restore(index)
+
+    def _hosted(self, item: AttendItem) -> bool:
+        # A removed hosted shard's items go to the inner plane, which fails them UNAVAILABLE.
+        return item.shard == self.host.index and not getattr(self.links[item.shard], "removed", False)
+
+    def _attend(self, layer: int, item: AttendItem) -> torch.Tensor | BaseException:
+        cpu = torch.device("cpu")
+        try:
+            return self.host.service.attend_tensors(
+                layer,
+                item.seq_ids,
+                item.num_tokens,
+                item.start_pos,
+                item.q.to(cpu).contiguous(),
+                item.k.to(cpu).contiguous(),
+                item.v.to(cpu).contiguous(),
+            )
+        except ServiceError as e:
+            return error_for(e.status, f"shard {self.host.index} (hosted): {e.message}")
+        except Exception as e:  # noqa: BLE001 - one item fails, the step goes on
+            return as_service_error(e, log)
+
+    async def attend_layer(
+        self, slot: int, layer: int, items: Sequence[AttendItem]
+    ) -> list[torch.Tensor | BaseException]:
+        here = [i for i, item in enumerate(items) if self._hosted(item)]
+        if not here:
+            return await self.inner.attend_layer(slot, layer, items)
+        out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
+
+        def attend_here() -> None:
+            for i in here:
+                out[i] = self._attend(layer, items[i])
+
+        mine = set(here)
+        away = [i for i in range(len(items)) if i not in mine]
+        if away:
+            answers = await self.inner.attend_layer(
+                slot, layer, [items[i] for i in away], between=attend_here
+            )
+            for i, o in zip(away, answers, strict=True):
+                out[i] = o
+        else:
+            attend_here()
+        return out
+
+    async def close(self) -> None:
+        await self.inner.close()

@@ -1,0 +1,112 @@
+"""A shard hosted in gpu_dense's process (services/gpu_dense/host_shard.py) behind every kind of inner
+plane (in-order links, concurrent links, exchange workers): its items are attended in process and
+equal the same attention on a KVStore of their own, while the other shard's items still cross the
+wire; an item it cannot serve fails alone and in-band; RemoveShard fails its items UNAVAILABLE and
+AddShard of its address brings it back; its Stats over gRPC show what it attended, and the S-part
+seconds gpu_dense reports on its cores."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from fastdecode.dense import AttendItem
+from fastdecode.kv import KVStore
+from fastdecode.runtime.errors import NotFound, Unavailable
+from fastdecode.runtime.rpc import aio_channel
+from fastdecode.runtime.settings import DenseSettings
+from fastdecode.tools.fleet import free_port
+from fastdecode.v1 import kv_attention_pb2 as pb
+from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from services.gpu_dense.host_shard import HostShard, HostShardPlane
+from tests.integration.test_shard_links import EchoShard, _item, _plane
+
+LAYERS, KV_HEADS, HEADS, DIM = 2, 1, 3, 4
+IDS = ["h0", "h1"]
+
+
+def _hosted_item(index: int, seed: int, seq_ids: list[str] = IDS) -> AttendItem:
+    g = torch.Generator().manual_seed(seed)
+    n = len(seq_ids)
+    return AttendItem(
+        index,
+        list(seq_ids),
+        [1] * n,
+        [0] * n,
+        torch.randn(n, HEADS, DIM, generator=g),
+        torch.randn(n, KV_HEADS, DIM, generator=g),
+        torch.randn(n, KV_HEADS, DIM, generator=g),
+    )
+
+
+@pytest.mark.parametrize("kind", ["in-order", "concurrent", "workers-1"])
+def test_hosted_items_attend_in_process_beside_remote_ones(kind: str, tmp_path: Path) -> None:
+    async def run() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_KVAttentionServicer_to_server(EchoShard(), server)
+        remote = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        hosted = f"127.0.0.1:{free_port()}"
+        settings = DenseSettings(model=tmp_path, shards=f"{remote},{hosted}", host_shard_kv_capacity=1 << 20)
+        host = HostShard(settings, 1, hosted)
+        await host.start()
+        plane = HostShardPlane(await _plane(kind, [remote, hosted], 5.0), host)
+        ch = aio_channel(hosted)
+        stub = pb_grpc.KVAttentionStub(ch)
+        try:
+            # reserved through the hosted shard's own gRPC port, as the scheduler does
+            geometry = pb.KVGeometry(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM)
+            seqs = [pb.SequenceReservation(seq_id=s, max_tokens=8) for s in IDS]
+            await stub.Reserve(pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=10)
+            ref = KVStore(LAYERS, KV_HEADS, DIM, 1 << 20, torch.float32)
+            for s in IDS:
+                ref.reserve(s, 8)
+            for layer in range(LAYERS):
+                item = _hosted_item(1, layer)
+                out = await plane.attend_layer(0, layer, [_item(0, 1.0), item])
+                assert torch.equal(out[0], torch.full((2, 12), 2.0))  # the remote shard's answer
+                want = ref.attend(layer, IDS, [1, 1], [0, 0], item.q, item.k, item.v)
+                assert torch.allclose(out[1], want, atol=1e-6), layer
+            # only hosted items: no inner plane involved
+            only = await plane.attend_layer(1, 0, [_hosted_item(1, 7)])
+            assert only[0].shape == (2, HEADS * DIM)
+
+            # a sequence it does not hold fails alone, in-band
+            out = await plane.attend_layer(0, 0, [_item(0, 1.0), _hosted_item(1, 3, ["nope"])])
+            assert torch.equal(out[0], torch.full((2, 12), 2.0))
+            assert isinstance(out[1], NotFound) and "hosted" in str(out[1])
+
+            await plane.remove(1)  # RemoveShard: its items fail UNAVAILABLE, nothing else changes
+            out = await plane.attend_layer(0, 1, [_item(0, 1.0), _hosted_item(1, 4)])
+            assert torch.equal(out[0], torch.full((2, 12), 2.0)) and isinstance(out[1], Unavailable)
+            plane.restore(1)  # AddShard of its address
+            await asyncio.sleep(0.1)  # a worker hears of it
+            out = await plane.attend_layer(0, 1, [_hosted_item(1, 5)])
+            assert not isinstance(out[0], BaseException)
+
+            stats = await stub.Stats(pb.StatsRequest(), timeout=10)
+            assert stats.sequences == 2 and stats.attended_token_pairs > 0
+            host.service.core.host_busy_seconds += 0.25  # what gpu_dense adds after a piped step
+            assert (await stub.Stats(pb.StatsRequest(), timeout=10)).host_busy_seconds == 0.25
+        finally:
+            await ch.close()
+            await plane.close()
+            await host.stop()
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def test_gpu_dense_refuses_a_hosted_shard_it_cannot_bind(tmp_path: Path) -> None:
+    from fastdecode.runtime.errors import InvalidInput
+    from services.gpu_dense.server import _host_shard
+
+    for shards, index in (("127.0.0.1:5000", 1), ("127.0.0.1:0", 0), ("127.0.0.1", 0)):
+        settings = DenseSettings(model=tmp_path, shards=shards, host_shard=index)
+        with pytest.raises(InvalidInput):
+            _host_shard(settings, shards.split(","))
+    assert _host_shard(DenseSettings(model=tmp_path, shards="127.0.0.1:5000"), ["127.0.0.1:5000"]) is None

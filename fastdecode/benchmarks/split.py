@@ -51,11 +51,18 @@ from fastdecode.benchmarks.hosts import (
 from fastdecode.benchmarks.transport import process_cpu_seconds
 from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.model import ModelConfig, resolve_device
-from fastdecode.planning.planner import SplitParts, split_ideal_ratio, split_step_s
+from fastdecode.planning.planner import SplitParts, best_host_share, split_ideal_ratio, split_step_s
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, ServiceError
 from fastdecode.runtime.rpc import aio_channel
-from fastdecode.tools.fleet import ServiceProcess, spawn_service, start_service, stop_processes, wait_ready
+from fastdecode.tools.fleet import (
+    ServiceProcess,
+    free_port,
+    spawn_service,
+    start_service,
+    stop_processes,
+    wait_ready,
+)
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
@@ -99,6 +106,15 @@ class _Setup:
     seed: int
     nice: int = 0
     device: str = "cpu"
+    host_share: float | None = None  # None: auto (planner.best_host_share); 0: no hosted shard
+
+
+@dataclass
+class _Carry:
+    """The exchange's CPU per round trip (dense side, shard side) measured at the last context: the
+    next context's auto host share is planned with it (the first one with none)."""
+
+    exchange_rt_s: tuple[float, float] = (0.0, 0.0)
 
 
 def _shard_rows(batch: int, shards: int) -> list[range]:
@@ -138,12 +154,18 @@ def _start_shards(s: _Setup, capacity: int) -> list[ServiceProcess]:
     return [wait_ready(p, 180.0) for p in pending]
 
 
-def _start_dense(s: _Setup, shards: list[ServiceProcess]) -> ServiceProcess:
+def _start_dense(
+    s: _Setup, shards: list[ServiceProcess], hosted: str | None, capacity: int
+) -> ServiceProcess:
     # On a GPU the S-part needs one thread (launches): the dense host's other CPUs are left to the
     # exchange workers, which gpu_dense's auto count then takes (services/gpu_dense/exchange.py).
     threads = s.layout.dense_threads if s.device == "cpu" else 1
+    addresses = [p.address for p in shards] + ([hosted] if hosted else [])
     args = ["gpu-dense", "--model", str(s.model), "--device", s.device]
-    args += ["--shards", ",".join(p.address for p in shards), "--threads", str(threads)]
+    args += ["--shards", ",".join(addresses), "--threads", str(threads)]
+    if hosted:  # the dense host's share of the attention, in gpu_dense's process
+        args += ["--host-shard", str(len(shards)), "--host-shard-kv-capacity", str(capacity)]
+        args += ["--host-shard-kv-dtype", s.kv_dtype]
     if s.pipeline == "auto":
         args += ["--pipeline-mode", "auto"]
     return start_service(
@@ -162,16 +184,106 @@ async def _busy_each(stubs: list[kv_grpc.KVAttentionStub]) -> list[float]:
     return [x.attention_busy_seconds for x in stats]
 
 
+def _owners(batch: int, remote: int, hosted: int) -> list[int]:
+    """Each row's shard: the first batch - hosted rows spread evenly over the remote shards, the
+    last `hosted` on the hosted shard (index `remote`)."""
+    owner = [remote] * batch
+    for i, r in enumerate(_shard_rows(batch - hosted, remote)):
+        for j in r:
+            owner[j] = i
+    return owner
+
+
+async def _fill(
+    stub: kv_grpc.KVAttentionStub, ids: list[str], geometry: Any, max_tokens: int, context: int, seed: int
+) -> None:
+    await stub.Release(kv_pb.ReleaseRequest(all=True), timeout=60)
+    seqs = [kv_pb.SequenceReservation(seq_id=x, max_tokens=max_tokens) for x in ids]
+    await stub.Reserve(kv_pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=60)
+    await stub.Fill(kv_pb.FillRequest(seq_ids=ids, tokens=context, seed=seed), timeout=900)
+
+
+def _head_s(engine: LocalEngine, batch: int) -> float:
+    """The LM head over a batch's last hidden states (median of three after one warm-up): the
+    step's serial tail, during which the shard hosts idle."""
+    h = torch.randn(batch, engine.model.config.hidden_size, device=engine.model.device)
+    times = []
+    with torch.inference_mode():
+        for k in range(4):
+            t0 = time.perf_counter()
+            engine.model.logits(h)
+            if k:
+                times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def _local_parts(s: _Setup, engine: LocalEngine, ids: list[str], context: int) -> tuple[float, float, float]:
+    """LocalEngine at this context, untimed by the point (its KV is rewritten before the timed
+    steps): the layers' S of one batch and of two half batches as the pipeline runs them, and the
+    whole batch's attention on the dense host's cores (medians of two tries after one warm-up).
+    The auto host share is planned from them."""
+    gen = torch.Generator().manual_seed(s.seed)
+    tokens = torch.randint(3, s.cfg.vocab_size, (len(ids),), generator=gen).tolist()
+    whole, halves, attention = [], [], []
+
+    def layers(rows: list[int], pos: int) -> tuple[float, float, torch.Tensor]:
+        busy0, t0 = engine.kv.busy_seconds, time.perf_counter()
+        h = engine.hidden([SeqChunk(ids[i], [tokens[i]], pos) for i in rows])
+        return time.perf_counter() - t0, engine.kv.busy_seconds - busy0, h
+
+    with torch.inference_mode():
+        for k in range(3):
+            pos = context + k
+            t_all, a_all, _ = layers(list(range(len(ids))), pos)
+            t_a, a_a, _ = layers(list(range(0, len(ids), 2)), pos)
+            t_b, a_b, _ = layers(list(range(1, len(ids), 2)), pos)
+            if k:
+                whole.append(t_all - a_all)
+                halves.append(t_a + t_b - a_a - a_b)
+                attention.append(a_all)
+    return median(whole), median(halves), median(attention)
+
+
+def _host_rows(
+    s: _Setup, engine: LocalEngine, ids: list[str], context: int, carry: _Carry, head: float
+) -> tuple[int, str]:
+    """How many sequences the hosted shard holds at this context, and why."""
+    if s.host_share is not None:
+        return min(len(ids) - len(s.layout.shards), round(s.host_share * len(ids))), "given"
+    dense, halves, attention = _local_parts(s, engine, ids, context)
+    modes = {"auto": (False, True), "on": (True,), "off": (False,)}[s.pipeline]
+    # The shard hosts' attention is planned as the dense host's, spread over the shard hosts.
+    share = best_host_share(
+        len(ids),
+        s.cfg.num_hidden_layers,
+        dense,
+        halves,
+        attention,
+        attention / len(s.layout.shards),
+        carry.exchange_rt_s,
+        modes,
+        head,
+    )
+    _log(
+        f"context {context}: host share {share.sequences}/{len(ids)} "
+        f"({'piped' if share.pipelined else 'plain'} predicted {share.predicted_step_s * 1e3:.0f} ms; "
+        f"layers' S {dense * 1e3:.0f} ms, two halves {halves * 1e3:.0f} ms, head {head * 1e3:.0f} ms, "
+        f"attention {attention * 1e3:.0f} ms)"
+    )
+    return share.sequences, "auto"
+
+
 async def _point(
-    s: _Setup, context: int, shards: list[ServiceProcess], engine: LocalEngine, max_tokens: int
+    s: _Setup,
+    context: int,
+    shards: list[ServiceProcess],
+    engine: LocalEngine,
+    max_tokens: int,
+    host_capacity: int,
+    carry: _Carry,
 ) -> dict[str, Any]:
     cfg, batch = s.cfg, s.batch
     ids = [f"split-{context}-{i}" for i in range(batch)]
-    owner = [0] * batch
-    rows = _shard_rows(batch, len(shards))
-    for i, r in enumerate(rows):
-        for j in r:
-            owner[j] = i
     channels = [aio_channel(p.address) for p in shards]
     stubs = [kv_grpc.KVAttentionStub(ch) for ch in channels]
     dense: ServiceProcess | None = None
@@ -181,28 +293,43 @@ async def _point(
     )
     try:
         t0 = time.perf_counter()
-        for st, r in zip(stubs, rows, strict=True):
-            part = [ids[j] for j in r]
-            await st.Release(kv_pb.ReleaseRequest(all=True), timeout=60)
-            seqs = [kv_pb.SequenceReservation(seq_id=x, max_tokens=max_tokens) for x in part]
-            await st.Reserve(kv_pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=60)
+
+        def fill_local() -> None:
+            for sid in list(engine.kv.seqs):
+                engine.kv.release(sid)
+            for sid in ids:
+                engine.kv.reserve(sid, max_tokens)
+            engine.kv.fill_synthetic(ids, context, s.seed)
+
+        await asyncio.to_thread(fill_local)
+        head = await asyncio.to_thread(_head_s, engine, batch)
+        hosted, why = await asyncio.to_thread(_host_rows, s, engine, ids, context, carry, head)
+        owner = _owners(batch, len(shards), hosted)
         await asyncio.gather(
             *(
-                st.Fill(
-                    kv_pb.FillRequest(seq_ids=[ids[j] for j in r], tokens=context, seed=s.seed), timeout=900
+                _fill(
+                    st,
+                    [x for x, o in zip(ids, owner, strict=True) if o == i],
+                    geometry,
+                    max_tokens,
+                    context,
+                    s.seed,
                 )
-                for st, r in zip(stubs, rows, strict=True)
+                for i, st in enumerate(stubs)
             )
         )
-        for sid in list(engine.kv.seqs):
-            engine.kv.release(sid)
-        for sid in ids:
-            engine.kv.reserve(sid, max_tokens)
-        await asyncio.to_thread(engine.kv.fill_synthetic, ids, context, s.seed)
+        if why == "auto":  # _local_parts stepped past the context: the timed steps start from it
+            await asyncio.to_thread(fill_local)
         _log(f"context {context}: KV written in {time.perf_counter() - t0:.1f} s")
         # A fresh gpu_dense per context: --pipeline auto decides for this context, not the last one.
-        dense = await asyncio.to_thread(_start_dense, s, shards)
+        address = f"{s.iso.dense_host}:{free_port(s.iso.dense_host)}" if hosted else None
+        dense = await asyncio.to_thread(_start_dense, s, shards, address, host_capacity)
         dense_ch = aio_channel(dense.address)
+        if address is not None:  # the hosted shard lives in gpu_dense: filled once it serves
+            host_ch = aio_channel(address)
+            channels.append(host_ch)
+            stubs.append(kv_grpc.KVAttentionStub(host_ch))
+            await _fill(stubs[-1], ids[batch - hosted :], geometry, max_tokens, context, s.seed)
         call = dense_pb2_grpc.DenseStub(dense_ch).Run(timeout=7200)
         gen = torch.Generator().manual_seed(s.seed + context)
         tokens = torch.randint(3, cfg.vocab_size, (batch,), generator=gen).tolist()
@@ -274,14 +401,19 @@ async def _point(
         if dense is not None:
             await asyncio.to_thread(stop_processes, [dense], 10.0)
     busy = [b1 - b0 for b0, b1 in zip(busy0, busy1, strict=True)]
-    return _summarise(
+    point = _summarise(
         s,
         context,
         _Samples(fleet_s, local_s, attn_local, cpu_local, s_part, s_cpu, piped),
         dense_cpu,
         shard_cpu,
-        busy,
+        busy[: len(shards)],
+        _Hosted(hosted, busy[len(shards)] if hosted else 0.0, why),
+        head,
     )
+    rts = point["round_trips_per_step"]
+    carry.exchange_rt_s = (point["exchange_cpu_ms"] / rts / 1e3, point["shard_exchange_cpu_ms"] / rts / 1e3)
+    return point
 
 
 @dataclass
@@ -298,34 +430,58 @@ class _Samples:
     piped: list[bool]
 
 
+@dataclass
+class _Hosted:
+    """The dense host's own share: sequences on the shard gpu_dense hosts, that shard's attention
+    busy seconds over the timed steps, and how the share was set (auto or given)."""
+
+    sequences: int
+    busy: float
+    how: str
+
+
 def _summarise(
-    s: _Setup, context: int, x: _Samples, dense_cpu: float, shard_cpu: list[float], shard_busy: list[float]
+    s: _Setup,
+    context: int,
+    x: _Samples,
+    dense_cpu: float,
+    shard_cpu: list[float],
+    shard_busy: list[float],
+    hosted: _Hosted,
+    head: float,
 ) -> dict[str, Any]:
     n = s.steps
     fleet, local = median(x.fleet), median(x.local)
     s_dense = median([t - a for t, a in zip(x.local, x.local_attention, strict=True)])  # S: dense alone
-    r_shard = max(shard_busy) / n  # the slowest shard host's attention per step
+    r_remote = max(shard_busy) / n  # the slowest shard host's attention per step
+    # R as the issue defines it, the whole batch's attention on the shard hosts: with a hosted share
+    # they attended batch - hosted of the batch's equal-length sequences.
+    r_shard = r_remote * s.batch / (s.batch - hosted.sequences)
+    h_attention = hosted.busy / n
     # The dense half as the fleet runs it (two half batches when piped: on a CPU dense host at
     # small B that reads every weight twice). Its CPU is the stepping thread's (exact with one torch
     # thread; with more, its workers' share is taken as wall x threads). The exchange's CPU on the
-    # dense host is gpu_dense's process CPU beyond it: gRPC, codec, event loop. On a GPU the
-    # S-part's CPU is the stepping thread's alone (launches and syncs; torch's CPU threads idle).
+    # dense host is gpu_dense's process CPU beyond it and beyond the hosted share's attention:
+    # gRPC, codec, event loop. On a GPU the S-part's CPU is the stepping thread's alone (launches
+    # and syncs; torch's CPU threads idle).
     threads = s.layout.dense_threads
     s_fleet = median(x.s_part)
     compute_cpu = median(x.s_part_cpu) if threads == 1 or s.device != "cpu" else s_fleet * threads
-    exchange_cpu = dense_cpu / n - compute_cpu
+    exchange_cpu = dense_cpu / n - compute_cpu - h_attention * threads
     slowest = max(range(len(shard_busy)), key=lambda i: shard_busy[i])
-    shard_exchange = max(0.0, shard_cpu[slowest] / n / s.layout.shard_threads(slowest) - r_shard)
+    shard_exchange = max(0.0, shard_cpu[slowest] / n / s.layout.shard_threads(slowest) - r_remote)
     pipelined = sum(x.piped) * 2 > len(x.piped)
     round_trips = s.cfg.num_hidden_layers * len(s.layout.shards) * (2 if pipelined else 1)
     # The prediction takes both sides' compute in wall time (the shard's R is too), so that on a
     # host shared with other work it sees the same slowdown as the measured step.
     parts = SplitParts(
-        dense_s=s_fleet,
-        attention_s=r_shard,
+        dense_s=max(0.0, s_fleet - head),
+        attention_s=r_remote,
         num_layers=s.cfg.num_hidden_layers,
         dense_exchange_s=max(0.0, exchange_cpu),
         shard_exchange_s=shard_exchange,
+        host_attention_s=h_attention,
+        tail_s=head,
     )
     predicted = split_step_s(parts, pipelined)
     ratio = local / fleet
@@ -344,6 +500,12 @@ def _summarise(
         "measured_step_ms": fleet * 1e3,
         "predicted_error": predicted / fleet - 1.0,
         "pipelined": pipelined,
+        "host_sequences": hosted.sequences,
+        "host_share": hosted.sequences / s.batch,
+        "host_share_set": hosted.how,
+        "host_attention_ms": h_attention * 1e3,
+        "head_ms": head * 1e3,
+        "r_remote_ms": r_remote * 1e3,
         "local_step_ms": local * 1e3,
         "local_attention_ms": median(x.local_attention) * 1e3,
         "fleet_s_part_ms": s_fleet * 1e3,
@@ -366,7 +528,9 @@ async def _run(s: _Setup, contexts: list[int]) -> list[dict[str, Any]]:
     per_seq = (max_tokens + 32) * cfg.kv_bytes_per_token(itemsize)
     rows = _shard_rows(s.batch, len(s.layout.shards))
     capacity = max(len(r) for r in rows) * per_seq + (16 << 20)
+    host_capacity = (s.batch - len(s.layout.shards)) * per_seq + (16 << 20)
     shards: list[ServiceProcess] = []
+    carry = _Carry()
     try:
         shards = await asyncio.to_thread(_start_shards, s, capacity)
         engine = await asyncio.to_thread(
@@ -378,12 +542,12 @@ async def _run(s: _Setup, contexts: list[int]) -> list[dict[str, Any]]:
         )
         points = []
         for context in contexts:
-            p = await _point(s, context, shards, engine, context + extra)
+            p = await _point(s, context, shards, engine, context + extra, host_capacity, carry)
             _log(
                 f"context {context}: local {p['local_tokens_per_s']:.1f} tok/s, fleet "
                 f"{p['fleet_tokens_per_s']:.1f} tok/s, ratio {p['ratio']:.3f} "
                 f"(ideal {p['ideal_ratio']:.3f}), "
-                f"{'piped' if p['pipelined'] else 'plain'}"
+                f"{'piped' if p['pipelined'] else 'plain'}, host share {p['host_sequences']}/{s.batch}"
             )
             points.append(p)
         return points
@@ -412,6 +576,7 @@ def run_split_bench(
     seed: int = 0,
     nice: int = 0,
     device: str = "cpu",
+    host_share: float | None = None,
 ) -> dict[str, Any]:
     """Fleet (dense host + shard hosts) against LocalEngine on the dense host, at each context; the
     dense half of both on `device` (cpu, or cuda on a GPU host), attention on the hosts' CPUs."""
@@ -421,6 +586,8 @@ def run_split_bench(
     contexts = sorted(set(contexts))
     if not contexts or min(contexts) < 1 or batch < 2 or steps < 1 or warmup < 0:
         raise InvalidInput("contexts must be >= 1, batch >= 2 (two mini-batches), steps >= 1, warmup >= 0")
+    if host_share is not None and not 0 <= host_share < 1:
+        raise InvalidInput("host share must be in [0, 1) (the shard hosts keep some sequences), or auto")
     if pipeline not in PIPELINE_MODES:
         raise InvalidInput(f"pipeline must be one of {PIPELINE_MODES}")
     if isolation not in ("auto", "netns", "loopback"):
@@ -451,7 +618,20 @@ def run_split_bench(
                 raise InvalidInput(f"network namespaces were asked for but not available: {iso.description}")
             _log(f"{iso.kind}: {layout.describe()}; dense half on {device}")
             setup = _Setup(
-                model, cfg, batch, kv_dtype, layout, iso, pipeline, steps, warmup, workdir, seed, nice, device
+                model,
+                cfg,
+                batch,
+                kv_dtype,
+                layout,
+                iso,
+                pipeline,
+                steps,
+                warmup,
+                workdir,
+                seed,
+                nice,
+                device,
+                host_share,
             )
             with pinned_process(layout.dense, nice), torch_threads(layout.dense_threads):
                 points = run_async(_run(setup, contexts))
@@ -475,6 +655,7 @@ def run_split_bench(
         "shard_cpus": [cpu_list(c) for c in layout.shards],
         "link_rate": link_rate,
         "nice": nice,
+        "host_share": "auto" if host_share is None else host_share,
         "crossover_context": cross,
         "load_avg_1m_before": load0[0],
         "load_avg_1m_after": load1[0],

@@ -328,6 +328,14 @@ def _contexts(text: str) -> list[int]:
     help="Where the dense half (gpu_dense and LocalEngine) runs; shards stay on their CPUs.",
 )
 @click.option(
+    "--host-share",
+    default="auto",
+    show_default=True,
+    help="Share of the batch whose attention the dense host does itself, in a shard gpu_dense hosts "
+    "(--host-shard): auto (the planner balances both hosts from parts measured at each context), "
+    "0 (off: the shard hosts attend everything), or a fraction below 1.",
+)
+@click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -343,6 +351,7 @@ def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None
     from fastdecode.cli.gguf import resolve_model
 
     ctx = _contexts(contexts)
+    kw["host_share"] = _host_share(kw["host_share"])
     if plot is not None and not plot.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
     result = run_bench(lambda: run_split_bench(resolve_model(model), ctx, **kw))
@@ -355,11 +364,23 @@ def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None
         return
     click.echo(f"ISOLATION: {result['isolation']}: {result['isolation_detail']}")
     click.echo(f"dense CPUs {result['dense_cpus']}, shard CPUs {' | '.join(result['shard_cpus'])}")
-    click.echo(format_table(result["points"], [*POINT_KEYS, "pipelined"]))
+    click.echo(format_table(result["points"], [*POINT_KEYS, "pipelined", "host_sequences"]))
     cross = result["crossover_context"]
     click.echo(f"crossover context: {cross if cross is not None else 'none (the fleet never won)'}")
     before, after = result["load_avg_1m_before"], result["load_avg_1m_after"]
     click.echo(f"load average (1 min) before/after: {before:.2f}/{after:.2f}")
+
+
+def _host_share(value: str) -> float | None:
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share < 1:
+        raise click.BadParameter("auto, or a fraction in [0, 1)", param_hint="--host-share")
+    return share
 
 
 def _int_list(value: str, name: str) -> list[int]:

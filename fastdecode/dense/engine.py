@@ -82,6 +82,10 @@ class LocalEngine:
 
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """One step over a packed batch; fp32 logits of each chunk's last token [N, vocab]."""
+        return self.model.logits(self.hidden(chunks))
+
+    def hidden(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """Every layer of one step over a packed batch: each chunk's last token's hidden state."""
         ids, pos, last = pack(chunks, self.model.device)
         seq_ids = [c.seq_id for c in chunks]
         counts = [len(c.token_ids) for c in chunks]
@@ -92,7 +96,7 @@ class LocalEngine:
             return o.to(self.model.device)
 
         hidden = run_layers(self.model, self.model.embed(ids), pos, attend)
-        return self.model.logits(hidden.index_select(0, last))
+        return hidden.index_select(0, last)
 
     def _validate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
         c = self.model.config

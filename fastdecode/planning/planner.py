@@ -172,6 +172,12 @@ class SplitParts:
     dense_exchange_s: float = 0.0
     shard_exchange_s: float = 0.0
     wire_s: float = 0.0  # per layer: network latency of one round trip beyond both sides' CPU
+    # the dense host's own share of the attention (a shard gpu_dense hosts: --host-shard), on its
+    # cores; `attention_s` is then the shard hosts' share alone
+    host_attention_s: float = 0.0
+    # the step's serial tail, not in `dense_s`: the LM head and sampling run once every layer's
+    # attention is in, with the shard hosts idle (the next step's tokens come from them)
+    tail_s: float = 0.0
 
 
 def split_step_s(parts: SplitParts, pipelined: bool) -> float:
@@ -179,14 +185,73 @@ def split_step_s(parts: SplitParts, pipelined: bool) -> float:
     d = (S + X) / N, the shard host r = (R + Y) / N. Unpiped they run one after the other: d + r + wire.
     With two mini-batches each side works on one half while the other side works on the other, so
     a layer takes the busier side, but no less than one half's own chain: half of both sides plus
-    the wire, ((d + r) / 2 + wire), which is what limits it when the sides are balanced."""
-    if parts.num_layers < 1 or min(parts.dense_s, parts.attention_s) < 0:
+    the wire, ((d + r) / 2 + wire), which is what limits it when the sides are balanced.
+    A hosted share h = H / N runs on the dense host while the shard hosts attend theirs: unpiped
+    d + max(h, r + wire); piped it is part of the dense side's work, d + h. The tail comes after."""
+    if (
+        parts.num_layers < 1
+        or min(parts.dense_s, parts.attention_s, parts.host_attention_s, parts.tail_s) < 0
+    ):
         raise InvalidInput("split parts need num_layers >= 1 and non-negative times")
     n = parts.num_layers
     d = (parts.dense_s + max(0.0, parts.dense_exchange_s)) / n
     r = (parts.attention_s + max(0.0, parts.shard_exchange_s)) / n
-    layer = max(d, r, (d + r) / 2 + parts.wire_s) if pipelined else d + r + parts.wire_s
-    return n * layer
+    h = parts.host_attention_s / n
+    if pipelined:
+        layer = max(d + h, r, (d + h + r) / 2 + parts.wire_s)
+    else:
+        layer = d + max(h, r + parts.wire_s)
+    return n * layer + parts.tail_s
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """How many of a step's sequences the dense host attends itself, and the step that gives."""
+
+    sequences: int
+    pipelined: bool
+    predicted_step_s: float
+
+
+def best_host_share(
+    batch: int,
+    num_layers: int,
+    dense_s: float,
+    dense_halves_s: float,
+    host_attention_s: float,
+    attention_s: float,
+    exchange_rt_s: tuple[float, float] = (0.0, 0.0),
+    modes: tuple[bool, ...] = (False, True),
+    tail_s: float = 0.0,
+) -> HostShare:
+    """The share of a batch of equal sequences that a shard hosted on the dense host should hold.
+
+    `dense_s` and `dense_halves_s`: the layers' S-part of one batch and of two half batches (on a
+    CPU dense host at small B two passes read the weights twice), `tail_s` the LM head and sampling
+    after them; `host_attention_s` and `attention_s`: the
+    whole batch's attention on the dense host's cores and on the shard hosts'; `exchange_rt_s`: the
+    exchange's CPU per round trip on the dense and on the shard side. Every count 0..batch-1 and
+    every mode is scored with split_step_s; the fastest wins (ties: fewer hosted, unpiped)."""
+    if batch < 2 or num_layers < 1:
+        raise InvalidInput("a host share needs batch >= 2 and num_layers >= 1")
+    best: HostShare | None = None
+    for piped in modes:
+        rts = num_layers * (2 if piped else 1)
+        for k in range(batch):
+            parts = SplitParts(
+                dense_s=dense_halves_s if piped else dense_s,
+                attention_s=attention_s * (batch - k) / batch,
+                num_layers=num_layers,
+                dense_exchange_s=exchange_rt_s[0] * rts,
+                shard_exchange_s=exchange_rt_s[1] * rts,
+                host_attention_s=host_attention_s * k / batch,
+                tail_s=tail_s,
+            )
+            step = split_step_s(parts, piped)
+            if best is None or step < best.predicted_step_s * (1 - 1e-9):
+                best = HostShare(k, piped, step)
+    assert best is not None
+    return best
 
 
 def split_ideal_ratio(dense_s: float, attention_s: float) -> float:

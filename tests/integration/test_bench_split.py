@@ -40,11 +40,23 @@ def _namespaces() -> list[str]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one per emulated host")
-def test_cli_bench_split_tiny(model_factory: Callable, tmp_path: Path) -> None:
+@pytest.mark.parametrize("host_share", ["auto", "0.5"])
+def test_cli_bench_split_tiny(model_factory: Callable, tmp_path: Path, host_share: str) -> None:
     png = tmp_path / "split.png"
     cpus = sorted(os.sched_getaffinity(0))
     args = ["bench", "split", "--json", "--model", str(model_factory("llama")), "--contexts", "48", "-B", "4"]
-    args += ["--steps", "2", "--warmup", "1", "--pipeline", "on", "--plot", str(png)]
+    args += [
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--pipeline",
+        "on",
+        "--plot",
+        str(png),
+        "--host-share",
+        host_share,
+    ]
     args += ["--dense-cpus", str(cpus[0]), "--shard-cpus", str(cpus[1])]
     before = os.sched_getaffinity(0)
     res = CliRunner().invoke(main, args)
@@ -60,6 +72,13 @@ def test_cli_bench_split_tiny(model_factory: Callable, tmp_path: Path) -> None:
     assert point["ratio"] == pytest.approx(point["fleet_tokens_per_s"] / point["local_tokens_per_s"])
     assert point["efficiency"] == pytest.approx(point["ratio"] / point["ideal_ratio"])
     assert point["pipelined"] is True
+    # the dense host's own share: two of four sequences attended in gpu_dense's hosted shard
+    assert result["host_share"] == ("auto" if host_share == "auto" else 0.5)
+    if host_share == "0.5":
+        assert point["host_sequences"] == 2 and point["host_share_set"] == "given"
+        assert point["host_attention_ms"] > 0 and point["r_remote_ms"] > 0
+    else:
+        assert point["host_share_set"] == "auto" and 0 <= point["host_sequences"] <= 3
     assert png.stat().st_size > 0
     # this process's own affinity restored, the namespaces gone
     assert os.sched_getaffinity(0) == before

@@ -11,7 +11,7 @@ from fastdecode.benchmarks.gpu_check import split_layouts
 from fastdecode.benchmarks.hosts import cpu_list, host_layout, parse_cpu_set, parse_hosts, thread_env
 from fastdecode.benchmarks.split import crossover, run_split_bench
 from fastdecode.kv import KVStore
-from fastdecode.planning.planner import SplitParts, split_ideal_ratio, split_step_s
+from fastdecode.planning.planner import SplitParts, best_host_share, split_ideal_ratio, split_step_s
 from fastdecode.runtime.errors import InvalidInput, NotFound
 
 
@@ -97,6 +97,35 @@ def test_split_step_overlaps_when_piped() -> None:
     assert split_ideal_ratio(0.2, 0.3) == pytest.approx(0.5 / 0.3)
     with pytest.raises(InvalidInput):
         split_step_s(SplitParts(0.1, 0.1, 0), True)
+
+
+def test_a_hosted_share_and_the_tail_in_the_split_step() -> None:
+    # plain: the dense host attends its share while the shard hosts attend theirs; then the tail
+    parts = SplitParts(dense_s=0.1, attention_s=0.04, num_layers=10, host_attention_s=0.05, tail_s=0.02)
+    assert split_step_s(parts, pipelined=False) == pytest.approx(0.1 + 0.05 + 0.02)
+    # piped: the share is dense-side work, overlapped with the shard hosts'
+    assert split_step_s(parts, pipelined=True) == pytest.approx(0.15 + 0.02)
+    with pytest.raises(InvalidInput):
+        split_step_s(SplitParts(0.1, 0.1, 10, tail_s=-1), True)
+
+
+def test_best_host_share_balances_the_hosts() -> None:
+    # unpiped, attention as fast on both hosts: half the batch each
+    plain = best_host_share(32, 10, 0.1, 0.2, 0.08, 0.08, modes=(False,))
+    assert plain.sequences == 16 and not plain.pipelined
+    assert plain.predicted_step_s == pytest.approx(0.1 + 0.04)
+    # piped with the S-part at 0.15 s and attention at 0.3 s: the dense host takes k so that
+    # 0.15 + 0.3 k / 32 = 0.3 (32 - k) / 32, k = 8
+    piped = best_host_share(32, 10, 0.1, 0.15, 0.3, 0.3, modes=(True,))
+    assert piped.sequences == 8 and piped.pipelined
+    assert piped.predicted_step_s == pytest.approx(0.225)
+    # nothing to gain when the dense side is the bottleneck: no share
+    assert best_host_share(32, 10, 0.3, 0.4, 0.05, 0.05, modes=(True,)).sequences == 0
+    # both modes: the faster wins (here the piped one), and a tail adds to either
+    both = best_host_share(32, 10, 0.1, 0.15, 0.3, 0.3, tail_s=0.02)
+    assert both.pipelined and both.predicted_step_s == pytest.approx(0.245)
+    with pytest.raises(InvalidInput):
+        best_host_share(1, 10, 0.1, 0.1, 0.1, 0.1)
 
 
 def test_crossover_is_the_smallest_context_won() -> None:

@@ -340,6 +340,7 @@ PINNED_SHARDS = {
     "networkPolicy": {"gatewayFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]},
 }
 OPEN = {"networkPolicy": {"enabled": False}, "kvAttention": {"spreadAcrossNodes": {"enabled": False}}}
+HOST_SHARD = {"gpu": {"enabled": True}, "gpuDense": {"hostShard": {"enabled": True, "kvCapacity": 1 << 31}}}
 CASES = {
     "default": {},
     "gpu-4-shards": GPU4,
@@ -348,6 +349,7 @@ CASES = {
     "http-8080": HTTP_8080,
     "pinned-shards": PINNED_SHARDS,
     "open": OPEN,
+    "host-shard": HOST_SHARD,
 }
 # Kinds outside Kubernetes' own schemas, checked by hand below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
@@ -468,6 +470,30 @@ def test_chart_topology(case: str, shards: int, gpu: bool) -> None:
     # Model volume: a PVC by default.
     assert _by_kind(docs, "PersistentVolumeClaim")
     assert not _by_kind(docs, "ServiceMonitor")
+
+
+def test_chart_host_shard_is_the_last_shard_reached_through_gpu_dense() -> None:
+    docs = _render(CASES["host-shard"])
+    full = f"{RELEASE}-fastdecode"
+    (cm,) = _by_kind(docs, "ConfigMap").values()
+    shards = cm["data"]["FASTDECODE_SHARDS"].split(",")
+    assert len(shards) == 3  # the StatefulSet's two, then gpu_dense's own
+    assert shards[-1] == f"{full}-gpu-dense.{NAMESPACE}.svc.cluster.local:50062"
+    dense = _containers(docs)["gpu-dense"]
+    env = {e["name"]: e.get("value") for e in dense["env"]}
+    assert env["FASTDECODE_HOST_SHARD"] == "2"
+    assert env["FASTDECODE_HOST_SHARD_KV_CAPACITY"] == str(1 << 31)
+    assert env["FASTDECODE_HOST_SHARD_KV_DTYPE"] == "float32"
+    assert _ports(dense, "containerPort")["host-shard"] == 50062
+    assert _ports(_by_kind(docs, "Service")[f"{full}-gpu-dense"]["spec"], "port")["host-shard"] == 50062
+    (internal,) = [p for n, p in _by_kind(docs, "NetworkPolicy").items() if n.endswith("-internal")]
+    assert {"port": "host-shard", "protocol": "TCP"} in internal["spec"]["ingress"][0]["ports"]
+    # off by default: no extra shard, port or env
+    default = _render(CASES["default"])
+    assert (
+        len(_by_kind(default, "ConfigMap")[f"{full}-settings"]["data"]["FASTDECODE_SHARDS"].split(",")) == 2
+    )
+    assert "host-shard" not in _ports(_containers(default)["gpu-dense"], "containerPort")
 
 
 def _ports(obj: dict[str, Any], key: str) -> dict[str, int]:

@@ -61,6 +61,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- range $i := until (int .Values.kvAttention.shards) }}
 {{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $svc $i $svc $.Release.Namespace $.Values.clusterDomain (int $.Values.kvAttention.port)) }}
 {{- end }}
+{{- with .Values.gpuDense.hostShard }}{{ if .enabled }}
+{{- /* the shard gpu_dense hosts, last: reached through gpu_dense's Service */}}
+{{- $addrs = append $addrs (printf "%s-gpu-dense.%s.svc.%s:%d" (include "fastdecode.fullname" $) $.Release.Namespace $.Values.clusterDomain (int .port)) }}
+{{- end }}{{ end }}
 {{- join "," $addrs }}
 {{- end }}
 
@@ -119,6 +123,11 @@ ports:
     protocol: TCP
   {{- with .httpPort }}
   - name: http
+    containerPort: {{ . }}
+    protocol: TCP
+  {{- end }}
+  {{- with .hostShardPort }}
+  - name: host-shard
     containerPort: {{ . }}
     protocol: TCP
   {{- end }}

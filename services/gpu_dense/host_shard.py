@@ -15,6 +15,7 @@ is attended while the remote shards attend theirs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -65,6 +66,13 @@ class HostShard:
             options=DATA_PLANE_OPTIONS,
         )
         kv_grpc.add_KVAttentionServicer_to_server(self.service, self.server.server)
+        self.service.retire = self.retire
+
+    async def retire(self) -> None:
+        """Retire (the end of `shards drain`): this shard stops serving, gpu_dense goes on. Its port
+        answers health NOT_SERVING until AddShard brings the address back (HostShardPlane.restore)."""
+        await self.server.set_serving(False)
+        log.info("hosted shard %d retired: NOT_SERVING until it is added again", self.index)
 
     async def start(self) -> None:
         await self.server.start()
@@ -90,6 +98,7 @@ class HostShardPlane:
     def __init__(self, inner: ShardLinks | ExchangePlane, host: HostShard) -> None:
         self.inner = inner
         self.host = host
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def num_shards(self) -> int:
@@ -107,6 +116,10 @@ class HostShardPlane:
 
     def restore(self, index: int) -> None:
         self.inner.restore(index)
+        if index == self.host.index:  # serving again after a drain's Retire
+            task = asyncio.get_running_loop().create_task(self.host.server.set_serving(True))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _hosted(self, item: AttendItem) -> bool:
         # A removed hosted shard's items go to the inner plane, which fails them UNAVAILABLE.

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.dense import AttendItem
 from fastdecode.kv import KVStore
@@ -83,8 +84,15 @@ def test_hosted_items_attend_in_process_beside_remote_ones(kind: str, tmp_path: 
             await plane.remove(1)  # RemoveShard: its items fail UNAVAILABLE, nothing else changes
             out = await plane.attend_layer(0, 1, [_item(0, 1.0), _hosted_item(1, 4)])
             assert torch.equal(out[0], torch.full((2, 12), 2.0)) and isinstance(out[1], Unavailable)
-            plane.restore(1)  # AddShard of its address
-            await asyncio.sleep(0.1)  # a worker hears of it
+            # Retire, the end of a drain: the hosted shard stops serving, the process goes on
+            assert (await stub.Retire(pb.RetireRequest(), timeout=10)).sequences == 2
+            health = health_pb2_grpc.HealthStub(ch)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status != serving
+            await stub.Reserve(pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=10)
+            plane.restore(1)  # AddShard of its address: serving again
+            await asyncio.sleep(0.1)  # a worker hears of it, the health status is set
+            assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == serving
             out = await plane.attend_layer(0, 1, [_hosted_item(1, 5)])
             assert not isinstance(out[0], BaseException)
 

@@ -23,15 +23,11 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.protocol import DATA_PLANE_OPTIONS
-from fastdecode.runtime.errors import ServiceError, as_service_error, error_for
-from fastdecode.runtime.rpc import Server
-from fastdecode.runtime.settings import DenseSettings, ShardSettings
-from fastdecode.v1 import kv_attention_pb2 as kv_pb
-from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from fastdecode.runtime.errors import InvalidInput, ServiceError, as_service_error, error_for
+from fastdecode.runtime.settings import DenseSettings, ServiceSettings, ShardSettings
 from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.shards import ShardLinks
-from services.kv_attention.server import KVAttentionService
+from services.kv_attention.server import build
 
 log = logging.getLogger("fastdecode.gpu_dense.host_shard")
 
@@ -40,33 +36,26 @@ class HostShard:
     """The hosted shard's service and its server on the port its address in --shards names."""
 
     def __init__(self, settings: DenseSettings, index: int, address: str) -> None:
+        port = address.rsplit(":", 1)[-1] if ":" in address else ""
+        if not port.isdigit() or int(port) == 0:
+            raise InvalidInput(f"the hosted shard's address {address!r} needs a port (HOST:PORT)")
         self.index = index
         self.address = address
-        port = int(address.rsplit(":", 1)[1])
+        # gpu_dense's own bind address, TLS, fleet secret and grace; the shard's port and pool
+        common = settings.model_dump(include=set(ServiceSettings.model_fields))
         self.settings = ShardSettings(
-            host=settings.host,
-            port=port,
-            grace_seconds=settings.grace_seconds,
-            tls_cert=settings.tls_cert,
-            tls_key=settings.tls_key,
-            tls_ca=settings.tls_ca,
-            fleet_secret=settings.fleet_secret,
-            fleet_secret_file=settings.fleet_secret_file,
+            **{**common, "port": int(port), "metrics_port": None, "ready_file": None},
             shard_id=index,
             kv_capacity=settings.host_shard_kv_capacity,
             kv_dtype=settings.host_shard_kv_dtype,
         )
-        self.service = KVAttentionService(self.settings)
-        self.server = Server(
-            [kv_pb.DESCRIPTOR.services_by_name["KVAttention"].full_name],
-            self.settings.host,
-            port,
-            self.settings.tls,
-            self.settings.grace_seconds,
-            options=DATA_PLANE_OPTIONS,
-        )
-        kv_grpc.add_KVAttentionServicer_to_server(self.service, self.server.server)
+        self.server, self.service = build(self.settings)
         self.service.retire = self.retire
+
+    def count_dense_busy(self, seconds: float) -> None:
+        """gpu_dense's S-part ran this long on the cores this shard attends on (a piped step):
+        it counts in the shard's measured speed (ShardStats.host_busy_seconds)."""
+        self.service.core.host_busy_seconds += seconds
 
     async def retire(self) -> None:
         """Retire (the end of `shards drain`): this shard stops serving, gpu_dense goes on. Its port
@@ -123,7 +112,7 @@ class HostShardPlane:
 
     def _hosted(self, item: AttendItem) -> bool:
         # A removed hosted shard's items go to the inner plane, which fails them UNAVAILABLE.
-        return item.shard == self.host.index and not getattr(self.links[item.shard], "removed", False)
+        return item.shard == self.host.index and not self.links[item.shard].removed
 
     def _attend(self, layer: int, item: AttendItem) -> torch.Tensor | BaseException:
         cpu = torch.device("cpu")

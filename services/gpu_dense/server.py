@@ -110,7 +110,7 @@ class DenseService(pb_grpc.DenseServicer):
                 r.error.CopyFrom(item_error(o.error))
                 log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})
         if self.host is not None and t.pipelined:  # the S-part ran on the hosted shard's cores too
-            self.host.service.core.host_busy_seconds += t.s_part_seconds
+            self.host.count_dense_busy(t.s_part_seconds)
         failed = sum(1 for o in outcomes.values() if o.error is not None)
         result.timings.CopyFrom(convert.timings_to_proto(t))
         metrics.step_done(t, len(outcomes) - failed, failed)
@@ -184,7 +184,4 @@ def _host_shard(settings: Settings, addresses: list[str]) -> HostShard | None:
         return None
     if index >= len(addresses):
         raise InvalidInput(f"--host-shard {index} is not an index into the {len(addresses)} --shards")
-    port = addresses[index].rsplit(":", 1)[-1]
-    if not port.isdigit() or int(port) == 0:
-        raise InvalidInput(f"the hosted shard's address {addresses[index]!r} needs a port (HOST:PORT)")
     return HostShard(settings, index, addresses[index])

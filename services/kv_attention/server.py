@@ -199,15 +199,9 @@ def _request_ids(context: grpc.aio.ServicerContext, seq_ids: Sequence[str]) -> l
     return sent if len(sent) == len(seq_ids) else list(seq_ids)
 
 
-async def serve(settings: Settings) -> None:
-    log = settings.configure_logging(f"kv_attention[{settings.shard_id}]")
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    if settings.attention_backend == "native":
-        try:  # fail at start with one line, not at the first reservation
-            log.info("native attention kernel: %s path", native.isa())
-        except native.NativeUnavailable as e:
-            raise SystemExit(f"kv_attention: {e}") from None
+def build(settings: Settings) -> tuple[Server, KVAttentionService]:
+    """The shard's server (not started) with its service added: serve() below, and a shard that
+    gpu_dense hosts in its own process (services/gpu_dense/host_shard.py)."""
     server = Server(
         [pb.DESCRIPTOR.services_by_name["KVAttention"].full_name],
         settings.host,
@@ -217,13 +211,26 @@ async def serve(settings: Settings) -> None:
         options=DATA_PLANE_OPTIONS,
     )
     service = KVAttentionService(settings)
+    pb_grpc.add_KVAttentionServicer_to_server(service, server.server)
+    return server, service
+
+
+async def serve(settings: Settings) -> None:
+    log = settings.configure_logging(f"kv_attention[{settings.shard_id}]")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if settings.attention_backend == "native":
+        try:  # fail at start with one line, not at the first reservation
+            log.info("native attention kernel: %s path", native.isa())
+        except native.NativeUnavailable as e:
+            raise SystemExit(f"kv_attention: {e}") from None
+    server, service = build(settings)
 
     async def retire() -> None:  # NOT_SERVING at once (no probe takes it back), then stop as on SIGTERM
         await server.set_serving(False)
         server.stopping.set()
 
     service.retire = retire
-    pb_grpc.add_KVAttentionServicer_to_server(service, server.server)
     server.install_signal_handlers(settings.supervisor_pid)
     await server.start()
     await server.announce(settings.host, settings.metrics_port, settings.ready_file)

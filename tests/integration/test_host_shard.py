@@ -98,7 +98,7 @@ def test_hosted_items_attend_in_process_beside_remote_ones(kind: str, tmp_path: 
 
             stats = await stub.Stats(pb.StatsRequest(), timeout=10)
             assert stats.sequences == 2 and stats.attended_token_pairs > 0
-            host.service.core.host_busy_seconds += 0.25  # what gpu_dense adds after a piped step
+            host.count_dense_busy(0.25)  # what gpu_dense adds after a piped step
             assert (await stub.Stats(pb.StatsRequest(), timeout=10)).host_busy_seconds == 0.25
         finally:
             await ch.close()

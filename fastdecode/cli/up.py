@@ -28,12 +28,12 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             ),
             click.option(
                 "--kv-dtype",
-                type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
+                type=click.Choice(["float32", "float16", "bfloat16", "int8", "float8_e4m3"]),
                 default="bfloat16",
                 show_default=True,
                 help="Shard KV-cache storage: bfloat16 holds twice the tokens of float32 and `bench fleet` "
                 "measured it faster end to end; float32 gives tokens equal to transformers' fp32 "
-                "(int8: a scale per token and head).",
+                "(int8, float8_e4m3: a scale per token and head).",
             ),
             click.option(
                 "--admission", type=click.Choice(["naive", "stabilized"]), default="naive", show_default=True

@@ -2,8 +2,8 @@
 
 Layout: one pool per K and V of shape [layers, kv_heads, num_blocks * block_size, head_dim]
 (head-major: one head of one sequence is a contiguous [tokens, head_dim] run within a block).
-Storage dtypes: float32, float16, bfloat16, and int8 with one float32 scale per (token, KV head)
-(pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks are its
+Storage dtypes: float32, float16, bfloat16, and int8 and float8 e4m3 with one float32 scale per
+(token, KV head) (pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks are its
 block table (`_Seq.blocks`); token `pos` lives in slot blocks[pos // block_size] * block_size +
 pos % block_size. Blocks on demand: a sequence is admitted with the blocks for the tokens it holds
 (its prompt) and its block table grows one block at a time as attention appends past its last
@@ -28,7 +28,7 @@ Two attention backends, one result:
   allocated only has to keep `_Seq.blocks` the table and call `_blocks_changed`.
 - "torch": the reference. SDPA over a strided view when every sequence decodes one token at the
   same position from contiguous, equally spaced reservations; otherwise per sequence (gathering
-  scattered blocks and dequantizing int8).
+  scattered blocks and dequantizing int8 and float8).
 Imports no gRPC.
 """
 
@@ -55,16 +55,19 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "int8": torch.int8,
+    "float8_e4m3": torch.float8_e4m3fn,
 }
+# Stored as codes times one float32 scale per (token, KV head) row: scale = absmax / code max.
+SCALED_DTYPES: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 BACKENDS = ("native", "torch")
-_INT8_MAX = 127.0
+_INT8_MAX = SCALED_DTYPES[torch.int8]
 _HUGE_PAGE = 2 << 20
 
 
 def kv_bytes_per_element(dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes one cached element costs, counting int8's float32 scale per (token, head) row."""
+    """Bytes one cached element costs, counting int8's and float8's float32 scale per (token, head) row."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return itemsize + (4 / head_dim if dtype == torch.int8 else 0)
+    return itemsize + (4 / head_dim if dtype in SCALED_DTYPES else 0)
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -120,6 +123,22 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale[..., None] > 0, torch.round(x / safe[..., None]), torch.zeros_like(x))
     return q.clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
+
+
+def quantize_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 per row of the last dim, scale = absmax / 448 (e4m3's largest finite value):
+    x ~= code * scale, the codes rounded to nearest even by torch's cast, as the native kernel does."""
+    x = x.float()
+    top = SCALED_DTYPES[torch.float8_e4m3fn]
+    scale = x.abs().amax(-1) / top
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale[..., None] > 0, x / safe[..., None], torch.zeros_like(x)).clamp_(-top, top)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and per-row scales of x in a scaled KV dtype (SCALED_DTYPES)."""
+    return quantize_int8(x) if dtype == torch.int8 else quantize_float8(x)
 
 
 @dataclass
@@ -224,9 +243,9 @@ class KVStore:
         self.head_dim = head_dim
         self.dtype = dtype
         self.block_size = block_size
-        self.quantized = dtype == torch.int8
+        self.quantized = dtype in SCALED_DTYPES
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + int8's scale
+        row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + the row's scale
         self.bytes_per_token = 2 * num_layers * num_kv_heads * row_bytes
         self.num_blocks = max(0, capacity_bytes // (self.bytes_per_token * block_size))
         self.capacity_bytes = self.num_blocks * block_size * self.bytes_per_token
@@ -487,8 +506,8 @@ class KVStore:
 
     # ---- live migration: a sequence's rows out of one pool and into another --------------------
     def export_layer(self, seq_id: str, layer: int) -> tuple[torch.Tensor, ...]:
-        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus
-        int8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
+        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus int8's
+        or float8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")
@@ -526,7 +545,7 @@ class KVStore:
         self._importing[seq_id] = seq
 
     def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor]) -> int:
-        """Write one exported layer (k, v and int8's scales) of an import; returns its bytes."""
+        """Write one exported layer (k, v and int8's or float8's scales) of an import; returns its bytes."""
         seq = self._importing.get(seq_id)
         if seq is None:
             raise NotFound(f"no import of sequence {seq_id!r} in progress")
@@ -543,7 +562,7 @@ class KVStore:
         if v.dtype != self.dtype or n > seq.capacity:
             raise InvalidInput(f"v rows of {v.dtype} or {n} tokens do not fit the import")
         if self.quantized and (tuple(ks.shape) != shape[:2] or tuple(vs.shape) != shape[:2]):
-            raise InvalidInput(f"int8 rows need scales of shape {list(shape[:2])}")
+            raise InvalidInput(f"{self.dtype} rows need scales of shape {list(shape[:2])}")
         slots = self._slots(seq, n)
         self.k[layer][:, slots], self.v[layer][:, slots] = k, v
         if self.quantized:
@@ -592,7 +611,7 @@ class KVStore:
         for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             rows = new.transpose(0, 1)  # [KVH, n, D]
             if self.quantized:
-                pool[layer][:, slots], scales[layer][:, slots] = quantize_int8(rows)
+                pool[layer][:, slots], scales[layer][:, slots] = quantize(rows, self.dtype)
             else:
                 pool[layer][:, slots] = rows.to(self.dtype)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)
@@ -841,8 +860,8 @@ class KVStore:
             knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             if self.quantized:
                 (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = (
-                    quantize_int8(knew),
-                    quantize_int8(vnew),
+                    quantize(knew, self.dtype),
+                    quantize(vnew, self.dtype),
                 )
                 keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
                 values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]

@@ -316,7 +316,7 @@ def test_every_isa_level_matches_fp64_and_the_scalar_path(
     """Each ISA level the CPU has, forced: decodes over lengths across tile and block boundaries,
     prefill chunks beside them, and keys x30 (sharp scores) match fp64 over the stored values
     within the dtype's tolerance, and the scalar path. Head dims the level's loads do not divide
-    (48 at 512 bits for bf16 and int8) go to a lower level, which must agree too."""
+    (48 at 512 bits for bf16, int8 and float8) go to a lower level, which must agree too."""
     gen = torch.Generator().manual_seed(hash((dtype, heads, head_dim)) % 1000)
     lengths = {"a": 1, "b": 17, "c": 33, "d": 300, "e": 1100}
     store = make(dtype, kv_heads, head_dim, sum(lengths.values()) + 400)

@@ -477,6 +477,18 @@ inline void ld32_bf16(const void* base, int64_t i, __m512& even, __m512& odd) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// 32 float8 codes as two 16-lane fp32 vectors (the float16 bits of v2::f8_to_f16_bits made on one
+// 512-bit register: three integer operations per 32 codes instead of per 16).
+inline void ld32_f8(const void* base, int64_t i, __m512& lo, __m512& hi) {
+  const __m512i h = _mm512_and_si512(
+      _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                            reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(base) + i))),
+                        7),
+      _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
 inline __m256 half_sum(__m512 x) {
   return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
 }
@@ -532,6 +544,14 @@ inline __m256 score8(const float* q, const void* kb, const int64_t* off, int64_t
         FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
 #undef FD_DOT
       }
+    } else if constexpr (K == kF8) {  // D % 32 == 0
+      __m512 lo, hi;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512 ql = _mm512_loadu_ps(q + d), qh = _mm512_loadu_ps(q + d + 16);
+#define FD_DOT(j) ld32_f8(kb, off[j] + d, lo, hi), a##j = _mm512_fmadd_ps(qh, hi, _mm512_fmadd_ps(ql, lo, a##j))
+        FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+      }
     } else {  // D % 16 == 0
       for (int64_t d = 0; d < D; d += 16) {
         const __m512 qv = _mm512_loadu_ps(q + d);
@@ -563,11 +583,14 @@ inline void vacc(float* acc, const float* w, const void* vb, const int64_t* off,
     }
     const __m512 wj = _mm512_set1_ps(w[j]);
     const int64_t o = off[j] + d0;
-    if constexpr (SPLIT) {
+    if constexpr (SPLIT || K == kF8) {
       static_assert(NC % 2 == 0);
       __m512 e, od;
       for (int c = 0; c < NC; c += 2) {
-        ld32_bf16(vb, o + 16 * c, e, od);
+        if constexpr (SPLIT)
+          ld32_bf16(vb, o + 16 * c, e, od);
+        else
+          ld32_f8(vb, o + 16 * c, e, od);
         r[c] = _mm512_fmadd_ps(wj, e, r[c]);
         r[c + 1] = _mm512_fmadd_ps(wj, od, r[c + 1]);
       }
@@ -584,11 +607,11 @@ inline void vacc_all(float* acc, const float* w, const void* vb, const int64_t* 
   const int64_t prow = D * kItemSize[K];
   int64_t d0 = 0;
   for (; d0 + 128 <= D; d0 += 128, pn = 0) vacc<K, 8, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow);
-  if constexpr (SPLIT) {  // D % 32 == 0
+  if constexpr (SPLIT || K == kF8) {  // D % 32 == 0
     switch ((D - d0) / 32) {
-      case 1: vacc<K, 2, true>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
-      case 2: vacc<K, 4, true>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
-      case 3: vacc<K, 6, true>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 1: vacc<K, 2, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 2: vacc<K, 4, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 3: vacc<K, 6, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
       default: break;
     }
   } else {
@@ -788,7 +811,7 @@ void set_isa(const std::string& name) {
 bool fits(int level, int kind, int64_t D) {
   if (level == kScalar) return true;
   const int64_t step = level == kAvx2 ? (kind == kBF16 || kind == kI8 ? 16 : 8)
-                                      : (kind == kBF16 || kind == kI8 ? 32 : 16);
+                                      : (kind == kBF16 || kind == kI8 || kind == kF8 ? 32 : 16);
   return D % step == 0 && (kind != kI8 || D <= 512);
 }
 

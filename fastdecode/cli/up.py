@@ -211,7 +211,7 @@ def up(
 
     from fastdecode.cli.progress import startup_progress
     from fastdecode.runtime.errors import ServiceError
-    from fastdecode.tools.fleet import RestartPolicy, Supervisor
+    from fastdecode.tools.supervisor import RestartPolicy, Supervisor
 
     _hide_token_from_ps(click.get_current_context())
     auth_token = _read_token_file(auth_token_file) or auth_token

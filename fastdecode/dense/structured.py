@@ -1,6 +1,6 @@
-"""Structured outputs: a JSON schema, JSON object, regex or choice list compiled into an llguidance
-grammar (the gateway, which answers a 400 for one that does not compile), and a matcher per sequence
-that masks the logits before sampling (gpu_dense).
+"""Structured outputs on the dense side: a matcher per sequence that masks the logits before sampling.
+The spec (a JSON schema, JSON object, regex or choice list) is compiled into an llguidance grammar
+by the gateway, which answers a 400 for one that does not compile (fastdecode.contract.compile_grammar).
 
 Why llguidance (not xgrammar): it has no Python dependencies (xgrammar's wheel requires torch, triton
 and transformers, which would pull or move the pinned torch), compiles a schema lazily in well under a
@@ -15,72 +15,19 @@ llguidance is imported on first use.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fastdecode.contract import llguidance_module as _lg
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_MATCHERS = 4096  # matchers kept for sequences not seen lately go first past this many
-MAX_SPEC_CHARS = 256 * 1024
-
-
-@dataclass(frozen=True)
-class Structured:
-    """What the output must match: kind is one of KINDS; spec the schema (JSON text), regex, the
-    choices (a JSON list of strings) or a Lark grammar; empty for json_object."""
-
-    kind: str
-    spec: str = ""
-
-
-def _lg() -> Any:
-    try:
-        import llguidance
-    except ImportError as e:  # pinned in pyproject.toml; a stripped install may lack it
-        raise FailedPrecondition("structured outputs need the llguidance package") from e
-    return llguidance
-
-
-def compile_grammar(s: Structured) -> str:
-    """The llguidance grammar of `s`; InvalidInput (a 400) when it does not compile."""
-    lg = _lg()
-    if s.kind not in KINDS:
-        raise InvalidInput(f"unknown structured output kind {s.kind!r}; one of {', '.join(KINDS)}")
-    if len(s.spec) > MAX_SPEC_CHARS:
-        raise InvalidInput(f"the {s.kind} has {len(s.spec)} characters; the limit is {MAX_SPEC_CHARS}")
-    try:
-        if s.kind == "json_object":
-            grammar = lg.LLMatcher.grammar_from_json_schema({"type": "object"})
-        elif s.kind == "json_schema":
-            schema = json.loads(s.spec)
-            if not isinstance(schema, dict | bool):
-                raise InvalidInput("the JSON schema must be an object")
-            grammar = lg.LLMatcher.grammar_from_json_schema(schema)
-        elif s.kind == "regex":
-            grammar = lg.LLMatcher.grammar_from_regex(s.spec)
-        elif s.kind == "choice":
-            choices = json.loads(s.spec)
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise InvalidInput("choice needs a non-empty list of non-empty strings")
-            # Lark string literals take JSON's escapes
-            grammar = lg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-        else:
-            grammar = lg.LLMatcher.grammar_from_lark(s.spec)
-    except (ValueError, TypeError) as e:
-        raise InvalidInput(f"the {s.kind} is not valid: {e}") from None
-    error = lg.LLMatcher.validate_grammar(grammar, None)
-    if error:
-        raise InvalidInput(f"the {s.kind} cannot be compiled: {error.strip()}")
-    return grammar
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

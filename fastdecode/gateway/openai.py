@@ -13,8 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fastdecode.dense.sampling import MAX_TOP_LOGPROBS, TokenLogprob
-from fastdecode.dense.structured import Structured
+from fastdecode.contract import MAX_TOP_LOGPROBS, Structured, TokenLogprob
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GenerationChunk
 from fastdecode.gateway.text import GenerateParams, unencodable

@@ -10,8 +10,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from fastdecode.dense.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from fastdecode.dense.structured import Structured, compile_grammar
+from fastdecode.contract import MAX_TOP_LOGPROBS, SamplingParams, Structured, compile_grammar
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.tokenizer import Tokenizer
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode.dense.structured import Structured
+from fastdecode.contract import Structured
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import sane_request_id
 from fastdecode.gateway.openai import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.contract import TokenLogprob
 from fastdecode.runtime.errors import InvalidInput, NotFound, OutOfRange, ResourceExhausted
 from fastdecode.scheduling import (
     NaiveAdmission,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.dense.structured import GrammarBank, Structured, compile_grammar, unpack_bitmask
+from fastdecode.contract import Structured, compile_grammar
+from fastdecode.dense.structured import GrammarBank, unpack_bitmask
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.tokenizer import Tokenizer
 

@@ -136,11 +136,15 @@ def _drain_when_running(scheduler: str, creds: TLSFiles, streams: int) -> dict[s
     import grpc
 
     deadline = time.monotonic() + 120
-    held = 0
+    held, finished_before = 0, None
     while time.monotonic() < deadline:
         st = _stats(scheduler, creds)
         held = st.shards[1].sequences
         if st.running >= streams and held and st.shards[1].tokens > 0:
+            break
+        if finished_before is None:
+            finished_before = st.finished  # the reference run's
+        elif st.finished - finished_before >= streams:  # short streams ended first: drain it idle
             break
         time.sleep(0.02)
     try:

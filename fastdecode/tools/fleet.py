@@ -506,8 +506,8 @@ def launch_up(
 ) -> UpProcess:
     """Run `fastdecode up` in the background and wait for its state file (the fleet is healthy then).
 
-    KV is float32 unless asked: tests and benchmarks compare tokens with transformers' fp32 output
-    or with a fault-free run, which only fp32 KV reproduces exactly (`up` itself defaults to bf16)."""
+    KV is float32 (`up`'s default) unless asked: tests and benchmarks compare tokens with
+    transformers' fp32 output or with a fault-free run, which only fp32 KV reproduces exactly."""
     state_file = workdir / "fleet.json"
     log = workdir / "up.log"
     cmd = [

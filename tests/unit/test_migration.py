@@ -17,8 +17,8 @@ from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
 from fastdecode.scheduling.driver import SchedulerDriver
 from fastdecode.scheduling.migration import Move
 from fastdecode.wire.kv import export_chunks, import_chunks
+from tests.support.core_fleet import Fleet
 from tests.support.fakes import FakeDense, FakeShard
-from tests.unit.test_scheduling_core import Fleet
 
 LAYERS, KVH, HEADS, DIM = 3, 2, 4, 8
 

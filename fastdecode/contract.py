@@ -1,20 +1,19 @@
-"""What crosses between the services, as plain data: the sampling settings, a position's logprobs, a
-structured-output spec and the grammar it compiles to, the sequences of a step, the names of prefix
-blocks, and the limits on them. Every core builds on this module and it builds on none of them: it
-imports no torch, no gRPC and no model or KV code, so the gateway, which validates requests against
-these limits, loads none of them. llguidance is imported on first use (compile_grammar)."""
+"""What crosses between the services, as plain data: the sampling settings (whose `grammar` is a
+structured output compiled by fastdecode.runtime.grammar, which holds `Structured` and its limits),
+a position's logprobs, the sequences of a step, the names of prefix blocks, and the limits on them.
+Every core builds on this module and it builds on none of them: it imports no torch, no gRPC and no
+model or KV code, so the gateway, which validates requests against these limits, loads none of
+them."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.runtime.errors import InvalidInput
 
 MAX_TOP_LOGPROBS = 20  # as vLLM and OpenAI's chat API: the alternatives reported per position
 MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
@@ -98,61 +97,6 @@ class PlannedSeq:
     sample: bool = True  # False: a prefill chunk before the prompt's last (nothing to sample yet)
     sample_index: int = 0
     next_token: int | None = None  # the prompt token after a chunk whose prompt logprobs are asked
-
-
-# ---- structured outputs --------------------------------------------------------------------------
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_SPEC_CHARS = 256 * 1024
-
-
-@dataclass(frozen=True)
-class Structured:
-    """What the output must match: kind is one of KINDS; spec the schema (JSON text), regex, the
-    choices (a JSON list of strings) or a Lark grammar; empty for json_object."""
-
-    kind: str
-    spec: str = ""
-
-
-def llguidance_module() -> Any:
-    try:
-        import llguidance
-    except ImportError as e:  # pinned in pyproject.toml; a stripped install may lack it
-        raise FailedPrecondition("structured outputs need the llguidance package") from e
-    return llguidance
-
-
-def compile_grammar(s: Structured) -> str:
-    """The llguidance grammar of `s`; InvalidInput (a 400) when it does not compile."""
-    lg = llguidance_module()
-    if s.kind not in KINDS:
-        raise InvalidInput(f"unknown structured output kind {s.kind!r}; one of {', '.join(KINDS)}")
-    if len(s.spec) > MAX_SPEC_CHARS:
-        raise InvalidInput(f"the {s.kind} has {len(s.spec)} characters; the limit is {MAX_SPEC_CHARS}")
-    try:
-        if s.kind == "json_object":
-            grammar = lg.LLMatcher.grammar_from_json_schema({"type": "object"})
-        elif s.kind == "json_schema":
-            schema = json.loads(s.spec)
-            if not isinstance(schema, dict | bool):
-                raise InvalidInput("the JSON schema must be an object")
-            grammar = lg.LLMatcher.grammar_from_json_schema(schema)
-        elif s.kind == "regex":
-            grammar = lg.LLMatcher.grammar_from_regex(s.spec)
-        elif s.kind == "choice":
-            choices = json.loads(s.spec)
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise InvalidInput("choice needs a non-empty list of non-empty strings")
-            # Lark string literals take JSON's escapes
-            grammar = lg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-        else:
-            grammar = lg.LLMatcher.grammar_from_lark(s.spec)
-    except (ValueError, TypeError) as e:
-        raise InvalidInput(f"the {s.kind} is not valid: {e}") from None
-    error = lg.LLMatcher.validate_grammar(grammar, None)
-    if error:
-        raise InvalidInput(f"the {s.kind} cannot be compiled: {error.strip()}")
-    return grammar
 
 
 # ---- prefix blocks ---------------------------------------------------------------------------------

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 
 from fastdecode.benchmarks.common import median
-from fastdecode.contract import PlannedSeq, SamplingParams, Structured, compile_grammar
+from fastdecode.contract import PlannedSeq, SamplingParams
 from fastdecode.dense import AttendItem, StepRunner
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.kv import KVStore
 from fastdecode.model.dense import DenseModel
+from fastdecode.runtime.grammar import Structured, compile_grammar
 from fastdecode.runtime.tokenizer import Tokenizer
 
 SCHEMA = {

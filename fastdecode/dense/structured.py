@@ -1,6 +1,7 @@
-"""Structured outputs on the dense side: a matcher per sequence that masks the logits before sampling.
-The spec (a JSON schema, JSON object, regex or choice list) is compiled into an llguidance grammar
-by the gateway, which answers a 400 for one that does not compile (fastdecode.contract.compile_grammar).
+"""Structured outputs: a JSON schema, JSON object, regex or choice list compiled into an llguidance
+grammar (fastdecode/runtime/grammar.py, with its limits; the gateway compiles in worker processes and
+answers a 400 for one that does not compile), and a matcher per sequence that masks the logits
+before sampling (gpu_dense).
 
 Why llguidance (not xgrammar): it has no Python dependencies (xgrammar's wheel requires torch, triton
 and transformers, which would pull or move the pinned torch), compiles a schema lazily in well under a
@@ -24,9 +25,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdecode.contract import llguidance_module as _lg
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.runtime.grammar import (
+    KINDS,
+    MAX_SPEC_CHARS,
+    Structured,
+    check_grammar,
+    compile_grammar,
+    load_llguidance,
+    on_big_stack,
+    parser_limits,
+)
 
+__all__ = ["KINDS", "MAX_SPEC_CHARS", "GrammarBank", "Structured", "compile_grammar", "unpack_bitmask"]
 MAX_MATCHERS = 4096  # matchers kept for sequences not seen lately go first past this many
 
 
@@ -64,7 +75,7 @@ class GrammarBank:
         if self._tokenizer is None:
             if not self.path.is_file():
                 raise FailedPrecondition(f"structured outputs need the model's tokenizer ({self.path})")
-            self._tokenizer = _lg().LLTokenizer(
+            self._tokenizer = load_llguidance().LLTokenizer(
                 str(self.path), n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
         return self._tokenizer
@@ -100,7 +111,11 @@ class GrammarBank:
     def _new_matcher(self, grammar: str) -> Any:
         fresh = self._fresh.get(grammar)
         if fresh is None:
-            fresh = _lg().LLMatcher(self._tok(), grammar)
+            # the gateway's limits again (a Submit may come from elsewhere), then llguidance on a big
+            # stack: building a matcher parses the grammar as recursively as compiling it
+            check_grammar(grammar)
+            tok = self._tok()
+            fresh = on_big_stack(lambda: load_llguidance().LLMatcher(tok, grammar, limits=parser_limits()))
             if fresh.is_error():
                 raise InvalidInput(f"the grammar does not compile: {fresh.get_error()}")
             self._fresh[grammar] = fresh
@@ -125,7 +140,7 @@ class GrammarBank:
                     out.append(e)
             if live:  # all rows at once, on llguidance's own threads
                 if self._executor is None:
-                    self._executor = _lg().LLExecutor()
+                    self._executor = load_llguidance().LLExecutor()
                 self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, len(rows))
             allowed = unpack_bitmask(bitmask, self.vocab_size) if rows else None
         return [o if isinstance(o, Exception) else allowed[i] for i, o in enumerate(out)]  # type: ignore[index]

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
-from fastdecode.contract import Structured, TokenLogprob
+from fastdecode.contract import TokenLogprob
 from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams, ValidRequest
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.grammar import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
 from fastdecode.wire.dense import position_from_proto, sampling_to_proto, top_from_proto

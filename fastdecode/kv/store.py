@@ -2,13 +2,13 @@
 
 Layout: one pool per K and V of shape [layers, kv_heads, num_blocks * block_size, head_dim]
 (head-major: one head of one sequence is a contiguous [tokens, head_dim] run within a block).
-Storage dtypes: float32, float16, bfloat16, and int8 and float8 e4m3 with one float32 scale per (token, KV head)
-(pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks are its
-block table (`SeqBlocks.blocks`); token `pos` lives in slot blocks[pos // block_size] * block_size +
-pos % block_size. Blocks on demand: a sequence is admitted with the blocks for the tokens it holds
-(its prompt) and its block table grows one block at a time as attention appends past its last
-block, so the pool holds what sequences really use, not their max_tokens. When no block is free
-the call fails with ResourceExhausted and nothing of it is kept; the scheduler then preempts a
+Storage dtypes: float32, float16, bfloat16, and int8 and float8 e4m3 with one float32 scale per
+(token, KV head) (pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks
+are its block table (`SeqBlocks.blocks`); token `pos` lives in slot blocks[pos // block_size] *
+block_size + pos % block_size. Blocks on demand: a sequence is admitted with the blocks for the
+tokens it holds (its prompt) and its block table grows one block at a time as attention appends past
+its last block, so the pool holds what sequences really use, not their max_tokens. When no block is
+free the call fails with ResourceExhausted and nothing of it is kept; the scheduler then preempts a
 sequence (frees its blocks, recomputes it later). A new block extends the sequence's run in place
 when the next block is free, so a sequence stays one contiguous run as long as its neighbours allow.
 
@@ -339,8 +339,8 @@ class KVStore(Attention):
 
     # ---- live migration: a sequence's rows out of one pool and into another --------------------
     def export_layer(self, seq_id: str, layer: int) -> tuple[torch.Tensor, ...]:
-        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus
-        int8's or float8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
+        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus int8's
+        or float8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")

@@ -176,7 +176,8 @@ def run_attention_bench(
             "head_dim": head_dim,
             "kv_dtype": kv_dtype,
             "backend": backend,
-            "isa": chosen or "torch",
+            "isa": native_kernel.isa() if backend == "native" else "torch",
+            "isa_forced": native_kernel.forced() if backend == "native" else False,
             "path": native_kernel.path(kv_dtype, head_dim) if backend == "native" else "torch",
             "threads": nthreads,
             "clock": clock,
@@ -233,13 +234,13 @@ def kernel_isa(backend: str, isa: str | None) -> Iterator[tuple[str | None, Call
     if backend != "native":
         yield None, lambda _level: None
         return
-    before = native_kernel.isa()
+    before = native_kernel.isa() if native_kernel.forced() else "auto"
 
     def use(level: str | None) -> None:
         native_kernel.set_isa(level or before)
 
     try:
         use(isa)
-        yield native_kernel.isa(), use
+        yield isa or before, use
     finally:
         native_kernel.set_isa(before)

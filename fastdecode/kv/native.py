@@ -82,14 +82,21 @@ def isas() -> list[str]:
 
 
 def set_isa(name: str) -> None:
-    """Force an ISA level (tests, A/B benches); IsaUnavailable when the CPU lacks it."""
+    """Force an ISA level for every dtype (tests, A/B benches), or 'auto' (the CPUID pick, each
+    dtype on the highest level kept for it); IsaUnavailable when the CPU lacks it."""
     try:
         load().set_isa(name)
     except RuntimeError as e:
         raise IsaUnavailable(_first_line(e)) from None
 
 
+def forced() -> bool:
+    """Whether set_isa (or FASTDECODE_KERNEL_ISA) forced the level."""
+    return bool(load().forced())
+
+
 def path(dtype: str, head_dim: int) -> str:
     """The level that attends a KV dtype (a KV_DTYPES name) at a head dim under the current ISA:
-    a dtype keeps a level only where it measured faster than the one below."""
+    picked from CPUID, a dtype runs on a level only where it measured faster than avx2; forced, on
+    the forced level (a lower one where the head dim does not divide its loads)."""
     return load().path(dtype, head_dim)

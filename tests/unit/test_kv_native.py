@@ -40,7 +40,7 @@ def isa_level(request: pytest.FixtureRequest) -> str:
     level = request.param
     if level not in native.isas():
         pytest.skip(f"this CPU lacks ISA level {level} (it has {native.isas()})")
-    before = native.isa()
+    before = "auto"  # the CPUID pick (no test runs forced)
     native.set_isa(level)
     yield level
     native.set_isa(before)
@@ -222,7 +222,7 @@ def test_scalar_path_matches_vector_path(dtype: str) -> None:
     q = torch.randn(2, 8, 64, generator=gen)
     k, v = hist["a"][0][499:500].repeat(2, 1, 1), hist["a"][1][499:500].repeat(2, 1, 1)
     outs = []
-    before = kernel.isa()
+    before = "auto"  # the CPUID pick (no test runs forced)
     try:
         for isa in ("scalar", before):
             kernel.set_isa(isa)
@@ -333,7 +333,7 @@ def test_every_isa_level_matches_fp64_and_the_scalar_path(
     outs = []
     for level in (isa_level, "scalar"):
         native.set_isa(level)
-        outs.append(store.attend(0, ["c", "e"], [1, 1], [34, 1101], q, k, v))
+        outs.append(store.attend(0, AttendBatch(["c", "e"], [1, 1], [34, 1101], q, k, v)))
     native.set_isa(isa_level)
     torch.testing.assert_close(outs[0], outs[1], atol=KERNEL_TOL[dtype], rtol=KERNEL_TOL[dtype])
 
@@ -342,17 +342,21 @@ def test_isa_levels_and_paths() -> None:
     """The picked level is the highest the CPU has; each dtype's path is at or below it; an unknown
     level or one the CPU lacks is one clear error and leaves the level as it was."""
     levels = native.isas()
-    assert levels[0] == "scalar" and native.isa() == levels[-1]
+    assert levels[0] == "scalar" and native.isa() == levels[-1] and not native.forced()
     order = ("scalar",) + VECTOR_ISAS
     for dtype in DTYPES:
         assert order.index(native.path(dtype, 64)) <= order.index(native.isa())
+        for level in levels:  # forced, every dtype runs on the level (64 divides every load)
+            native.set_isa(level)
+            assert native.path(dtype, 64) == level and native.forced()
+        native.set_isa("auto")
         assert native.path(dtype, 36) == "scalar"  # no vector load steps by 4
-    before = native.isa()
+    before = "auto"  # the CPUID pick (no test runs forced)
     for bad in ["avx9", "AVX2", ""] + [lvl for lvl in order if lvl not in levels]:
         with pytest.raises(native.IsaUnavailable) as e:
             native.set_isa(bad)
         assert "\n" not in str(e.value) and ("lacks" in str(e.value) or "must be one of" in str(e.value))
-        assert native.isa() == before
+        assert native.isa() == levels[-1] and not native.forced()
     native.set_isa("scalar")
     try:
         assert all(native.path(d, 64) == "scalar" for d in DTYPES)
@@ -365,7 +369,7 @@ def test_isa_environment_override(monkeypatch: pytest.MonkeyPatch, level: str, o
     """FASTDECODE_KERNEL_ISA forces a level when the kernel loads (a store attends on it, the
     scalar path a CPU without AVX2 gets); a level that does not exist, or that the CPU lacks, stops
     load() with one line naming it, as NativeUnavailable (a shard stops at start with it)."""
-    before = native.isa()
+    before = "auto"  # the CPUID pick (no test runs forced)
     monkeypatch.setenv(native.ISA_ENV, level)
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_error", None)
@@ -375,7 +379,7 @@ def test_isa_environment_override(monkeypatch: pytest.MonkeyPatch, level: str, o
             assert native.isa() == level and native.path("bfloat16", 64) == level
             store.reserve("a", 4)
             q, k, v = (torch.randn(3, 1, 64) for _ in range(3))
-            o = store.attend(0, ["a"], [3], [0], q, k, v)
+            o = store.attend(0, AttendBatch(["a"], [3], [0], q, k, v))
             torch.testing.assert_close(o.double(), reference(q, k, v, 0), atol=2e-5, rtol=2e-5)
         else:
             with pytest.raises(native.NativeUnavailable) as e:

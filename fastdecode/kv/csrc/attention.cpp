@@ -753,10 +753,15 @@ float stream_sum_scalar(const float* x, int64_t n) {
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kIsas = 5 };
 const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16"};
 
-// The highest level each dtype uses (float32, float16, bfloat16, int8, float8): a level is kept for
-// a dtype only where `bench attention --isa` measured it faster than the level below on the same
-// run (docs/kernel.md has the figures); a dtype's lower levels serve it above that.
-constexpr int kKeep[kKinds] = {kAvx512Bf16, kAvx512Bf16, kAvx512Bf16, kAvx512Bf16, kAvx512Bf16};
+// The highest level each dtype uses when the level is picked from CPUID (float32, float16, bfloat16,
+// int8, float8): a level is kept for a dtype only where `bench attention --isa L --baseline-isa
+// avx2` measured it faster than avx2 on the same run by more than the run-to-run noise (3%;
+// docs/kernel.md has the figures). set_isa forces a level for every dtype (tests, A/B benches).
+// On the Sapphire Rapids class host of 2026-12-03 (a 2-vCPU VM shared with other work, one thread,
+// B=32, mixed lengths), against avx2: fp32 avx512 1.02x; bf16 avx512 0.99x, avx512_bf16 1.05-1.06x
+// (three vdpbf16ps per 32 elements cost more than the shift, mask and two FMAs they replace); int8
+// avx512 1.02x, avx512_vnni 0.98x. None beyond the noise, so avx2 serves every dtype by default.
+constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx2};
 
 bool cpu_has(int level) {
 #ifdef FD_X86
@@ -790,20 +795,29 @@ int best_level() {
 }
 
 std::atomic<int> g_isa{best_level()};
+std::atomic<bool> g_forced{false};  // set_isa chose the level: every dtype runs on it (kKeep aside)
 
 std::string isa() { return kIsaNames[g_isa.load()]; }
+bool forced() { return g_forced.load(); }
 
 void set_prefetch(bool on) { g_prefetch = on; }
 
 void set_isa(const std::string& name) {
+  if (name == "auto") {  // back to the CPUID pick, kKeep applying
+    g_isa = best_level();
+    g_forced = false;
+    return;
+  }
   for (int level = 0; level < kIsas; ++level)
     if (name == kIsaNames[level]) {
       TORCH_CHECK(cpu_has(level), "this CPU lacks the features of isa '", name, "' (it has up to '",
                   kIsaNames[best_level()], "')");
       g_isa = level;
+      g_forced = true;
       return;
     }
-  TORCH_CHECK(false, "isa must be one of scalar, avx2, avx512, avx512_vnni, avx512_bf16; got '", name, "'");
+  TORCH_CHECK(false, "isa must be one of auto, scalar, avx2, avx512, avx512_vnni, avx512_bf16; got '", name,
+              "'");
 }
 
 // Whether a level's vector job serves a dtype at head dim D (its loads step by 8, 16 or 32
@@ -817,7 +831,7 @@ bool fits(int level, int kind, int64_t D) {
 
 // The level that serves a dtype at head dim D under the current isa.
 int path_of(int kind, int64_t D) {
-  int level = std::min(g_isa.load(), kKeep[kind]);
+  int level = g_forced.load() ? g_isa.load() : std::min(g_isa.load(), kKeep[kind]);
   while (level > kScalar && !fits(level, kind, D)) --level;
   return level;
 }
@@ -1078,7 +1092,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &fd::attend, "append new k, v and attend every query token (see attention.cpp)");
   m.def("stream_read", &fd::stream_read, "sum a float32 tensor with attend's threads (bandwidth yardstick)");
   m.def("isa", &fd::isa, "isa level in use: scalar, avx2, avx512, avx512_vnni or avx512_bf16");
-  m.def("set_isa", &fd::set_isa, "force an isa level the CPU has (tests, A/B benches); an error if it lacks it");
+  m.def("set_isa", &fd::set_isa,
+        "force an isa level the CPU has for every dtype (tests, A/B benches; an error if it lacks it), "
+        "or 'auto': the CPUID pick with each dtype on its kept level");
+  m.def("forced", &fd::forced, "whether set_isa forced the level (else the CPUID pick)");
   m.def("path", &fd::path, "the level that serves a KV dtype at a head dim under the current isa");
   m.def("isas", []() {
     std::vector<std::string> out;

@@ -46,7 +46,7 @@ def auto_workers(num_shards: int, dense_threads: int | None, device: str = "cpu"
     --threads, else one (the event loop) when the S-part runs on a GPU, else torch's threads (all
     cores: a CPU dense half left to torch's default leaves none, and keeps the in-process path)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    on_gpu = device.startswith(("cuda", "emulated:")) or (device == "auto" and torch.cuda.is_available())
     own = dense_threads or (1 if on_gpu else torch.get_num_threads())
     return max(0, min(num_shards, cores - own))
 

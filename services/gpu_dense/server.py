@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from fastdecode.dense import PipelineChooser, StepRunner
+from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.model import DenseModel
 from fastdecode.runtime import codec, convert
@@ -36,21 +37,32 @@ class DenseService(pb_grpc.DenseServicer):
         self.settings = settings
         self.links = links
         self.host = host  # the shard this process hosts (--host-shard), if any
-        self.model: DenseModel | None = None  # set by load(); calls before that get UNAVAILABLE
+        self.model: DenseModel | EmulatedModel | None = (
+            None  # set by load(); calls before that get UNAVAILABLE
+        )
         self.runner: StepRunner | None = None
 
     async def load(self) -> None:
         s = self.settings
         progress = ProgressFile(s.progress_file, LOADING_WEIGHTS) if s.progress_file else None
-        self.model = await asyncio.to_thread(
-            DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype], progress
-        )
+        dtype = codec.DTYPE_NAMES[s.dtype]
+        if is_emulated(s.device):
+            self.model = load_emulated(s.model, s.device, dtype, s.geometry)
+            log.warning(
+                "device %s is EMULATED: no weights, synthetic tokens at the profile's roofline pace (%s)",
+                s.device,
+                self.model.profile,
+            )
+        else:
+            self.model = await asyncio.to_thread(
+                DenseModel.from_pretrained, s.model, s.device, dtype, progress
+            )
         chooser = PipelineChooser() if s.pipeline_mode == "auto" else None
         c = self.model.config
         grammars = GrammarBank(Path(s.model) / "tokenizer.json", c.vocab_size, c.eos_token_ids)
         self.runner = StepRunner(self.model, self.links, chooser, grammars)
 
-    def _ready(self) -> tuple[DenseModel, StepRunner]:
+    def _ready(self) -> tuple[DenseModel | EmulatedModel, StepRunner]:
         if self.model is None or self.runner is None:
             raise Unavailable("gpu_dense is still loading its weights")
         return self.model, self.runner
@@ -62,7 +74,7 @@ class DenseService(pb_grpc.DenseServicer):
             model.config,
             str(self.settings.model),
             self.settings.dtype,
-            str(model.device),
+            model.label if isinstance(model, EmulatedModel) else str(model.device),
             [link.address for link in self.links.links],
             [link.index for link in self.links.links if link.removed],
         )
@@ -114,6 +126,8 @@ class DenseService(pb_grpc.DenseServicer):
         failed = sum(1 for o in outcomes.values() if o.error is not None)
         result.timings.CopyFrom(convert.timings_to_proto(t))
         metrics.step_done(t, len(outcomes) - failed, failed)
+        if isinstance(self.model, EmulatedModel):
+            metrics.device_time(self.model.clock.compute_seconds, self.model.clock.copy_seconds)
         return result
 
     @handles_errors
@@ -138,6 +152,10 @@ class DenseService(pb_grpc.DenseServicer):
 
 async def serve(settings: Settings) -> None:
     log = settings.configure_logging("gpu_dense")
+    if is_emulated(settings.device):  # an unknown profile or a geometry too big: one line, before any port
+        load_emulated(settings.model, settings.device, codec.DTYPE_NAMES[settings.dtype], settings.geometry)
+    elif settings.geometry:
+        raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     addresses = split_addresses(settings.shards)

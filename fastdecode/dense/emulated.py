@@ -293,7 +293,6 @@ class EmulatedModel:
         self._gen = torch.Generator().manual_seed(0)
         self._q = self._k = self._v = torch.empty(0)
         self._logits = torch.empty(0)
-        self._offset = 0
 
     def _pool(
         self, pool: torch.Tensor, rows: int, width: int, dtype: torch.dtype, scale: float
@@ -337,19 +336,24 @@ class EmulatedModel:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Synthetic fp32 logits [N, vocab], a different window of the pool each call."""
+        """Synthetic fp32 logits [N, vocab]: the pool's first N rows (greedy draws repeat, so runs
+        are reproducible; sampled draws vary)."""
         n, vocab = hidden.shape[0], self.config.vocab_size
         self.clock.compute(self.roofline.head_seconds(n))
-        if self._logits.shape[0] < 2 * n:
-            pool = self._pool(torch.empty(0), 2 * n, vocab, torch.float32, 2.0)
+        if self._logits.shape[0] < n:
+            pool = self._pool(self._logits, n, vocab, torch.float32, 2.0)
             pool[:, self.token_limit :] = -1e4  # ids the tokenizer cannot decode are never drawn
             self._logits = pool
-        half = self._logits.shape[0] // 2
-        self._offset = (self._offset + 1) % half
-        return self._logits[self._offset : self._offset + n]
+        return self._logits[:n]
 
     async def settle(self) -> None:
         await self.clock.settle()
+
+    @property
+    def served_config(self) -> ModelConfig:
+        """What gpu_dense reports (Info): the emulated shape, with the vocabulary the tokenizer has
+        (the gateway checks they agree; the logits keep the geometry's width)."""
+        return replace(self.config, vocab_size=self.token_limit)
 
 
 def load_emulated(

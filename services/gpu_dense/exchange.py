@@ -116,6 +116,9 @@ class _Worker:
         finally:
             child.close()
         reader, self.writer = await asyncio.open_unix_connection(sock=parent)
+        # The fleet secret goes over the socket, never argv or the environment: the worker's links
+        # carry it on every Attend call (shards refuse internal calls without it).
+        self.writer.write(frame(("secret", self.tls.secret if self.tls is not None else None)))
         try:
             hello = await asyncio.wait_for(read_frame(reader), START_TIMEOUT_S)
         except TimeoutError:

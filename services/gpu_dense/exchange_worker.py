@@ -122,19 +122,22 @@ class _WorkerLoop:
 
 
 async def _worker_main(args: argparse.Namespace) -> None:
+    sock = socket.socket(fileno=args.fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    first = await read_frame(reader)  # the parent's fleet secret (or None), before anything else
+    secret = first[1] if first is not None and first[0] == "secret" else None
     tls = None
-    if args.tls_cert or args.tls_ca:
+    if args.tls_cert or args.tls_ca or secret is not None:
         tls = TLSFiles(
             cert=Path(args.tls_cert) if args.tls_cert else None,
             key=Path(args.tls_key) if args.tls_key else None,
             ca=Path(args.tls_ca) if args.tls_ca else None,
+            secret=secret,
         )
     links = ShardLinks([])
     for part in filter(None, args.shards.split(",")):
         index, address = part.split("=", 1)
         links.add(ShardLink(int(index), address, tls, args.timeout))
-    sock = socket.socket(fileno=args.fd)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
     loop = _WorkerLoop(links, writer)
     writer.write(frame(("ready",)))
     await loop.run(reader, args.timeout, tls)

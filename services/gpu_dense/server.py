@@ -71,7 +71,7 @@ class DenseService(pb_grpc.DenseServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         model, _ = self._ready()
         return convert.model_info_to_proto(
-            model.config,
+            model.served_config if isinstance(model, EmulatedModel) else model.config,
             str(self.settings.model),
             self.settings.dtype,
             model.label if isinstance(model, EmulatedModel) else str(model.device),

@@ -22,14 +22,13 @@ from fastdecode.runtime.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from services.gpu_dense import metrics
-from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.host_shard import HostShard, HostShardPlane
-from services.gpu_dense.shards import ShardLink, ShardLinks, make_plane
+from services.gpu_dense.plane import ShardPlaneService
+from services.gpu_dense.shards import make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
 Settings = DenseSettings  # the one settings class: fastdecode.runtime.settings
-ShardPlaneService = ShardLinks | ExchangePlane | HostShardPlane  # what the service asks of its plane
 
 
 class DenseService(pb_grpc.DenseServicer):
@@ -90,10 +89,9 @@ class DenseService(pb_grpc.DenseServicer):
             if link.address == address:
                 self.links.restore(link.index)  # a removed shard back on its address (a restarted pod)
                 return pb.AddShardResponse(shard=link.index)
-        link = ShardLink(self.links.num_shards, address, self.settings.tls, self.settings.shard_timeout)
-        self.links.add(link)
-        log.info("added %s", link.name)
-        return pb.AddShardResponse(shard=link.index)
+        index = self.links.add_shard(address)
+        log.info("added %s", self.links.links[index].name)
+        return pb.AddShardResponse(shard=index)
 
     @handles_errors
     async def RemoveShard(

@@ -117,3 +117,18 @@ def test_runner_on_the_emulated_device(llama_dir: Path) -> None:
         assert o.error is None and 0 <= o.token_id < base_vocab and o.logprob <= 0
     # every prompt token's K and V was written: 4 + 5 on shard 0, 3 + 2 on shard 1
     assert [s.tokens_held for s in shards.stores] == [9, 5]
+
+
+def test_gpu_check_compares_the_profile_with_a_measured_layer() -> None:
+    """`make gpu-check`'s comparison, run here on the CPU at a small geometry: the measured T(B) of a
+    random-weight layer of the geometry's shapes beside the profile's roofline for each batch."""
+    from fastdecode.benchmarks.gpu_check import geometry_model, profile_vs_measured
+
+    m = geometry_model("smollm2", "cpu", torch.bfloat16, layers=1)
+    assert m.layers[0].gate_up_w.shape == (2 * 1536, 576) and m.layers[0].qkv_w.shape == ((9 + 6) * 64, 576)
+    r = profile_vs_measured("smollm2", (2, 8), "cpu")
+    assert [row["batch"] for row in r["rows"]] == [2, 8]
+    for row in r["rows"]:
+        assert row["measured_ms"] > 0 and row["measured_over_profile"] == pytest.approx(
+            row["measured_ms"] / row["profile_ms"]
+        )

@@ -266,6 +266,15 @@ class DeviceClock:
             await asyncio.sleep(wait)
 
 
+def _warm_meta() -> None:
+    """torch registers its meta kernels on the first meta op: seconds of imports (py-spy: ~10 s of CPU
+    on a loaded 2-core host) that would land in the first step. Paid here, at load, instead."""
+    h = torch.empty(4, 8, device="meta")
+    a = torch.zeros(4, 8, device="meta")
+    a[0:2] = torch.ones(2, 8).to("meta")
+    torch.cat([h, a]).index_select(0, torch.tensor([0, 1]).to("meta"))
+
+
 class EmulatedModel:
     """DenseModel's interface (embed, pre_attention, post_attention, logits, settle) on the clock."""
 
@@ -293,6 +302,7 @@ class EmulatedModel:
         self._gen = torch.Generator().manual_seed(0)
         self._q = self._k = self._v = torch.empty(0)
         self._logits = torch.empty(0)
+        _warm_meta()
 
     def _pool(
         self, pool: torch.Tensor, rows: int, width: int, dtype: torch.dtype, scale: float

@@ -80,8 +80,8 @@ class Timings:
     step_seconds: float = 0.0
     attend_seconds: float = 0.0  # time mini-batches spent awaiting the shards, summed over them
     pipelined: bool = False  # whether this step ran two mini-batches
-    # CPU of the LM head and sampling on the step's thread (on an emulated device, the host's stand-in
-    # for sampling a GPU does on the device: fastdecode/dense/emulated.py)
+    # CPU of the LM head and sampling, all of the process's threads while it runs (on an emulated
+    # device, the host's stand-in for sampling a GPU does on the device: fastdecode/dense/emulated.py)
     head_cpu_seconds: float = 0.0
 
     @property
@@ -382,9 +382,9 @@ class StepRunner:
                         tops[j] = top[: params[j].top_logprobs]
                 return toks.tolist(), lps.tolist(), tops
 
-            c0 = time.thread_time()
+            c0 = time.process_time()  # every thread: torch's intra-op threads do the sampling's math
             toks, lps, tops = self._compute(head)
-            head_cpu = time.thread_time() - c0
+            head_cpu = time.process_time() - c0
             await self.model.settle()
             for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
                 outcomes[ordered[i].seq_id] = Outcome(tok, lp, top=tops.get(j, ()))

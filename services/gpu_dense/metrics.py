@@ -31,7 +31,7 @@ STEP_SEQUENCES = Counter(
 )
 HEAD_CPU_SECONDS = Counter(
     "fastdecode_dense_head_cpu_seconds",
-    "CPU seconds of the LM head and sampling on the step's thread (on an emulated device: the host "
+    "CPU seconds of the process while the LM head and sampling ran (on an emulated device: the host "
     "standing in for the device's sampling)",
 )
 DEVICE_SECONDS = Gauge(

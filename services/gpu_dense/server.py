@@ -156,6 +156,8 @@ async def serve(settings: Settings) -> None:
         raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    elif is_emulated(settings.device):  # no math but the sampling stand-in: one thread, as beside a GPU
+        torch.set_num_threads(1)
     addresses = split_addresses(settings.shards)
     if not addresses:
         raise InvalidInput("gpu_dense needs at least one shard (--shards HOST:PORT,...)")

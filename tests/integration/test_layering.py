@@ -25,6 +25,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
     "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
     "fastdecode.benchmarks.split",  # drives gpu_dense and the shards over gRPC
+    "fastdecode.benchmarks.pace",  # drives a fleet and a bare gRPC echo
 }
 
 BLOCK_GRPC = """

@@ -1,5 +1,6 @@
 """Batched sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds,
-the OpenAI penalties and min_tokens, and logprobs (the sampled token's and the top-k alternatives).
+the OpenAI penalties, logit_bias and min_tokens, vLLM's min_p, allowed_token_ids and bad_words, and
+logprobs (the sampled token's and the top-k alternatives).
 
 A seeded row draws its noise from a generator seeded by (seed, sample_index), so the
 token it gets does not depend on what else is in the batch or on which step it runs.
@@ -20,6 +21,7 @@ _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs 
 MAX_TOP_LOGPROBS = 20  # as vLLM and OpenAI's chat API: the alternatives reported per position
 MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100] (-100 bans a token in practice, +100 forces it)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,12 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and `suppress_ids` are masked until this many tokens were sampled
     suppress_ids: tuple[int, ...] = ()  # the request's stop token ids (EOS is the runner's to add)
     grammar: str = ""  # an llguidance grammar the output must match (fastdecode.dense.structured)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias) added to the logits
+    min_p: float = 0.0  # vLLM's: tokens below min_p x the top token's probability are dropped
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (empty: all)
+    # vLLM's bad_words as token sequences: a sequence's last token is banned where the generated
+    # tokens end with the rest of it (a one-token word always)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def validate(self) -> None:
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
@@ -68,11 +76,32 @@ class SamplingParams:
             )
         if self.min_tokens < 0:
             raise InvalidInput(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            raise InvalidInput(f"min_p must be in [0, 1], got {self.min_p}")
+        for t, b in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise InvalidInput(f"logit_bias of token {t} must be in [-100, 100], got {b}")
+        if any(not w for w in self.bad_words):
+            raise InvalidInput("a bad word has no tokens")
+
+    def token_ids(self) -> list[int]:
+        """Every token id the parameters name (checked against the vocabulary by the runner)."""
+        return (
+            [t for t, _ in self.logit_bias]
+            + list(self.allowed_token_ids)
+            + [t for w in self.bad_words for t in w]
+        )
 
     @property
     def needs_history(self) -> bool:
-        """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher)."""
-        return self.penalized or bool(self.grammar)
+        """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher, bad
+        words of more than one token)."""
+        return self.penalized or bool(self.grammar) or any(len(w) > 1 for w in self.bad_words)
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling, beyond the penalties and min_tokens."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def penalized(self) -> bool:
@@ -95,14 +124,15 @@ def penalize(
     history: Sequence[Sequence[int] | None],
     eos_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """The logits the sampler draws from: penalties (vLLM's order: repetition, then frequency and
-    presence) over each row's `history` (prompt + generated; its last sample_index tokens are the
-    generated ones), and min_tokens. Rows that need none are untouched; returns `logits` itself when
-    no row does."""
+    """The logits the sampler draws from, the logit processors in vLLM's order: penalties
+    (repetition, then frequency and presence) over each row's `history` (prompt + generated; its last
+    sample_index tokens are the generated ones), min_tokens, logit_bias, allowed_token_ids, bad_words.
+    Rows that need none are untouched; returns `logits` itself when no row does. (min_p acts in
+    `sample`, on the probabilities after temperature.)"""
     rows = [
         i
         for i, p in enumerate(params)
-        if (p.penalized and history[i]) or (p.min_tokens and sample_index[i] < p.min_tokens)
+        if (p.penalized and history[i]) or (p.min_tokens and sample_index[i] < p.min_tokens) or p.processed
     ]
     if not rows:
         return logits
@@ -125,7 +155,23 @@ def penalize(
             banned = [t for t in (*eos_ids, *p.suppress_ids) if 0 <= t < vocab]
             if banned:
                 row[torch.tensor(banned, device=logits.device)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            row[ids] += torch.tensor([b for _, b in p.logit_bias], device=logits.device, dtype=row.dtype)
+        if p.allowed_token_ids:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            keep[torch.tensor(p.allowed_token_ids, device=logits.device)] = True
+            row.masked_fill_(~keep, float("-inf"))
+        if p.bad_words:
+            generated = list(hist[len(hist) - min(sample_index[i], len(hist)) :]) if hist else []
+            banned = [w[-1] for w in p.bad_words if _ends_with(generated, w[:-1])]
+            if banned:
+                row[torch.tensor(banned, device=logits.device)] = float("-inf")
     return out
+
+
+def _ends_with(tokens: Sequence[int], tail: Sequence[int]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and list(tokens[len(tokens) - len(tail) :]) == list(tail))
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
@@ -171,6 +217,9 @@ def sample(
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        # min_p: below min_p x the most likely token's probability (after temperature, top-k)
+        min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)
+        drop |= probs < min_p[:, None] * probs[:, :1]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         noise = torch.empty_like(probs)

@@ -23,7 +23,15 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastdecode.dense.sampling import TokenLogprob
-from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
+from fastdecode.gateway.text import (
+    GenerateParams,
+    Limits,
+    OutputText,
+    ValidRequest,
+    bad_word_ids,
+    check_params,
+    resolve,
+)
 from fastdecode.model import ModelConfig
 from fastdecode.runtime.errors import (
     DeadlineExceeded,
@@ -232,7 +240,8 @@ class GatewayCore:
             )
         else:
             prompt_ids = list(params.token_ids or [])
-        return resolve(params, prompt_ids, self.limits)
+        bad = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        return resolve(params, prompt_ids, self.limits, bad)
 
     async def _connected(self, remaining: float | None) -> None:
         connect = self.settings.connect_timeout

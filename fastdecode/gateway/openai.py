@@ -5,9 +5,11 @@ framework: services/gateway/openai_api.py serves these over FastAPI.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +20,14 @@ from fastdecode.dense.structured import Structured
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GenerationChunk
 from fastdecode.gateway.text import GenerateParams, unencodable
+from fastdecode.gateway.tools import (
+    ToolCallStream,
+    ToolRequest,
+    fallback_messages,
+    template_messages,
+    template_renders_tools,
+    tool_request,
+)
 from fastdecode.runtime.errors import ServiceError, Status
 
 # The one table from our Status to (HTTP status, OpenAI error type). Anything else is a 500 server_error.
@@ -64,6 +74,18 @@ def error_body(e: ServiceError) -> tuple[int, dict[str, Any]]:
     }
 
 
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """FastAPI's 422 (the body does not parse or fit the types) as OpenAI's 400 naming the field."""
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    if first.get("type") == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        param = None
+    else:
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid"))
+    return APIError(Status.INVALID_ARGUMENT, message, param)
+
+
 # ---- request bodies ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -101,6 +123,9 @@ class RequestBody(BaseModel):
     repetition_penalty: float | None = Field(None, description="extension (vLLM)")
     min_tokens: int | None = Field(None, description="extension (vLLM)")
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(None, description="extension (vLLM)")
+    allowed_token_ids: list[int] | None = Field(None, description="extension (vLLM)")
+    bad_words: list[str] | None = Field(None, description="extension (vLLM)")
     user: str | None = None
     # vLLM's structured-output extras (extra_body in the openai client)
     guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM)")
@@ -137,6 +162,8 @@ class ChatBody(RequestBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -159,8 +186,6 @@ def refuse_unsupported(body: RequestBody) -> None:
     """Parameters we cannot honour are a clear 400, not silently ignored."""
     if body.n is not None and not 1 <= body.n <= MAX_N:
         raise _invalid(f"n={body.n}: n must be in [1, {MAX_N}]", "n")
-    if body.logit_bias:
-        raise _invalid("logit_bias is not supported", "logit_bias")
     if isinstance(body, CompletionBody):
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
             raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
@@ -177,8 +202,6 @@ def refuse_unsupported(body: RequestBody) -> None:
                     f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
                     "top_logprobs",
                 )
-        if body.tools:
-            raise _invalid("tool calling is not supported", "tools")
 
 
 def structured_output(body: RequestBody) -> Structured | None:
@@ -215,9 +238,23 @@ def structured_output(body: RequestBody) -> Structured | None:
     return found[0][1] if found else None
 
 
+def _logit_bias(body: RequestBody) -> dict[int, float] | None:
+    """OpenAI's logit_bias has token ids as JSON keys (strings)."""
+    if not body.logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in body.logit_bias.items()}
+    except ValueError:
+        raise _invalid("logit_bias: the keys are token ids (integers as strings)", "logit_bias") from None
+
+
 def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return {
+        "logit_bias": _logit_bias(body),
+        "min_p": body.min_p,
+        "allowed_token_ids": body.allowed_token_ids,
+        "bad_words": list(body.bad_words or []),
         "max_tokens": max_tokens,
         # OpenAI's default is 1.0 (the gRPC API's is greedy): an OpenAI client expects sampling.
         "temperature": 1.0 if body.temperature is None else body.temperature,
@@ -262,18 +299,43 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     return d
 
 
+def chat_tools(body: ChatBody) -> ToolRequest | None:
+    """The request's tools and tool_choice, checked (a 400 naming the field)."""
+    return tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
 def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> GenerateParams:
+    return chat_request(body, template, max_context)[0]
+
+
+def chat_request(
+    body: ChatBody, template: ChatTemplate, max_context: int
+) -> tuple[GenerateParams, ToolRequest | None]:
+    """The request's params and tools (chat_tools). The template renders the tools where it can,
+    else the fallback prompt (fastdecode.gateway.tools) does; `required` or a named choice
+    constrains the output."""
     refuse_unsupported(body)
-    prompt = template.render([_message_dict(m, i) for i, m in enumerate(body.messages)])
+    tools = chat_tools(body)
+    messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+    if template_renders_tools(template.source):
+        listed = [t.as_openai() for t in tools.tools] if tools is not None else None
+        prompt = template.render(template_messages(messages), tools=listed)
+    else:
+        prompt = template.render(fallback_messages(messages, tools.tools if tools is not None else ()))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return GenerateParams(
+    structured = structured_output(body)
+    forced = tools.structured() if tools is not None else None
+    if forced is not None and structured is not None:
+        raise _invalid(f"tool_choice {tools.choice!r} and a structured output: set one", "tool_choice")  # type: ignore[union-attr]
+    params = GenerateParams(
         prompt=prompt,
         **_sampling(body, max_tokens),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        structured=structured_output(body),
+        structured=forced or structured,
         add_special_tokens=False,  # the template writes BOS itself where the model wants one
         default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
     )
+    return params, tools
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -368,6 +430,7 @@ class ResponseShape:
         logprobs: LogprobsShape | None = None,
         echo: str | None = None,
         index: int = 0,
+        tools: ToolCallStream | None = None,
     ) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -377,6 +440,10 @@ class ResponseShape:
         self.logprobs = logprobs  # None: the request asked for none
         self.echo = echo  # completions' echo: the prompt text, sent before the completion
         self.index = index  # the choice this shape writes (n > 1)
+        self.tools = tools  # chat with tools: the text becomes content and tool_calls
+        self._parts: list[str] = []  # a whole answer's text, logprobs and last chunk (take)
+        self._logprobs: list[dict[str, Any]] = []
+        self._last: GenerationChunk | None = None
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -384,6 +451,17 @@ class ResponseShape:
     def choice(
         self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
     ) -> dict[str, Any]:
+        assert last.finish_reason is not None
+        if self.chat and self.tools is not None:
+            self.tools.feed(text)
+            self.tools.finish()
+            reason = self.tools.finish_reason(last.finish_reason)
+            return {
+                "index": self.index,
+                "message": self.tools.message(),
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
         if self.chat:
             choice = {"index": self.index, "message": {"role": "assistant", "content": text}}
         else:
@@ -405,11 +483,14 @@ class ResponseShape:
         finish_reason: str | None,
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
             choice = {"index": self.index, "text": text or ""}
@@ -423,3 +504,94 @@ class ResponseShape:
     def usage_chunk(self, *lasts: GenerationChunk) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return sse({**self._head(obj), "choices": [], "usage": _usage(*lasts)})
+
+    # -- from generation chunks
+    def logprobs_of(self, c: GenerationChunk) -> list[dict[str, Any]]:
+        """The logprobs objects of one chunk: the prompt's first (echo), then its tokens'."""
+        lp = self.logprobs
+        if lp is None:
+            return []
+        out = []
+        if c.prompt_first_token is not None:
+            out.append(lp.first_prompt_token(c.prompt_first_token))
+        if c.prompt_logprobs:
+            out.append(lp.of(c.prompt_logprobs))
+        out.append(lp.of(c.logprobs))
+        return out
+
+    def take(self, c: GenerationChunk) -> None:
+        """One chunk of a whole (non-streamed) answer."""
+        self._parts.append(c.text)
+        self._logprobs += self.logprobs_of(c)
+        self._last = c
+
+    def collected(self) -> tuple[dict[str, Any], GenerationChunk]:
+        """The whole answer's choice, after the last chunk (it has the finish reason)."""
+        last = self._last
+        assert last is not None and last.finish_reason, "generate() ends with a finish reason"
+        whole = join_logprobs(self._logprobs) if self.logprobs is not None else None
+        return self.choice("".join(self._parts), last, whole), last
+
+    def wants_event(self, c: GenerationChunk) -> bool:
+        has_lp = self.logprobs is not None and bool(c.logprobs or c.prompt_logprobs or c.prompt_first_token)
+        return bool(c.text or c.finish_reason or has_lp)
+
+    def event(self, c: GenerationChunk) -> bytes:
+        """The SSE event(s) of one streamed chunk."""
+        text = c.text
+        if self.echo is not None:  # the prompt leads the first chunk
+            text, self.echo = self.echo + text, None
+        lp = join_logprobs(self.logprobs_of(c)) if self.logprobs is not None else None
+        if self.tools is not None:
+            content, calls = self.tools.feed(text)
+            if c.finish_reason:
+                more, more_calls = self.tools.finish()
+                content, calls = content + more, calls + more_calls
+            out = b""
+            if content or calls or lp:
+                out = self.chunk(content or None, None, logprobs=lp, tool_calls=calls or None)
+            if c.finish_reason:
+                out += self.chunk(None, self.tools.finish_reason(c.finish_reason))
+            return out
+        if self.chat and text and c.finish_reason:  # OpenAI sends the finish on an empty delta
+            return self.chunk(text, None, logprobs=lp) + self.chunk(None, c.finish_reason)
+        return self.chunk(text, c.finish_reason, logprobs=lp)
+
+
+async def merge_choices(
+    firsts: list[GenerationChunk], producers: list[AsyncGenerator[GenerationChunk]]
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(choice, chunk) as each choice's chunks arrive, the first ones first."""
+    for i, f in enumerate(firsts):
+        yield i, f
+    if len(producers) == 1:  # in this task, as before n: the drain's cut-off lands here
+        async with contextlib.aclosing(producers[0]) as chunks:
+            async for c in chunks:
+                yield 0, c
+        return
+    queue: asyncio.Queue[tuple[int, GenerationChunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, producer: AsyncGenerator[GenerationChunk]) -> None:
+        try:
+            async with contextlib.aclosing(producer) as chunks:
+                async for c in chunks:
+                    await queue.put((i, c))
+            await queue.put((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(producers)]
+    try:
+        left = len(tasks)
+        while left:
+            i, c = await queue.get()
+            if c is None:
+                left -= 1
+            elif isinstance(c, BaseException):
+                raise c
+            else:
+                yield i, c
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

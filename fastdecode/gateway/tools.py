@@ -75,10 +75,12 @@ class ToolRequest:
     parallel: bool = True
 
     def structured(self) -> Structured | None:
-        """The schema that enforces `required` or a named choice (None for auto and none)."""
+        """The schema that enforces `required` or a named choice (None for auto and none). Compact
+        JSON: with llguidance's default (any whitespace) a small model drifts into newlines and
+        indentation that spend the token budget."""
         if self.choice == "named":
             tool = next(t for t in self.tools if t.name == self.named)
-            return Structured("json_schema", json.dumps(tool.parameters))
+            return Structured("json_schema", json.dumps(_compact(tool.parameters)))
         if self.choice != "required":
             return None
         items = [
@@ -93,7 +95,13 @@ class ToolRequest:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return Structured("json_schema", json.dumps(schema))
+        return Structured("json_schema", json.dumps(_compact(schema)))
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """llguidance's JSON options: no free whitespace, Python's separators."""
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {**schema, "x-guidance": options}
 
 
 def tool_request(

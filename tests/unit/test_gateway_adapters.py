@@ -61,6 +61,25 @@ def test_params_from_proto_keeps_unset_fields_unset() -> None:
         0,
     )
     assert p.stop == ["a"]
+    assert (p.logit_bias, p.min_p, p.allowed_token_ids, p.bad_words) == (None, None, None, [])
+
+
+def test_logit_processors_cross_every_hop() -> None:
+    """The SDK's request -> GenerateParams -> the scheduler's and gpu_dense's SamplingParams."""
+    from fastdecode.client import _generate_args
+    from fastdecode.dense.sampling import SamplingParams
+    from fastdecode.runtime.convert import sampling_from_proto, sampling_to_proto
+
+    req, _ = _generate_args(
+        "x", logit_bias={5: -100.0, 9: 2.5}, min_p=0.1, allowed_token_ids=[5, 9, 11], bad_words=["no way"]
+    )
+    p = params_from_proto(req)
+    assert p.logit_bias == {5: -100.0, 9: 2.5} and p.min_p == pytest.approx(0.1)
+    assert (p.allowed_token_ids, p.bad_words) == ([5, 9, 11], ["no way"])
+    s = SamplingParams(
+        logit_bias=((5, -100.0), (9, 2.5)), min_p=0.25, allowed_token_ids=(5, 9), bad_words=((1, 2), (3,))
+    )
+    assert sampling_from_proto(sampling_to_proto(s)) == s
 
 
 @pytest.mark.parametrize(

@@ -304,6 +304,16 @@ def chat_tools(body: ChatBody) -> ToolRequest | None:
     return tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
+def cannot_chat(model_id: str, reason: str) -> APIError:
+    """A chat request to a model without a usable chat template."""
+    reason = reason or "it has no chat_template (tokenizer_config.json, chat_template.jinja)"
+    return _invalid(
+        f"the model {model_id!r} cannot chat: {reason}; "
+        "use /v1/completions with a prompt you format yourself",
+        "messages",
+    )
+
+
 def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> GenerateParams:
     return chat_request(body, template, max_context)[0]
 

@@ -11,8 +11,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from fastdecode.dense.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
-from fastdecode.dense.structured import Structured, compile_grammar
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.grammar import Structured
 from fastdecode.runtime.tokenizer import Tokenizer
 
 # Prompt tokens that seed the detokenizer, so the first generated token decodes with the
@@ -60,7 +60,7 @@ class GenerateParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    structured: Structured | None = None  # the output must match it (compiled in resolve)
+    structured: Structured | None = None  # the output must match it (compiled by the gateway's workers)
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     min_p: float | None = None
     allowed_token_ids: list[int] | None = None
@@ -231,10 +231,15 @@ def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
 
 
 def resolve(
-    p: GenerateParams, prompt_ids: list[int], limits: Limits, bad_words: Sequence[tuple[int, ...]] = ()
+    p: GenerateParams,
+    prompt_ids: list[int],
+    limits: Limits,
+    grammar: str = "",
+    bad_words: Sequence[tuple[int, ...]] = (),
 ) -> ValidRequest:
-    """Apply defaults and the context-length check to a request that passed check_params;
-    `bad_words`: p.bad_words tokenized (bad_word_ids)."""
+    """Apply defaults and the context-length check to a request that passed check_params; `grammar`
+    is p.structured compiled (fastdecode/gateway/grammar.py), `bad_words` p.bad_words tokenized
+    (bad_word_ids)."""
     n = len(prompt_ids)
     if n == 0:
         raise InvalidInput("the prompt tokenizes to no tokens")
@@ -271,7 +276,7 @@ def resolve(
         frequency_penalty=p.frequency_penalty or 0.0,
         repetition_penalty=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
         min_tokens=min(p.min_tokens or 0, max_tokens),
-        grammar=compile_grammar(p.structured) if p.structured is not None else "",
+        grammar=grammar,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (p.logit_bias or {}).items())),
         min_p=float(p.min_p or 0.0),
         allowed_token_ids=tuple(dict.fromkeys(p.allowed_token_ids or ())),

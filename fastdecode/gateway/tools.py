@@ -23,12 +23,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdecode.dense.structured import Structured, compile_grammar
 from fastdecode.runtime.errors import InvalidInput, ServiceError, Status
+from fastdecode.runtime.grammar import Structured, check_spec
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
@@ -160,11 +161,32 @@ def _tool(t: Any, where: str) -> Tool:
         raise ToolError(
             f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters"
         )
-    try:
-        compile_grammar(Structured("json_schema", json.dumps(params)))
+    try:  # the limits, in process; llguidance compiles it in a worker (check_tool_schemas)
+        check_spec(Structured("json_schema", json.dumps(params)))
     except InvalidInput as e:
         raise ToolError(f"{where}.function.parameters: {e.message}", f"{where}.function.parameters") from None
     return Tool(name, description, params)
+
+
+_COMPILED: OrderedDict[str, None] = OrderedDict()  # schemas llguidance took lately (agents resend theirs)
+
+
+async def check_tool_schemas(req: ToolRequest, compile_: Callable[[Structured], Awaitable[str]]) -> None:
+    """Each tool's parameters compiled by `compile_` (the gateway's grammar workers: llguidance never
+    runs on the event loop); one that does not compile is a 400 naming it."""
+    for i, t in enumerate(req.tools):
+        spec = json.dumps(t.parameters, sort_keys=True)
+        if spec in _COMPILED:
+            _COMPILED.move_to_end(spec)
+            continue
+        try:
+            await compile_(Structured("json_schema", spec))
+        except InvalidInput as e:
+            where = f"tools[{i}].function.parameters"
+            raise ToolError(f"{where}: {e.message}", where) from None
+        _COMPILED[spec] = None
+        while len(_COMPILED) > 256:
+            _COMPILED.popitem(last=False)
 
 
 # ---- prompts -----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from fastdecode.gateway.openai import (
     LogprobsShape,
     RequestBody,
     ResponseShape,
+    cannot_chat,
     chat_request,
     choice_params,
     completion_params,
@@ -40,7 +41,7 @@ from fastdecode.gateway.openai import (
     validation_error,
 )
 from fastdecode.gateway.text import GenerateParams
-from fastdecode.gateway.tools import ToolCallStream, ToolRequest, choose_parser
+from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas, choose_parser
 from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
 from fastdecode.runtime.settings import GatewaySettings
 
@@ -183,17 +184,11 @@ class OpenAIApp:
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
         self._check_model(body.model)
         if self.template is None:
-            reason = self.template_error or (
-                "it has no chat_template (tokenizer_config.json, chat_template.jinja)"
-            )
-            raise APIError(
-                Status.INVALID_ARGUMENT,
-                f"the model {self.core.model_id!r} cannot chat: {reason}; "
-                "use /v1/completions with a prompt you format yourself",
-                "messages",
-            )
+            raise cannot_chat(self.core.model_id, self.template_error)
         try:
             params, tools = chat_request(body, self.template, self.core.limits.max_context)
+            if tools is not None:
+                await check_tool_schemas(tools, self.core.grammars.compile)
         except Exception as e:  # noqa: BLE001 - the template's InvalidInput and the like
             raise as_service_error(e, log) from None
         return await self._run(request, params, body, chat=True, tools=tools)

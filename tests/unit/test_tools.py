@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from fastdecode.dense.structured import compile_grammar
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.openai import ChatBody, chat_request
 from fastdecode.gateway.tools import (
@@ -20,6 +19,7 @@ from fastdecode.gateway.tools import (
     choose_parser,
     tool_request,
 )
+from fastdecode.runtime.grammar import compile_grammar
 from fastdecode.tools.checkpoint import CHATML_TEMPLATE
 
 WEATHER = {

@@ -411,6 +411,11 @@ def test_cut_off_ends_an_http_stream_with_an_error_event_then_done(llama_dir: Pa
 
 def _post(app: object, path: str, body: dict) -> tuple[int, bytes]:
     """One POST through the ASGI app (no socket): (status, body bytes)."""
+    return asyncio.run(post(app, path, body))
+
+
+async def post(app: object, path: str, body: dict) -> tuple[int, bytes]:
+    """_post on the running loop (for a core whose workers live on one loop)."""
     raw = json.dumps(body).encode()
     scope = {
         "type": "http",
@@ -439,7 +444,7 @@ def _post(app: object, path: str, body: dict) -> tuple[int, bytes]:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(app(scope, receive, send))  # type: ignore[operator]
+    await app(scope, receive, send)  # type: ignore[operator]
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 
@@ -481,62 +486,3 @@ def test_n_choices_logprobs_and_usage_over_http(llama_dir: Path) -> None:
     events = [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
     assert sorted({c["index"] for e in events for c in e["choices"]}) == [0, 1, 2]
     assert events[-1]["usage"]["completion_tokens"] == 6
-
-
-def test_tool_calls_and_logit_processors_over_http(llama_dir: Path) -> None:
-    """The model's hermes text becomes tool_calls (whole, and as deltas that add up to them); the
-    logit processors reach the scheduler's request; a named choice sends its schema as the grammar."""
-    link = FakeScheduler()
-    seen: list = []
-    core, _ = make_core(llama_dir, link, http_port=0)
-    text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    ids = core.tokenizer.encode(text, False)
-    assert core.tokenizer.decode(ids) == text
-
-    def script(rid: str, req: object) -> list:
-        seen.append(req)
-        return [UpstreamEvent([t]) for t in ids[:-1]] + [UpstreamEvent(ids[-1:], "stop")]
-
-    link.script = script
-    core.ready = True
-    app = _Front(OpenAIApp(core, core.settings).app, core, None, 1 << 20)
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    body = {
-        "model": core.model_id,
-        "messages": [{"role": "user", "content": "weather?"}],
-        "tools": [tool],
-        "logit_bias": {"5": -100},
-        "min_p": 0.2,
-        "allowed_token_ids": ids,
-        "bad_words": ["zebra"],
-    }
-    status, raw = _post(app, "/v1/chat/completions", body)
-    assert status == 200, raw
-    choice = json.loads(raw)["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
-    (call,) = choice["message"]["tool_calls"]
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    req = seen[0]
-    assert (req.logit_bias, req.min_p, req.allowed_token_ids) == (
-        ((5, -100.0),),
-        0.2,
-        tuple(dict.fromkeys(ids)),
-    )
-    assert req.bad_words and all(w for w in req.bad_words) and req.grammar == ""
-    status, raw = _post(app, "/v1/chat/completions", {**body, "stream": True})
-    events = [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
-    deltas = [c["delta"] for e in events for c in e["choices"]]
-    content = "".join(d.get("content") or "" for d in deltas)
-    parts = [t for d in deltas for t in d.get("tool_calls", [])]
-    assert content == "Sure." and parts[0]["function"]["name"] == "get_weather" and parts[0]["id"]
-    assert "".join(p["function"]["arguments"] for p in parts) == '{"city": "Paris"}'
-    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    status, raw = _post(
-        app, "/v1/chat/completions", {**body, "tool_choice": named, "allowed_token_ids": None}
-    )
-    assert status == 200 and seen[-1].grammar  # the function's schema, compiled
-    status, raw = _post(
-        app, "/v1/chat/completions", {**body, "tool_choice": {"type": "function", "function": {"name": "x"}}}
-    )
-    assert status == 400 and json.loads(raw)["error"]["param"] == "tool_choice"

@@ -5,6 +5,7 @@ tests/e2e/test_openai_tools.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -16,10 +17,11 @@ from fastdecode.gateway.tools import (
     FALLBACK_PROMPT,
     ToolCallStream,
     ToolError,
+    check_tool_schemas,
     choose_parser,
     tool_request,
 )
-from fastdecode.runtime.grammar import compile_grammar
+from fastdecode.runtime.grammar import Structured, compile_grammar
 from fastdecode.tools.checkpoint import CHATML_TEMPLATE
 
 WEATHER = {
@@ -45,6 +47,13 @@ TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
 {% endif %}"""
 
 
+def _deep(n: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 # ---- requests ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("tools", "choice", "param"),
@@ -57,9 +66,14 @@ TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
         ([{"type": "retrieval"}], None, "tools[0].type"),
         ([{"type": "function"}], None, "tools[0].function"),
         (
-            [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+            [{"type": "function", "function": {"name": "f", "parameters": []}}],
             None,
-            "tools[1].function.parameters",
+            "tools[0].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": _deep(200)}}],
+            None,
+            "tools[0].function.parameters",
         ),
         ([WEATHER, WEATHER], None, "tools[1]"),
     ],
@@ -68,6 +82,20 @@ def test_bad_tools_are_a_400_naming_the_field(tools: Any, choice: Any, param: st
     with pytest.raises(ToolError) as e:
         tool_request(tools, choice, None)
     assert e.value.param == param, e.value.message
+
+
+def test_a_schema_llguidance_refuses_names_its_tool() -> None:
+    """The compile itself runs where the caller says (the gateway's grammar workers); here in process."""
+
+    async def compile_(s: Structured) -> str:
+        return compile_grammar(s)
+
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
+    req = tool_request([WEATHER, bad], "auto", None)
+    with pytest.raises(ToolError) as e:
+        asyncio.run(check_tool_schemas(req, compile_))
+    assert e.value.param == "tools[1].function.parameters"
+    asyncio.run(check_tool_schemas(tool_request([WEATHER, TIME], "auto", None), compile_))
 
 
 def test_choices() -> None:

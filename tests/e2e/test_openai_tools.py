@@ -108,7 +108,7 @@ def test_agent_loop_through_the_openai_client(oa, model_id) -> None:
         },
     ]
     reply = oa.chat.completions.create(
-        model=model_id, messages=messages, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=40
+        model=model_id, messages=messages, tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=40
     )
     answer = reply.choices[0]
     assert answer.message.tool_calls is None and answer.message.content

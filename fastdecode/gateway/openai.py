@@ -335,8 +335,8 @@ def chat_request(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     structured = structured_output(body)
     forced = tools.structured() if tools is not None else None
-    if forced is not None and structured is not None:
-        raise _invalid(f"tool_choice {tools.choice!r} and a structured output: set one", "tool_choice")  # type: ignore[union-attr]
+    if tools is not None and forced is not None and structured is not None:
+        raise _invalid(f"tool_choice {tools.choice!r} and a structured output: set one", "tool_choice")
     params = GenerateParams(
         prompt=prompt,
         **_sampling(body, max_tokens),
@@ -461,11 +461,10 @@ class ResponseShape:
     def choice(
         self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        assert last.finish_reason is not None
         if self.chat and self.tools is not None:
             self.tools.feed(text)
             self.tools.finish()
-            reason = self.tools.finish_reason(last.finish_reason)
+            reason = self.tools.finish_reason(last.finish_reason or "")
             return {
                 "index": self.index,
                 "message": self.tools.message(),

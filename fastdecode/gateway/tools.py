@@ -425,13 +425,13 @@ def _parse(mode: str, text: str, final: bool) -> tuple[int, list[_Scanned], bool
         if text.startswith(tag, i):
             i = _skip_ws(text, i + len(tag))
         elif not final and tag.startswith(text[i:]):
-            return 0, [], False  # still undecided
-        if i >= len(text) and not final:
-            return 0, [], False
+            return 0, [], False  # still undecided (nothing but whitespace or part of the tag)
+        elif i < len(text) and text[i] != "{":
+            return len(text), [], False  # an answer in text: it streams as it comes
         calls, _ = _scan_calls(text, i, ("parameters", "arguments"), ";")
-        if not calls or (final and calls[0].name is None):
-            return len(text) if final else 0, [], False
-        return 0, calls, True
+        if final and not any(c.name for c in calls):  # not a call after all: the text is content
+            return len(text), [], False
+        return 0, calls, bool(calls)
     marker = "[TOOL_CALLS]" if mode == "mistral" else "<tool_call>"
     at = text.find(marker)
     if at < 0:

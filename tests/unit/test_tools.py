@@ -276,6 +276,17 @@ def test_named_streams_its_arguments_and_finish_reasons() -> None:
     assert ToolCallStream("hermes").finish_reason("stop") == "stop"
 
 
+def test_text_streams_as_it_comes() -> None:
+    """An answer in text is not held back to the end: only what could still start a call waits."""
+    s = ToolCallStream("llama3_json")
+    assert s.feed(" ")[0] == "" and s.feed("Hi")[0] == " Hi" and s.feed(" there")[0] == " there"
+    h = ToolCallStream("hermes")
+    assert h.feed("Hello <tool")[0] == "Hello " and h.feed("s are fun")[0] == "<tools are fun"
+    j = ToolCallStream("llama3_json")
+    assert j.feed('{"answer": 4')[0] == ""  # may be a call: held
+    assert j.finish()[0] == '{"answer": 4' and not j.calls  # it was not
+
+
 def test_not_parallel_keeps_the_first_call() -> None:
     call = '<tool_call>{"name": "%s", "arguments": {}}</tool_call>'
     text = call % "a" + call % "b"

@@ -279,38 +279,52 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-def _value_end(text: str, i: int) -> int | None:
+_IN_STRING = re.compile(r'["\\]')  # what matters inside a JSON string
+_IN_VALUE = re.compile(r'["{}\[\]]')  # and outside one
+
+
+# Where an incomplete string or container scan stopped: (depth, resume at), by the value's start. The
+# stream's text only grows, so a later scan of the same value resumes there instead of from its start
+# (the arguments of a call writing a file would otherwise be scanned again on every delta).
+Memo = dict[int, tuple[int, int]]
+
+
+def _string_end(text: str, i: int, memo: Memo) -> int | None:
+    """The end of the JSON string whose opening quote is text[i], or None while it is incomplete.
+    The regex jumps over plain characters."""
+    j = memo.get(i, (0, i + 1))[1]
+    while (m := _IN_STRING.search(text, j)) is not None:
+        if m.group() == '"':
+            memo.pop(i, None)
+            return m.end()
+        j = m.end() + 1  # a backslash escapes the next character
+    memo[i] = (0, max(j, len(text)))  # past the end: a trailing backslash escapes what comes next
+    return None
+
+
+def _value_end(text: str, i: int, memo: Memo) -> int | None:
     """The end of the JSON value starting at text[i] (exclusive), or None while it is incomplete."""
     if i >= len(text):
         return None
     if text[i] == '"':
-        j = i + 1
-        while j < len(text):
-            if text[j] == "\\":
-                j += 2
-                continue
-            if text[j] == '"':
-                return j + 1
-            j += 1
-        return None
+        return _string_end(text, i, memo)
     if text[i] in "{[":
-        depth, j, in_str = 0, i, False
-        while j < len(text):
-            ch = text[j]
-            if in_str:
-                if ch == "\\":
-                    j += 1
-                elif ch == '"':
-                    in_str = False
-            elif ch == '"':
-                in_str = True
-            elif ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
+        depth, j = memo.get(i, (0, i))
+        while (m := _IN_VALUE.search(text, j)) is not None:
+            ch = m.group()
+            if ch == '"':
+                end = _string_end(text, m.start(), memo)
+                if end is None:
+                    memo[i] = (depth, m.start())  # the string resumes from its own memo
+                    return None
+                j = end
+                continue
+            depth += 1 if ch in "{[" else -1
+            if depth == 0:
+                memo.pop(i, None)
+                return m.end()
+            j = m.end()
+        memo[i] = (depth, len(text))
         return None
     j = i  # a literal: number, true, false, null
     while j < len(text) and text[j] not in ",}] \t\r\n":
@@ -328,7 +342,7 @@ class _Scanned:
     end: int | None = None  # the object's end (exclusive); None while incomplete
 
 
-def _scan_call(text: str, i: int, arg_keys: tuple[str, ...]) -> _Scanned | None:
+def _scan_call(text: str, i: int, arg_keys: tuple[str, ...], memo: Memo) -> _Scanned | None:
     """The call object `{"name": ..., "<arguments>": {...}}` at text[i]; None if it is not one."""
     i = _skip_ws(text, i)
     if i >= len(text):
@@ -349,7 +363,7 @@ def _scan_call(text: str, i: int, arg_keys: tuple[str, ...]) -> _Scanned | None:
             continue
         if text[i] != '"':
             return None
-        key_end = _value_end(text, i)
+        key_end = _value_end(text, i, memo)
         if key_end is None:
             return out
         key = json.loads(text[i:key_end])
@@ -361,7 +375,7 @@ def _scan_call(text: str, i: int, arg_keys: tuple[str, ...]) -> _Scanned | None:
         i = _skip_ws(text, i + 1)
         if i >= len(text):
             return out
-        end = _value_end(text, i)
+        end = _value_end(text, i, memo)
         if key in arg_keys:
             out.args_start, out.args_end = i, end
         if end is None:
@@ -375,7 +389,9 @@ def _scan_call(text: str, i: int, arg_keys: tuple[str, ...]) -> _Scanned | None:
         i = end
 
 
-def _scan_calls(text: str, i: int, arg_keys: tuple[str, ...], sep: str) -> tuple[list[_Scanned], int]:
+def _scan_calls(
+    text: str, i: int, arg_keys: tuple[str, ...], sep: str, memo: Memo
+) -> tuple[list[_Scanned], int]:
     """Call objects one after another from text[i], each followed by `sep` (or whitespace);
     returns them and where the scan stopped."""
     calls: list[_Scanned] = []
@@ -383,7 +399,7 @@ def _scan_calls(text: str, i: int, arg_keys: tuple[str, ...], sep: str) -> tuple
         start = _skip_ws(text, i)
         if start >= len(text) or text[start] != "{":
             return calls, start
-        c = _scan_call(text, start, arg_keys)
+        c = _scan_call(text, start, arg_keys, memo)
         if c is None:
             return calls, start
         calls.append(c)
@@ -402,12 +418,12 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-def _parse(mode: str, text: str, final: bool) -> tuple[int, list[_Scanned], bool]:
+def _parse(mode: str, text: str, final: bool, memo: Memo) -> tuple[int, list[_Scanned], bool]:
     """(how much of text is content for sure, the calls found, whether calls started): the content
     is text[:n]; a call that has not started yet holds back what could still begin one."""
     if mode == "named":
         c = _Scanned(name="", args_start=_skip_ws(text, 0))
-        c.args_end = _value_end(text, c.args_start) if c.args_start < len(text) else None
+        c.args_end = _value_end(text, c.args_start, memo) if c.args_start < len(text) else None
         if final and c.args_end is None:  # cut short (length): all of it
             c.args_end = len(text)
         return 0, [c], True
@@ -415,7 +431,7 @@ def _parse(mode: str, text: str, final: bool) -> tuple[int, list[_Scanned], bool
         i = _skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
             return (len(text), [], False) if final else (0, [], True)
-        calls, _ = _scan_calls(text, i + 1, ("parameters", "arguments"), ",")
+        calls, _ = _scan_calls(text, i + 1, ("parameters", "arguments"), ",", memo)
         if final and not any(c.name for c in calls):  # cut short before a call: the text as content
             return len(text), [], False
         return 0, calls, True
@@ -428,7 +444,7 @@ def _parse(mode: str, text: str, final: bool) -> tuple[int, list[_Scanned], bool
             return 0, [], False  # still undecided (nothing but whitespace or part of the tag)
         elif i < len(text) and text[i] != "{":
             return len(text), [], False  # an answer in text: it streams as it comes
-        calls, _ = _scan_calls(text, i, ("parameters", "arguments"), ";")
+        calls, _ = _scan_calls(text, i, ("parameters", "arguments"), ";", memo)
         if final and not any(c.name for c in calls):  # not a call after all: the text is content
             return len(text), [], False
         return 0, calls, bool(calls)
@@ -440,13 +456,13 @@ def _parse(mode: str, text: str, final: bool) -> tuple[int, list[_Scanned], bool
     if mode == "mistral":
         i = _skip_ws(text, at + len(marker))
         if i < len(text) and text[i] == "[":
-            calls, _ = _scan_calls(text, i + 1, ("arguments", "parameters"), ",")
+            calls, _ = _scan_calls(text, i + 1, ("arguments", "parameters"), ",", memo)
         elif i < len(text):
-            calls, _ = _scan_calls(text, i, ("arguments", "parameters"), ",")
+            calls, _ = _scan_calls(text, i, ("arguments", "parameters"), ",", memo)
     else:
         i = at
         while text.startswith(marker, i):
-            found, i = _scan_calls(text, i + len(marker), ("arguments", "parameters"), "")
+            found, i = _scan_calls(text, i + len(marker), ("arguments", "parameters"), "", memo)
             calls += found[:1]
             if not found or found[0].end is None:
                 break
@@ -470,6 +486,7 @@ class ToolCallStream:
     content_sent: int = 0
     calls: list[dict[str, Any]] = field(default_factory=list)  # id, name, arguments (as sent)
     content: str = ""
+    _memo: Memo = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, req: ToolRequest, parser: str) -> ToolCallStream:
@@ -478,7 +495,7 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.text += delta
-        n, scanned, started = _parse(self.mode, self.text, final)
+        n, scanned, started = _parse(self.mode, self.text, final, self._memo)
         out_text = self.text[self.content_sent : n] if n > self.content_sent else ""
         if out_text:
             self.content_sent = n

@@ -495,7 +495,7 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.text += delta
-        n, scanned, started = _parse(self.mode, self.text, final, self._memo)
+        n, scanned, _ = _parse(self.mode, self.text, final, self._memo)
         out_text = self.text[self.content_sent : n] if n > self.content_sent else ""
         if out_text:
             self.content_sent = n

@@ -15,11 +15,11 @@ from pydantic import SecretStr
 from fastdecode.gateway.core import GatewayCore, GenerationChunk, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.model import ModelConfig
-from fastdecode.runtime.convert import params_from_proto
 from fastdecode.runtime.errors import InvalidInput, ServiceError, Status, Unavailable
 from fastdecode.runtime.settings import GatewaySettings
 from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
+from fastdecode.wire.gateway import params_from_proto
 from services.gateway.http_server import _Front
 from services.gateway.openai_api import OpenAIApp
 from services.gateway.server import BadRequest, BearerAuthInterceptor, GatewayServicer, _parser
@@ -67,8 +67,8 @@ def test_params_from_proto_keeps_unset_fields_unset() -> None:
 def test_logit_processors_cross_every_hop() -> None:
     """The SDK's request -> GenerateParams -> the scheduler's and gpu_dense's SamplingParams."""
     from fastdecode.client import _generate_args
-    from fastdecode.dense.sampling import SamplingParams
-    from fastdecode.runtime.convert import sampling_from_proto, sampling_to_proto
+    from fastdecode.contract import SamplingParams
+    from fastdecode.wire.dense import sampling_from_proto, sampling_to_proto
 
     req, _ = _generate_args(
         "x", logit_bias={5: -100.0, 9: 2.5}, min_p=0.1, allowed_token_ids=[5, 9, 11], bad_words=["no way"]

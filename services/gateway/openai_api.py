@@ -28,18 +28,15 @@ from fastdecode.gateway.openai import (
     APIError,
     ChatBody,
     CompletionBody,
-    LogprobsShape,
     RequestBody,
-    ResponseShape,
     cannot_chat,
     chat_request,
     choice_params,
     completion_params,
     error_body,
-    merge_choices,
-    sse,
     validation_error,
 )
+from fastdecode.gateway.responses import LogprobsShape, ResponseShape, merge_choices, sse
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas, choose_parser
 from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error

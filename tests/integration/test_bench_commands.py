@@ -58,7 +58,8 @@ def test_bench_chaos_tiny(model_factory: Callable[..., Path]) -> None:
     assert {"requests", "completed", "failed_clear", "hung", "lost", "max_answer_s"} <= r["probes"][0].keys()
     assert r["probes"][0]["hung"] == r["probes"][0]["lost"] == 0
     assert {"service", "at_s", "back_after_s"} <= r["kills"][0].keys()
-    _finite(r, {"load_s", "restarts"})
+    _finite(r, {"load_s"})
+    assert sum(r["restarts"].values()) >= 1  # `up` brought the killed service back
 
 
 def test_bench_migrate_tiny(model_factory: Callable[..., Path]) -> None:

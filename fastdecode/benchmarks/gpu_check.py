@@ -67,8 +67,8 @@ def geometry_model(geometry: str, device: str, dtype: torch.dtype, layers: int =
     vocabulary: the layers are what T(B) times)."""
     from dataclasses import replace
 
-    from fastdecode.model.dense import DenseModel
     from fastdecode.model.config import ModelConfig, RopeConfig
+    from fastdecode.model.dense import DenseModel
     from fastdecode.runtime.geometry import GEOMETRIES
 
     g = GEOMETRIES[geometry]

@@ -30,6 +30,7 @@ class AttendResult:
     o: torch.Tensor
     seconds: float  # attention compute time
     kv_bytes_read: int  # keys and values read by this item
+    cpu_seconds: float = 0.0  # the serving thread's CPU in it (bench pace: shards' work outside attention)
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,14 @@ class ShardCore:
         store = self.store
         if store is None:
             raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         o = store.attend(layer, batch)
         seconds = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
         # Each new token attends to every cached token of its sequence, its own chunk included.
         ends = list(map(operator.add, batch.start_pos, batch.num_tokens))
         self.attended_pairs += sum(map(operator.mul, batch.num_tokens, ends))
-        return AttendResult(o, seconds, sum(ends) * store.bytes_per_token // store.num_layers)
+        return AttendResult(o, seconds, sum(ends) * store.bytes_per_token // store.num_layers, cpu)
 
     # ---- live migration ----------------------------------------------------------------------
     def export_sequence(self, seq_id: str) -> tuple[SequenceHeader, Iterator[LayerRows]]:

@@ -131,7 +131,17 @@ class DenseSettings(ServiceSettings):
 
     model: Path = Field(..., description="HuggingFace checkpoint dir.", json_schema_extra=_DIR)
     shards: str = Field(..., description="HOST:PORT,HOST:PORT of the kv_attention shards in shard-id order.")
-    device: str = Field("auto", description="auto | cpu | cuda[:N].")
+    device: str = Field(
+        "auto",
+        description="auto | cpu | cuda[:N] | emulated:h100|h200|a10|l4|PROFILE.json (no weights, synthetic "
+        "tokens at that GPU's roofline pace: docs/emulated-gpu.md).",
+    )
+    geometry: str | None = Field(
+        None,
+        description="With an emulated device: a named model shape (llama-3-8b, llama-3-70b) over the "
+        "checkpoint's.",
+    )
+
     dtype: DType = Field("float32", description="Weight and activation type.")
     shard_timeout: float = Field(60.0, gt=0, description="Seconds to wait for a shard's answer.")
     exchange_workers: int | None = Field(
@@ -259,6 +269,10 @@ class GatewaySettings(ServiceSettings):
         min_length=1,
         max_length=256,
         description="Model id of the HTTP API (default: the checkpoint dir name).",
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="How chat answers become tool_calls; auto: from the chat template and the model family.",
     )
     grammar_workers: int = Field(
         2,

@@ -126,7 +126,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         return r.o
 
     def _attended(self, layer: int, r: AttendResult) -> None:
-        self.metrics.attended(r.seconds, r.kv_bytes_read)
+        self.metrics.attended(r.seconds, r.kv_bytes_read, r.cpu_seconds)
         if (store := self.core.store) is not None and layer == store.num_layers - 1:
             # The store counts a token as held once its last layer is in: the gauges follow each
             # mini-batch's step here, not only Reserve/Release (the Attend stream stays open).

@@ -760,8 +760,10 @@ const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni",
 // On the Sapphire Rapids class host of 2026-12-03 (a 2-vCPU VM shared with other work, one thread,
 // B=32, mixed lengths), against avx2: fp32 avx512 1.02x; bf16 avx512 0.99x, avx512_bf16 1.05-1.06x
 // (three vdpbf16ps per 32 elements cost more than the shift, mask and two FMAs they replace); int8
-// avx512 1.02x, avx512_vnni 0.98x. None beyond the noise, so avx2 serves every dtype by default.
-constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx2};
+// avx512 1.02x, avx512_vnni 0.98x; at load ~1.5 (21 repeats) bf16 avx512 0.97x, int8 avx512_vnni
+// 0.97x: within the noise (avx2 against itself read 0.995-1.06x). float8 avx512 0.96x and 0.93x
+// (its codes widened 32 at a time): kept.
+constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx512};
 
 bool cpu_has(int level) {
 #ifdef FD_X86

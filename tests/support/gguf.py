@@ -23,6 +23,8 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -40,11 +42,19 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[rest]}.{suffix}"
 
 
-def write_gguf(model_dir: Path, out: Path, arch: str | None = None, pre: str | None = None) -> Path:
-    """A checkpoint directory (fastdecode.tools.checkpoint.make_model's) as an F32 GGUF file.
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    arch: str | None = None,
+    pre: str | None = None,
+    rope_scaling: tuple[str, float] | None = None,
+) -> Path:
+    """A checkpoint directory (fastdecode.tools.checkpoint.make_model's, or a llama/qwen2/qwen3 one
+    transformers saved) as an F32 GGUF file.
 
     arch overrides general.architecture (an unsupported one for error tests); mistral is written as
-    llama.cpp writes it: architecture "llama" with "mistral" in the name."""
+    llama.cpp writes it: architecture "llama" with "mistral" in the name. rope_scaling: (type,
+    factor) written as rope.scaling.type / rope.scaling.factor."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -60,10 +70,15 @@ def write_gguf(model_dir: Path, out: Path, arch: str | None = None, pre: str | N
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    if rope_scaling is not None:
+        w.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
+        w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_key_length(cfg["head_dim"])  # as llama.cpp's converter; transformers' qwen3 reads it
+    w.add_value_length(cfg["head_dim"])
     vocab = dict(tok["model"]["vocab"])
     added = {t["content"]: t for t in tok["added_tokens"]}
     for content, t in added.items():
@@ -83,9 +98,10 @@ def write_gguf(model_dir: Path, out: Path, arch: str | None = None, pre: str | N
     tensors = load_file(str(model_dir / "model.safetensors"))
     for name, t in tensors.items():
         a = t.to(torch.float32).numpy()
-        if model_type != "qwen2" and ".q_proj." in name:
+        permute = model_type not in ("qwen2", "qwen3")  # llama.cpp permutes llama-family Q/K only
+        if permute and ".q_proj." in name:
             a = llama_cpp_permute(a, cfg["num_attention_heads"])
-        elif model_type != "qwen2" and ".k_proj." in name:
+        elif permute and ".k_proj." in name:
             a = llama_cpp_permute(a, cfg["num_key_value_heads"])
         w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
     w.write_header_to_file()

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fastdecode.dense.engine import LocalEngine, SeqChunk
-from fastdecode.model import DenseModel, ModelConfig
+from fastdecode.model import ModelConfig
+from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import ModelLoadError
 from tests.support import PROMPTS
 from tests.support.families import FAMILIES, LONGROPE_ORIGINAL, WINDOW

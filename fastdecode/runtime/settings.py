@@ -199,6 +199,12 @@ class SchedulerSettings(ServiceSettings):
         description="Seconds requests wait for a lost gpu_dense (a restart is a few seconds of backoff "
         "plus its start); then they fail UNAVAILABLE and new ones are refused until it is back.",
     )
+    shards_down_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds requests wait while no kv_attention shard serves (lost, removed); then they "
+        "fail UNAVAILABLE naming the shards and new ones are refused until one is back.",
+    )
     control_timeout: float = Field(
         10.0,
         gt=0,

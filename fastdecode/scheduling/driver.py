@@ -228,6 +228,10 @@ class SchedulerDriver:
         self.migrations_failed = 0
         # Set once gpu_dense has been down past dense_down_timeout: what every request gets meanwhile.
         self.dense_dead: DependencyDown | None = None
+        # Since when no shard serves, and once that lasted past shards_down_timeout, what every request
+        # gets until one serves again (the health loop watches: _check_shards_down).
+        self.shards_down_since: float | None = None
+        self.shards_dead: DependencyDown | None = None
         self._throttle = Throttle(10.0)  # conditions that repeat every step or probe: one line per 10 s
 
     def not_ready_reason(self) -> str | None:
@@ -332,6 +336,8 @@ class SchedulerDriver:
             raise InvalidInput(f"request id {req.seq_id!r} is already running")
         if self.dense_dead is not None:  # admission refuses while gpu_dense stays down
             raise self.dense_dead
+        if self.shards_dead is not None:  # and while every shard stays down
+            raise self.shards_dead
         core.submit(req)
         stream = self.streams[req.seq_id] = _Mailbox()
         log.info("queued: %d prompt tokens, max_tokens %d", len(req.prompt), req.max_tokens)
@@ -628,6 +634,40 @@ class SchedulerDriver:
         )
         self.wake.set()
 
+    def _check_shards_down(self) -> None:
+        """No shard serving past shards_down_timeout: the waiting requests end UNAVAILABLE naming the
+        shards, and new ones are refused until one serves again (probes go on meanwhile)."""
+        assert self.core is not None
+        if any(t.healthy and self.core.shard_state(i) != SHARD_REMOVED for i, t in enumerate(self.shards)):
+            if self.shards_down_since is not None:
+                log.info("a shard serves again after %.1fs", time.monotonic() - self.shards_down_since)
+            self.shards_down_since, self.shards_dead = None, None
+            return
+        now = time.monotonic()
+        if self.shards_down_since is None:
+            self.shards_down_since = now
+            log.warning("no kv_attention shard serves: %d requests wait", len(self.streams))
+            return
+        if self.shards_dead is not None or now - self.shards_down_since < self.s.shards_down_timeout:
+            return
+        names = ", ".join(f"shard {i} ({t.link.address})" for i, t in enumerate(self.shards)) or "none"
+        self.shards_dead = DependencyDown(
+            f"no kv_attention shard serving for {now - self.shards_down_since:.0f}s ({names}); "
+            "retry once one is back"
+        )
+        log.error("%s: failing %d requests", self.shards_dead.message, len(self.streams))
+        self._fail_all(self.shards_dead)
+
+    def _fail_all(self, error: DependencyDown) -> None:
+        assert self.core is not None
+        for sid, stream in list(self.streams.items()):
+            stream.queue.put_nowait(error)
+            try:
+                self.core.cancel(sid)  # its KV is freed with the next step
+            except ServiceError:
+                pass
+        self.wake.set()
+
     def _fail_paused(self, since: float) -> None:
         """gpu_dense stayed down past the bound: every paused request ends now with UNAVAILABLE
         naming it, and new ones are refused until it is back (the reconnect loop goes on)."""
@@ -636,12 +676,7 @@ class SchedulerDriver:
             f"gpu_dense down for {time.monotonic() - since:.0f}s ({self.dense_down}); retry once it is back"
         )
         log.error("%s: failing %d requests", self.dense_dead.message, len(self.streams))
-        for sid, stream in list(self.streams.items()):
-            stream.queue.put_nowait(self.dense_dead)
-            try:
-                self.core.cancel(sid)  # its KV is freed with the first step after the reconnect
-            except ServiceError:
-                pass
+        self._fail_all(self.dense_dead)  # their KV is freed with the first step after the reconnect
 
     async def _release(self, releases: list[tuple[str, int]]) -> None:
         by_shard: dict[int, list[str]] = defaultdict(list)
@@ -753,6 +788,7 @@ class SchedulerDriver:
         while True:
             await asyncio.sleep(self.s.health_interval)
             await self.probe_shards()
+            self._check_shards_down()
 
     async def probe_shards(self) -> None:
         """A lost shard gives its sequences back; one that returns (SERVING and empty) takes new work."""

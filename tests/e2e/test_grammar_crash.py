@@ -89,7 +89,9 @@ def _crashers(fleet: Fleet) -> list[Callable[[], int]]:
     return [
         lambda: _post(fleet, "/v1/chat/completions", {**chat, "response_format": rf})[0],
         lambda: _post(
-            fleet, "/v1/completions", {"model": fleet.model.name, "prompt": "a", "guided_grammar": lark_chain()}
+            fleet,
+            "/v1/completions",
+            {"model": fleet.model.name, "prompt": "a", "guided_grammar": lark_chain()},
         )[0],
         lambda: grpc_call({"json_schema": schema}),
         lambda: grpc_call({"grammar": lark_chain()}),

@@ -261,13 +261,15 @@ def _generate_args(
     repetition_penalty: float | None = None,
     min_tokens: int = 0,
     structured: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[pb.GenerateRequest, float | None]:
     """The generate parameters, written once: `stream` and `generate` of both clients take these.
     Returns the request, with only what is given set, and the timeout. `logprobs`: each token's
     logprob and this many alternatives (0..20); `prompt_logprobs` scores the prompt too; the
     penalties are OpenAI's (presence, frequency) and vLLM's (repetition); min_tokens holds back EOS;
     `structured` constrains the output ({"json_schema": {...}}, {"json_object": True},
-    {"regex": ...}, {"choice": [...]} or {"grammar": Lark text})."""
+    {"regex": ...}, {"choice": [...]} or {"grammar": Lark text}); `cache_salt`: only requests with
+    the same salt (and API key's tenant) share prefix-cache blocks."""
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
     req = pb.GenerateRequest(
@@ -285,6 +287,8 @@ def _generate_args(
         req.repetition_penalty = repetition_penalty
     if structured is not None:
         req.structured.CopyFrom(_structured(structured))
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.gateway.auth import cache_salt, current_tenant
 from fastdecode.gateway.grammar import GrammarCompiler
 from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
 from fastdecode.model import ModelConfig
@@ -238,7 +239,8 @@ class GatewayCore:
             prompt_ids = list(params.token_ids or [])
         # never on this thread: llguidance can crash a process on a grammar (a worker's, here)
         grammar = await self.grammars.compile(params.structured) if params.structured is not None else ""
-        return resolve(params, prompt_ids, self.limits, grammar)
+        salt = cache_salt(current_tenant(), params.cache_salt, self.settings.tenant_cache_isolation)
+        return resolve(params, prompt_ids, self.limits, grammar, salt)
 
     async def _connected(self, remaining: float | None) -> None:
         connect = self.settings.connect_timeout

@@ -102,6 +102,7 @@ class RequestBody(BaseModel):
     min_tokens: int | None = Field(None, description="extension (vLLM)")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(None, description="prefix-cache namespace (OpenAI, vLLM)")
     # vLLM's structured-output extras (extra_body in the openai client)
     guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM)")
     guided_regex: str | None = Field(None, description="extension (vLLM)")
@@ -231,6 +232,7 @@ def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
         "min_tokens": body.min_tokens,
+        "cache_salt": body.cache_salt,
     }
 
 

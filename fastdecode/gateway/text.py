@@ -59,6 +59,7 @@ class GenerateParams:
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     structured: Structured | None = None  # the output must match it (compiled by the gateway's workers)
+    cache_salt: str | None = None  # OpenAI's: only requests of the same salt share prefix-cache blocks
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class ValidRequest:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     grammar: str = ""  # llguidance's, compiled from GenerateParams.structured
+    cache_salt: str = ""  # the prefix-cache namespace (tenant and cache_salt, hashed; "" shared)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -163,6 +165,10 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
         raise InvalidInput(f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}")
     if p.min_tokens is not None and p.min_tokens < 0:
         raise InvalidInput(f"min_tokens must be >= 0, got {p.min_tokens}")
+    if p.cache_salt is not None and not 1 <= len(p.cache_salt) <= 256:
+        raise InvalidInput(f"cache_salt must have 1-256 characters, got {len(p.cache_salt)}")
+    if p.cache_salt is not None:
+        check_text("cache_salt", p.cache_salt)
     if len(p.stop) > limits.max_stop:
         raise InvalidInput(f"{len(p.stop)} stop strings; the limit is {limits.max_stop}")
     check_text("stop", list(p.stop))
@@ -184,7 +190,9 @@ def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
         raise InvalidInput(f"{what} holds {bad}, outside the vocabulary [0, {vocab_size})")
 
 
-def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits, grammar: str = "") -> ValidRequest:
+def resolve(
+    p: GenerateParams, prompt_ids: list[int], limits: Limits, grammar: str = "", cache_salt: str = ""
+) -> ValidRequest:
     """Apply defaults and the context-length check to a request that passed check_params; `grammar`
     is p.structured compiled (fastdecode/gateway/grammar.py)."""
     n = len(prompt_ids)
@@ -224,6 +232,7 @@ def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits, grammar: s
         repetition_penalty=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
         min_tokens=min(p.min_tokens or 0, max_tokens),
         grammar=grammar,
+        cache_salt=cache_salt,
     )
 
 

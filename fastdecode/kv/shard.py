@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.kv import KVStore
+from fastdecode.kv.store import ReserveItem
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 from fastdecode.v1 import kv_attention_pb2 as pb
@@ -74,11 +75,12 @@ class ShardCore:
     def reserve(
         self,
         geometry: tuple[int, int, int],
-        sequences: Sequence[tuple[str, int]] | Sequence[tuple[str, int, list[int]]],
+        sequences: Sequence[ReserveItem],
         model: str = "",
     ) -> tuple[int, list[int]]:
-        """Reserve every sequence or none: (seq_id, tokens) or (seq_id, tokens, token_ids), the
-        token ids for prefix sharing. Returns the free tokens left and each one's cached tokens."""
+        """Reserve every sequence or none: (seq_id, tokens), (seq_id, tokens, token_ids), the token ids
+        for prefix sharing, or (seq_id, tokens, token_ids, cache_salt). Returns the free tokens left
+        and each one's cached tokens."""
         store = self.store_for(*geometry)
         cached = store.reserve_many(list(sequences), model)
         return store.free_tokens, cached

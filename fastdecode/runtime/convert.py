@@ -123,6 +123,7 @@ def params_from_proto(r: gw_pb.GenerateRequest) -> GenerateParams:
         repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else None,
         min_tokens=r.min_tokens,
         structured=structured_from_proto(r.structured) if r.HasField("structured") else None,
+        cache_salt=r.cache_salt or None,
     )
 
 
@@ -147,6 +148,7 @@ def submit_request(request_id: str, v: ValidRequest, sample_offset: int = 0) -> 
         sampling=sampling_to_proto(v.sampling()),
         stop_token_ids=list(v.stop_token_ids),
         ignore_eos=v.ignore_eos,
+        cache_salt=v.cache_salt,
     )
 
 
@@ -159,6 +161,7 @@ def request_from_submit(seq_id: str, r: scheduler_pb2.SubmitRequest) -> Request:
         stop_token_ids=frozenset(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
         sample_offset=r.sample_index_offset,
+        cache_salt=r.cache_salt,
     )
 
 

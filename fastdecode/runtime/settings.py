@@ -240,6 +240,16 @@ class GatewaySettings(ServiceSettings):
         None,
         description="Bearer token clients must send (off if unset). Prefer the env var (argv shows in ps).",
     )
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of API keys, one 'TENANT KEY' a line (# comments); reloaded on SIGHUP. "
+        "Each key's requests count and cache as that tenant (--auth-token is tenant 'default').",
+    )
+    tenant_cache_isolation: bool = Field(
+        True,
+        description="Salt each tenant's prefix-cache blocks apart (cached_tokens never shows another "
+        "tenant's prompt); off: tenants share blocks, as requests of one cache_salt do.",
+    )
     max_concurrent_requests: int = Field(
         4096, ge=1, description="Generate calls in flight; more = RESOURCE_EXHAUSTED."
     )

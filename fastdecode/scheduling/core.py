@@ -731,7 +731,11 @@ class SchedulerCore:
         sh.seqs.add(seq.req.seq_id)
         seq.shard, seq.reserved_on, seq.kv = i, i, 0
         ids = list(seq.tokens) if self._shares(seq) else []
-        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=held, token_ids=ids))
+        reserve.append(
+            Reservation(
+                seq_id=seq.req.seq_id, shard=i, max_tokens=held, token_ids=ids, cache_salt=seq.req.cache_salt
+            )
+        )
         if self._shares(seq):
             names = self._names(seq, sh.spec.block_size)
             for h in names:  # it will hold them once its prefill is in (those it finds cached, at once)
@@ -747,7 +751,8 @@ class SchedulerCore:
     def _names(self, seq: _Seq, block_size: int) -> list[bytes]:
         """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded)."""
         if seq.names is None or seq.names[:2] != (block_size, len(seq.tokens)):
-            seq.names = (block_size, len(seq.tokens), chain_hashes(_NAME_SEED, seq.tokens, block_size))
+            seed = _NAME_SEED + seq.req.cache_salt.encode()  # another salt's blocks never match
+            seq.names = (block_size, len(seq.tokens), chain_hashes(seed, seq.tokens, block_size))
         return seq.names[2]
 
     def _shares(self, seq: _Seq) -> bool:

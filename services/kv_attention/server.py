@@ -58,7 +58,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         g, seqs = request.geometry, request.sequences
         free, cached = self.core.reserve(
             (g.num_layers, g.num_kv_heads, g.head_dim),
-            [(s.seq_id, s.max_tokens, list(s.token_ids)) for s in seqs],
+            [(s.seq_id, s.max_tokens, list(s.token_ids), s.cache_salt) for s in seqs],
             request.model,
         )
         self._update_gauges()

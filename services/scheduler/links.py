@@ -147,7 +147,7 @@ class GrpcShardLink:
             ),
             sequences=[
                 kv_attention_pb2.SequenceReservation(
-                    seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids
+                    seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids, cache_salt=s.cache_salt
                 )
                 for s in seqs
             ],

@@ -66,13 +66,17 @@ def error_body(e: ServiceError) -> tuple[int, dict[str, Any]]:
 
 # ---- request bodies ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class RequestBody(BaseModel):
     # Unknown fields are ignored, as vLLM does (SDKs add new ones); the unsupported fields that would
     # change the answer are declared below and refused when set.
-    model_config = ConfigDict(extra="ignore")
+    # Strict: a boolean is not an integer, nor a string a number (`max_tokens: true`, `n: "2"` and
+    # `logprobs: "yes"` are 400s, as in OpenAI's API), where pydantic's lax mode would convert them.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -266,7 +270,9 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
 
 def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> GenerateParams:
     refuse_unsupported(body)
-    prompt = template.render([_message_dict(m, i) for i, m in enumerate(body.messages)])
+    # where the contents lie: their special-token strings are text (GenerateParams.text_spans)
+    messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+    prompt, spans = template.render_spans(messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return GenerateParams(
         prompt=prompt,
@@ -274,6 +280,8 @@ def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> Gen
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         structured=structured_output(body),
         add_special_tokens=False,  # the template writes BOS itself where the model wants one
+        text_spans=spans,
+        untrusted=[m["content"] for m in messages if isinstance(m.get("content"), str)],
         default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
     )
 

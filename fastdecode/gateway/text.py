@@ -60,6 +60,10 @@ class GenerateParams:
     min_tokens: int | None = None
     structured: Structured | None = None  # the output must match it (compiled by the gateway's workers)
     cache_salt: str | None = None  # OpenAI's: only requests of the same salt share prefix-cache blocks
+    # Character spans of the prompt that are untrusted text (chat message content): special-token
+    # strings there are tokenized as text unless the gateway allows them (--chat-special-tokens).
+    text_spans: list[tuple[int, int]] | None = None
+    untrusted: list[str] | None = None  # that content itself, for a template whose spans are unknown
 
 
 @dataclass(frozen=True)

@@ -250,6 +250,11 @@ class GatewaySettings(ServiceSettings):
         description="Salt each tenant's prefix-cache blocks apart (cached_tokens never shows another "
         "tenant's prompt); off: tenants share blocks, as requests of one cache_salt do.",
     )
+    chat_special_tokens: bool = Field(
+        False,
+        description="Let special-token strings typed in chat message content (<|im_start|>...) act as "
+        "control tokens; off (default): they are tokenized as text, so no turn can be forged.",
+    )
     max_concurrent_requests: int = Field(
         4096, ge=1, description="Generate calls in flight; more = RESOURCE_EXHAUSTED."
     )

@@ -49,9 +49,11 @@ class _Front:
             return
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
         candidate = headers.get(REQUEST_ID_KEY.encode())
-        with self.core.request_scope(candidate.decode("latin-1") if candidate else None) as rid:
-            scope.setdefault("state", {})["request_id"] = rid
-            tag = (REQUEST_ID_KEY.encode(), rid.encode())
+        asked = candidate.decode("latin-1") if candidate else None
+        with self.core.request_scope(asked) as rid:
+            shown = self.core.public_id(asked, rid)
+            scope.setdefault("state", {}).update(request_id=rid, public_id=shown)
+            tag = (REQUEST_ID_KEY.encode(), shown.encode())
 
             started = False
 

@@ -148,8 +148,9 @@ class GatewayServicer:
         # Writer style (context.write) rather than an async-generator handler: a cancel lands here
         # wherever we wait, and `aclosing` shuts the producer, whose finally cancels the upstream call.
         tenant = tenant_of(self.tenants, context.invocation_metadata()) or ""  # the interceptor checked it
-        with self.core.request_scope(request_id_of(context)) as rid, tenant_scope(tenant):
-            await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+        asked = request_id_of(context)
+        with self.core.request_scope(asked) as rid, tenant_scope(tenant):
+            await context.send_initial_metadata(((REQUEST_ID_KEY, self.core.public_id(asked, rid)),))
             if isinstance(request, BadRequest):
                 err = InvalidInput(request.message)
                 self.core.rejected("grpc", err)

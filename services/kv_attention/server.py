@@ -11,9 +11,9 @@ import torch
 
 from fastdecode.kv import KV_DTYPES, native
 from fastdecode.kv.shard import AttendResult, ShardCore
-from fastdecode.protocol import DATA_PLANE_OPTIONS
+from fastdecode.protocol import DATA_PLANE_OPTIONS, MAX_MESSAGE_BYTES
 from fastdecode.runtime import codec, convert
-from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, ResourceExhausted
 from fastdecode.runtime.rpc import (
     Server,
     aio_channel,
@@ -45,6 +45,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             backend=settings.attention_backend,
         )
         self.metrics = ShardMetrics(self.shard, settings.kv_capacity)
+        self.max_reply_bytes = MAX_MESSAGE_BYTES  # what gpu_dense's Attend stream takes
         self.retire: Callable[[], Awaitable[None]] | None = None  # serve(): stop serving and exit
         self._update_gauges()
 
@@ -105,7 +106,15 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             r = self.core.attend(req)
             self._attended(req.layer, r)
             head = pb.AttendResponse(request_id=req.request_id, attend_seconds=r.seconds)
-            return codec.serialize_with(head, o=r.o)
+            wire = codec.serialize_with(head, o=r.o)
+            if len(wire) > self.max_reply_bytes:
+                # gRPC would fail the whole stream mid-write (a traceback here, every item lost):
+                # this item's error instead, in-band, and the stream goes on
+                raise ResourceExhausted(
+                    f"the reply to item {req.request_id} has {len(wire)} bytes; the limit is "
+                    f"{self.max_reply_bytes}: send fewer sequences per item"
+                )
+            return wire
         except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
             resp = pb.AttendResponse(request_id=req.request_id)
             resp.error.CopyFrom(item_error(e))

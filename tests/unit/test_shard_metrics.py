@@ -64,3 +64,35 @@ def test_a_failing_gauge_update_is_one_line_not_an_error(caplog: pytest.LogCaptu
     lines = [r for r in caplog.records if r.name == "fastdecode.kv_attention.metrics"]
     assert len(lines) == 1 and "state went odd" in lines[0].getMessage()
     assert lines[0].exc_info is None  # no traceback
+
+
+def test_an_oversized_attend_reply_is_that_items_error() -> None:
+    """A reply over what the Attend stream takes is answered RESOURCE_EXHAUSTED in-band, not written
+    (gRPC failed the stream mid-write, with a traceback); the next item is answered as usual."""
+    from fastdecode.runtime import codec
+    from fastdecode.runtime.settings import ShardSettings
+    from fastdecode.v1 import kv_attention_pb2 as pb
+    from services.kv_attention.server import KVAttentionService
+
+    service = KVAttentionService(ShardSettings(kv_capacity=8 << 20, attention_backend="torch"))
+    service.core.reserve((1, 2, 8), [("a", 8)])
+
+    def item(i: int) -> pb.AttendRequest:
+        q, kv = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8)
+        return pb.AttendRequest(
+            request_id=i,
+            layer=0,
+            seq_ids=["a"],
+            num_tokens=[1],
+            start_pos=[i],
+            q=codec.encode(q),
+            k=codec.encode(kv),
+            v=codec.encode(kv),
+        )
+
+    service.max_reply_bytes = 64  # a 4-head reply of 8 floats is larger
+    refused = service.answer(item(0))
+    assert isinstance(refused, pb.AttendResponse) and refused.error.code == 8  # RESOURCE_EXHAUSTED
+    assert "the limit is 64" in refused.error.message
+    service.max_reply_bytes = 1 << 20
+    assert isinstance(service.answer(item(0)), bytes)

@@ -102,20 +102,23 @@ class ChatTemplate:
         return None if source is None else cls(source, specials)
 
     def render_spans(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[tuple[int, int]] | None]:
         """The prompt and where each message's content lies in it (character spans), so that its
         text can be tokenized as text (special-token strings included). The template is rendered
         with a marker in place of each content and once as is; None when the two disagree (a
         template that inspects or reshapes content): the caller then cannot tell content apart."""
-        prompt = self.render(messages, add_generation_prompt)
+        prompt = self.render(messages, add_generation_prompt, tools)
         contents = [m.get("content") for m in messages]
         marked = [
             {**m, "content": f"\ue000{i}\ue001"} if isinstance(c, str) else m
             for i, (m, c) in enumerate(zip(messages, contents, strict=True))
         ]
         try:
-            skeleton = self.render(marked, add_generation_prompt)
+            skeleton = self.render(marked, add_generation_prompt, tools)
         except InvalidInput:
             return prompt, None
         out: list[str] = []
@@ -134,14 +137,22 @@ class ChatTemplate:
         out.append(skeleton[at:])
         return (prompt, spans) if "".join(out) == prompt else (prompt, None)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; a template's own complaint (raise_exception, a missing
-        key) is the request's fault: InvalidInput."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages` (and `tools`, for a template that renders them); a template's
+        own complaint (raise_exception, a missing key) is the request's fault: InvalidInput."""
         # As transformers: keys whose value is None are dropped (templates test for presence).
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(
-                messages=plain, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=plain,
+                add_generation_prompt=add_generation_prompt,
+                **({"tools": list(tools)} if tools else {}),
+                **self.special_tokens,
             )
         except (jinja2.TemplateError, TypeError, ValueError) as e:  # e.g. a message shape it does not expect
             raise InvalidInput(f"the model's chat template rejected the messages: {e}") from None

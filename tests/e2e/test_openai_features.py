@@ -377,9 +377,10 @@ def test_a_schema_that_does_not_compile_is_a_400(oa, model_id) -> None:
         )
     with pytest.raises(openai.BadRequestError, match="regex"):
         oa.completions.create(model=model_id, prompt="x", extra_body={"guided_regex": "(a"})
-    with pytest.raises(openai.BadRequestError, match="tool calling is not supported"):
+    # a tool's parameters are a schema too: one that does not compile names the field
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": bad["json_schema"]["schema"]}}
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled") as e:
         oa.chat.completions.create(
-            model=model_id,
-            messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f"}}],
+            model=model_id, messages=[{"role": "user", "content": "x"}], tools=[bad_tool]
         )
+    assert e.value.body["param"] == "tools[0].function.parameters"

@@ -25,10 +25,10 @@ class _Front:
     logging; before the body is read, the bearer token on /v1/ (/health needs none) and the body
     size by Content-Length (FastAPI's max_body_size still bounds chunked bodies, in plain text)."""
 
-    def __init__(self, app: ASGIApp, core: GatewayCore, tenants: Tenants, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, core: GatewayCore, tenants: Tenants | None, max_body: int) -> None:
         self.app = app
         self.core = core
-        self.tenants = tenants
+        self.tenants = tenants or Tenants()  # None: no keys, every caller the anonymous tenant
         self.max_body = max_body
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> tuple[APIError, int] | None:

@@ -228,6 +228,10 @@ class DenseModel:
         tensors = load_weights(path, required, dtype=dtype, device=dev, optional=optional, progress=progress)
         return cls(config, tensors, dev, dtype)
 
+    async def settle(self) -> None:
+        """Wait for the device's queued work. Nothing to wait for: CPU computes synchronously, and
+        on CUDA the copy of q, k, v to the host (the codec) waits for the kernels."""
+
     # ---- S-part ---------------------------------------------------------------------------
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

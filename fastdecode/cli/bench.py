@@ -288,20 +288,22 @@ def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     "--probes/--no-probes",
     default=True,
     show_default=True,
-    help="Also hostile internal calls under load, and a gpu_dense that stays down.",
+    help="Also hostile internal calls, the grammar crash and a pool rebuild under load, and gpu_dense "
+    "or every shard staying down.",
 )
 @click.option(
     "--down-timeout-s",
     type=float,
     default=3.0,
     show_default=True,
-    help="The stays-down probe's scheduler --dense-down-timeout.",
+    help="The stays-down probes' scheduler --dense-down-timeout and --shards-down-timeout.",
 )
 def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     """kill -9 shards, gpu_dense and the scheduler under load (`up` restarts them): requests sent,
     completed, failed, tokens equal to a fault-free run, and the longest pause a client saw; per
-    probe (repeated kills, hostile internal calls, a service that stays down): requests, completed,
-    failed with a clear status, hung, lost, and the longest time to an answer."""
+    probe (repeated kills, hostile internal calls, a service that stays down, the grammar crash, a
+    shard pool rebuild, every shard down): requests, completed, failed with a clear status, hung,
+    lost, services crashed (the last three), and the longest time to an answer."""
     from fastdecode.benchmarks.chaos import run_chaos_bench
 
     result = run_bench(lambda: run_chaos_bench(Path(model) if model else None, **kw))
@@ -314,11 +316,12 @@ def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
             click.echo(
                 f"probe {p['name']}: {p['requests']} requests, {p['completed']} completed, "
                 f"{p['failed_clear']} failed clearly, {p['hung']} hung, {p['lost']} lost, "
-                f"longest answer {p['max_answer_s']:.2f}s"
+                + (f"{p['crashed']} crashed, " if "crashed" in p else "")
+                + f"longest answer {p['max_answer_s']:.2f}s"
             )
     if result["failed"] or result["tokens_equal_fault_free"] != result["requests_sent"]:
         raise SystemExit(1)
-    if any(p["hung"] or p["lost"] for p in result["probes"]):
+    if any(p["hung"] or p["lost"] or p.get("crashed") for p in result["probes"]):
         raise SystemExit(1)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.kv.attend import AttendBatch
-from fastdecode.kv.store import KVStore
+from fastdecode.kv.store import KVStore, ReserveItem
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 
 log = logging.getLogger("fastdecode.kv_attention")
@@ -97,11 +97,12 @@ class ShardCore:
     def reserve(
         self,
         geometry: tuple[int, int, int],
-        sequences: Sequence[tuple[str, int]] | Sequence[tuple[str, int, list[int]]],
+        sequences: Sequence[ReserveItem],
         model: str = "",
     ) -> tuple[int, list[int]]:
-        """Reserve every sequence or none: (seq_id, tokens) or (seq_id, tokens, token_ids), the
-        token ids for prefix sharing. Returns the free tokens left and each one's cached tokens."""
+        """Reserve every sequence or none: (seq_id, tokens), (seq_id, tokens, token_ids), the token ids
+        for prefix sharing, or (seq_id, tokens, token_ids, cache_salt). Returns the free tokens left
+        and each one's cached tokens."""
         store = self.store_for(*geometry)
         cached = store.reserve_many(list(sequences), model)
         return store.free_tokens, cached

@@ -209,6 +209,12 @@ class SchedulerSettings(ServiceSettings):
         description="Seconds requests wait for a lost gpu_dense (a restart is a few seconds of backoff "
         "plus its start); then they fail UNAVAILABLE and new ones are refused until it is back.",
     )
+    shards_down_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds requests wait while no kv_attention shard serves (lost, removed); then they "
+        "fail UNAVAILABLE naming the shards and new ones are refused until one is back.",
+    )
     control_timeout: float = Field(
         10.0,
         gt=0,
@@ -243,6 +249,21 @@ class GatewaySettings(ServiceSettings):
     auth_token: SecretStr | None = Field(
         None,
         description="Bearer token clients must send (off if unset). Prefer the env var (argv shows in ps).",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of API keys, one 'TENANT KEY' a line (# comments); reloaded on SIGHUP. "
+        "Each key's requests count and cache as that tenant (--auth-token is tenant 'default').",
+    )
+    tenant_cache_isolation: bool = Field(
+        True,
+        description="Salt each tenant's prefix-cache blocks apart (cached_tokens never shows another "
+        "tenant's prompt); off: tenants share blocks, as requests of one cache_salt do.",
+    )
+    chat_special_tokens: bool = Field(
+        False,
+        description="Let special-token strings typed in chat message content (<|im_start|>...) act as "
+        "control tokens; off (default): they are tokenized as text, so no turn can be forged.",
     )
     max_concurrent_requests: int = Field(
         4096, ge=1, description="Generate calls in flight; more = RESOURCE_EXHAUSTED."

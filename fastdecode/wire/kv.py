@@ -165,7 +165,9 @@ def reserve_request(geometry: KVGeometry, seqs: Sequence[Reservation], model: st
             num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim
         ),
         sequences=[
-            kv_pb.SequenceReservation(seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids)
+            kv_pb.SequenceReservation(
+                seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids, cache_salt=s.cache_salt
+            )
             for s in seqs
         ],
     )

@@ -123,6 +123,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.chaos",
     "fastdecode.benchmarks.migrate",  # drives a fleet (RemoveShard, GetStats)
     "fastdecode.benchmarks.chaos_probes",
+    "fastdecode.benchmarks.chaos_attacks",  # Reserve and Release on the shards, with the secret
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
     "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
     "fastdecode.benchmarks.split",  # drives gpu_dense and the shards over gRPC

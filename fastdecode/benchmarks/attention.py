@@ -6,12 +6,20 @@ same threads as the kernel (the extension's `stream_read`: torch's intra-op pool
 chunks taken from a shared counter), interleaved with the attention runs so both see the same
 noise. Without the extension (torch backend on an SDK-only install) it falls back to torch.sum
 and says so in `memory_probe`. Headline: effective_gbps / memory_gbps.
+
+`isa` forces the kernel's ISA level for the run (default: what it picked from CPUID) and `path`
+says which level attended this dtype (a dtype keeps a level only where it wins). `baseline_isa`
+times the same store under a second level interleaved with the first, so `vs_baseline` (its time
+over the baseline's) is a same-run ratio. clock="thread" times with the calling thread's CPU time
+(one thread only: then the kernel and the yardstick run in that thread), so on a host shared with
+other work the time the scheduler gives them is not counted; the memory they contend for still is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -44,7 +52,12 @@ def torch_threads(n: int | None) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def bandwidth_probe(nbytes: int) -> tuple[Callable[[], float], str, int, float | None]:
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def bandwidth_probe(
+    nbytes: int, clock: Callable[[], float] = time.perf_counter
+) -> tuple[Callable[[], float], str, int, float | None]:
     """(run -> seconds, name, bytes read per run, share of its buffer on huge pages): the native
     streaming read when built."""
     if not native_kernel.available():
@@ -55,7 +68,7 @@ def bandwidth_probe(nbytes: int) -> tuple[Callable[[], float], str, int, float |
     x = huge_page_empty((max(1, nbytes // 4),), torch.float32).fill_(1.0)
 
     def run() -> float:
-        return time_once(lambda: kernel.stream_read(x))
+        return time_once(lambda: kernel.stream_read(x), clock)
 
     return run, "native stream_read", x.numel() * 4, huge_page_share(x)
 
@@ -84,6 +97,9 @@ def run_attention_bench(
     threads: int | None = None,
     memory_bytes: int = GIB,
     seed: int = 0,
+    isa: str | None = None,
+    baseline_isa: str | None = None,
+    clock: str = "wall",
 ) -> dict[str, object]:
     """Median time of one decode attend per layer over B sequences (the new token included).
 
@@ -101,9 +117,14 @@ def run_attention_bench(
         raise InvalidInput(f"backend must be one of {list(BACKENDS)}")
     if lengths not in LENGTHS:
         raise InvalidInput(f"lengths must be one of {list(LENGTHS)}")
+    if clock not in CLOCKS or (clock == "thread" and threads != 1):
+        raise InvalidInput(f"clock must be one of {list(CLOCKS)}; 'thread' needs threads=1")
+    tick = CLOCKS[clock]
+    if (isa or baseline_isa) and backend != "native":
+        raise InvalidInput("isa and baseline_isa apply to the native backend")
     dtype = KV_DTYPES[kv_dtype]
     gen = torch.Generator().manual_seed(seed)
-    with torch_threads(threads) as nthreads:
+    with torch_threads(threads) as nthreads, kernel_isa(backend, isa) as (chosen, use):
         lens = sequence_lengths(lengths, batch, context, seed)
         block = 16
         per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_element(dtype, head_dim)
@@ -125,14 +146,21 @@ def run_attention_bench(
             for layer in range(layers):
                 store.attend(layer, AttendBatch(ids, ones, starts, q, k, v))
 
-        probe, probe_name, probe_bytes, probe_huge = bandwidth_probe(memory_bytes)
+        probe, probe_name, probe_bytes, probe_huge = bandwidth_probe(memory_bytes, tick)
+        levels = [chosen] + ([baseline_isa] if baseline_isa else [])
         for _ in range(2):  # warm-up: first touches, thread pool start
-            step()
+            for level in levels:
+                use(level)
+                step()
             probe()
-        attn_s, mem_s = [], []
-        for _ in range(repeats):
-            attn_s.append(time_once(step) / layers)
+        attn_s, base_s, mem_s = [], [], []
+        for i in range(repeats):
+            # interleaved, the order alternating, so both levels see the same noise
+            for level in levels if i % 2 == 0 else levels[::-1]:
+                use(level)
+                (attn_s if level == chosen else base_s).append(time_once(step, tick) / layers)
             mem_s.append(probe())
+        use(chosen)
         kv_bytes = int(sum(lens) * 2 * kv_heads * head_dim * kv_bytes_per_element(dtype, head_dim))
         per_layer = median(attn_s)
         effective = gbps(kv_bytes, per_layer)
@@ -149,7 +177,10 @@ def run_attention_bench(
             "kv_dtype": kv_dtype,
             "backend": backend,
             "isa": native_kernel.isa() if backend == "native" else "torch",
+            "isa_forced": native_kernel.forced() if backend == "native" else False,
+            "path": native_kernel.path(kv_dtype, head_dim) if backend == "native" else "torch",
             "threads": nthreads,
+            "clock": clock,
             "repeats": repeats,
             "kv_bytes_per_layer": kv_bytes,
             "attend_ms_per_layer": per_layer * 1e3,
@@ -167,4 +198,49 @@ def run_attention_bench(
             "memory_huge_page_share": probe_huge,
             "ratio": effective / memory,
             "target_ratio": 0.8,
+            **(
+                baseline_fields(baseline_isa, base_s, per_layer, kv_dtype, head_dim, use, chosen)
+                if base_s
+                else {}
+            ),
         }
+
+
+def baseline_fields(
+    level: str,
+    times: list[float],
+    per_layer: float,
+    kv_dtype: str,
+    head_dim: int,
+    use: Callable[[str | None], None],
+    chosen: str | None,
+) -> dict[str, object]:
+    use(level)
+    path = native_kernel.path(kv_dtype, head_dim)
+    use(chosen)
+    base = median(times)
+    return {
+        "baseline_isa": level,
+        "baseline_path": path,
+        "baseline_ms_per_layer": base * 1e3,
+        "vs_baseline": per_layer / base,
+    }
+
+
+@contextlib.contextmanager
+def kernel_isa(backend: str, isa: str | None) -> Iterator[tuple[str | None, Callable[[str | None], None]]]:
+    """(the level the run uses, a setter) for the native kernel; the level in force before is put
+    back on exit. A level the CPU lacks is IsaUnavailable, a clear error. Torch backend: (None, no-op)."""
+    if backend != "native":
+        yield None, lambda _level: None
+        return
+    before = native_kernel.isa() if native_kernel.forced() else "auto"
+
+    def use(level: str | None) -> None:
+        native_kernel.set_isa(level or before)
+
+    try:
+        use(isa)
+        yield isa or before, use
+    finally:
+        native_kernel.set_isa(before)

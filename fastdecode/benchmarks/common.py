@@ -23,10 +23,10 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def time_once(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+def time_once(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def memory_probe(nbytes: int = GIB) -> Callable[[], float]:

@@ -59,8 +59,8 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 ShardSettings,
                 "kv_dtype",
                 help="Shard KV-cache storage: float32 gives tokens equal to transformers' fp32; bfloat16 "
-                "holds twice the tokens and `bench fleet` measured it faster end to end (int8: a scale "
-                "per token and KV head).",
+                "holds twice the tokens and `bench fleet` measured it faster end to end (int8, float8_e4m3: "
+                "a scale per token and KV head).",
             ),
             _setting(SchedulerSettings, "admission"),
             _setting(SchedulerSettings, "prefix_sharing"),

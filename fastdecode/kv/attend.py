@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.kv.blocks import SeqBlocks
-from fastdecode.kv.memory import quantize_int8
+from fastdecode.kv.memory import quantize
 from fastdecode.runtime.errors import InvalidInput, NotFound
 
 
@@ -247,8 +247,8 @@ class Attention:
             knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             if self.quantized:
                 (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = (
-                    quantize_int8(knew),
-                    quantize_int8(vnew),
+                    quantize(knew, self.dtype),
+                    quantize(vnew, self.dtype),
                 )
                 keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
                 values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]

@@ -1,5 +1,6 @@
 """Memory for the KV pools: the storage dtypes and what an element costs, anonymous memory advised
-for transparent huge pages (and how much of a tensor they back), and int8 quantization per row.
+for transparent huge pages (and how much of a tensor they back), and int8 and float8 e4m3
+quantization per row.
 Imports no gRPC."""
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "int8": torch.int8,
+    "float8_e4m3": torch.float8_e4m3fn,
 }
-_INT8_MAX = 127.0
+# Stored as codes times one float32 scale per (token, KV head) row: scale = absmax / code max.
+SCALED_DTYPES: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_INT8_MAX = SCALED_DTYPES[torch.int8]
 _HUGE_PAGE = 2 << 20
 
 
 def kv_bytes_per_element(dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes one cached element costs, counting int8's float32 scale per (token, head) row."""
+    """Bytes one cached element costs, counting int8's and float8's float32 scale per (token, head) row."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return itemsize + (4 / head_dim if dtype == torch.int8 else 0)
+    return itemsize + (4 / head_dim if dtype in SCALED_DTYPES else 0)
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -78,3 +82,19 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale[..., None] > 0, torch.round(x / safe[..., None]), torch.zeros_like(x))
     return q.clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
+
+
+def quantize_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 per row of the last dim, scale = absmax / 448 (e4m3's largest finite value):
+    x ~= code * scale, the codes rounded to nearest even by torch's cast, as the native kernel does."""
+    x = x.float()
+    top = SCALED_DTYPES[torch.float8_e4m3fn]
+    scale = x.abs().amax(-1) / top
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale[..., None] > 0, x / safe[..., None], torch.zeros_like(x)).clamp_(-top, top)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and per-row scales of x in a scaled KV dtype (SCALED_DTYPES)."""
+    return quantize_int8(x) if dtype == torch.int8 else quantize_float8(x)

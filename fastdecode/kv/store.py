@@ -2,13 +2,13 @@
 
 Layout: one pool per K and V of shape [layers, kv_heads, num_blocks * block_size, head_dim]
 (head-major: one head of one sequence is a contiguous [tokens, head_dim] run within a block).
-Storage dtypes: float32, float16, bfloat16, and int8 with one float32 scale per (token, KV head)
-(pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks are its
-block table (`SeqBlocks.blocks`); token `pos` lives in slot blocks[pos // block_size] * block_size +
-pos % block_size. Blocks on demand: a sequence is admitted with the blocks for the tokens it holds
-(its prompt) and its block table grows one block at a time as attention appends past its last
-block, so the pool holds what sequences really use, not their max_tokens. When no block is free
-the call fails with ResourceExhausted and nothing of it is kept; the scheduler then preempts a
+Storage dtypes: float32, float16, bfloat16, and int8 and float8 e4m3 with one float32 scale per
+(token, KV head) (pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks
+are its block table (`SeqBlocks.blocks`); token `pos` lives in slot blocks[pos // block_size] *
+block_size + pos % block_size. Blocks on demand: a sequence is admitted with the blocks for the
+tokens it holds (its prompt) and its block table grows one block at a time as attention appends past
+its last block, so the pool holds what sequences really use, not their max_tokens. When no block is
+free the call fails with ResourceExhausted and nothing of it is kept; the scheduler then preempts a
 sequence (frees its blocks, recomputes it later). A new block extends the sequence's run in place
 when the next block is free, so a sequence stays one contiguous run as long as its neighbours allow.
 
@@ -28,7 +28,7 @@ Two attention backends, one result:
   allocated only has to keep `SeqBlocks.blocks` the table and call `_blocks_changed`.
 - "torch": the reference. SDPA over a strided view when every sequence decodes one token at the
   same position from contiguous, equally spaced reservations; otherwise per sequence (gathering
-  scattered blocks and dequantizing int8).
+  scattered blocks and dequantizing int8 and float8).
 Imports no gRPC.
 """
 
@@ -43,7 +43,7 @@ from fastdecode.contract import chain_hashes, prefix_seed
 from fastdecode.kv import native
 from fastdecode.kv.attend import Attention
 from fastdecode.kv.blocks import BlockAllocator, SeqBlocks
-from fastdecode.kv.memory import KV_DTYPES, huge_page_empty, quantize_int8
+from fastdecode.kv.memory import KV_DTYPES, SCALED_DTYPES, huge_page_empty, quantize
 from fastdecode.kv.prefix import PrefixCache
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 
@@ -79,9 +79,9 @@ class KVStore(Attention):
         self.head_dim = head_dim
         self.dtype = dtype
         self.block_size = block_size
-        self.quantized = dtype == torch.int8
+        self.quantized = dtype in SCALED_DTYPES
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + int8's scale
+        row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + the row's scale
         self.bytes_per_token = 2 * num_layers * num_kv_heads * row_bytes
         self.num_blocks = max(0, capacity_bytes // (self.bytes_per_token * block_size))
         self.capacity_bytes = self.num_blocks * block_size * self.bytes_per_token
@@ -347,8 +347,8 @@ class KVStore(Attention):
 
     # ---- live migration: a sequence's rows out of one pool and into another --------------------
     def export_layer(self, seq_id: str, layer: int) -> tuple[torch.Tensor, ...]:
-        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus
-        int8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
+        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus int8's
+        or float8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")
@@ -386,7 +386,7 @@ class KVStore(Attention):
         self._importing[seq_id] = seq
 
     def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor]) -> int:
-        """Write one exported layer (k, v and int8's scales) of an import; returns its bytes."""
+        """Write one exported layer (k, v and int8's or float8's scales) of an import; returns its bytes."""
         seq = self._importing.get(seq_id)
         if seq is None:
             raise NotFound(f"no import of sequence {seq_id!r} in progress")
@@ -403,7 +403,7 @@ class KVStore(Attention):
         if v.dtype != self.dtype or n > seq.capacity:
             raise InvalidInput(f"v rows of {v.dtype} or {n} tokens do not fit the import")
         if self.quantized and (tuple(ks.shape) != shape[:2] or tuple(vs.shape) != shape[:2]):
-            raise InvalidInput(f"int8 rows need scales of shape {list(shape[:2])}")
+            raise InvalidInput(f"{self.dtype} rows need scales of shape {list(shape[:2])}")
         slots = self._slots(seq, n)
         self.k[layer][:, slots], self.v[layer][:, slots] = k, v
         if self.quantized:
@@ -452,7 +452,7 @@ class KVStore(Attention):
         for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             rows = new.transpose(0, 1)  # [KVH, n, D]
             if self.quantized:
-                pool[layer][:, slots], scales[layer][:, slots] = quantize_int8(rows)
+                pool[layer][:, slots], scales[layer][:, slots] = quantize(rows, self.dtype)
             else:
                 pool[layer][:, slots] = rows.to(self.dtype)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)

@@ -1,7 +1,7 @@
 """The one tensor codec: torch.Tensor <-> fastdecode.v1.Tensor.
 
-Raw little-endian, C-contiguous bytes with an explicit dtype and shape; bf16 goes
-through a uint8 view because numpy has no bfloat16. Decoding validates dtype,
+Raw little-endian, C-contiguous bytes with an explicit dtype and shape; bf16 and float8 go
+through a uint8 view because numpy has neither. Decoding validates dtype,
 shape and byte count and returns a tensor that aliases the message bytes (no copy)
 unless the caller asks for a writable copy.
 
@@ -43,10 +43,11 @@ _TO_WIRE: dict[torch.dtype, int] = {
     torch.int32: tensor_pb2.INT32,
     torch.int8: tensor_pb2.INT8,
     torch.uint8: tensor_pb2.UINT8,
+    torch.float8_e4m3fn: tensor_pb2.FLOAT8_E4M3,
 }
 _FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _TO_WIRE}
-# numpy has no bfloat16: its bytes travel as uint16 and are viewed back in torch.
+# numpy has no bfloat16 or float8: their bytes travel as uint16 / uint8 and are viewed back in torch.
 _NUMPY: dict[torch.dtype, type] = {
     torch.float32: np.float32,
     torch.float16: np.float16,
@@ -55,7 +56,9 @@ _NUMPY: dict[torch.dtype, type] = {
     torch.int32: np.int32,
     torch.int8: np.int8,
     torch.uint8: np.uint8,
+    torch.float8_e4m3fn: np.uint8,
 }
+_VIEWED = (torch.bfloat16, torch.float8_e4m3fn)
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -84,7 +87,7 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    if t.dtype == torch.bfloat16:
+    if t.dtype in _VIEWED:
         t = t.reshape(-1).view(torch.uint8)  # flat first: a 0-d or empty view may have stride 0
     return t.numpy()
 
@@ -203,4 +206,4 @@ def _decode(wire: int, shape: tuple[int, ...], data: bytes | memoryview, copy: b
     # numpy frombuffer + torch.from_numpy: half the time of torch.frombuffer + view per message
     arr = np.frombuffer(data, dtype=_NUMPY[dtype]).reshape(shape)
     t = torch.from_numpy(arr.copy() if copy else arr)
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+    return t.view(dtype) if dtype in _VIEWED else t

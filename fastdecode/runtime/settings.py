@@ -117,8 +117,8 @@ class ShardSettings(ServiceSettings):
 
     shard_id: int = Field(0, ge=0, description="This shard's index.")
     kv_capacity: int = Field(1 << 30, ge=0, description="KV pool budget in bytes.")
-    kv_dtype: Literal["float32", "float16", "bfloat16", "int8"] = Field(
-        "float32", description="KV-cache element type (int8: a scale per token and KV head)."
+    kv_dtype: Literal["float32", "float16", "bfloat16", "int8", "float8_e4m3"] = Field(
+        "float32", description="KV-cache element type (int8, float8_e4m3: a scale per token and KV head)."
     )
     attention_backend: Literal["native", "torch"] = Field(
         "native", description="native: the C++ kernel; torch: the SDPA reference."
@@ -158,7 +158,7 @@ class DenseSettings(ServiceSettings):
         "take a share of the attention). Off if unset.",
     )
     host_shard_kv_capacity: int = Field(1 << 30, ge=0, description="The hosted shard's KV pool in bytes.")
-    host_shard_kv_dtype: Literal["float32", "float16", "bfloat16", "int8"] = Field(
+    host_shard_kv_dtype: Literal["float32", "float16", "bfloat16", "int8", "float8_e4m3"] = Field(
         "float32", description="The hosted shard's KV-cache element type."
     )
     pipeline_mode: Literal["plan", "auto"] = Field(

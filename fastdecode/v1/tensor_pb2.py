@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61stdecode/v1/tensor.proto\x12\rfastdecode.v1\"J\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.fastdecode.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t*q\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\x08\n\x04INT8\x10\x06\x12\t\n\x05UINT8\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61stdecode/v1/tensor.proto\x12\rfastdecode.v1\"J\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.fastdecode.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t*\x82\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\x08\n\x04INT8\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x0f\n\x0b\x46LOAT8_E4M3\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fastdecode.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=165
-  _globals['_DTYPE']._serialized_end=278
+  _globals['_DTYPE']._serialized_start=166
+  _globals['_DTYPE']._serialized_end=296
   _globals['_TENSOR']._serialized_start=45
   _globals['_TENSOR']._serialized_end=119
   _globals['_ITEMERROR']._serialized_start=121

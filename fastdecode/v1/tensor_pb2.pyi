@@ -17,6 +17,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT32: _ClassVar[DType]
     INT8: _ClassVar[DType]
     UINT8: _ClassVar[DType]
+    FLOAT8_E4M3: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -25,6 +26,7 @@ INT64: DType
 INT32: DType
 INT8: DType
 UINT8: DType
+FLOAT8_E4M3: DType
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

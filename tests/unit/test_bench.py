@@ -40,6 +40,28 @@ def test_attention_bench_small(lengths: str, kv_heads: int, backend: str, kv_dty
     assert r["memory_probe"] == "native stream_read" and r["backend"] == backend
 
 
+def test_attention_bench_levels_side_by_side() -> None:
+    """--isa and --baseline-isa time two levels interleaved on one store (same-run ratio), report the
+    level and path, and put the CPUID pick back; thread clock needs one thread; a level the CPU
+    lacks or does not exist is a clear error."""
+    from fastdecode.kv import native
+
+    r = run_attention_bench(
+        batch=4, context=40, heads=4, kv_heads=2, head_dim=16, repeats=3, kv_dtype="float8_e4m3",
+        memory_bytes=1 << 20, isa="scalar", baseline_isa="avx2", threads=1, clock="thread",
+    )  # fmt: skip
+    assert r["isa"] == "scalar" and r["isa_forced"] and r["path"] == "scalar" and r["clock"] == "thread"
+    assert r["baseline_isa"] == "avx2" and r["baseline_path"] == "avx2"
+    assert r["vs_baseline"] == pytest.approx(r["attend_ms_per_layer"] / r["baseline_ms_per_layer"])
+    assert r["vs_baseline"] > 1  # the scalar path is the slow one on any AVX2 host
+    assert native.isa() == native.isas()[-1] and not native.forced()
+    with pytest.raises(InvalidInput, match="threads=1"):
+        run_attention_bench(batch=2, context=8, heads=2, kv_heads=1, head_dim=8, clock="thread")
+    with pytest.raises(InvalidInput, match="must be one of"):
+        run_attention_bench(batch=2, context=8, heads=2, kv_heads=1, head_dim=8, isa="avx9", threads=1)
+    assert not native.forced()
+
+
 def test_attention_bench_rejects_bad_geometry() -> None:
     with pytest.raises(InvalidInput):
         run_attention_bench(heads=5, kv_heads=2)

@@ -2,8 +2,10 @@
 
 Two tolerances per KV dtype:
 - KERNEL_TOL: the kernel's own arithmetic (fp32 online softmax, polynomial exp) against fp64
-  attention over the values the pool actually holds (rounded to fp16/bf16, or int8 * scale).
-  The same for every float dtype: the kernel widens in registers and computes in fp32. int8 keys
+  attention over the values the pool actually holds (rounded to fp16/bf16, or int8/float8 * scale).
+  The same for every float dtype and float8: the kernel widens in registers (exactly) and computes
+  in fp32; on the avx512_bf16 level bf16 keys meet q split into two bf16 halves (~16 significant
+  bits), an error within the same tolerance. int8 keys
   meet q rounded to int16 per row (an integer dot product), an error that grows with the scores:
   ~3e-5 at unit variance, ~2e-4 with scores spread by 30; int8 storage itself costs 100x more.
 - STORAGE_TOL: against fp64 attention over the original fp32 k, v, i.e. including what storing
@@ -25,9 +27,23 @@ from fastdecode.runtime.errors import FailedPrecondition
 
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
 
-KERNEL_TOL = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "int8": 5e-4}
-STORAGE_TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2.5e-2, "int8": 4e-2}
+KERNEL_TOL = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "int8": 5e-4, "float8_e4m3": 2e-5}
+STORAGE_TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2.5e-2, "int8": 4e-2, "float8_e4m3": 0.15}
 DTYPES = list(KV_DTYPES)
+VECTOR_ISAS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16")
+
+
+@pytest.fixture
+def isa_level(request: pytest.FixtureRequest) -> str:
+    """Forces the kernel's ISA level for one test (skipped where the CPU lacks it), then puts back
+    the level it picked."""
+    level = request.param
+    if level not in native.isas():
+        pytest.skip(f"this CPU lacks ISA level {level} (it has {native.isas()})")
+    before = "auto"  # the CPUID pick (no test runs forced)
+    native.set_isa(level)
+    yield level
+    native.set_isa(before)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
@@ -43,7 +59,7 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
 
 
 def stored(store: KVStore, layer: int, seq_id: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the pool holds for a sequence, as fp64 [length, KVH, D] (int8 times its scales)."""
+    """What the pool holds for a sequence, as fp64 [length, KVH, D] (int8/float8 times its scales)."""
     seq = store.seqs[seq_id]
     pos = torch.arange(length)
     blocks = torch.tensor(seq.blocks)
@@ -194,6 +210,7 @@ def test_native_matches_torch_backend_over_steps(dtype: str) -> None:
         for sid, n in pos.items():
             for x, y in zip(stored(a, layer, sid, n), stored(b, layer, sid, n), strict=True):
                 # int8: one quantizer in C++ and one in torch; a tie in x / scale may round apart
+                # (float8: both round x / scale with c10's e4m3 cast, the same bits)
                 torch.testing.assert_close(x, y, atol=0 if dtype != "int8" else 0.05, rtol=0)
 
 
@@ -205,7 +222,7 @@ def test_scalar_path_matches_vector_path(dtype: str) -> None:
     q = torch.randn(2, 8, 64, generator=gen)
     k, v = hist["a"][0][499:500].repeat(2, 1, 1), hist["a"][1][499:500].repeat(2, 1, 1)
     outs = []
-    before = kernel.isa()
+    before = "auto"  # the CPUID pick (no test runs forced)
     try:
         for isa in ("scalar", before):
             kernel.set_isa(isa)
@@ -288,3 +305,86 @@ def test_int8_wide_heads_do_not_overflow_the_integer_dot() -> None:
     sk, sv = stored(store, 0, "a", 3)
     exact = reference(q, sk, sv, 2)
     torch.testing.assert_close(o.double(), exact, atol=KERNEL_TOL["int8"], rtol=KERNEL_TOL["int8"])
+
+
+@pytest.mark.parametrize("isa_level", VECTOR_ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (8, 1, 128), (4, 4, 96), (2, 2, 48)])
+def test_every_isa_level_matches_fp64_and_the_scalar_path(
+    isa_level: str, dtype: str, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Each ISA level the CPU has, forced: decodes over lengths across tile and block boundaries,
+    prefill chunks beside them, and keys x30 (sharp scores) match fp64 over the stored values
+    within the dtype's tolerance, and the scalar path. Head dims the level's loads do not divide
+    (48 at 512 bits for bf16, int8 and float8) go to a lower level, which must agree too."""
+    gen = torch.Generator().manual_seed(hash((dtype, heads, head_dim)) % 1000)
+    lengths = {"a": 1, "b": 17, "c": 33, "d": 300, "e": 1100}
+    store = make(dtype, kv_heads, head_dim, sum(lengths.values()) + 400)
+    hist = fill(store, lengths, gen)
+    if dtype != "int8":  # sharp scores (int8's q rounded to int16 is checked there in the far-keys test)
+        hist["d"][0].mul_(30)
+        store.write(0, "d", 0, hist["d"][0][:299], hist["d"][1][:299])
+    calls = [[("a", 0, 20), ("b", 16, 1), ("c", 32, 1), ("d", 299, 1), ("e", 1099, 1)]]
+    calls.append([("a", 20, 1), ("b", 17, 9), ("c", 33, 1), ("d", 300, 1), ("e", 1100, 1)])
+    run_and_check(store, calls, heads, hist, dtype, gen, storage=False)
+    assert native.path(dtype, head_dim) in VECTOR_ISAS + ("scalar",)
+    q = torch.randn(2, heads, head_dim, generator=gen)
+    k, v = hist["e"][0][1101:1102].repeat(2, 1, 1), hist["e"][1][1101:1102].repeat(2, 1, 1)
+    outs = []
+    for level in (isa_level, "scalar"):
+        native.set_isa(level)
+        outs.append(store.attend(0, AttendBatch(["c", "e"], [1, 1], [34, 1101], q, k, v)))
+    native.set_isa(isa_level)
+    torch.testing.assert_close(outs[0], outs[1], atol=KERNEL_TOL[dtype], rtol=KERNEL_TOL[dtype])
+
+
+def test_isa_levels_and_paths() -> None:
+    """The picked level is the highest the CPU has; each dtype's path is at or below it; an unknown
+    level or one the CPU lacks is one clear error and leaves the level as it was."""
+    levels = native.isas()
+    assert levels[0] == "scalar" and native.isa() == levels[-1] and not native.forced()
+    order = ("scalar",) + VECTOR_ISAS
+    for dtype in DTYPES:
+        assert order.index(native.path(dtype, 64)) <= order.index(native.isa())
+        for level in levels:  # forced, every dtype runs on the level (64 divides every load)
+            native.set_isa(level)
+            assert native.path(dtype, 64) == level and native.forced()
+        native.set_isa("auto")
+        assert native.path(dtype, 36) == "scalar"  # no vector load steps by 4
+    before = "auto"  # the CPUID pick (no test runs forced)
+    for bad in ["avx9", "AVX2", ""] + [lvl for lvl in order if lvl not in levels]:
+        with pytest.raises(native.IsaUnavailable) as e:
+            native.set_isa(bad)
+        assert "\n" not in str(e.value) and ("lacks" in str(e.value) or "must be one of" in str(e.value))
+        assert native.isa() == levels[-1] and not native.forced()
+    native.set_isa("scalar")
+    try:
+        assert all(native.path(d, 64) == "scalar" for d in DTYPES)
+    finally:
+        native.set_isa(before)
+
+
+@pytest.mark.parametrize("level, ok", [("scalar", True), ("avx9", False)])
+def test_isa_environment_override(monkeypatch: pytest.MonkeyPatch, level: str, ok: bool) -> None:
+    """FASTDECODE_KERNEL_ISA forces a level when the kernel loads (a store attends on it, the
+    scalar path a CPU without AVX2 gets); a level that does not exist, or that the CPU lacks, stops
+    load() with one line naming it, as NativeUnavailable (a shard stops at start with it)."""
+    before = "auto"  # the CPUID pick (no test runs forced)
+    monkeypatch.setenv(native.ISA_ENV, level)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    try:
+        if ok:
+            store = KVStore(1, 1, 64, 1 << 20)
+            assert native.isa() == level and native.path("bfloat16", 64) == level
+            store.reserve("a", 4)
+            q, k, v = (torch.randn(3, 1, 64) for _ in range(3))
+            o = store.attend(0, AttendBatch(["a"], [3], [0], q, k, v))
+            torch.testing.assert_close(o.double(), reference(q, k, v, 0), atol=2e-5, rtol=2e-5)
+        else:
+            with pytest.raises(native.NativeUnavailable) as e:
+                KVStore(1, 1, 64, 1 << 20)
+            msg = str(e.value)
+            assert msg.startswith(f"{native.ISA_ENV}={level}: isa must be one of") and "\n" not in msg
+    finally:
+        kernel.set_isa(before)

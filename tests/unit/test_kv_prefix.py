@@ -136,12 +136,13 @@ def test_rewriting_a_shared_block_copies_it_first() -> None:
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
-def test_attention_over_shared_blocks_equals_unshared(backend: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_attention_over_shared_blocks_equals_unshared(backend: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     layers, kvh, hd, heads = 2, 2, 8, 4
     outs = []
     for sharing in (False, True):
-        store = KVStore(layers, kvh, hd, 1 << 20, block_size=BS, backend=backend, prefix_sharing=sharing)
+        store = KVStore(layers, kvh, hd, 1 << 20, dtype, BS, backend=backend, prefix_sharing=sharing)
         prompt = list(range(13))
         res = []
         for sid in ("a", "b"):  # the same tokens: the same q, k, v at every position

@@ -36,7 +36,7 @@ def _filled(dtype: torch.dtype, tokens: int, backend: str = "torch") -> tuple[KV
     return store, rows
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_export_import_then_attend_gives_the_same_output(dtype: torch.dtype) -> None:
     src, _ = _filled(dtype, 11)
     dst = KVStore(LAYERS, KVH, DIM, 1 << 20, dtype, block_size=4, backend="torch")

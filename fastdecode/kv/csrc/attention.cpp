@@ -4,7 +4,8 @@
 // whatever the lengths. Keys and values are read in place through each sequence's block table
 // (slot = table[pos / block_size] * block_size + pos % block_size), once per KV head for all the
 // query heads that share it (GQA/MQA), with an online softmax in fp32. Storage types: float32,
-// float16 and bfloat16 (widened in registers) and int8 with one fp32 scale per (token, KV head).
+// float16 and bfloat16 (widened in registers), and int8 and float8 e4m3 with one fp32 scale per
+// (token, KV head).
 //
 // Work is split over (sequence, KV head, chunk of <= kQChunk query tokens) jobs, longest first,
 // taken from an atomic counter by torch's intra-op threads (at::parallel_for, so the shard's
@@ -14,12 +15,19 @@
 // operations instead of a widening shuffle per 8 values); while it sums V it prefetches the next
 // tile's K and V rows, one key per key summed, into L2 (a tile of fp32 K and V is 16 KiB at D=64,
 // so a tile ahead in L1 evicted the tile being read: T1 was 0.88x the time of T0 on Zen 4 and
-// within noise on Zen 3). Denormals flush to zero while a job runs. The
-// AVX2+FMA+F16C path is chosen at load time from CPUID; a portable
-// scalar path serves other CPUs (and the tests, through set_isa).
+// within noise on Zen 3). Denormals flush to zero while a job runs.
+//
+// Paths (isa levels, each needing the CPU features of the ones below it): scalar, avx2
+// (AVX2+FMA+F16C), avx512 (F/BW/VL/DQ: 512-bit loads, FMAs and widenings), avx512_vnni (int8 keys
+// dotted with vpdpwssd), avx512_bf16 (bf16 keys dotted with vdpbf16ps against q split in two bf16
+// halves). The vector job (vec_job.inc) is compiled once per path under that path's target pragma,
+// so no -march is needed; the highest level the CPU has is picked at load time from CPUID, and each
+// dtype then uses the highest path at or below it that measured faster than the one below
+// (kKeep, figures in docs/kernel.md). set_isa forces a level (tests, A/B benches).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
@@ -33,13 +41,17 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FD_AVX2 1
+#define FD_X86 1
 #include <immintrin.h>
 #endif
 
 namespace fd {
 
-enum Kind : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
+enum Kind : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kF8 = 4 };
+constexpr int kKinds = 5;
+// int8 and float8 rows carry one fp32 scale per (token, KV head): x ~= code * scale.
+constexpr bool scaled(int kind) { return kind == kI8 || kind == kF8; }
+constexpr float kF8Max = 448.f;  // e4m3's largest finite value: scale = absmax / 448
 
 constexpr int kTile = 32;    // keys scored together before one softmax update (at most)
 // The vector path's tile per storage type: half types walk 16 keys a tile (0.88x bf16's and 0.81x
@@ -88,6 +100,7 @@ inline float load1(const void* base, int64_t i) {
   if constexpr (K == kF16) return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
   if constexpr (K == kBF16) return static_cast<float>(static_cast<const c10::BFloat16*>(base)[i]);
   if constexpr (K == kI8) return static_cast<float>(static_cast<const int8_t*>(base)[i]);
+  if constexpr (K == kF8) return static_cast<float>(static_cast<const c10::Float8_e4m3fn*>(base)[i]);
 }
 
 template <int K>
@@ -117,7 +130,7 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
         const int64_t off = (hbase + slot[j]) * D;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qr[d] * load1<K>(a.k, off + d);
-        if constexpr (K == kI8) dot *= a.ks[hbase + slot[j]];
+        if constexpr (scaled(K)) dot *= a.ks[hbase + slot[j]];
         s[j] = dot * a.scale;
         mt = std::max(mt, s[j]);
       }
@@ -130,7 +143,7 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
         const float p = std::exp(s[j] - mn);
         l[r] += p;
         float w = p;
-        if constexpr (K == kI8) w *= a.vs[hbase + slot[j]];
+        if constexpr (scaled(K)) w *= a.vs[hbase + slot[j]];
         const int64_t off = (hbase + slot[j]) * D;
         for (int64_t d = 0; d < D; ++d) ar[d] += w * load1<K>(a.v, off + d);
       }
@@ -146,12 +159,37 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
   return false;
 }
 
-constexpr int64_t kItemSize[4] = {4, 2, 2, 1};
+constexpr int64_t kItemSize[kKinds] = {4, 2, 2, 1, 1};
 
-// ---- AVX2 + FMA + F16C path -------------------------------------------------------------------
-#ifdef FD_AVX2
+std::atomic<bool> g_prefetch{true};
+
+// Offsets of keys [p0, p0 + tile) of one job (as many as it has), padded to a multiple of 8 with
+// the first row (padding lanes read a valid row, then are masked); returns how many keys.
+inline int tile_offsets(const Args& a, const Job& jb, int64_t p0, int tile, int64_t* off, int64_t* slot) {
+  const int64_t nkeys = a.start[jb.seq] + jb.t1, hbase = jb.kvh * a.S;
+  const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(tile, nkeys - p0)));
+  if (n == 0) return 0;
+  slots_of(a, a.table + a.table_off[jb.seq], p0, n, slot);
+  for (int j = 0; j < n; ++j) off[j] = (hbase + slot[j]) * a.D;
+  const int n8 = (n + 7) & ~7;
+  for (int j = n; j < n8; ++j) off[j] = off[0];
+  return n;
+}
+
+// ---- AVX2 + FMA + F16C path (v2) ----------------------------------------------------------------
+#ifdef FD_X86
+namespace v2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+
+// float8 e4m3 -> the float16 with the same bits shifted (value * 2^-8, exact, subnormals included):
+// sign-extended to 16 bits, shifted left 7, the sign's copy in bit 14 cleared. F16C widens it to
+// fp32 exactly, subnormals too (a direct fp32 placement would make e4m3's subnormals fp32
+// subnormals, which the kernel's denormals-are-zero mode would read as 0). The 2^8 goes into the
+// row's scale (kF8Unit).
+inline __m128i f8_to_f16_bits(__m128i sext16) {
+  return _mm_and_si128(_mm_slli_epi16(sext16, 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+}
 
 template <int K>
 inline __m256 ld8(const void* base, int64_t i) {
@@ -167,6 +205,9 @@ inline __m256 ld8(const void* base, int64_t i) {
   if constexpr (K == kI8)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
+  if constexpr (K == kF8)
+    return _mm256_cvtph_ps(f8_to_f16_bits(_mm_cvtepi8_epi16(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i)))));
 }
 
 // bfloat16 is the top half of a float32, so 16 of them load as 8 lanes of two: a shift gives the
@@ -178,14 +219,16 @@ inline void ld16_bf16(const void* base, int64_t i, __m256& even, __m256& odd) {
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Puts 16-element chunks of x into (or, with back, out of) the even/odd order of ld16_bf16.
+// Puts C-element chunks of x into (or, with back, out of) the even/odd order of a C-element
+// bfloat16 load (C = 16 on 256-bit registers, 32 on 512-bit ones).
+template <int C>
 inline void split_order(const float* x, float* y, int64_t D, bool back) {
-  for (int64_t c = 0; c < D; c += 16)
-    for (int i = 0; i < 8; ++i) {
+  for (int64_t c = 0; c < D; c += C)
+    for (int i = 0; i < C / 2; ++i) {
       if (back)
-        y[c + 2 * i] = x[c + i], y[c + 2 * i + 1] = x[c + 8 + i];
+        y[c + 2 * i] = x[c + i], y[c + 2 * i + 1] = x[c + C / 2 + i];
       else
-        y[c + i] = x[c + 2 * i], y[c + 8 + i] = x[c + 2 * i + 1];
+        y[c + i] = x[c + 2 * i], y[c + C / 2 + i] = x[c + 2 * i + 1];
     }
 }
 
@@ -218,54 +261,88 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Eight dot products q . k_j (j < 8) as one vector: eight accumulators, then a transposing sum.
-template <int K, bool SPLIT>
-inline __m256 dot8(const float* q, const void* kb, const int64_t* off, int64_t D) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  if constexpr (SPLIT) {
-    __m256 e, o;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256 qe = _mm256_loadu_ps(q + d), qo = _mm256_loadu_ps(q + d + 8);
-#define FD_DOT(j) ld16_bf16(kb, off[j] + d, e, o), a##j = _mm256_fmadd_ps(qo, o, _mm256_fmadd_ps(qe, e, a##j))
-      FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
-#undef FD_DOT
-    }
-  } else
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[0] + d), a0);
-    a1 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[1] + d), a1);
-    a2 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[2] + d), a2);
-    a3 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[3] + d), a3);
-    a4 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[4] + d), a4);
-    a5 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[5] + d), a5);
-    a6 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[6] + d), a6);
-    a7 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[7] + d), a7);
-  }
+// The sums of eight accumulators as one vector (lane j: the sum of a_j): a transposing sum.
+inline __m256 tree8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
   const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-// int8 keys: q . k_j for 8 keys on integers. q comes quantized to int16 per row (error ~1.5e-5 of
-// the row's max |q|, far below int8 K's own 1/254), so 16 values cost one widening of k and one
-// vpmaddwd instead of two widenings, two conversions and two FMAs. |q . k| <= D * 127 * 32767 fits
-// int32 for D <= 512; attend() sends larger head dims to the scalar path.
-inline __m256 dot8_i8(const int16_t* q, const void* kb, const int64_t* off, int64_t D) {
-  const int8_t* k = static_cast<const int8_t*>(kb);
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + d));
+inline __m256i tree8i(__m256i a0, __m256i a1, __m256i a2, __m256i a3, __m256i a4, __m256i a5, __m256i a6,
+                      __m256i a7) {
+  const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+  const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a4, a5), _mm256_hadd_epi32(a6, a7));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
+}
+
+// int8 keys meet q quantized to int16 per row (error ~1.5e-5 of the row's max |q|, far below int8
+// K's own 1/254): 16 values cost one widening of k and one vpmaddwd instead of two widenings, two
+// conversions and two FMAs. |q . k| <= D * 127 * 32767 fits int32 for D <= 512; attend() sends
+// larger head dims to the scalar path. Returns the scale of the row's int16 codes.
+inline float quantize_q16(const float* q, int16_t* qi, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) qi[d] = static_cast<int16_t>(std::lrintf(q[d] * inv));
+  return amax / 32767.f;
+}
+
+// ---- this path's tile scoring: prep_q once per query row, score8 per 8 keys ----
+constexpr int kSplitChunk = 16;
+
+// Writes the row's query in the form score8 reads (<= 2D floats); returns the factor its dot
+// products carry (1 but for int8's int16 codes).
+template <int K>
+inline float prep_q(const float* q, float* dst, int64_t D) {
+  if constexpr (K == kI8) return quantize_q16(q, reinterpret_cast<int16_t*>(dst), D);
+  if constexpr (K == kBF16)
+    split_order<kSplitChunk>(q, dst, D, false);
+  else
+    std::memcpy(dst, q, D * sizeof(float));
+  return 1.f;
+}
+
+// Eight raw dot products q . k_j (j < 8) as one vector: eight accumulators, then a transposing sum.
+template <int K>
+inline __m256 score8(const float* q, const void* kb, const int64_t* off, int64_t D) {
+  if constexpr (K == kI8) {
+    const int8_t* k = static_cast<const int8_t*>(kb);
+    const int16_t* qi = reinterpret_cast<const int16_t*>(q);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + d));
 #define FD_DOT(j)                                                     \
   a##j = _mm256_add_epi32(a##j, _mm256_madd_epi16(qv, _mm256_cvtepi8_epi16(_mm_loadu_si128( \
                                                      reinterpret_cast<const __m128i*>(k + off[j] + d)))))
-    FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+      FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
 #undef FD_DOT
+    }
+    return _mm256_cvtepi32_ps(tree8i(a0, a1, a2, a3, a4, a5, a6, a7));
+  } else {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    if constexpr (K == kBF16) {
+      __m256 e, o;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256 qe = _mm256_loadu_ps(q + d), qo = _mm256_loadu_ps(q + d + 8);
+#define FD_DOT(j) ld16_bf16(kb, off[j] + d, e, o), a##j = _mm256_fmadd_ps(qo, o, _mm256_fmadd_ps(qe, e, a##j))
+        FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+      }
+    } else {
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[3] + d), a3);
+        a4 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[4] + d), a4);
+        a5 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[5] + d), a5);
+        a6 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[6] + d), a6);
+        a7 = _mm256_fmadd_ps(qv, ld8<K>(kb, off[7] + d), a7);
+      }
+    }
+    return tree8(a0, a1, a2, a3, a4, a5, a6, a7);
   }
-  const __m256i t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
-  const __m256i t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a4, a5), _mm256_hadd_epi32(a6, a7));
-  return _mm256_cvtepi32_ps(
-      _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31)));
 }
 
 // acc[d0 .. d0 + 8*NC) += sum_j w[j] * v_j[d0 ..], the accumulator held in registers over the tile.
@@ -336,154 +413,10 @@ inline void prefetch_rows(const void* base, const int64_t* off, int n, int64_t r
   }
 }
 
-std::atomic<bool> g_prefetch{true};
-
-// Offsets of keys [p0, p0 + tile) of one job (as many as it has), padded to a multiple of 8 with
-// the first row (padding lanes read a valid row, then are masked); returns how many keys.
-inline int tile_offsets(const Args& a, const Job& jb, int64_t p0, int tile, int64_t* off, int64_t* slot) {
-  const int64_t nkeys = a.start[jb.seq] + jb.t1, hbase = jb.kvh * a.S;
-  const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(tile, nkeys - p0)));
-  if (n == 0) return 0;
-  slots_of(a, a.table + a.table_off[jb.seq], p0, n, slot);
-  for (int j = 0; j < n; ++j) off[j] = (hbase + slot[j]) * a.D;
-  const int n8 = (n + 7) & ~7;
-  for (int j = n; j < n8; ++j) off[j] = off[0];
-  return n;
-}
-
-// One job; `next` is the job this worker runs after it (null when none). While the last tile is
-// summed, next's first tile is prefetched the way later tiles are, so a job no longer starts on a
-// burst of misses; returns whether it did (next's `warm`: its first tile is already asked for).
-template <int K>
-bool job_avx2(const Args& a, const Job& jb, const Job* next, bool warm, float* buf) {
-  const int64_t D = a.D, G = a.G;
-  constexpr bool SPLIT = K == kBF16;  // attend() sends D % 16 != 0 bfloat16 and int8 to the scalar path
-  const int rows = (jb.t1 - jb.t0) * static_cast<int>(G);
-  float* acc = buf;
-  float* m = acc + rows * D;
-  float* l = m + rows;
-  float* s = l + rows;  // kTile scores, then weights
-  float* qs = s + kTile + 8;  // SPLIT: the rows' queries in even/odd order (int8: see qi)
-  if constexpr (SPLIT)
-    for (int r = 0; r < rows; ++r) {
-      const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
-      split_order(a.q + ((a.row0[jb.seq] + t) * a.H + h) * D, qs + r * D, D, false);
-    }
-  int16_t* qi = reinterpret_cast<int16_t*>(qs);  // int8: the rows' queries as int16, then scales
-  float* qscale = qs + rows * D;
-  if constexpr (K == kI8)
-    for (int r = 0; r < rows; ++r) {
-      const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
-      const float* qr = a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
-      float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(qr[d]));
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      for (int64_t d = 0; d < D; ++d) qi[r * D + d] = static_cast<int16_t>(std::lrintf(qr[d] * inv));
-      qscale[r] = amax / 32767.f;
-    }
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rows, 0.f);
-  const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
-  constexpr int kRing = kPrefetchTiles + 1;
-  constexpr int T = tile_of(K);
-  int64_t slots[kRing][kTile], offs[kRing][kTile];
-  int cnt[kRing];
-  alignas(32) float ksc[kTile], vsc[kTile];
-  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const int64_t row_bytes = D * kItemSize[K];
-  const bool pf = g_prefetch.load(std::memory_order_relaxed);
-  bool next_warm = false;
-  // Software prefetch, kPrefetchTiles tiles ahead: the first tiles are asked for at once (unless
-  // the previous job did), later ones one key's K and V rows per key summed (vacc), so the requests
-  // trickle out with the work instead of in bursts that fill the line-fill buffers (bursts were
-  // 0.9-1.1x slower here).
-  for (int i = 0; i < kPrefetchTiles; ++i) {
-    cnt[i] = tile_offsets(a, jb, i * T, T, offs[i], slots[i]);
-    if (pf && !(warm && i == 0)) {
-      prefetch_rows<K>(a.k, offs[i], cnt[i], row_bytes);
-      prefetch_rows<K>(a.v, offs[i], cnt[i], row_bytes);
-    }
-  }
-  for (int64_t p0 = 0, ti = 0; p0 < nkeys; p0 += T, ti = (ti + 1) % kRing) {
-    const int64_t* off = offs[ti];
-    const int n = cnt[ti];
-    const int ahead = (ti + kPrefetchTiles) % kRing;
-    cnt[ahead] = tile_offsets(a, jb, p0 + kPrefetchTiles * T, T, offs[ahead], slots[ahead]);
-    if (cnt[ahead] == 0 && next != nullptr && pf && kPrefetchTiles == 1) {  // the last tile
-      cnt[ahead] = tile_offsets(a, *next, 0, T, offs[ahead], slots[ahead]);
-      next_warm = true;
-    }
-    int pn = pf ? cnt[ahead] : 0;
-    if constexpr (K == kI8) {
-      const int n8 = (n + 7) & ~7;
-      const int64_t* slot = slots[ti];
-      for (int j = 0; j < n; ++j) ksc[j] = a.ks[hbase + slot[j]], vsc[j] = a.vs[hbase + slot[j]];
-      for (int j = n; j < n8; ++j) ksc[j] = 0.f, vsc[j] = 0.f;
-    }
-    for (int r = 0; r < rows; ++r) {
-      const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
-      const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
-      if (nr <= 0) continue;
-      const float* qr = SPLIT ? qs + r * D : a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
-      const int g8 = (nr + 7) / 8;
-      const __m256 lim = _mm256_set1_ps(static_cast<float>(nr));
-      __m256 mt = ninf;
-      for (int g = 0; g < g8; ++g) {
-        __m256 sc;
-        if constexpr (K == kI8)
-          sc = _mm256_mul_ps(_mm256_mul_ps(dot8_i8(qi + r * D, a.k, off + 8 * g, D), _mm256_set1_ps(a.scale * qscale[r])),
-                             _mm256_load_ps(ksc + 8 * g));
-        else
-          sc = _mm256_mul_ps(dot8<K, SPLIT>(qr, a.k, off + 8 * g, D), _mm256_set1_ps(a.scale));
-        const __m256 idx = _mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(8 * g)));
-        sc = _mm256_blendv_ps(ninf, sc, _mm256_cmp_ps(idx, lim, _CMP_LT_OQ));
-        _mm256_storeu_ps(s + 8 * g, sc);
-        mt = _mm256_max_ps(mt, sc);
-      }
-      const float mn = std::max(m[r], hmax(mt));
-      float* ar = acc + r * D;
-      if (m[r] != mn) {
-        const float corr = std::exp(m[r] - mn);
-        l[r] *= corr;
-        const __m256 cv = _mm256_set1_ps(corr);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ar + d, _mm256_mul_ps(cv, _mm256_loadu_ps(ar + d)));
-      }
-      const __m256 mv = _mm256_set1_ps(mn);
-      __m256 lsum = _mm256_setzero_ps();
-      for (int g = 0; g < g8; ++g) {
-        const __m256 sc = _mm256_loadu_ps(s + 8 * g);
-        // masked lanes hold -inf: exp8 clamps to ~1e-38, so zero them exactly
-        __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sc, mv)), _mm256_cmp_ps(sc, ninf, _CMP_NEQ_OQ));
-        lsum = _mm256_add_ps(lsum, p);
-        if constexpr (K == kI8) p = _mm256_mul_ps(p, _mm256_load_ps(vsc + 8 * g));
-        _mm256_storeu_ps(s + 8 * g, p);
-      }
-      l[r] += hsum(lsum);
-      m[r] = mn;
-      vacc_all<K, SPLIT>(ar, s, a.v, off, nr, D, static_cast<const char*>(a.k), offs[ahead], pn);
-      if (nr < pn) {  // a short row: the rest of the tile ahead goes out here
-        prefetch_rows<K>(a.k, offs[ahead] + nr, pn - nr, row_bytes);
-        prefetch_rows<K>(a.v, offs[ahead] + nr, pn - nr, row_bytes);
-      }
-      pn = 0;
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
-    float* o = a.out + ((a.row0[jb.seq] + t) * a.H + h) * D;
-    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
-    float* ar = acc + r * D;
-    float* dst = SPLIT ? ar : o;  // bfloat16: scaled in place, then put back in order into o
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_loadu_ps(ar + d)));
-    if constexpr (SPLIT) split_order(ar, o, D, true);
-  }
-  return next_warm;
-}
+#include "vec_job.inc"
 
 // Sum of n floats with four independent accumulators: the memory-bandwidth yardstick's inner loop.
-float stream_sum_avx2(const float* x, int64_t n) {
+float stream_sum(const float* x, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -498,7 +431,313 @@ float stream_sum_avx2(const float* x, int64_t n) {
 }
 
 #pragma GCC pop_options
-#endif  // FD_AVX2
+}  // namespace v2
+
+// ---- AVX-512 paths (v5: F/BW/VL/DQ; v5n: + VNNI; v5b: + BF16) ---------------------------------
+// 512-bit loads, widenings and FMAs for the dot products and the V sum; the per-tile softmax
+// stays on 8 lanes (v2's helpers, inlined: their target is a subset of these).
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* (a known
+// false positive); off for these paths only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace v5 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+using v2::exp8;
+using v2::hmax;
+using v2::hsum;
+using v2::prefetch_rows;
+using v2::quantize_q16;
+using v2::split_order;
+using v2::tree8;
+using v2::tree8i;
+
+template <int K>
+inline __m512 ld16(const void* base, int64_t i) {
+  if constexpr (K == kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  if constexpr (K == kF16)
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
+  if constexpr (K == kI8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
+  if constexpr (K == kF8 || K == kBF16) {  // float8 as v2::f8_to_f16_bits, 16 at a time (bf16: ld32_bf16)
+    static_assert(K == kF8, "bfloat16 loads go through ld32_bf16");
+    const __m256i h = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i)));
+    return _mm512_cvtph_ps(
+        _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+  }
+}
+
+// 32 bfloat16 as 16 lanes of two: even elements by a shift, odd ones by a mask (as v2::ld16_bf16).
+inline void ld32_bf16(const void* base, int64_t i, __m512& even, __m512& odd) {
+  const __m512i x = _mm512_loadu_si512(static_cast<const uint16_t*>(base) + i);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 32 float8 codes as two 16-lane fp32 vectors (the float16 bits of v2::f8_to_f16_bits made on one
+// 512-bit register: three integer operations per 32 codes instead of per 16).
+inline void ld32_f8(const void* base, int64_t i, __m512& lo, __m512& hi) {
+  const __m512i h = _mm512_and_si512(
+      _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                            reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(base) + i))),
+                        7),
+      _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+inline __m256 half_sum(__m512 x) {
+  return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
+inline __m256i half_sum(__m512i x) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
+}
+inline __m256 tree8(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 a4, __m512 a5, __m512 a6, __m512 a7) {
+  return tree8(half_sum(a0), half_sum(a1), half_sum(a2), half_sum(a3), half_sum(a4), half_sum(a5), half_sum(a6),
+               half_sum(a7));
+}
+inline __m256 tree8(__m512i a0, __m512i a1, __m512i a2, __m512i a3, __m512i a4, __m512i a5, __m512i a6,
+                    __m512i a7) {
+  return _mm256_cvtepi32_ps(tree8i(half_sum(a0), half_sum(a1), half_sum(a2), half_sum(a3), half_sum(a4),
+                                   half_sum(a5), half_sum(a6), half_sum(a7)));
+}
+
+// ---- this path's tile scoring ----
+constexpr int kSplitChunk = 32;
+
+template <int K>
+inline float prep_q(const float* q, float* dst, int64_t D) {
+  if constexpr (K == kI8) return quantize_q16(q, reinterpret_cast<int16_t*>(dst), D);
+  if constexpr (K == kBF16)
+    split_order<kSplitChunk>(q, dst, D, false);
+  else
+    std::memcpy(dst, q, D * sizeof(float));
+  return 1.f;
+}
+
+template <int K>
+inline __m256 score8(const float* q, const void* kb, const int64_t* off, int64_t D) {
+  if constexpr (K == kI8) {  // D % 32 == 0: 32 int16 products summed in pairs (vpmaddwd)
+    const int8_t* k = static_cast<const int8_t*>(kb);
+    const int16_t* qi = reinterpret_cast<const int16_t*>(q);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i qv = _mm512_loadu_si512(qi + d);
+#define FD_DOT(j)                                                                                     \
+  a##j = _mm512_add_epi32(                                                                            \
+      a##j, _mm512_madd_epi16(qv, _mm512_cvtepi8_epi16(_mm256_loadu_si256(                           \
+                                      reinterpret_cast<const __m256i*>(k + off[j] + d)))))
+      FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+    }
+    return tree8(a0, a1, a2, a3, a4, a5, a6, a7);
+  } else {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    if constexpr (K == kBF16) {  // D % 32 == 0, q in the even/odd order of ld32_bf16
+      __m512 e, o;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512 qe = _mm512_loadu_ps(q + d), qo = _mm512_loadu_ps(q + d + 16);
+#define FD_DOT(j) ld32_bf16(kb, off[j] + d, e, o), a##j = _mm512_fmadd_ps(qo, o, _mm512_fmadd_ps(qe, e, a##j))
+        FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+      }
+    } else if constexpr (K == kF8) {  // D % 32 == 0
+      __m512 lo, hi;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512 ql = _mm512_loadu_ps(q + d), qh = _mm512_loadu_ps(q + d + 16);
+#define FD_DOT(j) ld32_f8(kb, off[j] + d, lo, hi), a##j = _mm512_fmadd_ps(qh, hi, _mm512_fmadd_ps(ql, lo, a##j))
+        FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+      }
+    } else {  // D % 16 == 0
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        a0 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[0] + d), a0);
+        a1 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[1] + d), a1);
+        a2 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[2] + d), a2);
+        a3 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[3] + d), a3);
+        a4 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[4] + d), a4);
+        a5 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[5] + d), a5);
+        a6 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[6] + d), a6);
+        a7 = _mm512_fmadd_ps(qv, ld16<K>(kb, off[7] + d), a7);
+      }
+    }
+    return tree8(a0, a1, a2, a3, a4, a5, a6, a7);
+  }
+}
+
+// acc[d0 .. d0 + 16*NC) += sum_j w[j] * v_j[d0 ..], the accumulator in 512-bit registers.
+template <int K, int NC, bool SPLIT = false>
+inline void vacc(float* acc, const float* w, const void* vb, const int64_t* off, int n, int64_t d0,
+                 const char* pk, const int64_t* poff, int pn, int64_t prow) {
+  __m512 r[NC];
+  for (int c = 0; c < NC; ++c) r[c] = _mm512_loadu_ps(acc + d0 + 16 * c);
+  const intptr_t dv = static_cast<const char*>(vb) - pk;
+  for (int j = 0; j < n; ++j) {
+    if (j < pn) {  // one future key's K and V rows per key summed (as v2::vacc)
+      const char* kr = pk + poff[j] * kItemSize[K];
+      for (int64_t c = 0; c < prow; c += 64) _mm_prefetch(kr + c, _MM_HINT_T1), _mm_prefetch(kr + dv + c, _MM_HINT_T1);
+    }
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    const int64_t o = off[j] + d0;
+    if constexpr (SPLIT || K == kF8) {
+      static_assert(NC % 2 == 0);
+      __m512 e, od;
+      for (int c = 0; c < NC; c += 2) {
+        if constexpr (SPLIT)
+          ld32_bf16(vb, o + 16 * c, e, od);
+        else
+          ld32_f8(vb, o + 16 * c, e, od);
+        r[c] = _mm512_fmadd_ps(wj, e, r[c]);
+        r[c + 1] = _mm512_fmadd_ps(wj, od, r[c + 1]);
+      }
+    } else {
+      for (int c = 0; c < NC; ++c) r[c] = _mm512_fmadd_ps(wj, ld16<K>(vb, o + 16 * c), r[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + d0 + 16 * c, r[c]);
+}
+
+template <int K, bool SPLIT>
+inline void vacc_all(float* acc, const float* w, const void* vb, const int64_t* off, int n, int64_t D,
+                     const char* pk, const int64_t* poff, int pn) {
+  const int64_t prow = D * kItemSize[K];
+  int64_t d0 = 0;
+  for (; d0 + 128 <= D; d0 += 128, pn = 0) vacc<K, 8, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow);
+  if constexpr (SPLIT || K == kF8) {  // D % 32 == 0
+    switch ((D - d0) / 32) {
+      case 1: vacc<K, 2, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 2: vacc<K, 4, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 3: vacc<K, 6, SPLIT>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      default: break;
+    }
+  } else {
+    switch ((D - d0) / 16) {  // D % 16 == 0
+      case 1: vacc<K, 1>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 2: vacc<K, 2>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 3: vacc<K, 3>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 4: vacc<K, 4>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 5: vacc<K, 5>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 6: vacc<K, 6>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      case 7: vacc<K, 7>(acc, w, vb, off, n, d0, pk, poff, pn, prow); break;
+      default: break;
+    }
+  }
+}
+
+#include "vec_job.inc"
+
+#pragma GCC pop_options
+}  // namespace v5
+
+// AVX-512 VNNI: int8 keys against q's int16 codes with vpdpwssd (multiply, pair-sum and
+// accumulate in one); everything else as v5.
+namespace v5n {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+using v2::exp8;
+using v2::hmax;
+using v2::hsum;
+using v2::prefetch_rows;
+using v2::split_order;
+using v5::kSplitChunk;
+using v5::prep_q;
+using v5::tree8;
+using v5::vacc_all;
+
+template <int K>
+inline __m256 score8(const float* q, const void* kb, const int64_t* off, int64_t D) {
+  if constexpr (K == kI8) {  // D % 32 == 0
+    const int8_t* k = static_cast<const int8_t*>(kb);
+    const int16_t* qi = reinterpret_cast<const int16_t*>(q);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i qv = _mm512_loadu_si512(qi + d);
+#define FD_DOT(j) \
+  a##j = _mm512_dpwssd_epi32(a##j, qv, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + off[j] + d))))
+      FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+    }
+    return tree8(a0, a1, a2, a3, a4, a5, a6, a7);
+  } else {
+    return v5::score8<K>(q, kb, off, D);
+  }
+}
+
+#include "vec_job.inc"
+
+#pragma GCC pop_options
+}  // namespace v5n
+
+// AVX-512 BF16: bf16 keys dotted with vdpbf16ps. q is split into three bf16 parts (hi = q rounded,
+// mid = q - hi rounded, lo = the rest rounded: q's 24 significant bits, so the scores are fp32's;
+// bf16 k times a bf16 part is exact in fp32). Two parts (16 bits) missed the fp32 tolerance by 4x
+// on sharp scores (keys x30), and q rounded to one bf16 would cost 2^-9 of |q|, as much as bf16
+// storage itself. Each 32 elements cost one load of k and three vdpbf16ps instead of a shift, a
+// mask and two FMAs per 16. The V sum stays as v5's.
+namespace v5b {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")
+using v2::exp8;
+using v2::hmax;
+using v2::hsum;
+using v2::prefetch_rows;
+using v2::split_order;
+using v5::kSplitChunk;
+using v5::tree8;
+using v5::vacc_all;
+
+template <int K>
+inline float prep_q(const float* q, float* dst, int64_t D) {
+  if constexpr (K == kBF16) {  // D % 32 == 0: [hi][mid][lo], D bf16 each, in dst's 2D floats
+    auto* part = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 x = _mm512_loadu_ps(q + d);
+      for (int i = 0; i < 3; ++i) {  // x - (its bf16 rounding) is exact in fp32
+        const __m256bh h = _mm512_cvtneps_pbh(x);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + i * D + d), (__m256i)h);
+        x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+      }
+    }
+    return 1.f;
+  } else {
+    return v5n::prep_q<K>(q, dst, D);
+  }
+}
+
+template <int K>
+inline __m256 score8(const float* q, const void* kb, const int64_t* off, int64_t D) {
+  if constexpr (K == kBF16) {
+    const auto* part = reinterpret_cast<const uint16_t*>(q);
+    const auto* k = static_cast<const uint16_t*>(kb);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qh = (__m512bh)_mm512_loadu_si512(part + d), qm = (__m512bh)_mm512_loadu_si512(part + D + d),
+                     ql = (__m512bh)_mm512_loadu_si512(part + 2 * D + d);
+#define FD_DOT(j)                                                                       \
+  do {                                                                                  \
+    const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + off[j] + d);                   \
+    a##j = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_dpbf16_ps(a##j, ql, kv), qm, kv), qh, kv); \
+  } while (0)
+      FD_DOT(0); FD_DOT(1); FD_DOT(2); FD_DOT(3); FD_DOT(4); FD_DOT(5); FD_DOT(6); FD_DOT(7);
+#undef FD_DOT
+    }
+    return tree8(a0, a1, a2, a3, a4, a5, a6, a7);
+  } else {
+    return v5n::score8<K>(q, kb, off, D);
+  }
+}
+
+#include "vec_job.inc"
+
+#pragma GCC pop_options
+}  // namespace v5b
+#pragma GCC diagnostic pop
+#endif  // FD_X86
+
 
 float stream_sum_scalar(const float* x, int64_t n) {
   float r0 = 0.f, r1 = 0.f, r2 = 0.f, r3 = 0.f;
@@ -509,40 +748,117 @@ float stream_sum_scalar(const float* x, int64_t n) {
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------
-bool cpu_has_avx2() {
-#ifdef FD_AVX2
+// Levels in the order CPUs gain them (every AVX-512 BF16 CPU so far has VNNI; every VNNI one has
+// F/BW/VL/DQ): a level needs its features and those of the levels below it.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kIsas = 5 };
+const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16"};
+
+// The highest level each dtype uses when the level is picked from CPUID (float32, float16, bfloat16,
+// int8, float8): a level is kept for a dtype only where `bench attention --isa L --baseline-isa
+// avx2` measured it faster than avx2 on the same run by more than the run-to-run noise (3%;
+// docs/kernel.md has the figures). set_isa forces a level for every dtype (tests, A/B benches).
+// On the Sapphire Rapids class host of 2026-12-03 (a 2-vCPU VM shared with other work, one thread,
+// B=32, mixed lengths), against avx2: fp32 avx512 1.02x; bf16 avx512 0.99x, avx512_bf16 1.05-1.06x
+// (three vdpbf16ps per 32 elements cost more than the shift, mask and two FMAs they replace); int8
+// avx512 1.02x, avx512_vnni 0.98x; at load ~1.5 (21 repeats) bf16 avx512 0.97x, int8 avx512_vnni
+// 0.97x: within the noise (avx2 against itself read 0.995-1.06x). float8 avx512 0.96x and 0.93x
+// (its codes widened 32 at a time): kept.
+constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx512};
+
+bool cpu_has(int level) {
+#ifdef FD_X86
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  switch (level) {
+    case kAvx512Bf16:
+      if (!__builtin_cpu_supports("avx512bf16")) return false;
+      [[fallthrough]];
+    case kAvx512Vnni:
+      if (!__builtin_cpu_supports("avx512vnni")) return false;
+      [[fallthrough]];
+    case kAvx512:
+      if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return false;
+      [[fallthrough]];
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    default:
+      return true;
+  }
 #else
-  return false;
+  return level == kScalar;
 #endif
 }
 
-std::atomic<bool> g_avx2{cpu_has_avx2()};
+int best_level() {
+  int level = kIsas - 1;
+  while (level > kScalar && !cpu_has(level)) --level;
+  return level;
+}
 
-std::string isa() { return g_avx2.load() ? "avx2" : "scalar"; }
+std::atomic<int> g_isa{best_level()};
+std::atomic<bool> g_forced{false};  // set_isa chose the level: every dtype runs on it (kKeep aside)
+
+std::string isa() { return kIsaNames[g_isa.load()]; }
+bool forced() { return g_forced.load(); }
 
 void set_prefetch(bool on) { g_prefetch = on; }
 
 void set_isa(const std::string& name) {
-  if (name == "avx2") {
-    TORCH_CHECK(cpu_has_avx2(), "this CPU lacks AVX2/FMA/F16C");
-    g_avx2 = true;
-  } else if (name == "scalar") {
-    g_avx2 = false;
-  } else {
-    TORCH_CHECK(false, "isa must be 'avx2' or 'scalar', got '", name, "'");
+  if (name == "auto") {  // back to the CPUID pick, kKeep applying
+    g_isa = best_level();
+    g_forced = false;
+    return;
   }
+  for (int level = 0; level < kIsas; ++level)
+    if (name == kIsaNames[level]) {
+      TORCH_CHECK(cpu_has(level), "this CPU lacks the features of isa '", name, "' (it has up to '",
+                  kIsaNames[best_level()], "')");
+      g_isa = level;
+      g_forced = true;
+      return;
+    }
+  TORCH_CHECK(false, "isa must be one of auto, scalar, avx2, avx512, avx512_vnni, avx512_bf16; got '", name,
+              "'");
+}
+
+// Whether a level's vector job serves a dtype at head dim D (its loads step by 8, 16 or 32
+// elements; int8's int32 dot overflows past D = 512).
+bool fits(int level, int kind, int64_t D) {
+  if (level == kScalar) return true;
+  const int64_t step = level == kAvx2 ? (kind == kBF16 || kind == kI8 ? 16 : 8)
+                                      : (kind == kBF16 || kind == kI8 || kind == kF8 ? 32 : 16);
+  return D % step == 0 && (kind != kI8 || D <= 512);
+}
+
+// The level that serves a dtype at head dim D under the current isa.
+int path_of(int kind, int64_t D) {
+  int level = g_forced.load() ? g_isa.load() : std::min(g_isa.load(), kKeep[kind]);
+  while (level > kScalar && !fits(level, kind, D)) --level;
+  return level;
+}
+
+std::string path(const std::string& dtype, int64_t head_dim) {
+  const char* const names[kKinds] = {"float32", "float16", "bfloat16", "int8", "float8_e4m3"};
+  for (int k = 0; k < kKinds; ++k)
+    if (dtype == names[k]) return kIsaNames[path_of(k, head_dim)];
+  TORCH_CHECK(false, "unknown KV dtype '", dtype, "'");
 }
 
 using JobFn = bool (*)(const Args&, const Job&, const Job*, bool, float*);
 
 template <int K>
-JobFn job_fn(bool vec) {
-#ifdef FD_AVX2
-  if (vec) return job_avx2<K>;
+JobFn job_fn(int level) {
+#ifdef FD_X86
+  switch (level) {
+    case kAvx512Bf16: if constexpr (K == kBF16) return v5b::job<K>; [[fallthrough]];
+    case kAvx512Vnni: if constexpr (K == kI8) return v5n::job<K>; [[fallthrough]];
+    case kAvx512: return v5::job<K>;
+    case kAvx2: return v2::job<K>;
+    default: break;
+  }
 #endif
-  (void)vec;
+  (void)level;
   return job_scalar<K>;
 }
 
@@ -552,11 +868,15 @@ Kind kind_of(const at::Tensor& pool) {
     case at::kHalf: return kF16;
     case at::kBFloat16: return kBF16;
     case at::kChar: return kI8;
-    default: TORCH_CHECK(false, "KV pool dtype must be float32, float16, bfloat16 or int8, got ", pool.scalar_type());
+    case at::kFloat8_e4m3fn: return kF8;
+    default:
+      TORCH_CHECK(false, "KV pool dtype must be float32, float16, bfloat16, int8 or float8_e4m3fn, got ",
+                  pool.scalar_type());
   }
 }
 
-// Writes rows [r0, r1) of new k (or v) [T, KVH, D] into the pool at their slots (quantizing for int8).
+// Writes rows [r0, r1) of new k (or v) [T, KVH, D] into the pool at their slots (quantizing int8 and
+// float8 per row: scale = absmax / 127 or / 448; float8 codes round to nearest even, as torch's cast).
 void append_rows(const Args& a, Kind kind, const float* src, void* pool, float* scales, int64_t KVH,
                  int64_t B, int64_t r0, int64_t r1) {
   const int64_t D = a.D;
@@ -590,6 +910,16 @@ void append_rows(const Args& a, Kind kind, const float* src, void* pool, float* 
             const float qv = sc > 0.f ? std::nearbyint(x[d] / sc) : 0.f;
             p[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, qv)));
           }
+          scales[h * a.S + slot] = sc;
+          break;
+        }
+        case kF8: {
+          float amax = 0.f;
+          for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+          const float sc = amax / kF8Max;
+          auto* p = static_cast<c10::Float8_e4m3fn*>(pool) + dst;
+          for (int64_t d = 0; d < D; ++d)
+            p[d] = c10::Float8_e4m3fn(sc > 0.f ? std::min(kF8Max, std::max(-kF8Max, x[d] / sc)) : 0.f);
           scales[h * a.S + slot] = sc;
           break;
         }
@@ -633,8 +963,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(block_size >= 1 && S % block_size == 0, "bad block size");
   const Kind kind = kind_of(kpool);
   at::Tensor kscale, vscale;
-  if (kind == kI8) {
-    TORCH_CHECK(kscale_opt.has_value() && vscale_opt.has_value(), "int8 pools need scales");
+  if (scaled(kind)) {
+    TORCH_CHECK(kscale_opt.has_value() && vscale_opt.has_value(), "int8 and float8 pools need scales");
     kscale = *kscale_opt;
     vscale = *vscale_opt;
     check_f32(kscale, "kscale");
@@ -669,14 +999,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
   at::Tensor out = at::empty({T, H * D}, q.options());
   Args a{q.data_ptr<float>(), out.data_ptr<float>(), kpool.data_ptr(), vpool.data_ptr(),
-         kind == kI8 ? kscale.data_ptr<float>() : nullptr, kind == kI8 ? vscale.data_ptr<float>() : nullptr,
+         scaled(kind) ? kscale.data_ptr<float>() : nullptr, scaled(kind) ? vscale.data_ptr<float>() : nullptr,
          tab, toff, st, row0.data(), S, D, H, H / KVH, block_size, static_cast<float>(scale)};
 
   // 1. append the new k, v (rows in parallel: a prefill chunk brings thousands)
   at::parallel_for(0, T, 64, [&](int64_t r0, int64_t r1) {
-    append_rows(a, kind, k.data_ptr<float>(), kpool.data_ptr(), kind == kI8 ? kscale.data_ptr<float>() : nullptr,
+    append_rows(a, kind, k.data_ptr<float>(), kpool.data_ptr(), scaled(kind) ? kscale.data_ptr<float>() : nullptr,
                 KVH, B, r0, r1);
-    append_rows(a, kind, v.data_ptr<float>(), vpool.data_ptr(), kind == kI8 ? vscale.data_ptr<float>() : nullptr,
+    append_rows(a, kind, v.data_ptr<float>(), vpool.data_ptr(), scaled(kind) ? vscale.data_ptr<float>() : nullptr,
                 KVH, B, r0, r1);
   });
 
@@ -692,21 +1022,22 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
 
-  const bool vec = g_avx2.load() && D % (kind == kBF16 || kind == kI8 ? 16 : 8) == 0 && (kind != kI8 || D <= 512);
+  const int level = path_of(kind, D);
   JobFn fn = nullptr;
   switch (kind) {
-    case kF32: fn = job_fn<kF32>(vec); break;
-    case kF16: fn = job_fn<kF16>(vec); break;
-    case kBF16: fn = job_fn<kBF16>(vec); break;
-    case kI8: fn = job_fn<kI8>(vec); break;
+    case kF32: fn = job_fn<kF32>(level); break;
+    case kF16: fn = job_fn<kF16>(level); break;
+    case kBF16: fn = job_fn<kBF16>(level); break;
+    case kI8: fn = job_fn<kI8>(level); break;
+    case kF8: fn = job_fn<kF8>(level); break;
   }
-  const int64_t scratch = kQChunk * (H / KVH) * (2 * D + 3) + kTile + 8;
+  const int64_t scratch = kQChunk * (H / KVH) * (3 * D + 3) + kTile + 8;  // vec_job.inc's layout
   std::atomic<int64_t> next{0};
   const int64_t njobs = static_cast<int64_t>(jobs.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), njobs);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> buf(scratch);
-#ifdef FD_AVX2
+#ifdef FD_X86
     // Flush denormals to zero while attending: weights of keys far below the row's max reach the
     // denormal range, and each multiply by one costs a microcode assist (~100 cycles).
     const unsigned csr = _mm_getcsr();
@@ -722,7 +1053,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         i = j;
       }
     }
-#ifdef FD_AVX2
+#ifdef FD_X86
     _mm_setcsr(csr);
 #endif
   });
@@ -738,13 +1069,13 @@ double stream_read(const at::Tensor& x) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nchunks));
   std::vector<double> part(workers, 0.0);
-  const bool vec = g_avx2.load();
+  const bool vec = g_isa.load() >= kAvx2;  // one yardstick for every vector path: AVX2 loads
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w)
       for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;) {
         const int64_t len = std::min(chunk, n - c * chunk);
-#ifdef FD_AVX2
-        part[w] += vec ? stream_sum_avx2(p + c * chunk, len) : stream_sum_scalar(p + c * chunk, len);
+#ifdef FD_X86
+        part[w] += vec ? v2::stream_sum(p + c * chunk, len) : stream_sum_scalar(p + c * chunk, len);
 #else
         (void)vec;
         part[w] += stream_sum_scalar(p + c * chunk, len);
@@ -762,7 +1093,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FastDecode shard kernel: fused decode/chunked-prefill attention over a block-table KV pool";
   m.def("attend", &fd::attend, "append new k, v and attend every query token (see attention.cpp)");
   m.def("stream_read", &fd::stream_read, "sum a float32 tensor with attend's threads (bandwidth yardstick)");
-  m.def("isa", &fd::isa, "vector path in use: 'avx2' or 'scalar'");
-  m.def("set_isa", &fd::set_isa, "force 'avx2' or 'scalar' (tests)");
+  m.def("isa", &fd::isa, "isa level in use: scalar, avx2, avx512, avx512_vnni or avx512_bf16");
+  m.def("set_isa", &fd::set_isa,
+        "force an isa level the CPU has for every dtype (tests, A/B benches; an error if it lacks it), "
+        "or 'auto': the CPUID pick with each dtype on its kept level");
+  m.def("forced", &fd::forced, "whether set_isa forced the level (else the CPUID pick)");
+  m.def("path", &fd::path, "the level that serves a KV dtype at a head dim under the current isa");
+  m.def("isas", []() {
+    std::vector<std::string> out;
+    for (int level = 0; level < fd::kIsas; ++level)
+      if (fd::cpu_has(level)) out.push_back(fd::kIsaNames[level]);
+    return out;
+  }, "the isa levels this CPU can run, lowest first");
   m.def("set_prefetch", &fd::set_prefetch, "software prefetch of the next tile on/off (A/B measurements)");
 }

@@ -49,6 +49,11 @@ class ModelConfig:
     mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Attention window per layer (0 = full; empty = full on every layer): a query at position p
+    # attends keys p - w + 1 .. p, as transformers' sliding-window mask.
+    layer_windows: tuple[int, ...] = field(default_factory=tuple)
+    # Attention logit soft-cap: score = cap * tanh(score / cap) before the mask (0.0 = none).
+    attn_logit_softcap: float = 0.0
 
     @property
     def kv_geometry(self) -> KVGeometry:

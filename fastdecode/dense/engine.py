@@ -66,7 +66,15 @@ class LocalEngine:
         itemsize = torch.empty((), dtype=kv_dtype).element_size()
         if kv_capacity_bytes is None:  # room for 64 full-context sequences
             kv_capacity_bytes = 64 * c.max_position_embeddings * c.kv_bytes_per_token(itemsize)
-        self.kv = KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_capacity_bytes, kv_dtype)
+        self.kv = KVStore(
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim,
+            kv_capacity_bytes,
+            kv_dtype,
+            layer_windows=c.layer_windows,
+            softcap=c.attn_logit_softcap,
+        )
         self._ids = itertools.count()
 
     @classmethod

@@ -45,13 +45,27 @@ class ShardCore:
         # attends on (services/gpu_dense/host_shard.py); they count in its measured speed
         self.host_busy_seconds = 0.0
 
-    def store_for(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVStore:
+    def store_for(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_windows: Sequence[int] = (),
+        softcap: float = 0.0,
+    ) -> KVStore:
         if min(num_layers, num_kv_heads, head_dim) < 1:
             raise InvalidInput("reservation needs a positive KV geometry (layers, kv heads, head dim)")
         geometry = (num_layers, num_kv_heads, head_dim)
+        windows = tuple(layer_windows)
         if self.store is None:
             self.store = KVStore(
-                *geometry, self.kv_capacity, self.dtype, self.block_size, backend=self.backend
+                *geometry,
+                self.kv_capacity,
+                self.dtype,
+                self.block_size,
+                backend=self.backend,
+                layer_windows=windows,
+                softcap=softcap,
             )
             log.info(
                 "KV pool: %d tokens (%d bytes) of geometry %s",
@@ -59,21 +73,23 @@ class ShardCore:
                 self.store.capacity_bytes,
                 geometry,
             )
-        elif not self.store.geometry_matches(*geometry):
+        elif not self.store.geometry_matches(*geometry, windows, softcap):
             s = self.store
-            have = (s.num_layers, s.num_kv_heads, s.head_dim)
+            have = (s.num_layers, s.num_kv_heads, s.head_dim, s.layer_windows, s.softcap)
             if s.seqs:
-                raise InvalidInput(f"this shard holds KV of geometry {have}, not {geometry}")
+                raise InvalidInput(
+                    f"this shard holds KV of geometry {have}, not {(*geometry, windows, softcap)}"
+                )
             # Empty: the pool is rebuilt for the new geometry, so one odd reservation on an idle shard
             # (a stray client, a test) cannot pin it to a geometry the fleet does not use.
             log.warning("KV pool holds nothing: rebuilding it from geometry %s for %s", have, geometry)
             self.store = None
-            return self.store_for(*geometry)
+            return self.store_for(*geometry, windows, softcap)
         return self.store
 
     def reserve(
         self,
-        geometry: tuple[int, int, int],
+        geometry: tuple[int, int, int] | tuple[int, int, int, Sequence[int], float],
         sequences: Sequence[tuple[str, int]] | Sequence[tuple[str, int, list[int]]],
         model: str = "",
     ) -> tuple[int, list[int]]:
@@ -140,14 +156,18 @@ class ShardCore:
         yield pb.KVChunk(
             seq_id=seq_id,
             geometry=pb.KVGeometry(
-                num_layers=store.num_layers, num_kv_heads=store.num_kv_heads, head_dim=store.head_dim
+                num_layers=store.num_layers,
+                num_kv_heads=store.num_kv_heads,
+                head_dim=store.head_dim,
+                layer_windows=store.layer_windows,
+                attn_logit_softcap=store.softcap,
             ),
             kv_dtype=codec.wire_dtype(store.dtype),
             tokens=min(store.seqs[seq_id].lengths),
         )
         for layer in range(store.num_layers):
             k, v, ks, vs = store.export_layer(seq_id, layer)
-            chunk = pb.KVChunk(seq_id=seq_id, layer=layer)
+            chunk = pb.KVChunk(seq_id=seq_id, layer=layer, first_token=store.layer_first(seq_id, layer))
             for name, t in (("k", k), ("v", v), ("k_scale", ks), ("v_scale", vs)):
                 if t.numel():
                     codec.encode(t, getattr(chunk, name))
@@ -160,7 +180,9 @@ class ShardCore:
         if header is None or not header.seq_id or header.tokens < 1:
             raise InvalidInput("an import starts with a header chunk naming the sequence and its tokens")
         g = header.geometry
-        store = self.store_for(g.num_layers, g.num_kv_heads, g.head_dim)
+        store = self.store_for(
+            g.num_layers, g.num_kv_heads, g.head_dim, list(g.layer_windows), g.attn_logit_softcap
+        )
         if codec.torch_dtype(header.kv_dtype) != store.dtype:
             raise FailedPrecondition(
                 f"KV arrives as {codec.torch_dtype(header.kv_dtype)}, this shard stores {store.dtype}"
@@ -175,7 +197,7 @@ class ShardCore:
                     codec.decode(t) if t.ByteSize() else torch.empty(0)
                     for t in (c.k, c.v, c.k_scale, c.v_scale)
                 ]
-                nbytes += store.import_layer(seq_id, c.layer, rows)
+                nbytes += store.import_layer(seq_id, c.layer, rows, c.first_token)
                 layers += 1
             if layers != store.num_layers:
                 raise InvalidInput(f"import of {seq_id!r} ended after {layers} of {store.num_layers} layers")

@@ -129,9 +129,13 @@ class _Seq:
     lengths: list[int]  # tokens held per layer
     contiguous: bool
     slots: torch.Tensor | None = field(default=None)  # token slot index when scattered (torch path)
-    table: torch.Tensor | None = field(default=None)  # int32 block table for the native kernel
+    tables: dict[int, torch.Tensor] = field(default_factory=dict)  # int32 block tables per layer group
     hashes: list[bytes] = field(default_factory=list)  # names of the full blocks of its known tokens
     frozen: int = 0  # leading blocks owned by the prefix cache: read, never written
+    # Windowed stores: the block tables of layer groups 1.. (group 0's is `blocks`), and per group
+    # the leading blocks given back (-1 in the table) because every window has passed them.
+    more: list[list[int]] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
 
 
 class BlockAllocator:
@@ -209,9 +213,15 @@ class KVStore:
         block_size: int = 16,
         backend: str = "native",
         prefix_sharing: bool = True,
+        layer_windows: Sequence[int] = (),
+        softcap: float = 0.0,
     ) -> None:
         if min(num_layers, num_kv_heads, head_dim, block_size) < 1:
             raise InvalidInput("KV geometry must be positive")
+        if layer_windows and len(layer_windows) != num_layers or any(w < 0 for w in layer_windows):
+            raise InvalidInput(f"layer windows {list(layer_windows)} do not fit {num_layers} layers")
+        if softcap < 0:
+            raise InvalidInput(f"the logit soft-cap must be >= 0, got {softcap}")
         if dtype not in KV_DTYPES.values():
             raise InvalidInput(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype}")
         if backend not in BACKENDS:
@@ -222,41 +232,90 @@ class KVStore:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # per layer: keys a query sees (0: all); () when no layer has a window
+        self.layer_windows: tuple[int, ...] = tuple(layer_windows) if any(layer_windows) else ()
+        self.softcap = float(softcap)
         self.dtype = dtype
         self.block_size = block_size
         self.quantized = dtype == torch.int8
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + int8's scale
         self.bytes_per_token = 2 * num_layers * num_kv_heads * row_bytes
-        self.num_blocks = max(0, capacity_bytes // (self.bytes_per_token * block_size))
-        self.capacity_bytes = self.num_blocks * block_size * self.bytes_per_token
+        self._group_layers()
+        # A block holds block_size tokens of the `group_size` layers of one layer group.
+        block_bytes = 2 * self.group_size * num_kv_heads * row_bytes * block_size
+        self.num_blocks = max(0, capacity_bytes // block_bytes)
+        self.capacity_bytes = self.num_blocks * block_bytes
         slots = self.num_blocks * block_size
         # Untouched pages: memory is committed as sequences write (2 MiB at a time, huge pages).
-        self.k = huge_page_empty((num_layers, num_kv_heads, slots, head_dim), dtype)
-        self.v = huge_page_empty((num_layers, num_kv_heads, slots, head_dim), dtype)
-        scale_shape = (num_layers, num_kv_heads, slots) if self.quantized else (0,)
+        lg = self.group_size
+        self.k = huge_page_empty((lg, num_kv_heads, slots, head_dim), dtype)
+        self.v = huge_page_empty((lg, num_kv_heads, slots, head_dim), dtype)
+        scale_shape = (lg, num_kv_heads, slots) if self.quantized else (0,)
         self.k_scale = huge_page_empty(scale_shape, torch.float32)
         self.v_scale = huge_page_empty(scale_shape, torch.float32)
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, _Seq] = {}
-        self.prefix: PrefixCache | None = PrefixCache() if prefix_sharing else None
+        # Windowed layers give blocks back as their window passes, so a cached prefix could not be
+        # kept whole on every layer: prefix sharing is off for windowed models.
+        sharing = prefix_sharing and not self.grouped
+        self.prefix: PrefixCache | None = PrefixCache() if sharing else None
         self._importing: dict[str, _Seq] = {}  # live migration: blocks taken, not yet held
         self.busy_seconds = 0.0
         self.attend_calls = 0
-        self._tables: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
+        self._tables: dict[int, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = {}
+
+    def _group_layers(self) -> None:
+        """Layer groups (vLLM's hybrid allocator does the same): the layers of one window size are
+        cut into groups of `group_size` layers (the gcd of the counts per window size), and each
+        sequence has one block table per group; the pool is [group_size, KVH, slots, D], so a block
+        of any group is the same size and all groups draw from one allocator. A windowed group gives
+        its leading blocks back once its window has passed them. Without windows: one group of
+        every layer, one table per sequence."""
+        L = self.num_layers
+        windows = self.layer_windows or (0,) * L
+        by_window: dict[int, list[int]] = {}
+        for layer, w in enumerate(windows):
+            by_window.setdefault(w, []).append(layer)
+        self.group_size = math.gcd(*(len(ls) for ls in by_window.values()))
+        self.grouped = bool(self.layer_windows)
+        self._group_of = [0] * L
+        self._member = [0] * L
+        self.group_windows: list[int] = []
+        self.group_first: list[int] = []  # a layer of each group (they hold the same positions)
+        for w, layers in by_window.items():
+            for i in range(0, len(layers), self.group_size):
+                g = len(self.group_windows)
+                self.group_windows.append(w)
+                self.group_first.append(layers[i])
+                for j, layer in enumerate(layers[i : i + self.group_size]):
+                    self._group_of[layer], self._member[layer] = g, j
+        self.num_groups = len(self.group_windows)
+
+    def _first_key(self, g: int, pos: int) -> int:
+        """The first key a query at `pos` sees on group g's layers."""
+        w = self.group_windows[g]
+        return max(0, pos - w + 1) if w else 0
+
+    def _tab(self, seq: _Seq, g: int) -> list[int]:
+        return seq.blocks if g == 0 else seq.more[g - 1]
 
     # ---- capacity ---------------------------------------------------------------------------
+    # A token here is one position on every layer: a windowed store's blocks are 1/num_groups of one.
     @property
     def free_tokens(self) -> int:
-        return self.blocks_free * self.block_size
+        return self.blocks_free * self.block_size // self.num_groups
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_blocks * self.block_size // self.num_groups
 
     @property
     def tokens_held(self) -> int:
-        """Distinct tokens the sequences hold: a shared prefix block counts once."""
+        """Distinct tokens the sequences hold: a shared prefix block counts once, a windowed layer
+        counts the positions it still holds (its window, in whole blocks)."""
+        if self.grouped:
+            return round(sum(map(self.held_of, self.seqs.values())))
         own = sum(s.lengths[-1] - s.frozen * self.block_size for s in self.seqs.values())
         return own + (self.prefix.read_blocks * self.block_size if self.prefix is not None else 0)
 
@@ -290,14 +349,39 @@ class KVStore:
     @property
     def tokens_reserved(self) -> int:
         """Tokens the blocks in use hold (tokens held, rounded up to whole blocks per sequence)."""
-        return self.blocks_in_use * self.block_size
+        return self.capacity_tokens - self.free_tokens
+
+    def held_of(self, seq: _Seq) -> float:
+        """Tokens (each a position on every layer) the sequence holds in a windowed store."""
+        held = 0
+        for g, first in enumerate(self.group_first):
+            held += max(0, seq.lengths[first] - seq.dead[g] * self.block_size)
+        return held / self.num_groups
 
     @property
     def bytes_used(self) -> int:
         return self.tokens_held * self.bytes_per_token
 
-    def geometry_matches(self, num_layers: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (num_layers, num_kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
+    def geometry_matches(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_windows: Sequence[int] = (),
+        softcap: float = 0.0,
+    ) -> bool:
+        windows = tuple(layer_windows) if any(layer_windows) else ()
+        return (num_layers, num_kv_heads, head_dim, windows, float(softcap)) == (
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.layer_windows,
+            self.softcap,
+        )
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees, itself included (0: every key before it)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def reserve_many(
         self,
@@ -343,7 +427,7 @@ class KVStore:
             for b in shared:  # taken before allocating, so that eviction cannot pick them
                 self.prefix.acquire(b)
         n = math.ceil(tokens / self.block_size)
-        blocks = self._allocate(n - len(shared))
+        blocks = self._allocate(n * self.num_groups - len(shared))
         if blocks is None:
             for b in shared:
                 self.prefix.release(b)  # type: ignore[union-attr]
@@ -352,7 +436,10 @@ class KVStore:
             )
         cached = len(shared) * self.block_size
         seq = _Seq([], 0, [cached] * self.num_layers, True, hashes=hashes, frozen=len(shared))
-        self._set_blocks(seq, shared + blocks)
+        own = n - len(shared)
+        seq.more = [blocks[own + i * n : own + (i + 1) * n] for i in range(self.num_groups - 1)]
+        seq.dead = [0] * self.num_groups
+        self._set_blocks(seq, shared + blocks[:own])
         self.seqs[seq_id] = seq
         return cached
 
@@ -376,7 +463,7 @@ class KVStore:
         # a grown table need not ascend: compare every block, not just the ends
         seq.contiguous = all(b == blocks[0] + i for i, b in enumerate(blocks))
         seq.slots = None
-        if not seq.contiguous:
+        if not seq.contiguous and not self.grouped:
             b = torch.tensor(blocks, dtype=torch.int64)
             seq.slots = (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
         self._blocks_changed(seq)
@@ -389,7 +476,54 @@ class KVStore:
         """
         self._grow([self.seqs[sid] for sid in seq_ids], seq_ids, ends)
 
+    def _recycle(self, seq: _Seq, g: int, start: int) -> None:
+        """Give back group g's leading blocks that no query from position `start` on sees (only a
+        windowed group has any); their table entries become -1."""
+        floor = self._first_key(g, start) // self.block_size
+        dead = seq.dead[g]
+        if floor <= dead:
+            return
+        tab = self._tab(seq, g)
+        gone = [b for b in tab[dead:floor] if b >= 0]
+        tab[dead : min(floor, len(tab))] = [-1] * (min(floor, len(tab)) - dead)
+        tab.extend([-1] * (floor - len(tab)))  # positions never held (a fill straight to `start`)
+        seq.dead[g] = floor
+        self.alloc.release(gone)
+        self._blocks_changed(seq)
+
+    def _grow_group(self, seqs: list[_Seq], seq_ids: list[str], ends: list[int], g: int) -> None:
+        """_grow for one layer group of a windowed store: all or nothing over the sequences."""
+        taken: list[tuple[_Seq, list[int]]] = []
+        short: list[str] = []
+        for seq, sid, end in zip(seqs, seq_ids, ends, strict=True):
+            tab = self._tab(seq, g)
+            want = -(-end // self.block_size) - len(tab)
+            if want <= 0:
+                continue
+            got = self._allocate(want)
+            if got is None:
+                short.append(sid)
+                continue
+            taken.append((seq, got))
+        if short:
+            for _, got in taken:
+                self.alloc.release(got)
+            raise ResourceExhausted(
+                f"KV pool full: no free block for sequence(s) {', '.join(map(repr, short))} "
+                f"({self.capacity_tokens} tokens, all in use)"
+            )
+        for seq, got in taken:
+            if g == 0:
+                self._set_blocks(seq, seq.blocks + got)
+            else:
+                seq.more[g - 1].extend(got)
+                self._blocks_changed(seq)
+
     def _grow(self, seqs: list[_Seq], seq_ids: list[str], ends: list[int]) -> None:
+        if self.grouped:  # every group (write, tests); attend grows only the group it attends
+            for g in range(self.num_groups):
+                self._grow_group(seqs, seq_ids, ends, g)
+            return
         taken: list[tuple[_Seq, list[int]]] = []
         short: list[str] = []
         for seq, sid, end in zip(seqs, seq_ids, ends, strict=True):
@@ -421,6 +555,10 @@ class KVStore:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return False
+        self._tables.clear()
+        if self.grouped:
+            self.alloc.release(self._live(seq))
+            return True
         own = seq.blocks
         if self.prefix is not None and seq.frozen:
             # the last block first: an idle prefix's tail is evicted before the blocks leading to it
@@ -428,8 +566,11 @@ class KVStore:
                 self.prefix.release(b)
             own = seq.blocks[seq.frozen :]
         self.alloc.release(own)
-        self._tables = None
         return True
+
+    def _live(self, seq: _Seq) -> list[int]:
+        """Every block a sequence of a windowed store holds, in all its groups."""
+        return [b for g in range(self.num_groups) for b in self._tab(seq, g) if b >= 0]
 
     # ---- shared prefixes ------------------------------------------------------------------------
     def _publish(self, seq: _Seq) -> None:
@@ -494,18 +635,35 @@ class KVStore:
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")
         if not 0 <= layer < self.num_layers:
             raise InvalidInput(f"layer {layer} outside [0, {self.num_layers})")
-        slots = self._slots(seq, min(seq.lengths))
-        out = [self.k[layer][:, slots].clone(), self.v[layer][:, slots].clone()]
+        g, m = self._group_of[layer], self._member[layer]
+        slots = self._slots(seq, min(seq.lengths), g)[self.layer_first(seq_id, layer) :]
+        out = [self.k[m][:, slots].clone(), self.v[m][:, slots].clone()]
         if self.quantized:
-            out += [self.k_scale[layer][:, slots].clone(), self.v_scale[layer][:, slots].clone()]
+            out += [self.k_scale[m][:, slots].clone(), self.v_scale[m][:, slots].clone()]
         else:
             out += [torch.empty(0), torch.empty(0)]
         return tuple(out)
 
-    def _slots(self, seq: _Seq, n: int) -> torch.Tensor:
+    def layer_first(self, seq_id: str, layer: int) -> int:
+        """The first position export_layer sends: 0, or where a windowed layer's blocks begin."""
+        seq = self.seqs[seq_id]
+        return seq.dead[self._group_of[layer]] * self.block_size if self.grouped else 0
+
+    def _slots(self, seq: _Seq, n: int, g: int = 0) -> torch.Tensor:
+        """Pool slots of positions 0..n-1 in group g's table (-1 blocks give negative slots)."""
         pos = torch.arange(n)
-        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        blocks = torch.tensor(self._tab(seq, g), dtype=torch.int64)
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _put(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, KVH, D] of one layer at pool slots (quantizing for int8)."""
+        m = self._member[layer]
+        for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            rows = new.transpose(0, 1)  # [KVH, n, D]
+            if self.quantized:
+                pool[m][:, slots], scales[m][:, slots] = quantize_int8(rows)
+            else:
+                pool[m][:, slots] = rows.to(self.dtype)
 
     def begin_import(self, seq_id: str, tokens: int) -> None:
         """Take the blocks for an incoming sequence of `tokens`; it is not held (no Attend, no
@@ -514,19 +672,27 @@ class KVStore:
             raise FailedPrecondition(f"sequence {seq_id!r} is already held by this shard")
         if tokens < 1:
             raise InvalidInput(f"an imported sequence holds >= 1 token, got {tokens}")
+        n = math.ceil(tokens / self.block_size)
+        # a windowed group takes only the blocks the next query (at `tokens`) sees
+        dead = [self._first_key(g, tokens) // self.block_size for g in range(self.num_groups)]
         blocks = self._allocate(  # idle cached prefix blocks make room too
-            math.ceil(tokens / self.block_size)
+            sum(n - d for d in dead)
         )
         if blocks is None:
             raise ResourceExhausted(
                 f"KV pool full: {tokens} tokens to import, {self.free_tokens} free of {self.capacity_tokens}"
             )
-        seq = _Seq([], 0, [0] * self.num_layers, True)
-        self._set_blocks(seq, blocks)
+        tables, i = [], 0
+        for d in dead:
+            tables.append([-1] * d + blocks[i : i + n - d])
+            i += n - d
+        seq = _Seq([], 0, [0] * self.num_layers, True, more=tables[1:], dead=dead)
+        self._set_blocks(seq, tables[0])
         self._importing[seq_id] = seq
 
-    def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor]) -> int:
-        """Write one exported layer (k, v and int8's scales) of an import; returns its bytes."""
+    def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor], first: int = 0) -> int:
+        """Write one exported layer (k, v and int8's scales, of positions first..) of an import;
+        returns its bytes. A windowed layer keeps the rows its window still sees."""
         seq = self._importing.get(seq_id)
         if seq is None:
             raise NotFound(f"no import of sequence {seq_id!r} in progress")
@@ -540,15 +706,20 @@ class KVStore:
                 f"layer rows must be {self.dtype} [{self.num_kv_heads}, n, {self.head_dim}], "
                 f"got {k.dtype} {list(k.shape)}"
             )
-        if v.dtype != self.dtype or n > seq.capacity:
-            raise InvalidInput(f"v rows of {v.dtype} or {n} tokens do not fit the import")
+        g, m = self._group_of[layer], self._member[layer]
+        keep = (seq.dead[g] if self.grouped else 0) * self.block_size  # first position it holds
+        if v.dtype != self.dtype or first + n > len(self._tab(seq, g)) * self.block_size:
+            raise InvalidInput(f"v rows of {v.dtype} or {first + n} tokens do not fit the import")
+        if not 0 <= first <= keep:
+            raise InvalidInput(f"layer {layer} rows start at position {first}, the import needs {keep} on")
         if self.quantized and (tuple(ks.shape) != shape[:2] or tuple(vs.shape) != shape[:2]):
             raise InvalidInput(f"int8 rows need scales of shape {list(shape[:2])}")
-        slots = self._slots(seq, n)
-        self.k[layer][:, slots], self.v[layer][:, slots] = k, v
+        slots = self._slots(seq, first + n, g)[keep:]
+        cut = keep - first
+        self.k[m][:, slots], self.v[m][:, slots] = k[:, cut:], v[:, cut:]
         if self.quantized:
-            self.k_scale[layer][:, slots], self.v_scale[layer][:, slots] = ks.float(), vs.float()
-        seq.lengths[layer] = n
+            self.k_scale[m][:, slots], self.v_scale[m][:, slots] = ks[:, cut:].float(), vs[:, cut:].float()
+        seq.lengths[layer] = first + n
         return sum(t.numel() * t.element_size() for t in rows)
 
     def commit_import(self, seq_id: str) -> int:
@@ -565,12 +736,12 @@ class KVStore:
         """Free an unfinished import's blocks (the stream broke); unknown ids are ignored."""
         seq = self._importing.pop(seq_id, None)
         if seq is not None:
-            self.alloc.release(seq.blocks)
+            self.alloc.release(self._live(seq) if self.grouped else seq.blocks)
 
     def _blocks_changed(self, seq: _Seq) -> None:
-        """Call after changing seq.blocks: drops the cached int32 tables the native kernel reads."""
-        seq.table = None
-        self._tables = None
+        """Call after changing a block table: drops the cached int32 tables the native kernel reads."""
+        seq.tables.clear()
+        self._tables.clear()
 
     def write(self, layer: int, seq_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, KVH, D] at positions start.. of one sequence without attending
@@ -584,17 +755,15 @@ class KVStore:
             raise InvalidInput(f"k/v must have shape {list(shape)}")
         if not 0 <= layer < self.num_layers or not 0 <= start <= seq.lengths[layer]:
             raise InvalidInput(f"layer {layer} / start {start} outside what sequence {seq_id!r} holds")
-        self.grow([seq_id], [start + n])
-        self._unfreeze(seq, start)
-        pos = torch.arange(start, start + n)
-        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
-        slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            rows = new.transpose(0, 1)  # [KVH, n, D]
-            if self.quantized:
-                pool[layer][:, slots], scales[layer][:, slots] = quantize_int8(rows)
-            else:
-                pool[layer][:, slots] = rows.to(self.dtype)
+        g = self._group_of[layer]
+        if self.grouped:
+            if start < seq.dead[g] * self.block_size:
+                raise FailedPrecondition(f"positions before {seq.dead[g] * self.block_size} left the window")
+            self._grow_group([seq], [seq_id], [start + n], g)
+        else:
+            self.grow([seq_id], [start + n])
+            self._unfreeze(seq, start)
+        self._put(layer, self._slots(seq, start + n, g)[start:], k, v)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)
         if layer == self.num_layers - 1:  # as attend: the last layer completes a position
             self._publish(seq)
@@ -612,6 +781,19 @@ class KVStore:
         gen = torch.Generator().manual_seed(seed)
         k = torch.randn(tokens, self.num_kv_heads, self.head_dim, generator=gen)
         v = torch.randn(tokens, self.num_kv_heads, self.head_dim, generator=gen)
+        if self.grouped:  # a windowed group takes only the blocks its window still sees
+            for sid in seq_ids:
+                seq = self.seqs[sid]
+                for g in range(self.num_groups):
+                    self._recycle(seq, g, tokens)
+                    self._grow_group([seq], [sid], [tokens], g)
+                    first = seq.dead[g] * self.block_size
+                    slots = self._slots(seq, tokens, g)[first:]
+                    for layer in range(self.num_layers):
+                        if self._group_of[layer] == g:
+                            self._put(layer, slots, k[first:], v[first:])
+                            seq.lengths[layer] = tokens
+            return tokens
         for sid in seq_ids:
             for layer in range(self.num_layers):
                 self.write(layer, sid, 0, k, v)
@@ -666,6 +848,13 @@ class KVStore:
                     f"sequence {i} of {len(seq_ids)} layer {layer}: start_pos {start} leaves a gap "
                     f"(holds {seq.lengths[layer]} tokens)"
                 )
+            if self.grouped:
+                g = self._group_of[layer]
+                if self._first_key(g, start) // self.block_size < seq.dead[g]:
+                    raise FailedPrecondition(
+                        f"sequence {i} of {len(seq_ids)} layer {layer}: start_pos {start} needs keys "
+                        f"its window gave back (it holds positions {seq.dead[g] * self.block_size} on)"
+                    )
             seqs.append(seq)
         return seqs
 
@@ -685,7 +874,13 @@ class KVStore:
         """
         seqs = self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
         ends = list(map(operator.add, start_pos, num_tokens))
-        self._grow(seqs, seq_ids, ends)
+        if self.grouped:  # this layer's group only: give back what its window passed, then grow
+            g = self._group_of[layer]
+            for seq, start in zip(seqs, start_pos, strict=True):
+                self._recycle(seq, g, start)
+            self._grow_group(seqs, seq_ids, ends, g)
+        else:
+            self._grow(seqs, seq_ids, ends)
         for seq, start in zip(seqs, start_pos, strict=True):
             if start < seq.frozen * self.block_size:
                 self._unfreeze(seq, start)
@@ -699,7 +894,9 @@ class KVStore:
                         held[layer] = end
             else:
                 out = None
-                if not self.quantized:
+                if self.grouped:
+                    out = self._attend_grouped(layer, seq_ids, num_tokens, start_pos, q, k, v)
+                elif not self.quantized and not self.softcap:
                     out = self._attend_uniform_decode(layer, seq_ids, num_tokens, start_pos, q, k, v)
                 if out is None:
                     out = self._attend_each(layer, seq_ids, num_tokens, start_pos, q, k, v)
@@ -710,22 +907,24 @@ class KVStore:
         self.attend_calls += 1
         return out
 
-    def _block_tables(self, seq_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated int32 block tables and their offsets; reused while the call's sequences
-        and their blocks stay the same (every layer of a step asks for the same ones)."""
+    def _block_tables(self, seq_ids: list[str], g: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated int32 block tables of layer group g and their offsets; reused while the
+        call's sequences and their blocks stay the same (every layer of a step asks for the same ones)."""
         key = tuple(seq_ids)
-        if self._tables is not None and self._tables[0] == key:
-            return self._tables[1], self._tables[2]
+        cached = self._tables.get(g)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
         parts = []
         for sid in seq_ids:
             seq = self.seqs[sid]
-            if seq.table is None:
-                seq.table = torch.tensor(seq.blocks, dtype=torch.int32)
-            parts.append(seq.table)
+            part = seq.tables.get(g)
+            if part is None:
+                part = seq.tables[g] = torch.tensor(self._tab(seq, g), dtype=torch.int32)
+            parts.append(part)
         offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor([len(p) for p in parts], dtype=torch.int64), 0, out=offsets[1:])
         table = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
-        self._tables = (key, table, offsets)
+        self._tables[g] = (key, table, offsets)
         return table, offsets
 
     def _attend_native(
@@ -738,14 +937,15 @@ class KVStore:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
-        table, offsets = self._block_tables(seq_ids)
-        scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+        table, offsets = self._block_tables(seq_ids, self._group_of[layer])
+        m = self._member[layer]
+        scales = (self.k_scale[m], self.v_scale[m]) if self.quantized else (None, None)
         o = self._native.attend(  # type: ignore[union-attr]
             q.float().contiguous(),
             k.float().contiguous(),
             v.float().contiguous(),
-            self.k[layer],
-            self.v[layer],
+            self.k[m],
+            self.v[m],
             *scales,
             table,
             offsets,
@@ -754,6 +954,8 @@ class KVStore:
             torch.from_numpy(np.array(num_tokens, dtype=np.int64)),
             self.block_size,
             1.0 / math.sqrt(self.head_dim),
+            self.window(layer),
+            self.softcap,
         )
         return o.to(q.dtype)  # attend() records the new lengths
 
@@ -827,6 +1029,7 @@ class KVStore:
         ksp, vsp = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
         compute = torch.float32 if self.quantized else self.dtype
         scale = 1.0 / math.sqrt(dim)
+        window = self.window(layer)
         row = 0
         for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
             seq = self.seqs[sid]
@@ -852,7 +1055,9 @@ class KVStore:
                 keys, values = kp[:, idx], vp[:, idx]
             seq.lengths[layer] = max(seq.lengths[layer], end)
             qn = q[row : row + n].to(compute)
-            if n == 1:  # decode: no mask; query heads of one kv head become its query rows
+            if window or self.softcap:
+                o = self._scores_softmax(qn, keys, values, start, window, scale)
+            elif n == 1:  # decode: no mask; query heads of one kv head become its query rows
                 o = F.scaled_dot_product_attention(
                     qn.reshape(1, kvh, group, dim), keys.unsqueeze(0), values.unsqueeze(0), scale=scale
                 )
@@ -873,3 +1078,72 @@ class KVStore:
             out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
             row += n
         return out
+
+    def _attend_grouped(
+        self,
+        layer: int,
+        seq_ids: list[str],
+        num_tokens: list[int],
+        start_pos: list[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """The torch backend on a windowed store: per sequence, gather the keys its chunk sees
+        through the layer group's table (from the first query's window start on)."""
+        total, heads, dim = q.shape
+        g, m = self._group_of[layer], self._member[layer]
+        kp, vp = self.k[m], self.v[m]
+        ksp, vsp = (self.k_scale[m], self.v_scale[m]) if self.quantized else (None, None)
+        compute = torch.float32 if self.quantized else self.dtype
+        window, bs = self.window(layer), self.block_size
+        out = torch.empty(total, heads * dim, dtype=q.dtype)
+        row = 0
+        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
+            seq, end = self.seqs[sid], start + n
+            lo = self._first_key(g, start)
+            blocks = torch.tensor(self._tab(seq, g), dtype=torch.int64)
+            pos = torch.arange(lo, end)
+            idx = blocks[pos // bs] * bs + pos % bs
+            new = idx[start - lo :]
+            knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+            if self.quantized:
+                (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = quantize_int8(knew), quantize_int8(vnew)
+                keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
+                values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]
+            else:
+                kp[:, new], vp[:, new] = knew.to(self.dtype), vnew.to(self.dtype)
+                keys, values = kp[:, idx], vp[:, idx]
+            seq.lengths[layer] = max(seq.lengths[layer], end)
+            o = self._scores_softmax(q[row : row + n].to(compute), keys, values, start, window, 1 / math.sqrt(dim), lo)
+            out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
+            row += n
+        return out
+
+    def _scores_softmax(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        window: int,
+        scale: float,
+        key0: int = 0,
+    ) -> torch.Tensor:
+        """Attention written out (SDPA has no soft-cap): q [n, H, D] at positions start.., keys and
+        values [KVH, L, D] of positions key0..key0+L-1 -> o [n, H, D]. Scores are q . k * scale,
+        then the soft-cap, then the causal and window mask and the softmax, in float32."""
+        n, heads, dim = q.shape
+        kvh = keys.shape[0]
+        qg = q.float().reshape(n, kvh, heads // kvh, dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
+        scores = qg @ keys.float().transpose(1, 2).unsqueeze(1) * scale  # [KVH, G, n, end]
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        pos = torch.arange(start, start + n)[:, None]
+        key = torch.arange(key0, key0 + keys.shape[1])[None, :]
+        visible = key <= pos
+        if window:
+            visible &= key > pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        o = torch.softmax(scores, -1) @ values.float().unsqueeze(1)  # [KVH, G, n, D]
+        return o.permute(2, 0, 1, 3).reshape(n, heads, dim).to(q.dtype)

@@ -57,7 +57,13 @@ class ModelConfig:
 
     @property
     def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.num_hidden_layers, self.num_key_value_heads, self.head_dim)
+        return KVGeometry(
+            self.num_hidden_layers,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.layer_windows,
+            self.attn_logit_softcap,
+        )
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return self.kv_geometry.bytes_per_token(itemsize)
@@ -107,6 +113,7 @@ class ModelConfig:
                 mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
                 bos_token_id=int(bos) if bos is not None else None,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
+                layer_windows=_mistral_windows(cfg, model_type),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -133,6 +140,16 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ModelLoadError(f"{file} is not a JSON object")
     return obj
+
+
+def _mistral_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
+    """Mistral's sliding_window (every layer; null = none). Other families fill theirs elsewhere."""
+    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    if not window:
+        return ()
+    if int(window) < 1:
+        raise ModelLoadError(f"config.json: sliding_window must be positive, got {window}")
+    return (int(window),) * int(cfg["num_hidden_layers"])
 
 
 def _ids(value: Any) -> list[int]:

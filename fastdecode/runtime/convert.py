@@ -250,6 +250,8 @@ def model_info_to_proto(
         num_shards=len(shards),
         shards=list(shards),
         removed_shards=list(removed_shards),
+        layer_windows=list(c.layer_windows),
+        attn_logit_softcap=c.attn_logit_softcap,
     )
     if c.bos_token_id is not None:
         info.bos_token_id = c.bos_token_id

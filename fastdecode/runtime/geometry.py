@@ -14,10 +14,40 @@ class KVGeometry:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Attention window per layer (a query at p sees keys p - w + 1 .. p; 0 = full); () = full everywhere.
+    layer_windows: tuple[int, ...] = ()
+    attn_logit_softcap: float = 0.0  # score = cap * tanh(score / cap); 0 = none
+
+    def __post_init__(self) -> None:
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise InvalidInput(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if any(w < 0 for w in self.layer_windows) or self.attn_logit_softcap < 0:
+            raise InvalidInput("layer windows and the logit soft-cap must be >= 0")
 
     def bytes_per_token(self, itemsize: int) -> int:
         """K and V, every layer, every KV head."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees (0: all before it)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_windows)
+
+    def held_tokens(self, context: int, block_size: int = 1) -> float:
+        """Tokens of KV (each a token on every layer) a sequence of `context` tokens really holds
+        when windowed layers keep only their window: a window w layer holds the blocks of its last w
+        positions (in whole blocks: the next query, at `context`, sees context - w + 1 on), a full
+        layer all of them."""
+        if not self.windowed:
+            return float(context)
+        held = 0
+        for w in self.layer_windows:
+            first = max(0, context - w + 1) // block_size if w else 0
+            held += context - first * block_size
+        return held / self.num_layers
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,9 @@ class GrpcDenseLink:
         self.model_info = i
         return DenseInfo(
             model_type=i.model_type,
-            geometry=KVGeometry(i.num_layers, i.num_kv_heads, i.head_dim),
+            geometry=KVGeometry(
+                i.num_layers, i.num_kv_heads, i.head_dim, tuple(i.layer_windows), i.attn_logit_softcap
+            ),
             vocab_size=int(i.vocab_size),
             max_position_embeddings=int(i.max_position_embeddings),
             eos_token_ids=tuple(i.eos_token_ids),
@@ -143,7 +145,11 @@ class GrpcShardLink:
         req = kv_attention_pb2.ReserveRequest(
             model=model,
             geometry=kv_attention_pb2.KVGeometry(
-                num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim
+                num_layers=geometry.num_layers,
+                num_kv_heads=geometry.num_kv_heads,
+                head_dim=geometry.head_dim,
+                layer_windows=geometry.layer_windows,
+                attn_logit_softcap=geometry.attn_logit_softcap,
             ),
             sequences=[
                 kv_attention_pb2.SequenceReservation(

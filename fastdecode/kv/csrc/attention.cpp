@@ -17,6 +17,11 @@
 // within noise on Zen 3). Denormals flush to zero while a job runs. The
 // AVX2+FMA+F16C path is chosen at load time from CPUID; a portable
 // scalar path serves other CPUs (and the tests, through set_isa).
+//
+// Two per-layer options (Mistral, Gemma 2/3): a sliding window W (a query at position p sees keys
+// p - W + 1 .. p; first_key() is the one place that lower bound is computed, and a job starts its
+// key walk there) and a logit soft-cap c (score = c * tanh(score / c), applied where each path
+// scores, before the mask and the softmax).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -66,7 +71,19 @@ struct Args {
   const int64_t* row0;        // [B + 1] first row of each sequence in q / out
   int64_t S, D, H, G, bs;
   float scale;
+  int64_t window;             // keys a query sees, itself included (0: all before it)
+  float softcap;              // 0: none
 };
+
+// The first key the query at position pos sees: the window's lower bound (0 without one).
+inline int64_t first_key(const Args& a, int64_t pos) {
+  return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+}
+
+// The first key any row of a job sees (its first query token's bound).
+inline int64_t first_key(const Args& a, const Job& jb) { return first_key(a, a.start[jb.seq] + jb.t0); }
+
+inline float softcap1(const Args& a, float x) { return a.softcap > 0.f ? a.softcap * std::tanh(x / a.softcap) : x; }
 
 // Slot offsets (in tokens) of keys [p0, p0 + n) of one sequence, walking its block table.
 inline void slots_of(const Args& a, const int32_t* tab, int64_t p0, int n, int64_t* slot) {
@@ -104,21 +121,22 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
   const int32_t* tab = a.table + a.table_off[jb.seq];
   const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
   int64_t slot[kTile];
-  for (int64_t p0 = 0; p0 < nkeys; p0 += kTile) {
+  for (int64_t p0 = first_key(a, jb); p0 < nkeys; p0 += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, nkeys - p0));
     slots_of(a, tab, p0, n, slot);
     for (int r = 0; r < rows; ++r) {
       const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
       const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
-      if (nr <= 0) continue;
+      const int j0 = static_cast<int>(std::max<int64_t>(0, first_key(a, start + t) - p0));
+      if (nr <= j0) continue;
       const float* qr = a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
       float mt = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < nr; ++j) {
+      for (int j = j0; j < nr; ++j) {
         const int64_t off = (hbase + slot[j]) * D;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qr[d] * load1<K>(a.k, off + d);
         if constexpr (K == kI8) dot *= a.ks[hbase + slot[j]];
-        s[j] = dot * a.scale;
+        s[j] = softcap1(a, dot * a.scale);
         mt = std::max(mt, s[j]);
       }
       const float mn = std::max(m[r], mt);
@@ -126,7 +144,7 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
       float* ar = acc + r * D;
       l[r] *= corr;
       for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-      for (int j = 0; j < nr; ++j) {
+      for (int j = j0; j < nr; ++j) {
         const float p = std::exp(s[j] - mn);
         l[r] += p;
         float w = p;
@@ -210,6 +228,13 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// c * tanh(x / c) for 8 lanes, as 1 - 2 / (e^(2x/c) + 1) (exp8 clamps, so large |x| gives +-c).
+inline __m256 softcap8(__m256 x, float c) {
+  const __m256 e = exp8(_mm256_mul_ps(x, _mm256_set1_ps(2.f / c)));
+  const __m256 th = _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+  return _mm256_mul_ps(th, _mm256_set1_ps(c));
 }
 
 inline float hmax(__m256 v) {
@@ -399,20 +424,21 @@ bool job_avx2(const Args& a, const Job& jb, const Job* next, bool warm, float* b
   // the previous job did), later ones one key's K and V rows per key summed (vacc), so the requests
   // trickle out with the work instead of in bursts that fill the line-fill buffers (bursts were
   // 0.9-1.1x slower here).
+  const int64_t k0 = first_key(a, jb);
   for (int i = 0; i < kPrefetchTiles; ++i) {
-    cnt[i] = tile_offsets(a, jb, i * T, T, offs[i], slots[i]);
+    cnt[i] = tile_offsets(a, jb, k0 + i * T, T, offs[i], slots[i]);
     if (pf && !(warm && i == 0)) {
       prefetch_rows<K>(a.k, offs[i], cnt[i], row_bytes);
       prefetch_rows<K>(a.v, offs[i], cnt[i], row_bytes);
     }
   }
-  for (int64_t p0 = 0, ti = 0; p0 < nkeys; p0 += T, ti = (ti + 1) % kRing) {
+  for (int64_t p0 = k0, ti = 0; p0 < nkeys; p0 += T, ti = (ti + 1) % kRing) {
     const int64_t* off = offs[ti];
     const int n = cnt[ti];
     const int ahead = (ti + kPrefetchTiles) % kRing;
     cnt[ahead] = tile_offsets(a, jb, p0 + kPrefetchTiles * T, T, offs[ahead], slots[ahead]);
     if (cnt[ahead] == 0 && next != nullptr && pf && kPrefetchTiles == 1) {  // the last tile
-      cnt[ahead] = tile_offsets(a, *next, 0, T, offs[ahead], slots[ahead]);
+      cnt[ahead] = tile_offsets(a, *next, first_key(a, *next), T, offs[ahead], slots[ahead]);
       next_warm = true;
     }
     int pn = pf ? cnt[ahead] : 0;
@@ -425,20 +451,23 @@ bool job_avx2(const Args& a, const Job& jb, const Job* next, bool warm, float* b
     for (int r = 0; r < rows; ++r) {
       const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
       const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
-      if (nr <= 0) continue;
+      const int j0 = static_cast<int>(std::max<int64_t>(0, first_key(a, start + t) - p0));
+      if (nr <= j0) continue;
       const float* qr = SPLIT ? qs + r * D : a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
-      const int g8 = (nr + 7) / 8;
-      const __m256 lim = _mm256_set1_ps(static_cast<float>(nr));
+      const int g8 = (nr + 7) / 8, g0 = j0 / 8;  // key groups of 8 this row reads: [g0, g8)
+      const __m256 lim = _mm256_set1_ps(static_cast<float>(nr)), lo = _mm256_set1_ps(static_cast<float>(j0));
       __m256 mt = ninf;
-      for (int g = 0; g < g8; ++g) {
+      for (int g = g0; g < g8; ++g) {
         __m256 sc;
         if constexpr (K == kI8)
           sc = _mm256_mul_ps(_mm256_mul_ps(dot8_i8(qi + r * D, a.k, off + 8 * g, D), _mm256_set1_ps(a.scale * qscale[r])),
                              _mm256_load_ps(ksc + 8 * g));
         else
           sc = _mm256_mul_ps(dot8<K, SPLIT>(qr, a.k, off + 8 * g, D), _mm256_set1_ps(a.scale));
+        if (a.softcap > 0.f) sc = softcap8(sc, a.softcap);
         const __m256 idx = _mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(8 * g)));
-        sc = _mm256_blendv_ps(ninf, sc, _mm256_cmp_ps(idx, lim, _CMP_LT_OQ));
+        sc = _mm256_blendv_ps(
+            ninf, sc, _mm256_and_ps(_mm256_cmp_ps(idx, lim, _CMP_LT_OQ), _mm256_cmp_ps(idx, lo, _CMP_GE_OQ)));
         _mm256_storeu_ps(s + 8 * g, sc);
         mt = _mm256_max_ps(mt, sc);
       }
@@ -452,7 +481,7 @@ bool job_avx2(const Args& a, const Job& jb, const Job* next, bool warm, float* b
       }
       const __m256 mv = _mm256_set1_ps(mn);
       __m256 lsum = _mm256_setzero_ps();
-      for (int g = 0; g < g8; ++g) {
+      for (int g = g0; g < g8; ++g) {
         const __m256 sc = _mm256_loadu_ps(s + 8 * g);
         // masked lanes hold -inf: exp8 clamps to ~1e-38, so zero them exactly
         __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sc, mv)), _mm256_cmp_ps(sc, ninf, _CMP_NEQ_OQ));
@@ -462,10 +491,11 @@ bool job_avx2(const Args& a, const Job& jb, const Job* next, bool warm, float* b
       }
       l[r] += hsum(lsum);
       m[r] = mn;
-      vacc_all<K, SPLIT>(ar, s, a.v, off, nr, D, static_cast<const char*>(a.k), offs[ahead], pn);
-      if (nr < pn) {  // a short row: the rest of the tile ahead goes out here
-        prefetch_rows<K>(a.k, offs[ahead] + nr, pn - nr, row_bytes);
-        prefetch_rows<K>(a.v, offs[ahead] + nr, pn - nr, row_bytes);
+      const int nsum = nr - 8 * g0;
+      vacc_all<K, SPLIT>(ar, s + 8 * g0, a.v, off + 8 * g0, nsum, D, static_cast<const char*>(a.k), offs[ahead], pn);
+      if (nsum < pn) {  // a short row: the rest of the tile ahead goes out here
+        prefetch_rows<K>(a.k, offs[ahead] + nsum, pn - nsum, row_bytes);
+        prefetch_rows<K>(a.v, offs[ahead] + nsum, pn - nsum, row_bytes);
       }
       pn = 0;
     }
@@ -611,12 +641,12 @@ void check_i64(const at::Tensor& t, const char* name, int64_t n) {
 
 // q [T, H, D], k/v [T, KVH, D] float32; pools [KVH, S, D] of one layer; scales [KVH, S] (int8 only);
 // table int32 (concatenated block tables), table_off [B+1], start [B], ntok [B] int64.
-// Returns o [T, H * D] float32.
+// window: keys a query sees (0: all); softcap: logit soft-cap (0: none). Returns o [T, H * D] float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kpool,
                   at::Tensor vpool, const c10::optional<at::Tensor>& kscale_opt,
                   const c10::optional<at::Tensor>& vscale_opt, const at::Tensor& table,
                   const at::Tensor& table_off, const at::Tensor& start, const at::Tensor& ntok,
-                  int64_t block_size, double scale) {
+                  int64_t block_size, double scale, int64_t window, double softcap) {
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
@@ -631,6 +661,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "k/v must be [T, KVH, D] matching q and the pool");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_size >= 1 && S % block_size == 0, "bad block size");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0");
   const Kind kind = kind_of(kpool);
   at::Tensor kscale, vscale;
   if (kind == kI8) {
@@ -657,12 +688,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* nt = ntok.data_ptr<int64_t>();
   std::vector<int64_t> row0(B + 1, 0);
   TORCH_CHECK(toff[0] == 0 && toff[B] == table.numel(), "table_off does not cover the table");
+  // -1 marks a block a windowed layer gave back: allowed only where no query of the call looks
   for (int64_t i = 0; i < table.numel(); ++i)
-    TORCH_CHECK(tab[i] >= 0 && tab[i] < nblocks, "block id ", tab[i], " outside the pool");
+    TORCH_CHECK(tab[i] >= -1 && tab[i] < nblocks, "block id ", tab[i], " outside the pool");
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(nt[b] >= 1 && st[b] >= 0, "sequence ", b, ": needs >= 1 new token at a position >= 0");
     TORCH_CHECK(toff[b + 1] >= toff[b] && st[b] + nt[b] <= (toff[b + 1] - toff[b]) * block_size,
                 "sequence ", b, ": tokens beyond its block table");
+    const int64_t lo = (window > 0 ? std::max<int64_t>(0, st[b] - window + 1) : 0) / block_size;
+    for (int64_t i = toff[b] + lo; i < toff[b] + (st[b] + nt[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tab[i] >= 0, "sequence ", b, ": block ", i - toff[b], " is gone but inside the window");
     row0[b + 1] = row0[b] + nt[b];
   }
   TORCH_CHECK(row0[B] == T, "ntok sums to ", row0[B], " but q has ", T, " rows");
@@ -670,7 +705,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::Tensor out = at::empty({T, H * D}, q.options());
   Args a{q.data_ptr<float>(), out.data_ptr<float>(), kpool.data_ptr(), vpool.data_ptr(),
          kind == kI8 ? kscale.data_ptr<float>() : nullptr, kind == kI8 ? vscale.data_ptr<float>() : nullptr,
-         tab, toff, st, row0.data(), S, D, H, H / KVH, block_size, static_cast<float>(scale)};
+         tab, toff, st, row0.data(), S, D, H, H / KVH, block_size, static_cast<float>(scale),
+         window, static_cast<float>(softcap)};
 
   // 1. append the new k, v (rows in parallel: a prefill chunk brings thousands)
   at::parallel_for(0, T, 64, [&](int64_t r0, int64_t r1) {
@@ -685,7 +721,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t0 = 0; t0 < nt[b]; t0 += kQChunk) {
       const int64_t t1 = std::min<int64_t>(nt[b], t0 + kQChunk);
-      const int64_t cost = (st[b] + t1) * (t1 - t0) + 64;
+      const int64_t keys = st[b] + t1 - first_key(a, st[b] + t0);
+      const int64_t cost = keys * (t1 - t0) + 64;
       for (int64_t h = 0; h < KVH; ++h)
         jobs.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(t0),
                         static_cast<int32_t>(t1), cost});
@@ -760,7 +797,10 @@ double stream_read(const at::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FastDecode shard kernel: fused decode/chunked-prefill attention over a block-table KV pool";
-  m.def("attend", &fd::attend, "append new k, v and attend every query token (see attention.cpp)");
+  m.def("attend", &fd::attend, "append new k, v and attend every query token (see attention.cpp)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kpool"), py::arg("vpool"), py::arg("kscale"),
+        py::arg("vscale"), py::arg("table"), py::arg("table_off"), py::arg("start"), py::arg("ntok"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("stream_read", &fd::stream_read, "sum a float32 tensor with attend's threads (bandwidth yardstick)");
   m.def("isa", &fd::isa, "vector path in use: 'avx2' or 'scalar'");
   m.def("set_isa", &fd::set_isa, "force 'avx2' or 'scalar' (tests)");

@@ -36,6 +36,16 @@ class KVGeometry:
     def windowed(self) -> bool:
         return any(self.layer_windows)
 
+    def held_blocks(self, end: int, start: int, block_size: int) -> int:
+        """Blocks (each of block_size positions on every layer, so 1/num_layers of one per layer's
+        block) a sequence holds while it computes positions start..end-1: a windowed layer gives
+        back what the query at `start` no longer sees. Rounded up."""
+        total = -(-end // block_size)
+        if not self.windowed:
+            return total
+        dead = sum(max(0, start - w + 1) // block_size for w in self.layer_windows if w)
+        return -(-(total * self.num_layers - dead) // self.num_layers)
+
     def held_tokens(self, context: int, block_size: int = 1) -> float:
         """Tokens of KV (each a token on every layer) a sequence of `context` tokens really holds
         when windowed layers keep only their window: a window w layer holds the blocks of its last w

@@ -43,6 +43,7 @@ from typing import Literal
 
 from fastdecode.dense.sampling import TokenLogprob
 from fastdecode.kv.prefix import chain_hashes
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.errors import (
     FailedPrecondition,
     InternalError,
@@ -161,6 +162,7 @@ class SchedulerCore:
         kv_lookahead: int = DEFAULT_KV_LOOKAHEAD,
         prefix_sharing: bool = False,
         prefix_affinity: float = 0.5,
+        kv_geometry: KVGeometry | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
@@ -172,7 +174,10 @@ class SchedulerCore:
         self._lookahead = kv_lookahead
         if prefix_affinity < 0:
             raise InvalidInput("prefix_affinity must be >= 0")
-        self._sharing = prefix_sharing
+        # windowed layers (the model's geometry): a sequence holds, and attends over, less than its
+        # length; without windows every count below is the sequence's length
+        self._geometry = kv_geometry if kv_geometry is not None and kv_geometry.windowed else None
+        self._sharing = prefix_sharing and self._geometry is None  # shards share no windowed prefix
         self._affinity = prefix_affinity
         self.prefix_hits = 0  # reservations that found cached prefix tokens
         self.cached_tokens = 0  # ... and how many, in all
@@ -358,7 +363,7 @@ class SchedulerCore:
         if seq.shard == target or not self._serving(sh):
             raise FailedPrecondition(f"shard {target} cannot take sequence {seq_id!r}")
         seq.moving = target
-        seq.incoming = -(-seq.kv // sh.spec.block_size)
+        seq.incoming = self._held_blocks(seq.kv, seq.kv, sh.spec.block_size)  # a window: only its blocks
         sh.blocks += seq.incoming
         return Move(seq_id, seq.shard, target, seq.kv, seq.epoch)
 
@@ -563,8 +568,11 @@ class SchedulerCore:
         need = [0] * len(self._shards)
         for p in planned:
             seq = self._running[p.seq_id]
-            after = -(-(p.start_pos + len(p.token_ids)) // bs[p.shard])
-            if after > seq.blocks:
+            # the shard keeps the blocks it reserved for the prompt (history) until a window passes them
+            end = max(p.start_pos + len(p.token_ids), len(seq.tokens))
+            after = self._held_blocks(end, p.start_pos, bs[p.shard])
+            # (a windowed model's sequence can hold fewer blocks after the chunk than before it)
+            if after > seq.blocks or (after < seq.blocks and self._geometry is not None):
                 grow[p.seq_id] = after - seq.blocks
                 need[p.shard] += after - seq.blocks
         for i, sh in enumerate(self._shards):
@@ -662,6 +670,16 @@ class SchedulerCore:
             return replace(sp, prompt_logprobs=False), None
         return sp, (seq.tokens[end] if end < n_prompt else None)
 
+    def _held_blocks(self, end: int, start: int, block_size: int) -> int:
+        """Blocks a sequence holds while computing positions start..end-1 (as its shard allocates)."""
+        if self._geometry is None:
+            return -(-end // block_size)
+        return self._geometry.held_blocks(end, start, block_size)
+
+    def _held(self, tokens: float) -> float:
+        """KV tokens a sequence of `tokens` holds (and attends over): fewer with windowed layers."""
+        return tokens if self._geometry is None else self._geometry.held_tokens(int(tokens))
+
     def _expected_gen(self, seq: _Seq) -> float:
         mt = seq.req.max_tokens
         return float(min(mt, max(seq.generated + 1, self._ratio * mt)))
@@ -671,7 +689,7 @@ class SchedulerCore:
         is gone after its expected end)."""
         now = len(seq.tokens)
         h = min(max(0.0, len(seq.req.prompt) + self._expected_gen(seq) - now), horizon)
-        return h * (now + h / 2) / horizon
+        return h * self._held(now + h / 2) / horizon
 
     def _headroom(self, seq: _Seq) -> int:
         """Tokens the sequence is expected to add over the next kv_lookahead steps: one a step, until
@@ -682,7 +700,8 @@ class SchedulerCore:
     def _commitment(self, seq: _Seq, block_size: int) -> int:
         """KV tokens a sequence counts against its shard: its blocks, or its history plus headroom
         rounded up to whole blocks when that is more (blocks it reads from the prefix cache aside)."""
-        grown = -(-(len(seq.tokens) + self._headroom(seq)) // block_size) * block_size
+        end = len(seq.tokens) + self._headroom(seq)  # a windowed layer holds the most at the end
+        grown = self._held_blocks(end, end - 1, block_size) * block_size
         return max(seq.blocks * block_size, grown) - seq.shared * block_size
 
     def _loads(self, step_no: int, horizon: float) -> list[ShardLoad]:
@@ -1058,7 +1077,7 @@ class SchedulerCore:
         out = [0] * len(self._shards)
         for seq in self._running.values():
             if seq.shard is not None:
-                out[seq.shard] += seq.kv
+                out[seq.shard] += seq.kv if self._geometry is None else round(self._held(seq.kv))
         return out
 
     def stats(self) -> SchedulerStats:

@@ -166,6 +166,12 @@ def simulate_cmd(
 )
 @click.option("--cores", type=int, default=16, show_default=True, help="GPU host mode: the host's cores.")
 @click.option("--dtype-bytes", type=int, default=2, show_default=True, help="GPU host mode: 2 = bf16.")
+@click.option(
+    "--layer-windows",
+    default=None,
+    help="Attention window per layer, repeated over the layers (0 = full), e.g. 512,512,512,512,512,0 "
+    "for Gemma 3's five windowed layers to one global; overrides the model's own.",
+)
 def plan_cmd(
     model_dir: str | None,
     profile: str | None,
@@ -183,6 +189,7 @@ def plan_cmd(
     geometry: str,
     cores: int,
     dtype_bytes: int,
+    layer_windows: str | None,
 ) -> None:
     """Choose batch size B and shard count P from measured T(B) and R (the paper's model); with
     --dense-step-ms, the exchange workers and shards a GPU host needs per batch (--exchange)."""
@@ -206,6 +213,8 @@ def plan_cmd(
                 model_dir = str(ensure_default_model())
             sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
             prof = planner.measure_profile(model_dir, sizes, device)
+        if layer_windows is not None:
+            prof.layer_windows = _windows(layer_windows, prof.num_layers)
         if save_profile:
             prof.save(save_profile)
         result = planner.plan(
@@ -232,9 +241,31 @@ def plan_cmd(
     click.echo(f"tokens/s          {result.predicted_tokens_per_s:.1f}")
     click.echo(f"limiting factor   {result.limiting_factor}")
     click.echo(f"latency, S tokens {result.predicted_latency_s:.3f} s  (S={seq_len})")
+    if any(prof.layer_windows):
+        click.echo(
+            f"KV held / seq    {result.kv_held_ratio:.3f} of full attention at S "
+            f"({prof.held(seq_len):.0f} of {seq_len} tokens; "
+            f"{result.mean_held_tokens:.0f} on average over its life)"
+        )
     click.echo(f"  paper's bound   2*N*S*T(B) = {result.paper_latency_s:.3f} s")
     if plot:
         click.echo(f"plot              {Path(plot)}")
+
+
+def _windows(spec: str, num_layers: int) -> list[int]:
+    """A comma-separated window pattern repeated over the layers (its length must divide them)."""
+    try:
+        pattern = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{spec!r} is not a list of integers", param_hint="--layer-windows"
+        ) from None
+    if not pattern or min(pattern) < 0 or num_layers % len(pattern):
+        raise click.BadParameter(
+            f"needs windows >= 0, a pattern whose length divides the model's {num_layers} layers",
+            param_hint="--layer-windows",
+        )
+    return pattern * (num_layers // len(pattern))
 
 
 def _plan_gpu_host(

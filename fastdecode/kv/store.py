@@ -1108,14 +1108,19 @@ class KVStore:
             new = idx[start - lo :]
             knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             if self.quantized:
-                (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = quantize_int8(knew), quantize_int8(vnew)
+                (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = (
+                    quantize_int8(knew),
+                    quantize_int8(vnew),
+                )
                 keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
                 values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]
             else:
                 kp[:, new], vp[:, new] = knew.to(self.dtype), vnew.to(self.dtype)
                 keys, values = kp[:, idx], vp[:, idx]
             seq.lengths[layer] = max(seq.lengths[layer], end)
-            o = self._scores_softmax(q[row : row + n].to(compute), keys, values, start, window, 1 / math.sqrt(dim), lo)
+            o = self._scores_softmax(
+                q[row : row + n].to(compute), keys, values, start, window, 1 / math.sqrt(dim), lo
+            )
             out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
             row += n
         return out

@@ -8,6 +8,9 @@ holds and P shards:
   no bound: B where E(B) = B / T(B) stops improving (next measured B gains < 5%)
   memory:   B * S / 2 <= C * P                     (mean sequence holds S/2 tokens)
   balance:  P = B * S * R / (2 * T(B))             (R-part of the mean load = S-part)
+With windowed layers (a profile's layer_windows) a sequence holds, and attends over, only the
+window on those layers: S / 2 becomes the mean over its life of what it holds (mean_held), which
+both the memory and the balance rule use.
 Predicted step (two mini-batches pipelined, per layer the slower of the two sides):
   step = N * max(T(B), B * S * R / (2 * P)),  tokens/s = B / step.
 The latency rule is the paper's; it counts the two mini-batches' S-parts back to back, so it is
@@ -51,6 +54,8 @@ class Profile:
     # measured with T(B); empty when unknown). Small next to N layers on a 7B model, not on a
     # 12-layer one.
     t_head: dict[int, float] = field(default_factory=dict)
+    # Attention window per layer (0 = full; empty = full everywhere): Gemma 2/3, Mistral.
+    layer_windows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.t_dense = {int(b): float(t) for b, t in self.t_dense.items()}
@@ -59,6 +64,29 @@ class Profile:
             raise InvalidInput("profile needs T(B) > 0 samples at batch sizes >= 1")
         if self.r_attn <= 0 or self.num_layers < 1 or self.kv_bytes_per_token < 1:
             raise InvalidInput("profile needs r_attn > 0, num_layers >= 1, kv_bytes_per_token >= 1")
+        self.layer_windows = [int(w) for w in self.layer_windows]
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise InvalidInput(
+                f"profile has {len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+
+    def held(self, tokens: int) -> float:
+        """KV tokens (each on every layer) a sequence of `tokens` holds: a windowed layer its window."""
+        if not any(self.layer_windows):
+            return float(tokens)
+        return sum(min(tokens, w) if w else tokens for w in self.layer_windows) / self.num_layers
+
+    def mean_held(self, seq_len: int) -> float:
+        """What a sequence holds on average over its life of seq_len tokens: S / 2 without windows."""
+        if not any(self.layer_windows):
+            return seq_len / 2
+        total = 0.0
+        for w in self.layer_windows:
+            if not w or seq_len <= w:
+                total += seq_len / 2
+            else:  # grows to w, then stays at w
+                total += (w * w / 2 + (seq_len - w) * w) / seq_len
+        return total / self.num_layers
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -91,6 +119,7 @@ class Profile:
                 notes=dict(d.get("notes", {})),
                 rtt_s=float(d.get("rtt_s", 0.0)),
                 t_head={int(b): float(t) for b, t in d.get("t_head", {}).items()},
+                layer_windows=list(d.get("layer_windows", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InvalidInput(f"bad profile: {e!r}") from e
@@ -140,14 +169,19 @@ class Plan:
     predicted_latency_s: float  # S * step
     paper_latency_s: float  # 2 * N * S * T(B)
     kv_tokens_per_shard: int | None
+    # What one sequence holds at its end (S tokens), as a share of full attention on every layer,
+    # and on average over its life (S / 2 without windowed layers)
+    kv_held_ratio: float = 1.0
+    mean_held_tokens: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def r_part_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
-    """Per-layer R-part seconds at the mean load B * S / 2 spread over P, plus the round trip."""
-    return batch * seq_len * profile.r_attn / (2 * shards) + profile.rtt_s
+    """Per-layer R-part seconds at the mean load B * S / 2 (what B sequences hold on average)
+    spread over P, plus the round trip."""
+    return batch * profile.mean_held(seq_len) * profile.r_attn / shards + profile.rtt_s
 
 
 def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int, overlap: bool = True) -> float:
@@ -265,7 +299,7 @@ def predicted_tokens_per_s(profile: Profile, batch: int, shards: int, seq_len: i
 
 
 def p_balance(profile: Profile, batch: int, seq_len: int) -> float:
-    return batch * seq_len * profile.r_attn / (2 * profile.t_at(batch))
+    return batch * profile.mean_held(seq_len) * profile.r_attn / profile.t_at(batch)
 
 
 def knee(profile: Profile, gain: float = EFFICIENCY_GAIN) -> int:
@@ -297,6 +331,7 @@ def plan(
     if shards is not None and shards < 1:
         raise InvalidInput("shards must be >= 1")
     N, S = profile.num_layers, seq_len
+    held = profile.mean_held(S)  # S / 2 without windowed layers
     bs = profile.batch_sizes
     factor = "gpu-efficiency"
     batch = knee(profile, gain)
@@ -315,8 +350,8 @@ def plan(
         cap = shard_memory_bytes // profile.kv_bytes_per_token
     if shards is not None:
         P, by = shards, "given"
-        if cap is not None and batch * S / 2 > cap * P:
-            fits = [b for b in bs if b <= batch and b * S / 2 <= cap * P]
+        if cap is not None and batch * held > cap * P:
+            fits = [b for b in bs if b <= batch and b * held <= cap * P]
             if not fits:
                 raise InvalidInput(f"{P} shards of {cap} tokens cannot hold B={bs[0]} sequences of {S}")
             batch, factor = max(fits), "memory"
@@ -324,7 +359,7 @@ def plan(
             factor = "balance"
     else:
         p_bal = p_balance(profile, batch, S)
-        p_mem = batch * S / (2 * cap) if cap is not None else 0.0
+        p_mem = batch * held / cap if cap is not None else 0.0
         P = max(1, math.ceil(p_bal - 1e-9), math.ceil(p_mem - 1e-9))
         by = "memory" if p_mem > p_bal and P > 1 else "balance"
     step = predicted_step_s(profile, batch, P, S)
@@ -340,10 +375,12 @@ def plan(
         r_part_ms=r_part_s(profile, batch, P, S) * 1e3,
         gpu_efficiency=batch / profile.t_at(batch),
         p_balance=p_balance(profile, batch, S),
-        p_memory=batch * S / (2 * cap) if cap is not None else None,
+        p_memory=batch * held / cap if cap is not None else None,
         predicted_latency_s=S * step,
         paper_latency_s=2 * N * S * profile.t_at(batch),
         kv_tokens_per_shard=cap,
+        kv_held_ratio=profile.held(S) / S,
+        mean_held_tokens=held,
     )
 
 
@@ -577,6 +614,7 @@ def measure_profile(
         device=str(device),
         model=str(model_dir),
         t_head=head,
+        layer_windows=list(cfg.layer_windows),
         notes={
             "dtype": "float32",
             "kv_dtype": kv_dtype,

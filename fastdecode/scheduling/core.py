@@ -43,7 +43,6 @@ from typing import Literal
 
 from fastdecode.dense.sampling import TokenLogprob
 from fastdecode.kv.prefix import chain_hashes
-from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.errors import (
     FailedPrecondition,
     InternalError,
@@ -53,6 +52,7 @@ from fastdecode.runtime.errors import (
     ResourceExhausted,
     ServiceError,
 )
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.placement import ShardLoad, attention_cost, choose_shard, split_mini_batches
 from fastdecode.scheduling.types import (

@@ -59,7 +59,9 @@ def fleet(request: pytest.FixtureRequest, mistral_window: Path, tmp_path_factory
     f.stop()
 
 
-def test_windowed_greedy_equals_transformers(fleet: UpProcess, hf_greedy: Callable, mistral_window: Path) -> None:
+def test_windowed_greedy_equals_transformers(
+    fleet: UpProcess, hf_greedy: Callable, mistral_window: Path
+) -> None:
     with Client(fleet.target, token=TOKEN) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(client.generate, token_ids=p, max_tokens=MAX_NEW) for p in PROMPTS]
         outs = [f.result(timeout=180) for f in futures]

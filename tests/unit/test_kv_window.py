@@ -60,7 +60,9 @@ def stored(store: KVStore, layer: int, seq_id: str, length: int) -> tuple[torch.
     return out[0], out[1]
 
 
-def make(dtype: str, windows: tuple[int, ...], cap: float, backend: str, kvh: int = 2, dim: int = 64) -> KVStore:
+def make(
+    dtype: str, windows: tuple[int, ...], cap: float, backend: str, kvh: int = 2, dim: int = 64
+) -> KVStore:
     per_token = 2 * len(windows) * kvh * dim * kv_bytes_per_element(KV_DTYPES[dtype], dim)
     return KVStore(
         len(windows),
@@ -84,7 +86,10 @@ CASES = [(7, 0.0), (37, 0.0), (0, 3.0), (21, 3.0), (500, 50.0)]
 def _run(store: KVStore, layer: int, tol: float, window: int, cap: float, gen: torch.Generator) -> None:
     kvh, dim, heads = store.num_kv_heads, store.head_dim, 3 * store.num_kv_heads
     lengths = {"a": 90, "b": 45, "c": 3}
-    hist = {s: (torch.randn(n + 40, kvh, dim, generator=gen), torch.randn(n + 40, kvh, dim, generator=gen)) for s, n in lengths.items()}
+    hist = {
+        s: (torch.randn(n + 40, kvh, dim, generator=gen), torch.randn(n + 40, kvh, dim, generator=gen))
+        for s, n in lengths.items()
+    }
     for sid, n in lengths.items():
         store.reserve(sid, n + 40)
     # prefill chunks: a from 0 (52 tokens), then a second chunk mid-cache; b and c in one call
@@ -99,7 +104,9 @@ def _run(store: KVStore, layer: int, tol: float, window: int, cap: float, gen: t
         q = torch.randn(total, heads, dim, generator=gen) * (4.0 if cap else 1.0)
         k = torch.cat([hist[s][0][p : p + n] for s, p, n in call])
         v = torch.cat([hist[s][1][p : p + n] for s, p, n in call])
-        o = store.attend(layer, [s for s, *_ in call], [n for *_, n in call], [p for _, p, _ in call], q, k, v)
+        o = store.attend(
+            layer, [s for s, *_ in call], [n for *_, n in call], [p for _, p, _ in call], q, k, v
+        )
         row = 0
         for s, p, n in call:
             sk, sv = stored(store, layer, s, p + n)

@@ -42,7 +42,10 @@ def test_decode_past_the_window_gives_blocks_back_and_sees_its_window(backend: s
     store = _store(backend)
     gen = torch.Generator().manual_seed(0)
     total = 70
-    hist = [(torch.randn(total, KVH, DIM, generator=gen), torch.randn(total, KVH, DIM, generator=gen)) for _ in GEMMA]
+    hist = [
+        (torch.randn(total, KVH, DIM, generator=gen), torch.randn(total, KVH, DIM, generator=gen))
+        for _ in GEMMA
+    ]
     store.reserve("s", 13)
     store.reserve("other", 5)
     pos, chunks = 0, [13, 9, 1, 1, 6] + [1] * 40

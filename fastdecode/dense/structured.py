@@ -1,6 +1,7 @@
 """Structured outputs: a JSON schema, JSON object, regex or choice list compiled into an llguidance
-grammar (the gateway, which answers a 400 for one that does not compile), and a matcher per sequence
-that masks the logits before sampling (gpu_dense).
+grammar (fastdecode/runtime/grammar.py, with its limits; the gateway compiles in worker processes and
+answers a 400 for one that does not compile), and a matcher per sequence that masks the logits
+before sampling (gpu_dense).
 
 Why llguidance (not xgrammar): it has no Python dependencies (xgrammar's wheel requires torch, triton
 and transformers, which would pull or move the pinned torch), compiles a schema lazily in well under a
@@ -15,11 +16,9 @@ llguidance is imported on first use.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,60 +26,19 @@ import numpy as np
 import torch
 
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.runtime.grammar import (
+    KINDS,
+    MAX_SPEC_CHARS,
+    Structured,
+    check_grammar,
+    compile_grammar,
+    load_llguidance,
+    on_big_stack,
+    parser_limits,
+)
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+__all__ = ["KINDS", "MAX_SPEC_CHARS", "GrammarBank", "Structured", "compile_grammar", "unpack_bitmask"]
 MAX_MATCHERS = 4096  # matchers kept for sequences not seen lately go first past this many
-MAX_SPEC_CHARS = 256 * 1024
-
-
-@dataclass(frozen=True)
-class Structured:
-    """What the output must match: kind is one of KINDS; spec the schema (JSON text), regex, the
-    choices (a JSON list of strings) or a Lark grammar; empty for json_object."""
-
-    kind: str
-    spec: str = ""
-
-
-def _lg() -> Any:
-    try:
-        import llguidance
-    except ImportError as e:  # pinned in pyproject.toml; a stripped install may lack it
-        raise FailedPrecondition("structured outputs need the llguidance package") from e
-    return llguidance
-
-
-def compile_grammar(s: Structured) -> str:
-    """The llguidance grammar of `s`; InvalidInput (a 400) when it does not compile."""
-    lg = _lg()
-    if s.kind not in KINDS:
-        raise InvalidInput(f"unknown structured output kind {s.kind!r}; one of {', '.join(KINDS)}")
-    if len(s.spec) > MAX_SPEC_CHARS:
-        raise InvalidInput(f"the {s.kind} has {len(s.spec)} characters; the limit is {MAX_SPEC_CHARS}")
-    try:
-        if s.kind == "json_object":
-            grammar = lg.LLMatcher.grammar_from_json_schema({"type": "object"})
-        elif s.kind == "json_schema":
-            schema = json.loads(s.spec)
-            if not isinstance(schema, dict | bool):
-                raise InvalidInput("the JSON schema must be an object")
-            grammar = lg.LLMatcher.grammar_from_json_schema(schema)
-        elif s.kind == "regex":
-            grammar = lg.LLMatcher.grammar_from_regex(s.spec)
-        elif s.kind == "choice":
-            choices = json.loads(s.spec)
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise InvalidInput("choice needs a non-empty list of non-empty strings")
-            # Lark string literals take JSON's escapes
-            grammar = lg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-        else:
-            grammar = lg.LLMatcher.grammar_from_lark(s.spec)
-    except (ValueError, TypeError) as e:
-        raise InvalidInput(f"the {s.kind} is not valid: {e}") from None
-    error = lg.LLMatcher.validate_grammar(grammar, None)
-    if error:
-        raise InvalidInput(f"the {s.kind} cannot be compiled: {error.strip()}")
-    return grammar
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -117,7 +75,7 @@ class GrammarBank:
         if self._tokenizer is None:
             if not self.path.is_file():
                 raise FailedPrecondition(f"structured outputs need the model's tokenizer ({self.path})")
-            self._tokenizer = _lg().LLTokenizer(
+            self._tokenizer = load_llguidance().LLTokenizer(
                 str(self.path), n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
         return self._tokenizer
@@ -153,7 +111,11 @@ class GrammarBank:
     def _new_matcher(self, grammar: str) -> Any:
         fresh = self._fresh.get(grammar)
         if fresh is None:
-            fresh = _lg().LLMatcher(self._tok(), grammar)
+            # the gateway's limits again (a Submit may come from elsewhere), then llguidance on a big
+            # stack: building a matcher parses the grammar as recursively as compiling it
+            check_grammar(grammar)
+            tok = self._tok()
+            fresh = on_big_stack(lambda: load_llguidance().LLMatcher(tok, grammar, limits=parser_limits()))
             if fresh.is_error():
                 raise InvalidInput(f"the grammar does not compile: {fresh.get_error()}")
             self._fresh[grammar] = fresh
@@ -178,7 +140,7 @@ class GrammarBank:
                     out.append(e)
             if live:  # all rows at once, on llguidance's own threads
                 if self._executor is None:
-                    self._executor = _lg().LLExecutor()
+                    self._executor = load_llguidance().LLExecutor()
                 self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, len(rows))
             allowed = unpack_bitmask(bitmask, self.vocab_size) if rows else None
         return [o if isinstance(o, Exception) else allowed[i] for i, o in enumerate(out)]  # type: ignore[index]

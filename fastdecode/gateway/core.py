@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.gateway.grammar import GrammarCompiler
 from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
 from fastdecode.model import ModelConfig
 from fastdecode.runtime.errors import (
@@ -193,6 +194,9 @@ class GatewayCore:
             max_stop_chars=settings.max_stop_chars,
         )
         self.eos_ids = frozenset(config.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            settings.grammar_workers, settings.grammar_timeout, settings.grammar_memory_mb
+        )
         self.ready = False  # set once announced; the HTTP /health reads it
         self.draining = False
         self.backend_problem: str | None = None  # the scheduler's not-ready reason, last looked at
@@ -232,7 +236,9 @@ class GatewayCore:
             )
         else:
             prompt_ids = list(params.token_ids or [])
-        return resolve(params, prompt_ids, self.limits)
+        # never on this thread: llguidance can crash a process on a grammar (a worker's, here)
+        grammar = await self.grammars.compile(params.structured) if params.structured is not None else ""
+        return resolve(params, prompt_ids, self.limits, grammar)
 
     async def _connected(self, remaining: float | None) -> None:
         connect = self.settings.connect_timeout
@@ -536,6 +542,7 @@ class GatewayCore:
         return Unavailable("gateway is draining: retry the request") if self._cut_off else None
 
     async def close(self) -> None:
+        await self.grammars.close()
         await self.scheduler.close()
 
 

@@ -11,8 +11,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from fastdecode.dense.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from fastdecode.dense.structured import Structured, compile_grammar
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.grammar import Structured
 from fastdecode.runtime.tokenizer import Tokenizer
 
 # Prompt tokens that seed the detokenizer, so the first generated token decodes with the
@@ -58,7 +58,7 @@ class GenerateParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    structured: Structured | None = None  # the output must match it (compiled in resolve)
+    structured: Structured | None = None  # the output must match it (compiled by the gateway's workers)
 
 
 @dataclass(frozen=True)
@@ -184,8 +184,9 @@ def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
         raise InvalidInput(f"{what} holds {bad}, outside the vocabulary [0, {vocab_size})")
 
 
-def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits) -> ValidRequest:
-    """Apply defaults and the context-length check to a request that passed check_params."""
+def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits, grammar: str = "") -> ValidRequest:
+    """Apply defaults and the context-length check to a request that passed check_params; `grammar`
+    is p.structured compiled (fastdecode/gateway/grammar.py)."""
     n = len(prompt_ids)
     if n == 0:
         raise InvalidInput("the prompt tokenizes to no tokens")
@@ -222,7 +223,7 @@ def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits) -> ValidRe
         frequency_penalty=p.frequency_penalty or 0.0,
         repetition_penalty=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
         min_tokens=min(p.min_tokens or 0, max_tokens),
-        grammar=compile_grammar(p.structured) if p.structured is not None else "",
+        grammar=grammar,
     )
 
 

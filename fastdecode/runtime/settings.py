@@ -260,6 +260,20 @@ class GatewaySettings(ServiceSettings):
         max_length=256,
         description="Model id of the HTTP API (default: the checkpoint dir name).",
     )
+    grammar_workers: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Worker processes compiling structured outputs (a crash there costs one request).",
+    )
+    grammar_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a structured output may take to compile; longer = 400, the worker is replaced.",
+    )
+    grammar_memory_mb: int = Field(
+        2048, ge=0, description="Address-space limit of a grammar worker, MiB (0: none); past it = 400."
+    )
 
 
 class LocalSettings(BaseSettings):

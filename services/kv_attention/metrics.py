@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import weakref
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode.kv import KVStore
 from fastdecode.runtime.errors import Status
+from fastdecode.runtime.logs import Throttle
+
+log = logging.getLogger("fastdecode.kv_attention.metrics")
 
 KV_USAGE = Gauge("fastdecode_kv_usage_ratio", "Reserved share of the shard's KV pool", ["shard"])
 KV_TOKENS = Gauge("fastdecode_kv_tokens_held", "Tokens held in the shard's KV-cache", ["shard"])
@@ -62,12 +68,23 @@ class ShardMetrics:
         self._attention_seconds = ATTENTION_SECONDS.labels(shard)
         self._kv_bytes_read = KV_BYTES_READ.labels(shard)
         self._prefix_counted: dict[str, int] = {}  # store counts already added to PREFIX_COUNTERS
+        self._counted_store: weakref.ref[KVStore] | None = None  # the pool those counts came from
+        self._throttle = Throttle(60.0)
         for status in Status:  # every item error code exported (as 0) from the first scrape
             if status is not Status.OK:
                 ATTEND_ERRORS.labels(shard, status.name)
 
     def pool(self, s: KVStore | None) -> None:
-        """The pool's gauges (`s` None: no pool yet)."""
+        """The pool's gauges (`s` None: no pool yet). Called after Reserve, Release and Fill changed
+        the state: it never raises, so a metric cannot turn work that was done into an error."""
+        try:
+            self._pool(s)
+        except Exception as e:  # a metric is not worth a request: one line a minute, no traceback
+            held = self._throttle("pool")
+            if held is not None:
+                log.warning("updating the KV gauges failed (%d more held back): %r", held, e)
+
+    def _pool(self, s: KVStore | None) -> None:
         if s is None:
             # Visible from the first scrape, before any sequence: an idle shard is empty, not absent.
             # Its pool is sized by the first reservation's geometry; until then the budget is its size.
@@ -85,9 +102,15 @@ class ShardMetrics:
             prefix = s.prefix_stats
             for name, gauge in PREFIX_GAUGES.items():
                 gauge.labels(self.shard).set(prefix[name])
+            if self._counted_store is None or self._counted_store() is not s:
+                # a new pool (a Reserve of another geometry rebuilds it) counts from 0 again: the
+                # exported counters go on from where they were, adding only what it counted since
+                self._prefix_counted = {}
+                self._counted_store = weakref.ref(s)
             for name, counter in PREFIX_COUNTERS.items():
-                counter.labels(self.shard).inc(prefix[name] - self._prefix_counted.get(name, 0))
-                self._prefix_counted[name] = prefix[name]
+                now, before = prefix[name], self._prefix_counted.get(name, 0)
+                counter.labels(self.shard).inc(now - before if now >= before else now)
+                self._prefix_counted[name] = now
 
     def attended(self, seconds: float, kv_bytes_read: int) -> None:
         self._attention_seconds.observe(seconds)

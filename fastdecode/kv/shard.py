@@ -137,10 +137,13 @@ class ShardCore:
         t0 = time.perf_counter()
         o = store.attend(layer, seq_ids, num_tokens, start_pos, q, k, v)
         seconds = time.perf_counter() - t0
-        # Each new token attends to every cached token of its sequence, its own chunk included.
+        # Each new token attends to every cached token of its sequence, its own chunk included (on
+        # a windowed layer, to its window: the keys from the chunk's first query's window start on).
         ends = list(map(operator.add, start_pos, num_tokens))
-        self.attended_pairs += sum(map(operator.mul, num_tokens, ends))
-        return AttendResult(o, seconds, sum(ends) * store.bytes_per_token // store.num_layers)
+        w = store.window(layer)
+        keys = [e - max(0, s - w + 1) for s, e in zip(start_pos, ends, strict=True)] if w else ends
+        self.attended_pairs += sum(map(operator.mul, num_tokens, keys))
+        return AttendResult(o, seconds, sum(keys) * store.bytes_per_token // store.num_layers)
 
     # ---- live migration ----------------------------------------------------------------------
     def export_chunks(self, seq_id: str) -> Iterator[pb.KVChunk]:

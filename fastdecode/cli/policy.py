@@ -241,13 +241,13 @@ def plan_cmd(
     click.echo(f"tokens/s          {result.predicted_tokens_per_s:.1f}")
     click.echo(f"limiting factor   {result.limiting_factor}")
     click.echo(f"latency, S tokens {result.predicted_latency_s:.3f} s  (S={seq_len})")
+    click.echo(f"  paper's bound   2*N*S*T(B) = {result.paper_latency_s:.3f} s")
     if any(prof.layer_windows):
         click.echo(
             f"KV held / seq    {result.kv_held_ratio:.3f} of full attention at S "
             f"({prof.held(seq_len):.0f} of {seq_len} tokens; "
             f"{result.mean_held_tokens:.0f} on average over its life)"
         )
-    click.echo(f"  paper's bound   2*N*S*T(B) = {result.paper_latency_s:.3f} s")
     if plot:
         click.echo(f"plot              {Path(plot)}")
 

@@ -5,7 +5,10 @@ prefilled in chunks smaller than the prompts, and the shards hold windows, not w
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,7 +16,9 @@ import pytest
 
 from fastdecode.client import Client
 from fastdecode.model import ModelConfig
-from fastdecode.tools.fleet import UpProcess
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.tools.fleet import Fleet, UpProcess
+from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support import TOKEN, start_up
 
 WINDOW = 8
@@ -67,3 +72,39 @@ def test_windowed_greedy_equals_transformers(
         outs = [f.result(timeout=180) for f in futures]
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == hf_greedy(mistral_window, tuple(prompt), MAX_NEW)
+
+
+def test_a_lost_shard_recomputes_windowed_sequences(
+    mistral_window: Path, hf_greedy: Callable, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """kill -9 of a shard while windowed sequences decode there: the scheduler re-prefills their
+    history on the other shard (in chunks, each query with its window) and the tokens stay equal."""
+    f = Fleet(
+        model=mistral_window,
+        shards=2,
+        device="cpu",
+        kv_capacity=64 << 20,
+        workdir=tmp_path_factory.mktemp("window-recovery"),
+        scheduler_args=["--health-interval", "0.3"],
+        env={"FASTDECODE_PREFILL_TOKEN_BUDGET": "16"},
+    )
+    f.start()
+    try:
+        assert f.gateway
+        with Client(f.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(client.generate, token_ids=p, max_tokens=40) for p in PROMPTS]
+            stub = kv_attention_pb2_grpc.KVAttentionStub(sync_channel(f.kv[1].address, f.peer_credentials))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # decoding past the window is under way on shard 1
+                stats = stub.Stats(kv_attention_pb2.StatsRequest(), timeout=5)
+                if stats.attend_items > 40 * 4 and stats.sequences:
+                    break
+                time.sleep(0.02)
+            os.kill(f.kv[1].pid, signal.SIGKILL)
+            outs = [fut.result(timeout=180) for fut in futures]
+        for prompt, out in zip(PROMPTS, outs, strict=True):
+            assert out.token_ids == hf_greedy(mistral_window, tuple(prompt), 40)
+        sched = scheduler_pb2_grpc.SchedulerStub(sync_channel(f.scheduler.address, f.peer_credentials))
+        assert sched.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5).recoveries > 0
+    finally:
+        f.stop()

@@ -35,11 +35,12 @@ Imports no gRPC.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import mmap
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,6 +137,9 @@ class _Seq:
     # the leading blocks given back (-1 in the table) because every window has passed them.
     more: list[list[int]] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
+    # ... and per group, the leading blocks the group's prefix cache owns (read, never written; those
+    # below `dead` were let go)
+    gfrozen: list[int] = field(default_factory=list)
 
 
 class BlockAllocator:
@@ -256,10 +260,13 @@ class KVStore:
         self.v_scale = huge_page_empty(scale_shape, torch.float32)
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, _Seq] = {}
-        # Windowed layers give blocks back as their window passes, so a cached prefix could not be
-        # kept whole on every layer: prefix sharing is off for windowed models.
-        sharing = prefix_sharing and not self.grouped
-        self.prefix: PrefixCache | None = PrefixCache() if sharing else None
+        # One prefix cache per layer group (a windowed store's groups cache their blocks apart: a
+        # windowed group lets go of a cached block once its window has passed it); `prefix` is the
+        # one cache of a store without windows.
+        self.prefixes: list[PrefixCache] = (
+            [PrefixCache() for _ in range(self.num_groups)] if prefix_sharing else []
+        )
+        self.prefix: PrefixCache | None = self.prefixes[0] if prefix_sharing and not self.grouped else None
         self._importing: dict[str, _Seq] = {}  # live migration: blocks taken, not yet held
         self.busy_seconds = 0.0
         self.attend_calls = 0
@@ -315,7 +322,8 @@ class KVStore:
         """Distinct tokens the sequences hold: a shared prefix block counts once, a windowed layer
         counts the positions it still holds (its window, in whole blocks)."""
         if self.grouped:
-            return round(sum(map(self.held_of, self.seqs.values())))
+            read = sum(p.read_blocks for p in self.prefixes) * self.block_size / self.num_groups
+            return round(sum(map(self.held_of, self.seqs.values())) + read)
         own = sum(s.lengths[-1] - s.frozen * self.block_size for s in self.seqs.values())
         return own + (self.prefix.read_blocks * self.block_size if self.prefix is not None else 0)
 
@@ -326,24 +334,24 @@ class KVStore:
 
     @property
     def blocks_free(self) -> int:
-        return self.alloc.free + (self.prefix.idle_blocks if self.prefix is not None else 0)
+        return self.alloc.free + sum(p.idle_blocks for p in self.prefixes)
 
     @property
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counters and sizes (all 0 with sharing off)."""
-        p = self.prefix
-        if p is None:
+        if not self.prefixes:
             return dict.fromkeys(
                 ("queries", "hits", "hit_tokens", "evictions", "cached_blocks", "shared_bytes"), 0
             )
+        p, g = self.prefixes[0], self.num_groups  # a windowed store counts queries on group 0's cache
         return {
             "queries": p.queries,
             "hits": p.hits,
             "hit_tokens": p.hit_blocks * self.block_size,
-            "evictions": p.evictions,
-            "cached_blocks": p.cached_blocks,
+            "evictions": sum(c.evictions for c in self.prefixes) // g,
+            "cached_blocks": sum(c.cached_blocks for c in self.prefixes) // g,
             # KV memory sharing saves now: every reader past the first of a block reads no copy
-            "shared_bytes": p.extra_readers * self.block_size * self.bytes_per_token,
+            "shared_bytes": sum(c.extra_readers for c in self.prefixes) * self.block_size * self.bytes_per_token // g,
         }
 
     @property
@@ -352,10 +360,12 @@ class KVStore:
         return self.capacity_tokens - self.free_tokens
 
     def held_of(self, seq: _Seq) -> float:
-        """Tokens (each a position on every layer) the sequence holds in a windowed store."""
+        """Tokens (each a position on every layer) the sequence holds in a windowed store, its own
+        blocks' (blocks read from a prefix cache count once, in tokens_held)."""
         held = 0
         for g, first in enumerate(self.group_first):
-            held += max(0, seq.lengths[first] - seq.dead[g] * self.block_size)
+            own = max(seq.dead[g], seq.gfrozen[g]) if seq.gfrozen else seq.dead[g]
+            held += max(0, seq.lengths[first] - own * self.block_size)
         return held / self.num_groups
 
     @property
@@ -418,6 +428,8 @@ class KVStore:
             raise FailedPrecondition(f"sequence {seq_id!r} is already reserved on this shard")
         if token_ids is not None and len(token_ids) > tokens:
             raise InvalidInput(f"{len(token_ids)} token ids for a reservation of {tokens} tokens")
+        if self.grouped:
+            return self._reserve_grouped(seq_id, tokens, token_ids, model)
         hashes: list[bytes] = []
         shared: list[int] = []
         if self.prefix is not None and token_ids:
@@ -436,12 +448,56 @@ class KVStore:
             )
         cached = len(shared) * self.block_size
         seq = _Seq([], 0, [cached] * self.num_layers, True, hashes=hashes, frozen=len(shared))
-        own = n - len(shared)
-        seq.more = [blocks[own + i * n : own + (i + 1) * n] for i in range(self.num_groups - 1)]
-        seq.dead = [0] * self.num_groups
-        self._set_blocks(seq, shared + blocks[:own])
+        self._set_blocks(seq, shared + blocks)
         self.seqs[seq_id] = seq
         return cached
+
+    def _reserve_grouped(self, seq_id: str, tokens: int, token_ids: list[int] | None, model: str) -> int:
+        """reserve() for a windowed store. With sharing, the longest m cached blocks such that every
+        full group holds blocks 0..m-1 cached and every windowed group the ones its first query
+        (position m * block_size) still sees; a windowed group's table starts with -1 below those."""
+        bs, groups = self.block_size, range(self.num_groups)
+        n = math.ceil(tokens / bs)
+        hashes: list[bytes] = []
+        m = 0
+        if self.prefixes and token_ids:
+            seed = prefix_seed(
+                f"{model}|windows {self.layer_windows}|cap {self.softcap}", str(self.dtype), self._geometry, bs
+            )
+            hashes = chain_hashes(seed, token_ids, bs)
+            m = (len(token_ids) - 1) // bs
+            for g in groups:  # full groups: a prefix run
+                if not self.group_windows[g]:
+                    p = self.prefixes[g]
+                    m = min(m, sum(1 for _ in itertools.takewhile(lambda h: p.lookup(h) is not None, hashes[:m])))
+            while m and not all(  # windowed groups: the blocks the first query sees
+                self.prefixes[g].lookup(hashes[i]) is not None
+                for g in groups
+                for i in range(self._first_key(g, m * bs) // bs, m)
+            ):
+                m -= 1
+            p0 = self.prefixes[0]
+            p0.queries, p0.hits, p0.hit_blocks = p0.queries + 1, p0.hits + bool(m), p0.hit_blocks + m
+        floors = [self._first_key(g, m * bs) // bs for g in groups]
+        shared = [[self.prefixes[g].lookup(hashes[i]) for i in range(floors[g], m)] for g in groups]
+        for g in groups:  # taken before allocating, so that eviction cannot pick them
+            for b in shared[g]:
+                self.prefixes[g].acquire(b)  # type: ignore[arg-type]
+        blocks = self._allocate((n - m) * self.num_groups)
+        if blocks is None:
+            for g in groups:
+                for b in shared[g]:
+                    self.prefixes[g].release(b)  # type: ignore[arg-type]
+            raise ResourceExhausted(
+                f"KV pool full: {tokens} tokens requested, {self.free_tokens} free of {self.capacity_tokens}"
+            )
+        own = n - m
+        tables = [[-1] * floors[g] + shared[g] + blocks[g * own : (g + 1) * own] for g in groups]
+        seq = _Seq([], 0, [m * bs] * self.num_layers, True, hashes=hashes)
+        seq.more, seq.dead, seq.gfrozen = tables[1:], floors, [m] * self.num_groups
+        self._set_blocks(seq, tables[0])  # type: ignore[arg-type]
+        self.seqs[seq_id] = seq
+        return m * bs
 
     @property
     def _geometry(self) -> tuple[int, int, int]:
@@ -452,9 +508,14 @@ class KVStore:
         free list is short; None, with nothing evicted, when even that is not enough."""
         short = n - self.alloc.free
         if short > 0:
-            if self.prefix is None or self.prefix.idle_blocks < short:
+            if sum(p.idle_blocks for p in self.prefixes) < short:
                 return None
-            self.alloc.release(self.prefix.evict(short))
+            for p in sorted(self.prefixes, key=lambda p: -p.idle_blocks):  # the idlest cache first
+                got = p.evict(short)
+                self.alloc.release(got)
+                short -= len(got)
+                if short <= 0:
+                    break
         return self.alloc.allocate(n)
 
     def _set_blocks(self, seq: _Seq, blocks: list[int]) -> None:
@@ -484,12 +545,26 @@ class KVStore:
         if floor <= dead:
             return
         tab = self._tab(seq, g)
-        gone = [b for b in tab[dead:floor] if b >= 0]
+        self._let_go(seq, g, range(dead, min(floor, len(tab))))
         tab[dead : min(floor, len(tab))] = [-1] * (min(floor, len(tab)) - dead)
         tab.extend([-1] * (floor - len(tab)))  # positions never held (a fill straight to `start`)
         seq.dead[g] = floor
-        self.alloc.release(gone)
         self._blocks_changed(seq)
+
+    def _let_go(self, seq: _Seq, g: int, indices: Iterable[int]) -> None:
+        """Group g's blocks at these table indices leave the sequence: a cached one is read no
+        more (it stays cached, idle when no one else reads it), its own go back to the free list."""
+        tab, cached = self._tab(seq, g), seq.gfrozen[g] if seq.gfrozen else 0
+        own = []
+        for i in indices:
+            b = tab[i]
+            if b < 0:
+                continue
+            if i < cached:
+                self.prefixes[g].release(b)
+            else:
+                own.append(b)
+        self.alloc.release(own)
 
     def _grow_group(self, seqs: list[_Seq], seq_ids: list[str], ends: list[int], g: int) -> None:
         """_grow for one layer group of a windowed store: all or nothing over the sequences."""
@@ -556,8 +631,9 @@ class KVStore:
         if seq is None:
             return False
         self._tables.clear()
-        if self.grouped:
-            self.alloc.release(self._live(seq))
+        if self.grouped:  # the last block first: an idle prefix's tail is evicted before its head
+            for g in range(self.num_groups):
+                self._let_go(seq, g, reversed(range(len(self._tab(seq, g)))))
             return True
         own = seq.blocks
         if self.prefix is not None and seq.frozen:
@@ -573,6 +649,54 @@ class KVStore:
         return [b for g in range(self.num_groups) for b in self._tab(seq, g) if b >= 0]
 
     # ---- shared prefixes ------------------------------------------------------------------------
+    def _publish_group(self, seq: _Seq, g: int) -> None:
+        """_publish for one group of a windowed store, once every layer of the group has written
+        a full block of known tokens (a block its window already let go is not cached)."""
+        if not self.prefixes or seq.gfrozen[g] >= len(seq.hashes):
+            return
+        lengths = [seq.lengths[layer] for layer in range(self.num_layers) if self._group_of[layer] == g]
+        done = min(min(lengths) // self.block_size, len(seq.hashes))
+        p, tab, changed = self.prefixes[g], self._tab(seq, g), False
+        for i in range(seq.gfrozen[g], done):
+            h, mine = seq.hashes[i], tab[i]
+            theirs = p.lookup(h)
+            if mine < 0:
+                continue
+            if theirs is None:
+                p.insert(h, mine)
+            else:
+                p.acquire(theirs)
+                self.alloc.release([mine])
+                tab[i], changed = theirs, True
+        seq.gfrozen[g] = max(seq.gfrozen[g], done)
+        if changed:
+            self._blocks_changed(seq)
+
+    def _unfreeze_group(self, seq: _Seq, g: int, start: int) -> None:
+        """_unfreeze for one group of a windowed store (a rerun from below its cached blocks)."""
+        first = start // self.block_size
+        if not seq.gfrozen or first >= seq.gfrozen[g]:
+            return
+        p, tab = self.prefixes[g], self._tab(seq, g)
+        live = [i for i in range(first, seq.gfrozen[g]) if tab[i] >= 0]
+        read = [i for i in live if p.readers(tab[i]) > 1]
+        copies = self._allocate(len(read))
+        if copies is None:
+            raise ResourceExhausted("KV pool full: no free block to copy a shared prefix block into")
+        bs = self.block_size
+        for i, new in zip(read, copies, strict=True):
+            b = tab[i]
+            for pool in (self.k, self.v, self.k_scale, self.v_scale):
+                if pool.dim() > 1:
+                    pool[:, :, new * bs : (new + 1) * bs] = pool[:, :, b * bs : (b + 1) * bs]
+            p.release(b)
+            tab[i] = new
+        for i in live:
+            if i not in read:
+                p.forget(tab[i])
+        seq.gfrozen[g] = first
+        self._blocks_changed(seq)
+
     def _publish(self, seq: _Seq) -> None:
         """Hand the sequence's full blocks of known tokens to the prefix cache once every layer has
         written them. A block someone cached meanwhile (the same prefix computed twice) replaces the
@@ -686,7 +810,7 @@ class KVStore:
         for d in dead:
             tables.append([-1] * d + blocks[i : i + n - d])
             i += n - d
-        seq = _Seq([], 0, [0] * self.num_layers, True, more=tables[1:], dead=dead)
+        seq = _Seq([], 0, [0] * self.num_layers, True, more=tables[1:], dead=dead, gfrozen=[0] * len(dead))
         self._set_blocks(seq, tables[0])
         self._importing[seq_id] = seq
 
@@ -759,13 +883,16 @@ class KVStore:
         if self.grouped:
             if start < seq.dead[g] * self.block_size:
                 raise FailedPrecondition(f"positions before {seq.dead[g] * self.block_size} left the window")
+            self._unfreeze_group(seq, g, start)
             self._grow_group([seq], [seq_id], [start + n], g)
         else:
             self.grow([seq_id], [start + n])
             self._unfreeze(seq, start)
         self._put(layer, self._slots(seq, start + n, g)[start:], k, v)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)
-        if layer == self.num_layers - 1:  # as attend: the last layer completes a position
+        if self.grouped and self.prefixes:
+            self._publish_group(seq, g)
+        elif layer == self.num_layers - 1:  # as attend: the last layer completes a position
             self._publish(seq)
 
     def fill_synthetic(self, seq_ids: list[str], tokens: int, seed: int = 0) -> int:
@@ -878,6 +1005,7 @@ class KVStore:
             g = self._group_of[layer]
             for seq, start in zip(seqs, start_pos, strict=True):
                 self._recycle(seq, g, start)
+                self._unfreeze_group(seq, g, start)
             self._grow_group(seqs, seq_ids, ends, g)
         else:
             self._grow(seqs, seq_ids, ends)
@@ -903,6 +1031,9 @@ class KVStore:
         if self.prefix is not None and layer == self.num_layers - 1:
             for seq in seqs:
                 self._publish(seq)
+        elif self.grouped and self.prefixes:
+            for seq in seqs:
+                self._publish_group(seq, self._group_of[layer])
         self.busy_seconds += time.perf_counter() - t0
         self.attend_calls += 1
         return out

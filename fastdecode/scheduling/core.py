@@ -177,7 +177,7 @@ class SchedulerCore:
         # windowed layers (the model's geometry): a sequence holds, and attends over, less than its
         # length; without windows every count below is the sequence's length
         self._geometry = kv_geometry if kv_geometry is not None and kv_geometry.windowed else None
-        self._sharing = prefix_sharing and self._geometry is None  # shards share no windowed prefix
+        self._sharing = prefix_sharing
         self._affinity = prefix_affinity
         self.prefix_hits = 0  # reservations that found cached prefix tokens
         self.cached_tokens = 0  # ... and how many, in all
@@ -850,7 +850,9 @@ class SchedulerCore:
             sh = self._shards[seq.shard]
             c = min(c, len(seq.tokens) - 1)  # a shard shares no more (its last token is computed)
             seq.cached = c
-            seq.shared = c // sh.spec.block_size
+            # (a windowed model's sequence lets go of cached blocks as its window passes them: it
+            # keeps counting them, an over-count of at most its prefix)
+            seq.shared = c // sh.spec.block_size if self._geometry is None else 0
             sh.blocks -= seq.shared
             self.prefix_hits += 1
             self.cached_tokens += c

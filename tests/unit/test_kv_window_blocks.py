@@ -129,3 +129,48 @@ def test_held_tokens_of_a_gemma3_shape_at_4096() -> None:
     assert ratio <= 0.3
     assert ratio == pytest.approx((1 + 5 * 512 / 4096) / 6, abs=0.01)
     assert math.isclose(KVGeometry(18, 1, 256).held_tokens(4096, 16), 4096)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_prefix_sharing_reads_the_window_a_finished_prefix_left_cached(backend: str) -> None:
+    """One group cache per layer group: a second sequence with the same prompt finds the full layers'
+    blocks and the windowed layers' last window still cached (let go by the first, idle, not
+    evicted), computes only the rest, and every query still sees exactly its window."""
+    store = KVStore(6, KVH, DIM, 1 << 22, torch.float32, BS, backend=backend, layer_windows=GEMMA)
+    gen = torch.Generator().manual_seed(5)
+    emb = torch.randn(6, 64, 2, KVH, DIM, generator=gen)  # per layer: k, v of a token ...
+    pos_emb = torch.randn(6, 128, 2, KVH, DIM, generator=gen)  # ... plus its position's
+
+    def kv(layer: int, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = emb[layer, ids] + pos_emb[layer, start : start + len(ids)]
+        return x[:, 0], x[:, 1]
+
+    def run(sid: str, ids: list[int], start: int, chunk: int) -> None:
+        for p0 in range(start, len(ids), chunk):
+            part = ids[p0 : p0 + chunk]
+            for layer, w in enumerate(GEMMA):
+                q = torch.randn(len(part), HEADS, DIM, generator=gen)
+                k, v = kv(layer, part, p0)
+                o = store.attend(layer, [sid], [len(part)], [p0], q, k, v)
+                hk, hv = kv(layer, ids[: p0 + len(part)], 0)
+                want = reference(q, hk, hv, p0, w, 0.0)
+                torch.testing.assert_close(o.double(), want, atol=1e-4, rtol=1e-4)
+
+    prompt = [(7 * i) % 64 for i in range(30)]
+    assert store.reserve("a", 30, prompt) == 0
+    run("a", prompt + [1] * 10, 0, 6)  # prefill in chunks, then 10 decode-sized steps
+    a = store.seqs["a"]
+    assert a.dead[:5] == [(36 - 8 + 1) // BS] * 5  # its last chunk (36..) sees 29 on: blocks 0..6 let go
+    held = store.blocks_in_use
+    b_ids = prompt + [3, 4, 5, 6, 9]
+    cached = store.reserve("b", len(b_ids), b_ids)
+    assert cached == 28  # 7 full blocks of the 30-token prompt; blocks 5, 6 of every window still cached
+    b = store.seqs["b"]
+    assert b.dead[:5] == [(28 - 8 + 1) // BS] * 5 and b.blocks[:5] == [-1] * 5
+    # b's own blocks (28..35) in every group, and the windowed groups' blocks 5, 6, idle until now;
+    # the full group's blocks 0..6 are a's, read
+    assert store.blocks_in_use - held == 6 * 2 + 5 * 2
+    run("b", b_ids + [2] * 6, 28, 5)
+    store.release("a")
+    store.release("b")
+    assert store.blocks_in_use == 0 and store.prefix_stats["hits"] == 1

@@ -35,7 +35,6 @@ Imports no gRPC.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import mmap
 import operator
@@ -351,7 +350,10 @@ class KVStore:
             "evictions": sum(c.evictions for c in self.prefixes) // g,
             "cached_blocks": sum(c.cached_blocks for c in self.prefixes) // g,
             # KV memory sharing saves now: every reader past the first of a block reads no copy
-            "shared_bytes": sum(c.extra_readers for c in self.prefixes) * self.block_size * self.bytes_per_token // g,
+            "shared_bytes": sum(c.extra_readers for c in self.prefixes)
+            * self.block_size
+            * self.bytes_per_token
+            // g,
         }
 
     @property
@@ -462,14 +464,19 @@ class KVStore:
         m = 0
         if self.prefixes and token_ids:
             seed = prefix_seed(
-                f"{model}|windows {self.layer_windows}|cap {self.softcap}", str(self.dtype), self._geometry, bs
+                f"{model}|windows {self.layer_windows}|cap {self.softcap}",
+                str(self.dtype),
+                self._geometry,
+                bs,
             )
             hashes = chain_hashes(seed, token_ids, bs)
             m = (len(token_ids) - 1) // bs
             for g in groups:  # full groups: a prefix run
                 if not self.group_windows[g]:
-                    p = self.prefixes[g]
-                    m = min(m, sum(1 for _ in itertools.takewhile(lambda h: p.lookup(h) is not None, hashes[:m])))
+                    run = 0
+                    while run < m and self.prefixes[g].lookup(hashes[run]) is not None:
+                        run += 1
+                    m = run
             while m and not all(  # windowed groups: the blocks the first query sees
                 self.prefixes[g].lookup(hashes[i]) is not None
                 for g in groups

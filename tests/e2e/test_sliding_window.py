@@ -74,6 +74,19 @@ def test_windowed_greedy_equals_transformers(
         assert out.token_ids == hf_greedy(mistral_window, tuple(prompt), MAX_NEW)
 
 
+def test_a_shared_prefix_is_read_from_the_windowed_cache(
+    fleet: UpProcess, hf_greedy: Callable, mistral_window: Path
+) -> None:
+    """A prompt that starts with a finished one's 41 tokens: the shard finds its blocks (the
+    window's last blocks cached too), the dense side computes only the rest, the tokens are equal."""
+    long = PROMPTS[0] + [5, 6, 7, 1500, 9]
+    with Client(fleet.target, token=TOKEN) as client:
+        client.generate(token_ids=PROMPTS[0], max_tokens=4)  # its prompt blocks are cached now
+        out = client.generate(token_ids=long, max_tokens=MAX_NEW)
+    assert out.usage.cached_tokens == 32  # two full blocks of 16 of the shared 41 tokens
+    assert out.token_ids == hf_greedy(mistral_window, tuple(long), MAX_NEW)
+
+
 def test_a_lost_shard_recomputes_windowed_sequences(
     mistral_window: Path, hf_greedy: Callable, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -17,7 +17,15 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fastdecode.benchmarks.common import GIB, gbps, median, memory_probe, time_once
-from fastdecode.kv import BACKENDS, KV_DTYPES, KVStore, huge_page_empty, huge_page_share, kv_bytes_per_element
+from fastdecode.kv import (
+    BACKENDS,
+    KV_DTYPES,
+    AttendBatch,
+    KVStore,
+    huge_page_empty,
+    huge_page_share,
+    kv_bytes_per_element,
+)
 from fastdecode.kv import native as native_kernel
 from fastdecode.runtime.errors import InvalidInput
 
@@ -115,7 +123,7 @@ def run_attention_bench(
 
         def step() -> None:
             for layer in range(layers):
-                store.attend(layer, ids, ones, starts, q, k, v)
+                store.attend(layer, AttendBatch(ids, ones, starts, q, k, v))
 
         probe, probe_name, probe_bytes, probe_huge = bandwidth_probe(memory_bytes)
         for _ in range(2):  # warm-up: first touches, thread pool start

@@ -31,12 +31,12 @@ from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.dense import AttendItem, ShardPlane
 from fastdecode.model import ModelConfig
 from fastdecode.runtime import codec
-from fastdecode.runtime.convert import attend_request
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.runtime.serving import SHARD_PLANES, registered
 from fastdecode.tools.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from fastdecode.wire.kv import attend_request
 
 PlaneFactory = Callable[[list[str]], ShardPlane]
 WINDOW = 16  # round trips per set of sequences

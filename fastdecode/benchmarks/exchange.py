@@ -27,7 +27,6 @@ from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.benchmarks.transport import DEFAULT_SERVICE_ENV, process_cpu_seconds
 from fastdecode.dense import AttendItem
 from fastdecode.runtime import codec
-from fastdecode.runtime.convert import attend_request
 from fastdecode.runtime.errors import InvalidInput, ServiceError
 from fastdecode.runtime.geometry import Geometry
 from fastdecode.runtime.rpc import sync_channel
@@ -35,6 +34,7 @@ from fastdecode.runtime.serving import SHARD_PLANES, registered
 from fastdecode.tools.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from fastdecode.wire.kv import attend_request
 
 MB = 1e6
 

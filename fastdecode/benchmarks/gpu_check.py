@@ -55,7 +55,7 @@ def cuda_vs_cpu_tokens(model_dir: Path, max_tokens: int = 24) -> dict[str, Any]:
 
 
 def bf16_t_of_b(model_dir: Path, batches: tuple[int, ...] = BF16_BATCHES) -> dict[str, float]:
-    from fastdecode.model import DenseModel
+    from fastdecode.model.dense import DenseModel
     from fastdecode.planning.planner import _dense_times
 
     m = DenseModel.from_pretrained(model_dir, device="cuda", dtype=torch.bfloat16)

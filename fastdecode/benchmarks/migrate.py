@@ -24,6 +24,7 @@ from typing import Any
 
 from fastdecode.benchmarks.fleet_bench import percentile, prompts_for
 from fastdecode.benchmarks.transport import ensure_model
+from fastdecode.runtime.settings import TLSFiles
 from fastdecode.tools.fleet import launch_up
 
 
@@ -57,21 +58,23 @@ def _streams(
     return out, time.monotonic() - t0
 
 
-def _stats(address: str) -> Any:
+def _stats(address: str, creds: TLSFiles) -> Any:
+    """The scheduler's GetStats, with the fleet's credential (an internal service: it refuses a
+    call without it)."""
     from fastdecode.runtime.rpc import sync_channel
     from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with sync_channel(address) as ch:
+    with sync_channel(address, creds) as ch:
         return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(
             scheduler_pb2.SchedulerStatsRequest(), timeout=10
         )
 
 
-def _remove(address: str, shard: int) -> Any:
+def _remove(address: str, shard: int, creds: TLSFiles) -> Any:
     from fastdecode.runtime.rpc import sync_channel
     from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with sync_channel(address) as ch:
+    with sync_channel(address, creds) as ch:
         req = scheduler_pb2.RemoveShardRequest(shard=shard, timeout_seconds=300)
         return scheduler_pb2_grpc.SchedulerStub(ch).RemoveShard(req, timeout=330)
 
@@ -98,15 +101,17 @@ def run_drain(model: Path, streams: int, prompt_len: int, gen_len: int, seed: in
         up = launch_up(model, Path(tmp), shards=3, env={"FASTDECODE_REBALANCE_FACTOR": "0"})
         try:
             reference, _ = _streams(up.target, jobs, streams)
-            scheduler = up.state["scheduler"]["address"]
+            scheduler, creds = up.state["scheduler"]["address"], up.peer_credentials
             pid = int(up.state["kv_attention"][1]["pid"])
             result: dict[str, Any] = {}
-            drainer = threading.Thread(target=lambda: result.update(_drain_when_running(scheduler, streams)))
+            drainer = threading.Thread(
+                target=lambda: result.update(_drain_when_running(scheduler, creds, streams))
+            )
             drainer.start()
             got, _ = _streams(up.target, jobs, streams)
             drainer.join(400)
             exited = _exited(pid, 60)
-            st = _stats(scheduler)
+            st = _stats(scheduler, creds)
         finally:
             up.stop()
     r = result.get("response")
@@ -126,20 +131,24 @@ def run_drain(model: Path, streams: int, prompt_len: int, gen_len: int, seed: in
     }
 
 
-def _drain_when_running(scheduler: str, streams: int) -> dict[str, Any]:
+def _drain_when_running(scheduler: str, creds: TLSFiles, streams: int) -> dict[str, Any]:
     """Wait until the streams run (every one admitted, shard 1 holds some), then drain shard 1."""
     import grpc
 
     deadline = time.monotonic() + 120
-    held = 0
+    held, finished_before = 0, None
     while time.monotonic() < deadline:
-        st = _stats(scheduler)
+        st = _stats(scheduler, creds)
         held = st.shards[1].sequences
         if st.running >= streams and held and st.shards[1].tokens > 0:
             break
+        if finished_before is None:
+            finished_before = st.finished  # the reference run's
+        elif st.finished - finished_before >= streams:  # short streams ended first: drain it idle
+            break
         time.sleep(0.02)
     try:
-        return {"response": _remove(scheduler, 1), "held": held}
+        return {"response": _remove(scheduler, 1, creds), "held": held}
     except grpc.RpcError as e:
         return {"error": f"{e.code().name}: {e.details()}", "held": held}
 
@@ -154,13 +163,13 @@ def _skew_run(model: Path, jobs: list[tuple[list[int], int]], clients: int, fact
     with tempfile.TemporaryDirectory(prefix="fastdecode-skew-") as tmp:
         up = launch_up(model, Path(tmp), shards=3, env={"FASTDECODE_REBALANCE_FACTOR": str(factor)})
         try:
-            scheduler = up.state["scheduler"]["address"]
+            scheduler, creds = up.state["scheduler"]["address"], up.peer_credentials
             ratios: list[float] = []
             done = threading.Event()
 
             def sample() -> None:
                 while not done.wait(0.05):
-                    st = _stats(scheduler)
+                    st = _stats(scheduler, creds)
                     if st.running < clients * 2 // 3:
                         continue  # the tail of the run: a few sequences cannot balance three shards
                     kv = [s.tokens for s in st.shards if s.healthy]
@@ -172,7 +181,7 @@ def _skew_run(model: Path, jobs: list[tuple[list[int], int]], clients: int, fact
             got, wall = _streams(up.target, jobs, clients)
             done.set()
             sampler.join(5)
-            st = _stats(scheduler)
+            st = _stats(scheduler, creds)
         finally:
             up.stop()
     return {

@@ -39,18 +39,26 @@ import torch
 from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.hosts import (
-    HostLayout,
-    Isolation,
     cpu_list,
     host_layout,
     isolated_hosts,
-    pin_command,
     pinned_process,
-    thread_env,
+)
+from fastdecode.benchmarks.split_fleet import (
+    Carry,
+    Setup,
+    busy_each,
+    fill,
+    owners,
+    shard_rows,
+    start_dense,
+    start_shards,
+    step_plan,
 )
 from fastdecode.benchmarks.transport import process_cpu_seconds
 from fastdecode.dense.engine import LocalEngine, SeqChunk
-from fastdecode.model import ModelConfig, resolve_device
+from fastdecode.model import ModelConfig
+from fastdecode.model.dense import resolve_device
 from fastdecode.planning.planner import SplitParts, best_host_share, split_ideal_ratio, split_step_s
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, ServiceError
@@ -58,12 +66,9 @@ from fastdecode.runtime.rpc import aio_channel
 from fastdecode.tools.fleet import (
     ServiceProcess,
     free_port,
-    spawn_service,
-    start_service,
     stop_processes,
-    wait_ready,
 )
-from fastdecode.v1 import dense_pb2, dense_pb2_grpc
+from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 
@@ -91,118 +96,6 @@ def _log(msg: str) -> None:
     print(f"[bench split] {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class _Setup:
-    model: Path
-    cfg: ModelConfig
-    batch: int
-    kv_dtype: str
-    layout: HostLayout
-    iso: Isolation
-    pipeline: str
-    steps: int
-    warmup: int
-    workdir: Path
-    seed: int
-    nice: int = 0
-    device: str = "cpu"
-    host_share: float | None = None  # None: auto (planner.best_host_share); 0: no hosted shard
-
-
-@dataclass
-class _Carry:
-    """The exchange's CPU per round trip (dense side, shard side) measured at the last context: the
-    next context's auto host share is planned with it (the first one with none)."""
-
-    exchange_rt_s: tuple[float, float] = (0.0, 0.0)
-
-
-def _shard_rows(batch: int, shards: int) -> list[range]:
-    return [range(i * batch // shards, (i + 1) * batch // shards) for i in range(shards)]
-
-
-def _plan(step: int, ids: list[str], owner: list[int], tokens: list[int], pos: int, pipeline: bool) -> Any:
-    plan = dense_pb2.StepPlan(step=step, pipeline=pipeline)
-    for i, (sid, tok) in enumerate(zip(ids, tokens, strict=True)):
-        plan.sequences.add(
-            seq_id=sid,
-            shard=owner[i],
-            mini_batch=i % 2 if pipeline else 0,
-            token_ids=[tok],
-            start_pos=pos,
-            sample=True,
-            sample_index=step,
-        )
-    return plan
-
-
-def _start_shards(s: _Setup, capacity: int) -> list[ServiceProcess]:
-    pending = []
-    for i, cpus in enumerate(s.layout.shards):
-        args = ["kv-attention", "--shard-id", str(i), "--kv-capacity", str(capacity)]
-        args += ["--kv-dtype", s.kv_dtype, "--threads", str(len(cpus))]
-        pending.append(
-            spawn_service(
-                f"kv_attention-{i}",
-                args,
-                s.workdir,
-                host=s.iso.shard_hosts[i],
-                env=thread_env(cpus),
-                prefix=s.iso.shard_prefix[i] + pin_command(cpus, s.nice),
-            )
-        )
-    return [wait_ready(p, 180.0) for p in pending]
-
-
-def _start_dense(
-    s: _Setup, shards: list[ServiceProcess], hosted: str | None, capacity: int
-) -> ServiceProcess:
-    # On a GPU the S-part needs one thread (launches): the dense host's other CPUs are left to the
-    # exchange workers, which gpu_dense's auto count then takes (services/gpu_dense/exchange.py).
-    threads = s.layout.dense_threads if s.device == "cpu" else 1
-    addresses = [p.address for p in shards] + ([hosted] if hosted else [])
-    args = ["gpu-dense", "--model", str(s.model), "--device", s.device]
-    args += ["--shards", ",".join(addresses), "--threads", str(threads)]
-    if hosted:  # the dense host's share of the attention, in gpu_dense's process
-        args += ["--host-shard", str(len(shards)), "--host-shard-kv-capacity", str(capacity)]
-        args += ["--host-shard-kv-dtype", s.kv_dtype]
-    if s.pipeline == "auto":
-        args += ["--pipeline-mode", "auto"]
-    return start_service(
-        "gpu_dense",
-        args,
-        s.workdir,
-        host=s.iso.dense_host,
-        env=thread_env(s.layout.dense),
-        timeout=180.0,
-        prefix=pin_command(s.layout.dense, s.nice),
-    )
-
-
-async def _busy_each(stubs: list[kv_grpc.KVAttentionStub]) -> list[float]:
-    stats = await asyncio.gather(*(st.Stats(kv_pb.StatsRequest(), timeout=30) for st in stubs))
-    return [x.attention_busy_seconds for x in stats]
-
-
-def _owners(batch: int, remote: int, hosted: int) -> list[int]:
-    """Each row's shard: the first batch - hosted rows spread evenly over the remote shards, the
-    last `hosted` on the hosted shard (index `remote`)."""
-    owner = [remote] * batch
-    for i, r in enumerate(_shard_rows(batch - hosted, remote)):
-        for j in r:
-            owner[j] = i
-    return owner
-
-
-async def _fill(
-    stub: kv_grpc.KVAttentionStub, ids: list[str], geometry: Any, max_tokens: int, context: int, seed: int
-) -> None:
-    await stub.Release(kv_pb.ReleaseRequest(all=True), timeout=60)
-    seqs = [kv_pb.SequenceReservation(seq_id=x, max_tokens=max_tokens) for x in ids]
-    await stub.Reserve(kv_pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=60)
-    await stub.Fill(kv_pb.FillRequest(seq_ids=ids, tokens=context, seed=seed), timeout=900)
-
-
 def _head_s(engine: LocalEngine, batch: int) -> float:
     """The LM head over a batch's last hidden states (median of three after one warm-up): the
     step's serial tail, during which the shard hosts idle."""
@@ -217,7 +110,7 @@ def _head_s(engine: LocalEngine, batch: int) -> float:
     return median(times)
 
 
-def _local_parts(s: _Setup, engine: LocalEngine, ids: list[str], context: int) -> tuple[float, float, float]:
+def _local_parts(s: Setup, engine: LocalEngine, ids: list[str], context: int) -> tuple[float, float, float]:
     """LocalEngine at this context, untimed by the point (its KV is rewritten before the timed
     steps): the layers' S of one batch and of two half batches as the pipeline runs them, and the
     whole batch's attention on the dense host's cores (medians of two tries after one warm-up).
@@ -245,7 +138,7 @@ def _local_parts(s: _Setup, engine: LocalEngine, ids: list[str], context: int) -
 
 
 def _host_rows(
-    s: _Setup, engine: LocalEngine, ids: list[str], context: int, carry: _Carry, head: float
+    s: Setup, engine: LocalEngine, ids: list[str], context: int, carry: Carry, head: float
 ) -> tuple[int, str]:
     """How many sequences the hosted shard holds at this context, and why."""
     if s.host_share is not None:
@@ -274,13 +167,13 @@ def _host_rows(
 
 
 async def _point(
-    s: _Setup,
+    s: Setup,
     context: int,
     shards: list[ServiceProcess],
     engine: LocalEngine,
     max_tokens: int,
     host_capacity: int,
-    carry: _Carry,
+    carry: Carry,
 ) -> dict[str, Any]:
     cfg, batch = s.cfg, s.batch
     ids = [f"split-{context}-{i}" for i in range(batch)]
@@ -304,10 +197,10 @@ async def _point(
         await asyncio.to_thread(fill_local)
         head = await asyncio.to_thread(_head_s, engine, batch)
         hosted, why = await asyncio.to_thread(_host_rows, s, engine, ids, context, carry, head)
-        owner = _owners(batch, len(shards), hosted)
+        owner = owners(batch, len(shards), hosted)
         await asyncio.gather(
             *(
-                _fill(
+                fill(
                     st,
                     [x for x, o in zip(ids, owner, strict=True) if o == i],
                     geometry,
@@ -323,13 +216,13 @@ async def _point(
         _log(f"context {context}: KV written in {time.perf_counter() - t0:.1f} s")
         # A fresh gpu_dense per context: --pipeline auto decides for this context, not the last one.
         address = f"{s.iso.dense_host}:{free_port(s.iso.dense_host)}" if hosted else None
-        dense = await asyncio.to_thread(_start_dense, s, shards, address, host_capacity)
+        dense = await asyncio.to_thread(start_dense, s, shards, address, host_capacity)
         dense_ch = aio_channel(dense.address)
         if address is not None:  # the hosted shard lives in gpu_dense: filled once it serves
             host_ch = aio_channel(address)
             channels.append(host_ch)
             stubs.append(kv_grpc.KVAttentionStub(host_ch))
-            await _fill(stubs[-1], ids[batch - hosted :], geometry, max_tokens, context, s.seed)
+            await fill(stubs[-1], ids[batch - hosted :], geometry, max_tokens, context, s.seed)
         call = dense_pb2_grpc.DenseStub(dense_ch).Run(timeout=7200)
         gen = torch.Generator().manual_seed(s.seed + context)
         tokens = torch.randint(3, cfg.vocab_size, (batch,), generator=gen).tolist()
@@ -340,7 +233,7 @@ async def _point(
 
         async def fleet_step(step: int) -> tuple[float, Any]:
             nonlocal tokens, fleet_pos
-            plan = _plan(step, ids, owner, tokens, fleet_pos, piped_plan)
+            plan = step_plan(step, ids, owner, tokens, fleet_pos, piped_plan)
             t = time.perf_counter()
             await call.write(plan)
             res = await call.read()
@@ -373,7 +266,7 @@ async def _point(
         fleet_s, local_s, attn_local, cpu_local, s_part, s_cpu, piped = [], [], [], [], [], [], []
         dense_cpu = 0.0
         shard_cpu = [0.0] * len(shards)
-        busy0 = await _busy_each(stubs)
+        busy0 = await busy_each(stubs)
         for k in range(s.steps):
             await asyncio.sleep(_SETTLE_S)
             c0 = process_cpu_seconds(dense.pid)
@@ -391,7 +284,7 @@ async def _point(
             local_s.append(ldt)
             attn_local.append(lattn)
             cpu_local.append(lcpu)
-        busy1 = await _busy_each(stubs)
+        busy1 = await busy_each(stubs)
         await call.done_writing()
     finally:
         if dense_ch is not None:
@@ -441,7 +334,7 @@ class _Hosted:
 
 
 def _summarise(
-    s: _Setup,
+    s: Setup,
     context: int,
     x: _Samples,
     dense_cpu: float,
@@ -519,20 +412,20 @@ def _summarise(
     }
 
 
-async def _run(s: _Setup, contexts: list[int]) -> list[dict[str, Any]]:
+async def _run(s: Setup, contexts: list[int]) -> list[dict[str, Any]]:
     cfg = s.cfg
     longest = max(contexts)
     extra = s.steps + s.warmup + 2 * _CHOOSER_PROBES + 4
     max_tokens = longest + extra
     itemsize = torch.empty((), dtype=codec.DTYPE_NAMES[s.kv_dtype]).element_size()
     per_seq = (max_tokens + 32) * cfg.kv_bytes_per_token(itemsize)
-    rows = _shard_rows(s.batch, len(s.layout.shards))
+    rows = shard_rows(s.batch, len(s.layout.shards))
     capacity = max(len(r) for r in rows) * per_seq + (16 << 20)
     host_capacity = (s.batch - len(s.layout.shards)) * per_seq + (16 << 20)
     shards: list[ServiceProcess] = []
-    carry = _Carry()
+    carry = Carry()
     try:
-        shards = await asyncio.to_thread(_start_shards, s, capacity)
+        shards = await asyncio.to_thread(start_shards, s, capacity)
         engine = await asyncio.to_thread(
             LocalEngine.from_pretrained,
             s.model,
@@ -617,7 +510,7 @@ def run_split_bench(
             if isolation == "netns" and iso.kind != "netns+veth":
                 raise InvalidInput(f"network namespaces were asked for but not available: {iso.description}")
             _log(f"{iso.kind}: {layout.describe()}; dense half on {device}")
-            setup = _Setup(
+            setup = Setup(
                 model,
                 cfg,
                 batch,

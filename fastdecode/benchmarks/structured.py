@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from fastdecode.benchmarks.common import median
+from fastdecode.contract import PlannedSeq, SamplingParams
 from fastdecode.dense import AttendItem, StepRunner
-from fastdecode.dense.sampling import SamplingParams
-from fastdecode.dense.structured import GrammarBank, Structured, compile_grammar
+from fastdecode.dense.structured import GrammarBank
 from fastdecode.kv import KVStore
-from fastdecode.model import DenseModel
+from fastdecode.model.dense import DenseModel
+from fastdecode.runtime.grammar import Structured, compile_grammar
 from fastdecode.runtime.tokenizer import Tokenizer
-from fastdecode.scheduling import PlannedSeq
 
 SCHEMA = {
     "type": "object",
@@ -60,10 +60,7 @@ class _LocalShard:
     async def attend_layer(
         self, slot: int, layer: int, items: Sequence[AttendItem]
     ) -> list[torch.Tensor | BaseException]:
-        return [
-            self.store.attend(layer, it.seq_ids, it.num_tokens, it.start_pos, it.q, it.k, it.v)
-            for it in items
-        ]
+        return [self.store.attend(layer, it.batch) for it in items]
 
 
 def run(model_dir: Path, batch: int = 32, steps: int = 24, device: str = "cpu") -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median, run_async
 from fastdecode.dense.engine import LocalEngine, SeqChunk
+from fastdecode.kv import AttendBatch
 from fastdecode.model import ModelConfig
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, ServiceError
@@ -95,7 +96,7 @@ def _fill_local(engine: LocalEngine, ids: list[str], context: int, gen: torch.Ge
         q = torch.randn(context, c.num_attention_heads, c.head_dim, generator=gen)
         kv = torch.randn(context, c.num_key_value_heads, c.head_dim, generator=gen)
         for layer in range(c.num_hidden_layers):
-            engine.kv.attend(layer, [sid], [context], [0], q, kv, kv)
+            engine.kv.attend(layer, AttendBatch([sid], [context], [0], q, kv, kv))
 
 
 def _plan(step: int, ids: list[str], tokens: list[int], pos: int, pipeline: bool) -> dense_pb2.StepPlan:

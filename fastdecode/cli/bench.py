@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from fastdecode.cli.errors import BenchGroup
 from fastdecode.runtime.errors import ServiceError
 
 KV_DTYPES = click.Choice(["float32", "float16", "bfloat16"])
@@ -44,7 +45,7 @@ def run_bench(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         raise click.ClickException(str(e)) from None
 
 
-@click.group("bench")
+@click.group("bench", cls=BenchGroup)
 def bench() -> None:
     """Micro-benchmarks: medians over repeats, ratios against baselines measured in the same run."""
 

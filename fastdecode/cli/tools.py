@@ -97,8 +97,8 @@ def run(
 ) -> None:
     """Generate in-process with LocalEngine (no servers)."""
     from fastdecode.cli.gguf import chat_token_ids, resolve_model
+    from fastdecode.contract import SamplingParams
     from fastdecode.dense.engine import LocalEngine
-    from fastdecode.dense.sampling import SamplingParams
     from fastdecode.runtime.errors import ServiceError
     from fastdecode.runtime.tokenizer import Tokenizer
 

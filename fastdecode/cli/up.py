@@ -4,11 +4,32 @@ from __future__ import annotations
 
 import json
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
+from pydantic_settings import BaseSettings
+
+from fastdecode.runtime.settings import DenseSettings, SchedulerSettings, ShardSettings
+
+
+def _setting(cls: type[BaseSettings], name: str, **extra: Any) -> Any:
+    """A `fastdecode up` flag for one service setting: its default, choices and description are the
+    settings class's (fastdecode.runtime.settings), as `fastdecode serve` derives its flags, so `up`
+    and `serve` never disagree on a default."""
+    field = cls.model_fields[name]
+    choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ()
+    kind = click.Choice(list(choices)) if choices else field.annotation
+    return click.option(
+        "--" + name.replace("_", "-"),
+        type=kind,
+        default=field.default,
+        show_default=True,
+        help=extra.pop("help", field.description),
+        **extra,
+    )
 
 
 def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -22,30 +43,17 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 "on first use).",
             ),
             click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True),
-            click.option("--device", default="auto", show_default=True, help="gpu_dense device."),
-            click.option(
-                "--kv-capacity", type=int, default=1 << 30, show_default=True, help="KV bytes per shard."
+            _setting(DenseSettings, "device", help="gpu_dense device: auto | cpu | cuda[:N]."),
+            _setting(ShardSettings, "kv_capacity", help="KV bytes per shard."),
+            _setting(
+                ShardSettings,
+                "kv_dtype",
+                help="Shard KV-cache storage: float32 gives tokens equal to transformers' fp32; bfloat16 "
+                "holds twice the tokens and `bench fleet` measured it faster end to end (int8: a scale "
+                "per token and KV head).",
             ),
-            click.option(
-                "--kv-dtype",
-                type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
-                default="bfloat16",
-                show_default=True,
-                help="Shard KV-cache storage: bfloat16 holds twice the tokens of float32 and `bench fleet` "
-                "measured it faster end to end; float32 gives tokens equal to transformers' fp32 "
-                "(int8: a scale per token and head).",
-            ),
-            click.option(
-                "--admission", type=click.Choice(["naive", "stabilized"]), default="naive", show_default=True
-            ),
-            click.option(
-                "--prefix-sharing",
-                type=click.Choice(["on", "off"]),
-                default="on",
-                show_default=True,
-                help="Shards share the KV of common prompt prefixes and the dense side prefills only "
-                "what is new (docs/prefix-caching.md).",
-            ),
+            _setting(SchedulerSettings, "admission"),
+            _setting(SchedulerSettings, "prefix_sharing"),
             click.option(
                 "--host-shard",
                 is_flag=True,
@@ -211,7 +219,7 @@ def up(
 
     from fastdecode.cli.progress import startup_progress
     from fastdecode.runtime.errors import ServiceError
-    from fastdecode.tools.fleet import RestartPolicy, Supervisor
+    from fastdecode.tools.supervisor import RestartPolicy, Supervisor
 
     _hide_token_from_ps(click.get_current_context())
     auth_token = _read_token_file(auth_token_file) or auth_token

@@ -1,5 +1,5 @@
 """gpu_dense's core: the dense step runner and the pipeline chooser. Imports no gRPC. The sequences a
-step runs are the scheduler's `fastdecode.scheduling.PlannedSeq` (one type across the step boundary)."""
+step runs are `fastdecode.contract.PlannedSeq`, the one type across the step boundary."""
 
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.runner import AttendItem, Outcome, ShardPlane, StepRunner, Timings

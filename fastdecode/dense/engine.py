@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from fastdecode.dense.sampling import SamplingParams, sample
-from fastdecode.kv import KVStore
-from fastdecode.model import DenseModel
+from fastdecode.contract import SamplingParams
+from fastdecode.dense.sampling import sample
+from fastdecode.kv import AttendBatch, KVStore
+from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import InvalidInput
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -100,7 +101,7 @@ class LocalEngine:
         starts = [c.start_pos for c in chunks]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            o = self.kv.attend(layer, seq_ids, counts, starts, q.cpu(), k.cpu(), v.cpu())
+            o = self.kv.attend(layer, AttendBatch(seq_ids, counts, starts, q.cpu(), k.cpu(), v.cpu()))
             return o.to(self.model.device)
 
         hidden = run_layers(self.model, self.model.embed(ids), pos, attend)

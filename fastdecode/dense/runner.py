@@ -21,13 +21,14 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from fastdecode.contract import PlannedSeq, TokenLogprob
 from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.pipeline import PipelineChooser
-from fastdecode.dense.sampling import TokenLogprob, penalize, sample, top_logprobs
+from fastdecode.dense.sampling import penalize, sample, top_logprobs
 from fastdecode.dense.structured import GrammarBank
-from fastdecode.model import DenseModel
+from fastdecode.kv import AttendBatch
+from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
-from fastdecode.scheduling.types import PlannedSeq
 
 T = TypeVar("T")
 log = logging.getLogger("fastdecode.gpu_dense.runner")
@@ -47,6 +48,11 @@ class AttendItem:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+
+    @property
+    def batch(self) -> AttendBatch:
+        """What the shard attends: the item without its shard's index."""
+        return AttendBatch(self.seq_ids, self.num_tokens, self.start_pos, self.q, self.k, self.v)
 
 
 class ShardPlane(Protocol):

@@ -10,78 +10,13 @@ grammar mask), as OpenAI defines them. Imports no gRPC.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from fastdecode.contract import SamplingParams
 from fastdecode.runtime.errors import InvalidInput
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over the seed space
-MAX_TOP_LOGPROBS = 20  # as vLLM and OpenAI's chat API: the alternatives reported per position
-MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
-MAX_REPETITION_PENALTY = 100.0
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One position's token and its logprob, with the `top` alternatives (id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    top_logprobs: int = 0  # alternatives reported per sampled token (the sampled one's always is)
-    prompt_logprobs: bool = False  # score the prompt's positions at prefill (OpenAI's echo)
-    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of seen tokens
-    min_tokens: int = 0  # EOS and `suppress_ids` are masked until this many tokens were sampled
-    suppress_ids: tuple[int, ...] = ()  # the request's stop token ids (EOS is the runner's to add)
-    grammar: str = ""  # an llguidance grammar the output must match (fastdecode.dense.structured)
-
-    def validate(self) -> None:
-        if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
-            raise InvalidInput(f"temperature must be in [0, 100], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidInput(f"top_k must be >= 0, got {self.top_k}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise InvalidInput(f"seed must be in [0, 2**64), got {self.seed}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidInput(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails too
-                raise InvalidInput(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InvalidInput(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}],"
-                f" got {self.repetition_penalty}"
-            )
-        if self.min_tokens < 0:
-            raise InvalidInput(f"min_tokens must be >= 0, got {self.min_tokens}")
-
-    @property
-    def needs_history(self) -> bool:
-        """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher)."""
-        return self.penalized or bool(self.grammar)
-
-    @property
-    def penalized(self) -> bool:
-        """Whether sampling needs the sequence's token history (prompt + generated)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def _row_seed(seed: int, index: int) -> int:

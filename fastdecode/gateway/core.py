@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.contract import TokenLogprob
 from fastdecode.gateway.grammar import GrammarCompiler
 from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
 from fastdecode.model import ModelConfig

@@ -13,12 +13,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fastdecode.dense.sampling import MAX_TOP_LOGPROBS, TokenLogprob
-from fastdecode.dense.structured import Structured
+from fastdecode.contract import MAX_TOP_LOGPROBS, TokenLogprob
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GenerationChunk
 from fastdecode.gateway.text import GenerateParams, unencodable
 from fastdecode.runtime.errors import ServiceError, Status
+from fastdecode.runtime.grammar import Structured
 
 # The one table from our Status to (HTTP status, OpenAI error type). Anything else is a 500 server_error.
 HTTP_STATUS: dict[Status, tuple[int, str]] = {

@@ -10,7 +10,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from fastdecode.dense.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from fastdecode.contract import MAX_TOP_LOGPROBS, SamplingParams
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.grammar import Structured
 from fastdecode.runtime.tokenizer import Tokenizer

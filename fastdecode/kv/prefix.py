@@ -1,7 +1,8 @@
 """Shared prompt prefixes: full KV blocks found by the content they hold.
 
-A full block is named by a chained hash: the hash of the previous block's name and this block's
-token ids, seeded with what else decides its content (model, KV dtype, geometry, block size). Two
+A full block is named by a chained hash (fastdecode.contract.chain_hashes, the names the scheduler
+gives them too): the hash of the previous block's name and this block's token ids, seeded with
+what else decides its content (model, KV dtype, geometry, block size). Two
 sequences whose first i blocks hold the same tokens of the same model therefore name them alike, and
 the second reads the first's blocks instead of computing and storing its own (vLLM's automatic
 prefix caching, in the KV store of a shard). A cached block is reference-counted by the sequences
@@ -11,32 +12,8 @@ in least-recently-used order, until the store needs its room. Imports no gRPC.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-
-import numpy as np
-
-_DIGEST = 16  # bytes of blake2b: collisions are out of reach at any pool size
-
-
-def prefix_seed(model: str, dtype: str, geometry: tuple[int, int, int], block_size: int) -> bytes:
-    """The hash chain's start: blocks of another model, KV dtype or block size never match."""
-    text = f"{model}|{dtype}|{'x'.join(map(str, geometry))}|{block_size}"
-    return hashlib.blake2b(text.encode(), digest_size=_DIGEST).digest()
-
-
-def chain_hashes(seed: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """One name per full block of token_ids (a partly filled last block has none)."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    out: list[bytes] = []
-    prev = seed
-    for i in range(len(ids) // block_size):
-        h = hashlib.blake2b(prev, digest_size=_DIGEST)
-        h.update(ids[i * block_size : (i + 1) * block_size].tobytes())
-        prev = h.digest()
-        out.append(prev)
-    return out
+from collections.abc import Iterable
 
 
 class PrefixCache:

@@ -1,5 +1,7 @@
 """The kv_attention shard's core: one KV store built from the first reservation's geometry, and
-one Attend item decoded, attended and accounted. Imports no gRPC (services/kv_attention adapts it).
+one Attend item attended and accounted, and a sequence's KV exported or imported a layer at a time
+(live migration). Imports no gRPC and no protos: fastdecode.wire.kv carries these over the wire and
+services/kv_attention serves them.
 
 Attend items run where the service reads them (no hop to another thread): an item is one
 layer of one mini-batch, a few milliseconds at most, and the round trip it answers is the
@@ -16,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdecode.kv import KVStore
-from fastdecode.runtime import codec
+from fastdecode.kv.attend import AttendBatch
+from fastdecode.kv.store import KVStore
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
-from fastdecode.v1 import kv_attention_pb2 as pb
 
 log = logging.getLogger("fastdecode.kv_attention")
 
@@ -29,6 +30,31 @@ class AttendResult:
     o: torch.Tensor
     seconds: float  # attention compute time
     kv_bytes_read: int  # keys and values read by this item
+
+
+@dataclass(frozen=True)
+class SequenceHeader:
+    """What a migrated sequence's KV is: its geometry, storage dtype and the tokens it holds."""
+
+    seq_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    tokens: int
+    layer_windows: tuple[int, ...] = ()  # per layer (0 = full); () = full everywhere
+    softcap: float = 0.0
+
+
+@dataclass
+class LayerRows:
+    """One layer of a migrated sequence: k, v, k_scale, v_scale (the scales empty unless int8), of
+    positions first.. (a windowed layer sends the blocks its window still sees; 0 otherwise)."""
+
+    seq_id: str
+    layer: int
+    rows: list[torch.Tensor]
+    first: int = 0
 
 
 class ShardCore:
@@ -112,98 +138,70 @@ class ShardCore:
             raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
         return self.store.fill_synthetic(list(seq_ids), tokens, seed)
 
-    def attend(self, req: pb.AttendRequest) -> AttendResult:
-        """Decode q, k, v (views of the message bytes), append k and v, attend; raises domain errors."""
-        q, k, v = codec.decode(req.q), codec.decode(req.k), codec.decode(req.v)
-        return self.attend_tensors(
-            req.layer, list(req.seq_ids), list(req.num_tokens), list(req.start_pos), q, k, v
-        )
-
-    def attend_tensors(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> AttendResult:
-        """One item from tensors in hand: the wire's path above, and a shard hosted in gpu_dense's
-        own process (services/gpu_dense/host_shard.py), whose items never touch the wire."""
+    def attend(self, layer: int, batch: AttendBatch) -> AttendResult:
+        """One item: append k and v, attend; raises domain errors. The wire's items arrive as views
+        of the message's bytes (fastdecode.wire.kv.attend_batch); a shard hosted in gpu_dense's own
+        process (services/gpu_dense/host_shard.py) hands its items over without touching the wire."""
         store = self.store
         if store is None:
             raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
         t0 = time.perf_counter()
-        o = store.attend(layer, seq_ids, num_tokens, start_pos, q, k, v)
+        o = store.attend(layer, batch)
         seconds = time.perf_counter() - t0
         # Each new token attends to every cached token of its sequence, its own chunk included (on
         # a windowed layer, to its window: the keys from the chunk's first query's window start on).
-        ends = list(map(operator.add, start_pos, num_tokens))
+        ends = list(map(operator.add, batch.start_pos, batch.num_tokens))
         w = store.window(layer)
-        keys = [e - max(0, s - w + 1) for s, e in zip(start_pos, ends, strict=True)] if w else ends
-        self.attended_pairs += sum(map(operator.mul, num_tokens, keys))
+        keys = [e - max(0, s - w + 1) for s, e in zip(batch.start_pos, ends, strict=True)] if w else ends
+        self.attended_pairs += sum(map(operator.mul, batch.num_tokens, keys))
         return AttendResult(o, seconds, sum(keys) * store.bytes_per_token // store.num_layers)
 
     # ---- live migration ----------------------------------------------------------------------
-    def export_chunks(self, seq_id: str) -> Iterator[pb.KVChunk]:
-        """One sequence's KV as ImportSequence chunks: a header, then one chunk per layer, each
-        copied out of the pool only when asked for (one layer in memory at a time). NotFound at
-        once, before any chunk, when the sequence is not held here."""
+    def export_sequence(self, seq_id: str) -> tuple[SequenceHeader, Iterator[LayerRows]]:
+        """One sequence's KV: its header, and its layers, each copied out of the pool only when
+        asked for (one layer in memory at a time). NotFound at once, before any layer, when the
+        sequence is not held here."""
         store = self.store
         if store is None or seq_id not in store.seqs:
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")
-        return self._chunks(store, seq_id)
-
-    def _chunks(self, store: KVStore, seq_id: str) -> Iterator[pb.KVChunk]:
-        yield pb.KVChunk(
-            seq_id=seq_id,
-            geometry=pb.KVGeometry(
-                num_layers=store.num_layers,
-                num_kv_heads=store.num_kv_heads,
-                head_dim=store.head_dim,
-                layer_windows=store.layer_windows,
-                attn_logit_softcap=store.softcap,
-            ),
-            kv_dtype=codec.wire_dtype(store.dtype),
-            tokens=min(store.seqs[seq_id].lengths),
+        header = SequenceHeader(
+            seq_id,
+            store.num_layers,
+            store.num_kv_heads,
+            store.head_dim,
+            store.dtype,
+            min(store.seqs[seq_id].lengths),
+            store.layer_windows,
+            store.softcap,
         )
+        return header, self._layers(store, seq_id)
+
+    @staticmethod
+    def _layers(store: KVStore, seq_id: str) -> Iterator[LayerRows]:
         for layer in range(store.num_layers):
-            k, v, ks, vs = store.export_layer(seq_id, layer)
-            chunk = pb.KVChunk(seq_id=seq_id, layer=layer, first_token=store.layer_first(seq_id, layer))
-            for name, t in (("k", k), ("v", v), ("k_scale", ks), ("v_scale", vs)):
-                if t.numel():
-                    codec.encode(t, getattr(chunk, name))
-            yield chunk
+            rows = list(store.export_layer(seq_id, layer))
+            yield LayerRows(seq_id, layer, rows, store.layer_first(seq_id, layer))
 
-    async def import_chunks(self, chunks: AsyncIterator[pb.KVChunk]) -> tuple[int, int]:
-        """Receive one sequence (header, then every layer); it is held only once the last layer is
-        in, and an import that fails or ends early frees its blocks. Returns (tokens, bytes)."""
-        header = await anext(chunks, None)
-        if header is None or not header.seq_id or header.tokens < 1:
-            raise InvalidInput("an import starts with a header chunk naming the sequence and its tokens")
-        g = header.geometry
+    async def import_sequence(
+        self, header: SequenceHeader, layers: AsyncIterator[LayerRows]
+    ) -> tuple[int, int]:
+        """Receive one sequence, every layer; it is held only once the last layer is in, and an
+        import that fails or ends early frees its blocks. Returns (tokens, bytes)."""
         store = self.store_for(
-            g.num_layers, g.num_kv_heads, g.head_dim, list(g.layer_windows), g.attn_logit_softcap
+            header.num_layers, header.num_kv_heads, header.head_dim, header.layer_windows, header.softcap
         )
-        if codec.torch_dtype(header.kv_dtype) != store.dtype:
-            raise FailedPrecondition(
-                f"KV arrives as {codec.torch_dtype(header.kv_dtype)}, this shard stores {store.dtype}"
-            )
-        seq_id, nbytes, layers = header.seq_id, 0, 0
+        if header.dtype != store.dtype:
+            raise FailedPrecondition(f"KV arrives as {header.dtype}, this shard stores {store.dtype}")
+        seq_id, nbytes, count = header.seq_id, 0, 0
         store.begin_import(seq_id, header.tokens)
         try:
-            async for c in chunks:
-                if c.seq_id != seq_id:
-                    raise InvalidInput(f"chunk for {c.seq_id!r} in the import of {seq_id!r}")
-                rows = [
-                    codec.decode(t) if t.ByteSize() else torch.empty(0)
-                    for t in (c.k, c.v, c.k_scale, c.v_scale)
-                ]
-                nbytes += store.import_layer(seq_id, c.layer, rows, c.first_token)
-                layers += 1
-            if layers != store.num_layers:
-                raise InvalidInput(f"import of {seq_id!r} ended after {layers} of {store.num_layers} layers")
+            async for layer in layers:
+                if layer.seq_id != seq_id:
+                    raise InvalidInput(f"chunk for {layer.seq_id!r} in the import of {seq_id!r}")
+                nbytes += store.import_layer(seq_id, layer.layer, layer.rows, layer.first)
+                count += 1
+            if count != store.num_layers:
+                raise InvalidInput(f"import of {seq_id!r} ended after {count} of {store.num_layers} layers")
             return store.commit_import(seq_id), nbytes
         except BaseException:
             store.abort_import(seq_id)

@@ -4,7 +4,7 @@ Layout: one pool per K and V of shape [layers, kv_heads, num_blocks * block_size
 (head-major: one head of one sequence is a contiguous [tokens, head_dim] run within a block).
 Storage dtypes: float32, float16, bfloat16, and int8 with one float32 scale per (token, KV head)
 (pools `k_scale`/`v_scale` of shape [layers, kv_heads, slots]). A sequence's blocks are its
-block table (`_Seq.blocks`); token `pos` lives in slot blocks[pos // block_size] * block_size +
+block table (`SeqBlocks.blocks`); token `pos` lives in slot blocks[pos // block_size] * block_size +
 pos % block_size. Blocks on demand: a sequence is admitted with the blocks for the tokens it holds
 (its prompt) and its block table grows one block at a time as attention appends past its last
 block, so the pool holds what sequences really use, not their max_tokens. When no block is free
@@ -14,7 +14,7 @@ when the next block is free, so a sequence stays one contiguous run as long as i
 
 Shared prefixes (fastdecode/kv/prefix.py, on unless prefix_sharing=False): a reservation that brings
 its token ids gets the cached blocks of its longest full-block prefix in its block table (read-only,
-`_Seq.frozen` leading blocks) and starts with those positions already held; it computes only the
+`SeqBlocks.frozen` leading blocks) and starts with those positions already held; it computes only the
 rest. Its own full blocks of the given tokens join the cache once every layer has written them
 (`_publish`). On release a cached block goes back to the cache, idle blocks are evicted LRU when an
 allocation finds no free block, and a write below `frozen` first makes the block its own again
@@ -25,7 +25,7 @@ Two attention backends, one result:
 - "native" (default): fastdecode/kv/csrc/attention.cpp, one fused call per Attend item that
   appends k, v and attends every sequence (decode and prefill chunks) through the block tables,
   in place, threads split over (sequence, KV head) by length. Whoever changes how blocks are
-  allocated only has to keep `_Seq.blocks` the table and call `_blocks_changed`.
+  allocated only has to keep `SeqBlocks.blocks` the table and call `_blocks_changed`.
 - "torch": the reference. SDPA over a strided view when every sequence decodes one token at the
   same position from contiguous, equally spaced reservations; otherwise per sequence (gathering
   scattered blocks and dequantizing int8).
@@ -34,178 +34,23 @@ Imports no gRPC.
 
 from __future__ import annotations
 
-import bisect
 import math
-import mmap
-import operator
-import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
+from fastdecode.contract import chain_hashes, prefix_seed
 from fastdecode.kv import native
-from fastdecode.kv.prefix import PrefixCache, chain_hashes, prefix_seed
+from fastdecode.kv.attend import Attention
+from fastdecode.kv.blocks import BlockAllocator, SeqBlocks
+from fastdecode.kv.memory import KV_DTYPES, huge_page_empty, quantize_int8
+from fastdecode.kv.prefix import PrefixCache
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 
-KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.int8,
-}
 BACKENDS = ("native", "torch")
-_INT8_MAX = 127.0
-_HUGE_PAGE = 2 << 20
 
 
-def kv_bytes_per_element(dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes one cached element costs, counting int8's float32 scale per (token, head) row."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return itemsize + (4 / head_dim if dtype == torch.int8 else 0)
-
-
-def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor on private anonymous memory advised for transparent huge pages
-    (MADV_HUGEPAGE; plain torch.empty below 2 MiB or where the OS lacks it). Pages are committed on
-    first write, as with torch.empty, but 2 MiB at a time. The kernel walks each KV head's rows a
-    block at a time, and on 4 KiB pages each block of a head is a new page whose TLB miss stalls
-    the read: with huge pages a layer took 0.75-0.79x the time in bf16 and 0.86-0.90x in fp32 on Zen 4."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < _HUGE_PAGE or advice is None:
-        return torch.empty(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    try:
-        buf.madvise(advice)
-    except OSError:  # THP not in this kernel: plain pages
-        pass
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # keeps buf alive
-
-
-def mapping_of(t: torch.Tensor) -> dict[str, int]:
-    """The /proc/self/smaps fields (Size, Rss, AnonHugePages in kB; THPeligible 0/1) of the
-    mapping that holds t's data; {} where there is no smaps (not Linux) or no such mapping."""
-    addr, fields, inside = t.data_ptr(), {}, False
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if not head.endswith(":"):  # a mapping's header: start-end perms ...
-                    if inside:
-                        break
-                    start, _, end = head.partition("-")
-                    inside = int(start, 16) <= addr < int(end, 16)
-                elif inside:
-                    value = line.split()[1]
-                    if value.isdigit():
-                        fields[head[:-1]] = int(value)
-    except OSError:
-        return {}
-    return fields
-
-
-def huge_page_share(t: torch.Tensor) -> float | None:
-    """Share of t's mapping, of what is resident, backed by huge pages (None: unknown)."""
-    m = mapping_of(t)
-    return m["AnonHugePages"] / m["Rss"] if m.get("Rss") and "AnonHugePages" in m else None
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of the last dim: x ~= q * scale. The native kernel does the same."""
-    x = x.float()
-    scale = x.abs().amax(-1) / _INT8_MAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.where(scale[..., None] > 0, torch.round(x / safe[..., None]), torch.zeros_like(x))
-    return q.clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
-
-
-@dataclass
-class _Seq:
-    blocks: list[int]  # the block table: blocks[i] holds positions i*block_size .. (i+1)*block_size-1
-    capacity: int  # tokens its blocks hold
-    lengths: list[int]  # tokens held per layer
-    contiguous: bool
-    slots: torch.Tensor | None = field(default=None)  # token slot index when scattered (torch path)
-    tables: dict[int, torch.Tensor] = field(default_factory=dict)  # int32 block tables per layer group
-    hashes: list[bytes] = field(default_factory=list)  # names of the full blocks of its known tokens
-    frozen: int = 0  # leading blocks owned by the prefix cache: read, never written
-    # Windowed stores: the block tables of layer groups 1.. (group 0's is `blocks`), and per group
-    # the leading blocks given back (-1 in the table) because every window has passed them.
-    more: list[list[int]] = field(default_factory=list)
-    dead: list[int] = field(default_factory=list)
-    # ... and per group, the leading blocks the group's prefix cache owns (read, never written; those
-    # below `dead` were let go)
-    gfrozen: list[int] = field(default_factory=list)
-
-
-class BlockAllocator:
-    """Free runs of blocks kept as sorted (start, length) intervals; first fit, then scatter."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._starts: list[int] = [0] if num_blocks else []
-        self._lens: list[int] = [num_blocks] if num_blocks else []
-        self.free = num_blocks
-
-    def allocate(self, n: int) -> list[int] | None:
-        if n > self.free:
-            return None
-        for i, length in enumerate(self._lens):
-            if length >= n:
-                start = self._starts[i]
-                if length == n:
-                    del self._starts[i], self._lens[i]
-                else:
-                    self._starts[i] += n
-                    self._lens[i] -= n
-                self.free -= n
-                return list(range(start, start + n))
-        blocks: list[int] = []  # fragmented: take whole runs until satisfied
-        while len(blocks) < n:
-            take = min(self._lens[0], n - len(blocks))
-            start = self._starts[0]
-            blocks.extend(range(start, start + take))
-            if take == self._lens[0]:
-                del self._starts[0], self._lens[0]
-            else:
-                self._starts[0] += take
-                self._lens[0] -= take
-        self.free -= n
-        return blocks
-
-    def allocate_after(self, block: int) -> bool:
-        """Take block + 1 when it is free (it then starts a free run); False when it is not."""
-        nxt = block + 1
-        i = bisect.bisect_left(self._starts, nxt)
-        if i == len(self._starts) or self._starts[i] != nxt:
-            return False
-        if self._lens[i] == 1:
-            del self._starts[i], self._lens[i]
-        else:
-            self._starts[i] += 1
-            self._lens[i] -= 1
-        self.free -= 1
-        return True
-
-    def release(self, blocks: list[int]) -> None:
-        for b in sorted(blocks):
-            i = bisect.bisect_left(self._starts, b)
-            self._starts.insert(i, b)
-            self._lens.insert(i, 1)
-            # merge with the right neighbour, then with the left one
-            if i + 1 < len(self._starts) and b + 1 == self._starts[i + 1]:
-                self._lens[i] += self._lens[i + 1]
-                del self._starts[i + 1], self._lens[i + 1]
-            if i > 0 and self._starts[i - 1] + self._lens[i - 1] == b:
-                self._lens[i - 1] += self._lens[i]
-                del self._starts[i], self._lens[i]
-        self.free += len(blocks)
-
-
-class KVStore:
+class KVStore(Attention):
     def __init__(
         self,
         num_layers: int,
@@ -258,7 +103,7 @@ class KVStore:
         self.k_scale = huge_page_empty(scale_shape, torch.float32)
         self.v_scale = huge_page_empty(scale_shape, torch.float32)
         self.alloc = BlockAllocator(self.num_blocks)
-        self.seqs: dict[str, _Seq] = {}
+        self.seqs: dict[str, SeqBlocks] = {}
         # One prefix cache per layer group (a windowed store's groups cache their blocks apart: a
         # windowed group lets go of a cached block once its window has passed it); `prefix` is the
         # one cache of a store without windows.
@@ -266,7 +111,7 @@ class KVStore:
             [PrefixCache() for _ in range(self.num_groups)] if prefix_sharing else []
         )
         self.prefix: PrefixCache | None = self.prefixes[0] if prefix_sharing and not self.grouped else None
-        self._importing: dict[str, _Seq] = {}  # live migration: blocks taken, not yet held
+        self._importing: dict[str, SeqBlocks] = {}  # live migration: blocks taken, not yet held
         self.busy_seconds = 0.0
         self.attend_calls = 0
         self._tables: dict[int, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = {}
@@ -303,7 +148,7 @@ class KVStore:
         w = self.group_windows[g]
         return max(0, pos - w + 1) if w else 0
 
-    def _tab(self, seq: _Seq, g: int) -> list[int]:
+    def _tab(self, seq: SeqBlocks, g: int) -> list[int]:
         return seq.blocks if g == 0 else seq.more[g - 1]
 
     # ---- capacity ---------------------------------------------------------------------------
@@ -361,7 +206,7 @@ class KVStore:
         """Tokens the blocks in use hold (tokens held, rounded up to whole blocks per sequence)."""
         return self.capacity_tokens - self.free_tokens
 
-    def held_of(self, seq: _Seq) -> float:
+    def held_of(self, seq: SeqBlocks) -> float:
         """Tokens (each a position on every layer) the sequence holds in a windowed store, its own
         blocks' (blocks read from a prefix cache count once, in tokens_held)."""
         held = 0
@@ -449,7 +294,7 @@ class KVStore:
                 f"KV pool full: {tokens} tokens requested, {self.free_tokens} free of {self.capacity_tokens}"
             )
         cached = len(shared) * self.block_size
-        seq = _Seq([], 0, [cached] * self.num_layers, True, hashes=hashes, frozen=len(shared))
+        seq = SeqBlocks([], 0, [cached] * self.num_layers, True, hashes=hashes, frozen=len(shared))
         self._set_blocks(seq, shared + blocks)
         self.seqs[seq_id] = seq
         return cached
@@ -500,7 +345,7 @@ class KVStore:
             )
         own = n - m
         tables = [[-1] * floors[g] + shared[g] + blocks[g * own : (g + 1) * own] for g in groups]
-        seq = _Seq([], 0, [m * bs] * self.num_layers, True, hashes=hashes)
+        seq = SeqBlocks([], 0, [m * bs] * self.num_layers, True, hashes=hashes)
         seq.more, seq.dead, seq.gfrozen = tables[1:], floors, [m] * self.num_groups
         self._set_blocks(seq, tables[0])  # type: ignore[arg-type]
         self.seqs[seq_id] = seq
@@ -525,7 +370,7 @@ class KVStore:
                     break
         return self.alloc.allocate(n)
 
-    def _set_blocks(self, seq: _Seq, blocks: list[int]) -> None:
+    def _set_blocks(self, seq: SeqBlocks, blocks: list[int]) -> None:
         seq.blocks = blocks
         seq.capacity = len(blocks) * self.block_size
         # a grown table need not ascend: compare every block, not just the ends
@@ -544,7 +389,7 @@ class KVStore:
         """
         self._grow([self.seqs[sid] for sid in seq_ids], seq_ids, ends)
 
-    def _recycle(self, seq: _Seq, g: int, start: int) -> None:
+    def _recycle(self, seq: SeqBlocks, g: int, start: int) -> None:
         """Give back group g's leading blocks that no query from position `start` on sees (only a
         windowed group has any); their table entries become -1."""
         floor = self._first_key(g, start) // self.block_size
@@ -558,7 +403,7 @@ class KVStore:
         seq.dead[g] = floor
         self._blocks_changed(seq)
 
-    def _let_go(self, seq: _Seq, g: int, indices: Iterable[int]) -> None:
+    def _let_go(self, seq: SeqBlocks, g: int, indices: Iterable[int]) -> None:
         """Group g's blocks at these table indices leave the sequence: a cached one is read no
         more (it stays cached, idle when no one else reads it), its own go back to the free list."""
         tab, cached = self._tab(seq, g), seq.gfrozen[g] if seq.gfrozen else 0
@@ -573,9 +418,9 @@ class KVStore:
                 own.append(b)
         self.alloc.release(own)
 
-    def _grow_group(self, seqs: list[_Seq], seq_ids: list[str], ends: list[int], g: int) -> None:
+    def _grow_group(self, seqs: list[SeqBlocks], seq_ids: list[str], ends: list[int], g: int) -> None:
         """_grow for one layer group of a windowed store: all or nothing over the sequences."""
-        taken: list[tuple[_Seq, list[int]]] = []
+        taken: list[tuple[SeqBlocks, list[int]]] = []
         short: list[str] = []
         for seq, sid, end in zip(seqs, seq_ids, ends, strict=True):
             tab = self._tab(seq, g)
@@ -601,12 +446,12 @@ class KVStore:
                 seq.more[g - 1].extend(got)
                 self._blocks_changed(seq)
 
-    def _grow(self, seqs: list[_Seq], seq_ids: list[str], ends: list[int]) -> None:
+    def _grow(self, seqs: list[SeqBlocks], seq_ids: list[str], ends: list[int]) -> None:
         if self.grouped:  # every group (write, tests); attend grows only the group it attends
             for g in range(self.num_groups):
                 self._grow_group(seqs, seq_ids, ends, g)
             return
-        taken: list[tuple[_Seq, list[int]]] = []
+        taken: list[tuple[SeqBlocks, list[int]]] = []
         short: list[str] = []
         for seq, sid, end in zip(seqs, seq_ids, ends, strict=True):
             if end <= seq.capacity:
@@ -651,12 +496,12 @@ class KVStore:
         self.alloc.release(own)
         return True
 
-    def _live(self, seq: _Seq) -> list[int]:
+    def _live(self, seq: SeqBlocks) -> list[int]:
         """Every block a sequence of a windowed store holds, in all its groups."""
         return [b for g in range(self.num_groups) for b in self._tab(seq, g) if b >= 0]
 
     # ---- shared prefixes ------------------------------------------------------------------------
-    def _publish_group(self, seq: _Seq, g: int) -> None:
+    def _publish_group(self, seq: SeqBlocks, g: int) -> None:
         """_publish for one group of a windowed store, once every layer of the group has written
         a full block of known tokens (a block its window already let go is not cached)."""
         if not self.prefixes or seq.gfrozen[g] >= len(seq.hashes):
@@ -679,7 +524,7 @@ class KVStore:
         if changed:
             self._blocks_changed(seq)
 
-    def _unfreeze_group(self, seq: _Seq, g: int, start: int) -> None:
+    def _unfreeze_group(self, seq: SeqBlocks, g: int, start: int) -> None:
         """_unfreeze for one group of a windowed store (a rerun from below its cached blocks)."""
         first = start // self.block_size
         if not seq.gfrozen or first >= seq.gfrozen[g]:
@@ -704,7 +549,7 @@ class KVStore:
         seq.gfrozen[g] = first
         self._blocks_changed(seq)
 
-    def _publish(self, seq: _Seq) -> None:
+    def _publish(self, seq: SeqBlocks) -> None:
         """Hand the sequence's full blocks of known tokens to the prefix cache once every layer has
         written them. A block someone cached meanwhile (the same prefix computed twice) replaces the
         sequence's copy, which is freed."""
@@ -728,7 +573,7 @@ class KVStore:
         if swapped:
             self._set_blocks(seq, seq.blocks)
 
-    def _unfreeze(self, seq: _Seq, start: int) -> None:
+    def _unfreeze(self, seq: SeqBlocks, start: int) -> None:
         """Make the blocks from position `start` on the sequence's own before it writes there (an
         aborted step rerun from an earlier position): a cached block that only it reads leaves the
         cache; one that others read is copied first (copy-on-write), so theirs stays as it was."""
@@ -780,7 +625,7 @@ class KVStore:
         seq = self.seqs[seq_id]
         return seq.dead[self._group_of[layer]] * self.block_size if self.grouped else 0
 
-    def _slots(self, seq: _Seq, n: int, g: int = 0) -> torch.Tensor:
+    def _slots(self, seq: SeqBlocks, n: int, g: int = 0) -> torch.Tensor:
         """Pool slots of positions 0..n-1 in group g's table (-1 blocks give negative slots)."""
         pos = torch.arange(n)
         blocks = torch.tensor(self._tab(seq, g), dtype=torch.int64)
@@ -817,7 +662,9 @@ class KVStore:
         for d in dead:
             tables.append([-1] * d + blocks[i : i + n - d])
             i += n - d
-        seq = _Seq([], 0, [0] * self.num_layers, True, more=tables[1:], dead=dead, gfrozen=[0] * len(dead))
+        seq = SeqBlocks(
+            [], 0, [0] * self.num_layers, True, more=tables[1:], dead=dead, gfrozen=[0] * len(dead)
+        )
         self._set_blocks(seq, tables[0])
         self._importing[seq_id] = seq
 
@@ -869,7 +716,7 @@ class KVStore:
         if seq is not None:
             self.alloc.release(self._live(seq) if self.grouped else seq.blocks)
 
-    def _blocks_changed(self, seq: _Seq) -> None:
+    def _blocks_changed(self, seq: SeqBlocks) -> None:
         """Call after changing a block table: drops the cached int32 tables the native kernel reads."""
         seq.tables.clear()
         self._tables.clear()
@@ -932,361 +779,3 @@ class KVStore:
             for layer in range(self.num_layers):
                 self.write(layer, sid, 0, k, v)
         return tokens
-
-    # ---- attention --------------------------------------------------------------------------
-    def _check(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> list[_Seq]:
-        """Validates one attend call; returns its sequences, in order."""
-        if not 0 <= layer < self.num_layers:
-            raise InvalidInput(f"layer {layer} outside [0, {self.num_layers})")
-        if not (len(seq_ids) == len(num_tokens) == len(start_pos)):
-            raise InvalidInput("seq_ids, num_tokens and start_pos differ in length")
-        if any(n < 1 for n in num_tokens):
-            raise InvalidInput("every sequence needs at least one new token")
-        total = sum(num_tokens)
-        kv_shape = (total, self.num_kv_heads, self.head_dim)
-        if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape:
-            raise InvalidInput(f"k/v must have shape {list(kv_shape)}, got {list(k.shape)} / {list(v.shape)}")
-        if (
-            q.dim() != 3
-            or q.shape[0] != total
-            or q.shape[2] != self.head_dim
-            or q.shape[1] % self.num_kv_heads
-        ):
-            raise InvalidInput(
-                f"q must have shape [{total}, a multiple of {self.num_kv_heads}, {self.head_dim}], "
-                f"got {list(q.shape)}"
-            )
-        for t in (q, k, v):
-            if not t.is_floating_point():
-                raise InvalidInput(f"q/k/v must be floating point, got {t.dtype}")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise InvalidInput("a sequence appears twice in one attend call")
-        seqs: list[_Seq] = []
-        # Messages name a sequence by its place in the call, not its id: the error reaches every
-        # request of the batch, which must not learn the others' ids.
-        for i, (sid, start) in enumerate(zip(seq_ids, start_pos, strict=True)):
-            seq = self.seqs.get(sid)
-            if seq is None:
-                raise NotFound(f"sequence {i} of {len(seq_ids)} in this call is not held by this shard")
-            if not 0 <= start <= seq.lengths[layer]:
-                raise InvalidInput(
-                    f"sequence {i} of {len(seq_ids)} layer {layer}: start_pos {start} leaves a gap "
-                    f"(holds {seq.lengths[layer]} tokens)"
-                )
-            if self.grouped:
-                g = self._group_of[layer]
-                if self._first_key(g, start) // self.block_size < seq.dead[g]:
-                    raise FailedPrecondition(
-                        f"sequence {i} of {len(seq_ids)} layer {layer}: start_pos {start} needs keys "
-                        f"its window gave back (it holds positions {seq.dead[g] * self.block_size} on)"
-                    )
-            seqs.append(seq)
-        return seqs
-
-    def attend(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor:
-        """Append k, v at start_pos and attend q causally over each sequence's cache.
-
-        q [T, H, D], k/v [T, KVH, D], packed in seq order; returns o [T, H*D] in q's dtype.
-        """
-        seqs = self._check(layer, seq_ids, num_tokens, start_pos, q, k, v)
-        ends = list(map(operator.add, start_pos, num_tokens))
-        if self.grouped:  # this layer's group only: give back what its window passed, then grow
-            g = self._group_of[layer]
-            for seq, start in zip(seqs, start_pos, strict=True):
-                self._recycle(seq, g, start)
-                self._unfreeze_group(seq, g, start)
-            self._grow_group(seqs, seq_ids, ends, g)
-        else:
-            self._grow(seqs, seq_ids, ends)
-        for seq, start in zip(seqs, start_pos, strict=True):
-            if start < seq.frozen * self.block_size:
-                self._unfreeze(seq, start)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            if self._native is not None:
-                out = self._attend_native(layer, seq_ids, num_tokens, start_pos, q, k, v)
-                for seq, end in zip(seqs, ends, strict=True):
-                    held = seq.lengths
-                    if held[layer] < end:
-                        held[layer] = end
-            else:
-                out = None
-                if self.grouped:
-                    out = self._attend_grouped(layer, seq_ids, num_tokens, start_pos, q, k, v)
-                elif not self.quantized and not self.softcap:
-                    out = self._attend_uniform_decode(layer, seq_ids, num_tokens, start_pos, q, k, v)
-                if out is None:
-                    out = self._attend_each(layer, seq_ids, num_tokens, start_pos, q, k, v)
-        if self.prefix is not None and layer == self.num_layers - 1:
-            for seq in seqs:
-                self._publish(seq)
-        elif self.grouped and self.prefixes:
-            for seq in seqs:
-                self._publish_group(seq, self._group_of[layer])
-        self.busy_seconds += time.perf_counter() - t0
-        self.attend_calls += 1
-        return out
-
-    def _block_tables(self, seq_ids: list[str], g: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated int32 block tables of layer group g and their offsets; reused while the
-        call's sequences and their blocks stay the same (every layer of a step asks for the same ones)."""
-        key = tuple(seq_ids)
-        cached = self._tables.get(g)
-        if cached is not None and cached[0] == key:
-            return cached[1], cached[2]
-        parts = []
-        for sid in seq_ids:
-            seq = self.seqs[sid]
-            part = seq.tables.get(g)
-            if part is None:
-                part = seq.tables[g] = torch.tensor(self._tab(seq, g), dtype=torch.int32)
-            parts.append(part)
-        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor([len(p) for p in parts], dtype=torch.int64), 0, out=offsets[1:])
-        table = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
-        self._tables[g] = (key, table, offsets)
-        return table, offsets
-
-    def _attend_native(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor:
-        table, offsets = self._block_tables(seq_ids, self._group_of[layer])
-        m = self._member[layer]
-        scales = (self.k_scale[m], self.v_scale[m]) if self.quantized else (None, None)
-        o = self._native.attend(  # type: ignore[union-attr]
-            q.float().contiguous(),
-            k.float().contiguous(),
-            v.float().contiguous(),
-            self.k[m],
-            self.v[m],
-            *scales,
-            table,
-            offsets,
-            # through numpy: a third of torch.tensor's time for a list of ints
-            torch.from_numpy(np.array(start_pos, dtype=np.int64)),
-            torch.from_numpy(np.array(num_tokens, dtype=np.int64)),
-            self.block_size,
-            1.0 / math.sqrt(self.head_dim),
-            self.window(layer),
-            self.softcap,
-        )
-        return o.to(q.dtype)  # attend() records the new lengths
-
-    def _attend_uniform_decode(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """One batched SDPA when all sequences decode at one position from evenly spaced runs.
-
-        Returns None (caller loops per sequence) when the call does not have that shape.
-        """
-        batch = len(seq_ids)
-        if batch < 2 or q.shape[0] != batch:  # every sequence brings exactly one token
-            return None
-        start = start_pos[0]
-        seqs = [self.seqs[sid] for sid in seq_ids]
-        base0 = seqs[0].blocks[0] * self.block_size
-        step = seqs[1].blocks[0] * self.block_size - base0
-        if step <= 0:
-            return None
-        for i, (seq, pos) in enumerate(zip(seqs, start_pos, strict=True)):
-            if pos != start or not seq.contiguous or seq.blocks[0] * self.block_size != base0 + i * step:
-                return None
-        # Block runs are disjoint and each holds >= end tokens (grown above), so step >= end: no overlap.
-        end = start + 1
-        kvh, dim = self.num_kv_heads, self.head_dim
-        views = []
-        for pool in (self.k, self.v):
-            sh, sslot, sdim = pool.stride(1), pool.stride(2), pool.stride(3)
-            views.append(
-                pool.as_strided(
-                    (kvh, batch, end, dim),
-                    (sh, step * sslot, sslot, sdim),
-                    pool.storage_offset() + layer * pool.stride(0) + base0 * sslot,
-                )
-            )
-        keys, values = views
-        keys[:, :, start] = k.transpose(0, 1)  # [KVH, B, D]; copy_ casts to the pool dtype
-        values[:, :, start] = v.transpose(0, 1)
-        for seq in seqs:
-            seq.lengths[layer] = max(seq.lengths[layer], end)
-        heads = q.shape[1]
-        # Decode needs no mask; the query heads sharing one kv head ride as that head's query rows.
-        qs = q.to(self.dtype).reshape(batch, kvh, heads // kvh, dim)
-        o = F.scaled_dot_product_attention(
-            qs, keys.transpose(0, 1), values.transpose(0, 1), scale=1.0 / math.sqrt(dim)
-        )
-        return o.reshape(batch, heads * dim).to(q.dtype)
-
-    def _attend_each(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor:
-        total, heads, dim = q.shape
-        kvh = self.num_kv_heads
-        group = heads // kvh
-        out = torch.empty(total, heads * dim, dtype=q.dtype)
-        kp, vp = self.k[layer], self.v[layer]  # [KVH, slots, D]
-        ksp, vsp = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
-        compute = torch.float32 if self.quantized else self.dtype
-        scale = 1.0 / math.sqrt(dim)
-        window = self.window(layer)
-        row = 0
-        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
-            seq = self.seqs[sid]
-            end = start + n
-            if seq.contiguous:
-                base = seq.blocks[0] * self.block_size
-                idx = slice(base, base + end)
-                new = slice(base + start, base + end)
-            else:
-                idx = seq.slots[:end]  # type: ignore[index]
-                new = idx[start:end]
-            knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
-            if self.quantized:
-                (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = (
-                    quantize_int8(knew),
-                    quantize_int8(vnew),
-                )
-                keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
-                values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]
-            else:
-                kp[:, new] = knew.to(self.dtype)
-                vp[:, new] = vnew.to(self.dtype)
-                keys, values = kp[:, idx], vp[:, idx]
-            seq.lengths[layer] = max(seq.lengths[layer], end)
-            qn = q[row : row + n].to(compute)
-            if window or self.softcap:
-                o = self._scores_softmax(qn, keys, values, start, window, scale)
-            elif n == 1:  # decode: no mask; query heads of one kv head become its query rows
-                o = F.scaled_dot_product_attention(
-                    qn.reshape(1, kvh, group, dim), keys.unsqueeze(0), values.unsqueeze(0), scale=scale
-                )
-            else:  # causal within the chunk, full view of the cached prefix
-                mask = None
-                if start:
-                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-                o = F.scaled_dot_product_attention(
-                    qn.transpose(0, 1).unsqueeze(0),
-                    keys.unsqueeze(0),
-                    values.unsqueeze(0),
-                    attn_mask=mask,
-                    is_causal=not start,  # top-left aligned: right when the chunk starts the cache
-                    scale=scale,
-                    enable_gqa=group > 1,
-                )
-                o = o.transpose(1, 2)  # [1, n, H, D]
-            out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
-            row += n
-        return out
-
-    def _attend_grouped(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor:
-        """The torch backend on a windowed store: per sequence, gather the keys its chunk sees
-        through the layer group's table (from the first query's window start on)."""
-        total, heads, dim = q.shape
-        g, m = self._group_of[layer], self._member[layer]
-        kp, vp = self.k[m], self.v[m]
-        ksp, vsp = (self.k_scale[m], self.v_scale[m]) if self.quantized else (None, None)
-        compute = torch.float32 if self.quantized else self.dtype
-        window, bs = self.window(layer), self.block_size
-        out = torch.empty(total, heads * dim, dtype=q.dtype)
-        row = 0
-        for sid, n, start in zip(seq_ids, num_tokens, start_pos, strict=True):
-            seq, end = self.seqs[sid], start + n
-            lo = self._first_key(g, start)
-            blocks = torch.tensor(self._tab(seq, g), dtype=torch.int64)
-            pos = torch.arange(lo, end)
-            idx = blocks[pos // bs] * bs + pos % bs
-            new = idx[start - lo :]
-            knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
-            if self.quantized:
-                (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = (
-                    quantize_int8(knew),
-                    quantize_int8(vnew),
-                )
-                keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
-                values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]
-            else:
-                kp[:, new], vp[:, new] = knew.to(self.dtype), vnew.to(self.dtype)
-                keys, values = kp[:, idx], vp[:, idx]
-            seq.lengths[layer] = max(seq.lengths[layer], end)
-            o = self._scores_softmax(
-                q[row : row + n].to(compute), keys, values, start, window, 1 / math.sqrt(dim), lo
-            )
-            out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
-            row += n
-        return out
-
-    def _scores_softmax(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        start: int,
-        window: int,
-        scale: float,
-        key0: int = 0,
-    ) -> torch.Tensor:
-        """Attention written out (SDPA has no soft-cap): q [n, H, D] at positions start.., keys and
-        values [KVH, L, D] of positions key0..key0+L-1 -> o [n, H, D]. Scores are q . k * scale,
-        then the soft-cap, then the causal and window mask and the softmax, in float32."""
-        n, heads, dim = q.shape
-        kvh = keys.shape[0]
-        qg = q.float().reshape(n, kvh, heads // kvh, dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
-        scores = qg @ keys.float().transpose(1, 2).unsqueeze(1) * scale  # [KVH, G, n, end]
-        if self.softcap:
-            scores = self.softcap * torch.tanh(scores / self.softcap)
-        pos = torch.arange(start, start + n)[:, None]
-        key = torch.arange(key0, key0 + keys.shape[1])[None, :]
-        visible = key <= pos
-        if window:
-            visible &= key > pos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        o = torch.softmax(scores, -1) @ values.float().unsqueeze(1)  # [KVH, G, n, D]
-        return o.permute(2, 0, 1, 3).reshape(n, heads, dim).to(q.dtype)

@@ -1,6 +1,6 @@
-"""Model core: config, weights and the S-part of Llama-family models. Imports no gRPC."""
+"""Model core: config (torch-free: the gateway reads it), and in its modules the weights, the rotary
+embedding and the S-part of Llama-family models (fastdecode.model.dense). Imports no gRPC."""
 
 from fastdecode.model.config import ModelConfig, RopeConfig
-from fastdecode.model.dense import DenseModel, resolve_device
 
-__all__ = ["DenseModel", "ModelConfig", "RopeConfig", "resolve_device"]
+__all__ = ["ModelConfig", "RopeConfig"]

@@ -7,12 +7,9 @@ the classic form (rope_theta + rope_scaling) or transformers 5's rope_parameters
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from fastdecode.runtime.errors import ModelLoadError
 from fastdecode.runtime.geometry import KVGeometry
@@ -179,21 +176,3 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
             merged.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
         ),
     )
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies as transformers computes them (fp32)."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.rope_type == "linear":
-        return inv / rope.factor
-    if rope.rope_type == "llama3":
-        old = rope.original_max_position_embeddings
-        low_wavelen = old / rope.low_freq_factor
-        high_wavelen = old / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv

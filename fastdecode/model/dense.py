@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastdecode.model.config import ModelConfig, rope_inv_freq
+from fastdecode.model.config import ModelConfig
+from fastdecode.model.rope import rope_inv_freq
 from fastdecode.model.weights import load_weights
 from fastdecode.runtime.errors import InvalidInput
 

@@ -455,7 +455,7 @@ def measure_dense(
     """T(B): seconds of one layer's dense step (pre_attention + post_attention) at batch B, median."""
     import torch
 
-    from fastdecode.model import DenseModel
+    from fastdecode.model.dense import DenseModel
 
     m = DenseModel.from_pretrained(model_dir, device=device, dtype=torch.float32)
     return _dense_times(m, batch_sizes, device, repeats=repeats, warmup=warmup)
@@ -497,7 +497,8 @@ def _head_times(m: Any, batch_sizes: Sequence[int], device: str, *, repeats: int
     """Seconds of one step's head at each B: final norm, LM head and greedy sampling."""
     import torch
 
-    from fastdecode.dense.sampling import SamplingParams, sample
+    from fastdecode.contract import SamplingParams
+    from fastdecode.dense.sampling import sample
 
     sync = _sync_for(device)
     gen = torch.Generator().manual_seed(0)
@@ -535,7 +536,7 @@ def measure_attention(
     Timed back to back, a small store stays in a large L3 and R reads 2-3x fast."""
     import torch
 
-    from fastdecode.kv import KVStore
+    from fastdecode.kv import AttendBatch, KVStore
 
     if min(num_kv_heads, num_heads, head_dim, context, batch) < 1:
         raise InvalidInput("measure_attention needs positive sizes")
@@ -560,12 +561,12 @@ def measure_attention(
     with torch.inference_mode():
         for s in ids:  # fill each cache with `context` tokens, one sequence at a time to bound memory
             q, k, v = qkv(context)
-            kv.attend(0, [s], [context], [0], q, k, v)
+            kv.attend(0, AttendBatch([s], [context], [0], q, k, v))
         for step in range(steps):
             q, k, v = qkv(batch)
             flush.sum()
             t0 = time.perf_counter()
-            kv.attend(0, ids, [1] * batch, [context + step] * batch, q, k, v)
+            kv.attend(0, AttendBatch(ids, [1] * batch, [context + step] * batch, q, k, v))
             if step >= warmup:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times) / (batch * (context + warmup + repeats / 2))
@@ -586,7 +587,7 @@ def measure_profile(
     shard is what sets the step), default torch's; `kv_dtype`: the shards' KV storage type."""
     import torch
 
-    from fastdecode.model import DenseModel
+    from fastdecode.model.dense import DenseModel
 
     m = DenseModel.from_pretrained(model_dir, device=device, dtype=torch.float32)
     cfg = m.config

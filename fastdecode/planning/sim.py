@@ -31,7 +31,7 @@ from fastdecode.scheduling import (
     Step,
     attention_cost,
 )
-from fastdecode.scheduling.core import Move
+from fastdecode.scheduling.migration import Move
 
 EOS = 0  # the stub model's EOS id
 

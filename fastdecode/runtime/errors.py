@@ -1,7 +1,7 @@
 """The one error model of the servers. Cores raise these; adapters map `Status` to the wire.
 
 Every domain error carries a `Status` of our own. Exactly one table maps it to gRPC codes
-(fastdecode.runtime.rpc.GRPC_CODE) and one to HTTP statuses (services.gateway.openai_api.HTTP_STATUS).
+(fastdecode.runtime.rpc.GRPC_CODE) and one to HTTP statuses (fastdecode.gateway.openai.HTTP_STATUS).
 Per-sequence failures travel as typed errors (status and message), never as strings to parse.
 
 This module imports no gRPC: the model, KV store, scheduling policy and sampling use it. The SDK
@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import logging
 import traceback
-import warnings
 from typing import Any, ClassVar
 
 _log = logging.getLogger("fastdecode.runtime.errors")
@@ -192,14 +191,3 @@ _RELAYED = frozenset(
 def has_domain_meaning(status: Status) -> bool:
     """Whether a peer's `status` is relayed as it is (else it becomes INTERNAL at the relay)."""
     return status in _RELAYED
-
-
-def __getattr__(name: str) -> Any:
-    # The server-side base was called FastDecodeError, like the SDK's exception base; code written
-    # against the old name keeps working (with a warning) until it is renamed.
-    if name == "FastDecodeError":
-        warnings.warn(
-            "fastdecode.runtime.errors.FastDecodeError is now ServiceError", DeprecationWarning, stacklevel=2
-        )
-        return ServiceError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

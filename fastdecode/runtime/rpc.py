@@ -28,7 +28,6 @@ from fastdecode.runtime.internal_auth import OPEN_PREFIXES, CredentialedChannel,
 from fastdecode.runtime.metrics import start_metrics_server
 from fastdecode.runtime.serving import write_ready_file
 from fastdecode.runtime.settings import TLSFiles
-from fastdecode.v1 import tensor_pb2
 
 log = logging.getLogger("fastdecode.runtime.rpc")
 
@@ -38,6 +37,9 @@ __all__ = [
     "REQUEST_ID_KEY",
     "TLSFiles",
 ]  # re-exported for old importers
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 # The one table from our Status to gRPC's codes (same names; the values match too, see Status).
 GRPC_CODE: dict[Status, grpc.StatusCode] = {s: grpc.StatusCode[s.name] for s in Status}
@@ -73,15 +75,54 @@ def error_from_rpc(e: grpc.aio.AioRpcError | grpc.RpcError, prefix: str = "") ->
     return errors.error_for(status_from_code(code), f"{prefix}{details}")
 
 
-def item_error(exc: BaseException) -> tensor_pb2.ItemError:
-    """A per-item failure for an in-band ItemError (the stream goes on)."""
-    status, message = status_of(exc)
-    return tensor_pb2.ItemError(code=status.value, message=message)
+RpcErrorMapper = Callable[[grpc.aio.AioRpcError], BaseException]
 
 
-def error_from_item(item: tensor_pb2.ItemError, prefix: str = "") -> ServiceError:
-    """An in-band ItemError back into a typed domain error (never parsed from text)."""
-    return errors.error_for(Status.from_value(item.code), f"{prefix}{item.message}")
+def maps_rpc_errors(
+    fn: F | None = None,
+    *,
+    prefix: str | Callable[..., str] = "",
+    mapper: RpcErrorMapper | None = None,
+) -> Any:
+    """Wrap a client-side async function or method, or an async generator: a grpc.aio.AioRpcError it
+    raises leaves as the ServiceError `error_from_rpc` gives (`raise ... from None`: the gRPC frames
+    stay out of the log). `prefix` goes before the peer's message: a string, or a function of the
+    wrapped call's positional arguments (`lambda self, *_: f"shard {self.address}: "`). `mapper` replaces
+    error_from_rpc where a link reads more than the status (the gateway's trailers).
+
+    Use as `@maps_rpc_errors` or `@maps_rpc_errors(prefix=..., mapper=...)`."""
+
+    def mapped(e: grpc.aio.AioRpcError, args: tuple[Any, ...]) -> BaseException:
+        if mapper is not None:
+            return mapper(e)
+        return error_from_rpc(e, prefix(*args) if callable(prefix) else prefix)
+
+    def wrap(f: F) -> F:
+        if inspect.isasyncgenfunction(f):
+
+            @functools.wraps(f)
+            async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                inner = f(*args, **kwargs)
+                try:
+                    async for item in inner:
+                        yield item
+                except grpc.aio.AioRpcError as e:
+                    raise mapped(e, args) from None
+                finally:  # a consumer that stops early closes the wrapped stream now, not at GC
+                    await inner.aclose()
+
+            return cast(F, stream)
+
+        @functools.wraps(f)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await f(*args, **kwargs)
+            except grpc.aio.AioRpcError as e:
+                raise mapped(e, args) from None
+
+        return cast(F, call)
+
+    return wrap(fn) if fn is not None else wrap
 
 
 def code_from_int(value: int) -> grpc.StatusCode:
@@ -111,9 +152,6 @@ async def abort(
         trailers = (*trailers, (DEPENDENCY_DOWN_KEY, "1"))
     await context.abort(code, msg, trailers)
     raise AssertionError("context.abort returned")  # grpc.aio raises AbortError from abort
-
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def handles_errors(method: F | None = None, *, trailers: tuple[tuple[str, str], ...] = ()) -> Any:

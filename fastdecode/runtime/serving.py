@@ -1,6 +1,6 @@
-"""Process lifecycle shared by the service entry points: run a server until SIGTERM,
-announce the bound ports through a ready file (used by `fastdecode up`), and find the service
-adapters by name.
+"""What the service entry points share besides the server (which runs until SIGTERM in
+fastdecode.runtime.rpc `Server`): the ready file that announces the bound ports (read by
+`fastdecode up`), and the service adapters found by name.
 
 The dependency between the two packages goes one way: `services` imports `fastdecode`, never the
 reverse. What fastdecode's tools need of the adapters (`fastdecode serve NAME` runs a service's

@@ -1,6 +1,7 @@
-"""The scheduler's driver: the step loop, shard health and speed measurement, around SchedulerCore.
-Imports no gRPC: gpu_dense and the shards are reached through `DenseLink` and `ShardLink` (the gRPC
-ones are in services/scheduler/links.py; unit tests use in-process fakes).
+"""The scheduler's driver: the step loop around SchedulerCore, in parts along its seams: its ports
+(fastdecode.scheduling.ports: gpu_dense and the shards are reached through `DenseLink` and
+`ShardLink`, the gRPC ones are in services/scheduler/links.py, unit tests use in-process fakes),
+shard health and speed (health), drains and rebalancing moves (moves). Imports no gRPC.
 
 One loop runs the steps: core.next_step() -> release/reserve on the shards -> the plan to gpu_dense
 -> core.apply(results) -> token events to each request's stream. Shard loss (an item failing with
@@ -19,29 +20,34 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.contract import TokenLogprob
 from fastdecode.runtime.errors import (
-    DeadlineExceeded,
     DependencyDown,
     InvalidInput,
-    NotFound,
     ServiceError,
     Status,
     Unavailable,
 )
-from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.logs import Throttle
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling.admission import NaiveAdmission, StabilizedAdmission
-from fastdecode.scheduling.core import SHARD_REMOVED, Move, SchedulerCore
+from fastdecode.scheduling.core import SchedulerCore
+from fastdecode.scheduling.health import REFUSAL_BACKOFF_MAX, ShardHealth, ShardTrack
+from fastdecode.scheduling.moves import Migrations
+from fastdecode.scheduling.ports import (
+    DEFAULT_BLOCK_SIZE,
+    DenseInfo,
+    DenseLink,
+    SchedulerMetrics,
+    ShardLink,
+    capacity_tokens,
+)
+from fastdecode.scheduling.tables import SHARD_REMOVED
 from fastdecode.scheduling.types import (
-    RemoveResult,
     Request,
     Reservation,
     Sampled,
-    SchedulerStats,
     ShardSpec,
     Step,
     TokenEvent,
@@ -49,146 +55,9 @@ from fastdecode.scheduling.types import (
 
 log = logging.getLogger("fastdecode.scheduler")
 
-# Tokens per KV block of a shard that does not report its own (ShardStats.block_size 0).
-DEFAULT_BLOCK_SIZE = 16
 # Reconnecting to a lost gpu_dense: first wait, doubled after each failed try, up to the cap.
 DENSE_RETRY_FIRST_S = 0.1
 DENSE_RETRY_MAX_S = 2.0
-# Each step's R estimate needs this many attended token pairs since the last look to mean anything.
-MIN_PAIRS_FOR_SPEED = 1e5
-SPEED_SMOOTHING = 0.3
-
-
-# ---- what the driver sees of gpu_dense and the shards ------------------------------------------------
-@dataclass(frozen=True)
-class DenseInfo:
-    model_type: str
-    geometry: KVGeometry
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    num_shards: int
-    shard_addresses: tuple[str, ...] = ()  # in shard order, as gpu_dense dials them
-    model: str = ""  # names the weights (path and dtype): shards match prefix blocks of this model only
-    removed_shards: tuple[int, ...] = ()  # indices taken out by RemoveShard (never attended again)
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    """One sequence's outcome of a step: a sampled token, nothing (a prefill chunk), or an error."""
-
-    seq_id: str
-    token_id: int = -1
-    logprob: float = 0.0
-    error: ServiceError | None = None
-    top: tuple[tuple[int, float], ...] = ()  # the sampled position's alternatives, when asked
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the chunk's, when asked
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    items: list[ItemResult]
-    error: ServiceError | None = None  # the whole step failed (a bad plan)
-
-
-@dataclass(frozen=True)
-class ShardState:
-    """A shard's Stats, in the driver's terms."""
-
-    sequences: int
-    configured: bool
-    free_tokens: int
-    tokens_reserved: int
-    bytes_capacity: int
-    kv_itemsize: int
-    block_size: int  # 0: the shard does not say
-    busy_seconds: float  # its cores' busy time: attention (and a hosted shard's S-part, see links)
-    attended_pairs: float
-
-
-class DenseLink(Protocol):
-    async def info(self, timeout: float) -> DenseInfo:
-        """Waits for a (re)starting gpu_dense up to `timeout`; ServiceError when it does not answer."""
-
-    async def run(self, step: Step, pipeline: bool) -> StepOutcome:
-        """One step at gpu_dense; Unavailable when gpu_dense is gone or the step timed out."""
-
-    async def add_shard(self, address: str, timeout: float) -> int:
-        """Tell gpu_dense about a new shard; returns its index."""
-
-    async def remove_shard(self, index: int, timeout: float) -> None:
-        """gpu_dense closes its streams to a removed shard (its index stays taken)."""
-
-
-class ShardLink(Protocol):
-    address: str
-
-    async def healthy(self, timeout: float) -> bool:
-        """True when the shard reports SERVING; False on NOT_SERVING or any failure to answer."""
-
-    async def stats(self, timeout: float) -> ShardState: ...
-    async def reserve(
-        self, geometry: KVGeometry, seqs: list[Reservation], timeout: float, model: str = ""
-    ) -> list[int]:
-        """Reserve all or none; each sequence's first tokens the shard found cached (prefix sharing)."""
-        ...
-
-    async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
-        """Free the named sequences (None: all)."""
-
-    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
-        """The shard copies the sequence's KV to the shard at `target` and keeps its own copy."""
-
-    async def retire(self, timeout: float) -> None:
-        """The shard was removed: it stops serving and exits."""
-
-
-@dataclass(frozen=True)
-class MigrationResult:
-    tokens: int
-    bytes: int
-    seconds: float
-
-
-class SchedulerMetrics:
-    """What the driver reports; the no-op base is for tests, services/scheduler/metrics.py exports it."""
-
-    def shard_lost(self, recovered_sequences: int) -> None: ...
-    def step(self, seconds: float, batch: int) -> None: ...
-    def state(self, stats: SchedulerStats, decisions_delta: dict[str, int]) -> None: ...
-    def dense_reconnected(self) -> None: ...
-    def preempted(self, sequences: int) -> None: ...
-    def migrated(self, nbytes: int, seconds: float, ok: bool) -> None: ...
-
-
-def capacity_tokens(state: ShardState, geometry: KVGeometry) -> int:
-    """KV tokens a shard holds: what it reports once configured, else from its byte budget, rounded
-    down to its own block size less one block (the shard rounds down to whole blocks)."""
-    if state.configured and state.free_tokens + state.tokens_reserved > 0:
-        return int(state.free_tokens + state.tokens_reserved)
-    block = state.block_size or DEFAULT_BLOCK_SIZE
-    per_token = geometry.bytes_per_token(state.kv_itemsize)
-    return max(0, (state.bytes_capacity // per_token) // block * block - block)
-
-
-REFUSAL_BACKOFF_MAX = 60.0  # seconds a shard that refused reservations waits, at most, to be taken back
-
-
-@dataclass
-class ShardTrack:
-    """The driver's view of one shard: its link, health, and measured speed."""
-
-    link: ShardLink
-    healthy: bool = True
-    busy: float = 0.0  # last attention busy seconds / attended token pairs seen
-    pairs: float = 0.0
-    r: float | None = None  # measured seconds per new token per cached token
-    moved_out: int = 0  # sequences migrated off it
-    moved_bytes: int = 0
-    # Reservations refused in a row (its wrong answers), and when a probe may take it back: a shard
-    # that keeps refusing waits longer each time instead of flapping every probe.
-    refusals: int = 0
-    retry_at: float = 0.0
 
 
 @dataclass
@@ -198,7 +67,7 @@ class _Mailbox:
     queue: asyncio.Queue[TokenEvent | ServiceError] = field(default_factory=asyncio.Queue)
 
 
-class SchedulerDriver:
+class SchedulerDriver(Migrations, ShardHealth):
     def __init__(
         self,
         settings: SchedulerSettings,
@@ -392,142 +261,6 @@ class SchedulerDriver:
         self.draining = True
         while self.streams:
             await asyncio.sleep(0.05)
-
-    # ---- live migration: drain and rebalance -------------------------------------------------------
-    def _resolve_shard(self, shard: int | None, address: str) -> int:
-        if address:
-            found = [i for i, t in enumerate(self.shards) if t.link.address == address]
-            if not found:
-                raise NotFound(f"no shard at {address!r}")
-            return found[-1]
-        if shard is None or not 0 <= shard < len(self.shards):
-            raise NotFound(f"unknown shard {shard}")
-        return shard
-
-    async def remove_shard(self, shard: int | None, address: str = "", timeout: float = 0.0) -> RemoveResult:
-        """Drain a shard and take it out: no new placements; its sequences migrate to the others as
-        room allows (the rest keep decoding there until room frees up); once empty it leaves
-        gpu_dense's and our tables and is told to exit. DeadlineExceeded (still draining) after
-        `timeout` (0: the drain_timeout setting); calling again picks up where it left off."""
-        core = self.core
-        if core is None:
-            raise Unavailable("scheduler not ready")
-        index = self._resolve_shard(shard, address)
-        track = self.shards[index]
-        if core.shard_state(index) == SHARD_REMOVED:
-            return RemoveResult(index, track.moved_out, 0, 0.0, track.moved_bytes)
-        t0 = time.monotonic()
-        deadline = t0 + (timeout or self.s.drain_timeout)
-        core.drain_shard(index)
-        log.info(
-            "draining shard %d (%s): %d sequences to move",
-            index,
-            track.link.address,
-            len(core.seqs_on(index)),
-        )
-        self.wake.set()
-        while not core.drained(index):
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(
-                    f"shard {index} still holds {len(core.seqs_on(index))} sequences "
-                    f"({self.waiting_to_move(index)} wait for room elsewhere); drain again to continue"
-                )
-            await asyncio.sleep(0.02)
-            self.wake.set()
-        if track.healthy:
-            try:
-                await track.link.release(None, self.s.control_timeout)
-            except ServiceError as e:
-                log.warning("release on removed shard %d failed: %s", index, e.message)
-        await self.dense.remove_shard(index, self.s.control_timeout)
-        reprefilled = core.left_by_recompute(index)
-        core.remove_shard(index)
-        was_healthy, track.healthy = track.healthy, False
-        if was_healthy:
-            try:
-                await track.link.retire(self.s.control_timeout)
-            except ServiceError as e:  # already gone: nothing to stop
-                log.warning("retiring shard %d failed: %s", index, e.message)
-        result = RemoveResult(index, track.moved_out, reprefilled, time.monotonic() - t0, track.moved_bytes)
-        log.info(
-            "removed shard %d (%s) in %.2fs: %d sequences migrated (%d bytes), %d re-prefilled",
-            index,
-            track.link.address,
-            result.seconds,
-            result.migrated,
-            result.bytes,
-            result.reprefilled,
-        )
-        self._report()
-        return result
-
-    def waiting_to_move(self, shard: int) -> int:
-        """Sequences on this draining shard that wait for room elsewhere (0 when it is not draining)."""
-        assert self.core is not None
-        return self._waiting_to_move.get(shard, 0)
-
-    def _start_moves(self) -> None:
-        """At a step boundary: start moves off draining shards, else one rebalancing move when the
-        busiest shard is over the factor and the last move's time is paid for."""
-        core = self.core
-        assert core is not None
-        room = self.s.max_concurrent_migrations - len(self._moves)
-        if room <= 0:
-            return
-        moves, waiting = core.drain_moves(room)
-        if waiting != self._waiting_to_move and any(waiting.values()):
-            log.info("sequences on draining shards wait for room elsewhere: %s", waiting)
-        self._waiting_to_move = waiting
-        rebalance = not moves and not self._moves and self.s.rebalance_factor > 0
-        if rebalance and time.monotonic() >= self._rebalance_after:
-            move = core.rebalance_move(self.s.rebalance_factor)
-            moves = [move] if move is not None else []
-        for move in moves:
-            task = asyncio.get_running_loop().create_task(self._move(move, rebalance))
-            self._moves.add(task)
-            task.add_done_callback(self._moves.discard)
-
-    async def _move(self, move: Move, rebalance: bool) -> None:
-        assert self.core is not None
-        source, target = self.shards[move.source], self.shards[move.target]
-        t0 = time.perf_counter()
-        try:
-            r = await source.link.migrate_out(move.seq_id, target.link.address, self.s.migrate_timeout)
-            ok, nbytes = True, r.bytes
-        except ServiceError as e:
-            ok, nbytes = False, 0
-            log.warning(
-                "moving to shard %d failed, stays on shard %d: %s",
-                move.target,
-                move.source,
-                e.message,
-                extra={"request_id": move.seq_id},
-            )
-        seconds = time.perf_counter() - t0
-        if self.core.end_move(move, ok):
-            source.moved_out += 1
-            source.moved_bytes += nbytes
-            self.migrated_bytes += nbytes
-            self.migration_seconds += seconds
-            log.info(
-                "moved from shard %d to %d: %d tokens, %d bytes in %.3fs",
-                move.source,
-                move.target,
-                move.tokens,
-                nbytes,
-                seconds,
-                extra={"request_id": move.seq_id},
-            )
-        else:
-            self.migrations_failed += not ok
-            try:  # whatever the target took (a copy finished after all, or half of one) is no one's
-                await target.link.release([move.seq_id], self.s.control_timeout)
-            except ServiceError:
-                pass
-        self.metrics.migrated(nbytes, seconds, ok)
-        if rebalance:  # keep moving time within its share of the wall time
-            self._rebalance_after = time.monotonic() + seconds / self.s.migrate_share
-        self.wake.set()
 
     # ---- the step loop -----------------------------------------------------------------------------
     async def step_loop(self) -> None:
@@ -747,102 +480,3 @@ class SchedulerDriver:
         delta = {d: n - self._decisions_seen.get(d, 0) for d, n in self.core.decisions.items()}
         self._decisions_seen = dict(self.core.decisions)
         self.metrics.state(self.core.stats(), delta)
-
-    # ---- shard health and speed --------------------------------------------------------------------
-    async def health_loop(self) -> None:
-        """Probe shards every health_interval until cancelled; a probe's failure never ends the loop."""
-        while True:
-            await asyncio.sleep(self.s.health_interval)
-            await self.probe_shards()
-
-    async def probe_shards(self) -> None:
-        """A lost shard gives its sequences back; one that returns (SERVING and empty) takes new work."""
-        assert self.core is not None
-        for i, track in enumerate(self.shards):
-            try:
-                if self.core.shard_state(i) == SHARD_REMOVED:
-                    await self._probe_removed(i, track)
-                    continue
-                await self._probe(i, track)
-            except Exception:  # noqa: BLE001 - one shard's odd answer must not stop the others' probes
-                if self._throttle(("probe", i)) is not None:
-                    log.exception("probing shard %d (%s) failed", i, track.link.address)
-
-    async def _probe_removed(self, index: int, track: ShardTrack) -> None:
-        """A removed shard answering SERVING again, empty, is a restarted process on its address (a
-        StatefulSet pod's restart drains it in preStop too): it takes its index and new work back."""
-        assert self.core is not None
-        if not await track.link.healthy(self.s.probe_timeout):
-            return
-        try:
-            state = await track.link.stats(self.s.probe_timeout)
-            if state.sequences:
-                return
-            if await self.dense.add_shard(track.link.address, self.s.control_timeout) != index:
-                return  # gpu_dense knows the address under another index: leave it removed
-        except ServiceError:
-            return
-        self.core.shard_rejoined(index)
-        track.healthy, track.r = True, None
-        log.info("removed shard %d (%s) answers again: it serves again", index, track.link.address)
-        self.wake.set()
-
-    async def _probe(self, index: int, track: ShardTrack) -> None:
-        assert self.core is not None
-        ok = await track.link.healthy(self.s.probe_timeout)
-        if ok and track.healthy:
-            await self._measure(index, track)
-        elif not ok and track.healthy:
-            self._shard_lost(index, "health check failed")
-        elif ok and not track.healthy and time.monotonic() >= track.retry_at:
-            try:
-                state = await track.link.stats(self.s.probe_timeout)
-            except ServiceError as e:  # SERVING but cannot say what it holds: still lost, ask again later
-                if self._throttle(("stats", index)) is not None:
-                    log.warning(
-                        "shard %d answers health but not Stats (%s); still lost", index, e.status.name
-                    )
-                return
-            if state.sequences:
-                # Alive but marked lost (its stream failed, not the process): every sequence it holds
-                # was moved away when it was lost, so free them and take the shard back. Waiting for it
-                # to empty itself would wait forever, and with every shard lost, stall the fleet.
-                try:
-                    await track.link.release(None, self.s.control_timeout)
-                    held, state = state.sequences, await track.link.stats(self.s.probe_timeout)
-                except ServiceError as e:  # gone again: still lost, ask again later
-                    if self._throttle(("release", index)) is not None:
-                        log.warning(
-                            "shard %d answers health but not Release (%s); still lost", index, e.status.name
-                        )
-                    return
-                log.info(
-                    "shard %d (%s) answers again: freed the %d sequences it held",
-                    index,
-                    track.link.address,
-                    held,
-                )
-            if state.sequences == 0:  # a restarted or freed, empty shard
-                track.healthy = True
-                self.core.shard_recovered(index)
-                log.info("shard %d (%s) is back", index, track.link.address)
-                self.wake.set()
-
-    async def _measure(self, index: int, track: ShardTrack) -> None:
-        """Track each shard's measured R; speed = mean R / own R, so a slower shard gets fewer sequences."""
-        assert self.core is not None
-        try:
-            st = await track.link.stats(self.s.probe_timeout)
-        except ServiceError:
-            return
-        d_busy, d_pairs = st.busy_seconds - track.busy, st.attended_pairs - track.pairs
-        track.busy, track.pairs = st.busy_seconds, st.attended_pairs
-        if d_pairs < MIN_PAIRS_FOR_SPEED or d_busy <= 0:  # too little work since the last look
-            return
-        r = d_busy / d_pairs
-        track.r = r if track.r is None else (1 - SPEED_SMOOTHING) * track.r + SPEED_SMOOTHING * r
-        known = [t.r for t in self.shards if t.r is not None and t.healthy]
-        mean = sum(known) / len(known)
-        for i, t in enumerate(self.shards):
-            if t.r is not None and t.healthy:
-                self.core.set_speed(i, max(0.05, mean / t.r))

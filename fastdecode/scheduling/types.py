@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fastdecode.dense.sampling import SamplingParams as Sampling  # one definition of sampling settings
-from fastdecode.dense.sampling import TokenLogprob
+from fastdecode.contract import PlannedSeq, TokenLogprob
+from fastdecode.contract import SamplingParams as Sampling  # one definition of sampling settings
 from fastdecode.runtime.errors import ServiceError
 
 FINISH_LENGTH = "length"
@@ -31,23 +31,6 @@ class Request:
     def kv_tokens(self) -> int:
         """KV tokens the sequence holds at most (prompt + max_tokens); it must fit on one shard."""
         return len(self.prompt) + self.max_tokens
-
-
-@dataclass
-class PlannedSeq:
-    """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`. The one
-    type on both sides of the step boundary: the scheduler core plans it, gpu_dense's StepRunner runs
-    it (fastdecode.runtime.convert carries it over the wire as a dense.proto PlannedSequence)."""
-
-    seq_id: str
-    shard: int
-    mini_batch: int
-    token_ids: list[int]
-    start_pos: int
-    sampling: Sampling = field(default_factory=Sampling)
-    sample: bool = True  # False: a prefill chunk before the prompt's last (nothing to sample yet)
-    sample_index: int = 0
-    next_token: int | None = None  # the prompt token after a chunk whose prompt logprobs are asked
 
 
 @dataclass

@@ -11,7 +11,6 @@ import grpc
 from fastdecode.gateway.core import BackendInfo, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import ValidRequest
 from fastdecode.protocol import DEPENDENCY_DOWN_KEY, ERROR_SOURCE_KEY
-from fastdecode.runtime import convert
 from fastdecode.runtime.errors import (
     DependencyDown,
     InternalError,
@@ -21,9 +20,10 @@ from fastdecode.runtime.errors import (
     error_for,
     has_domain_meaning,
 )
-from fastdecode.runtime.rpc import aio_channel, request_metadata, status_from_code
+from fastdecode.runtime.rpc import aio_channel, maps_rpc_errors, request_metadata, status_from_code
 from fastdecode.runtime.settings import TLSFiles
 from fastdecode.v1 import dense_pb2, scheduler_pb2, scheduler_pb2_grpc
+from fastdecode.wire import gateway as wire
 
 log = logging.getLogger("fastdecode.gateway")
 
@@ -31,6 +31,13 @@ log = logging.getLogger("fastdecode.gateway")
 def _answered(e: grpc.aio.AioRpcError) -> bool:
     """Whether the scheduler itself gave this status (its trailer), not a failed connection."""
     return any(key == ERROR_SOURCE_KEY for key, _ in (e.trailing_metadata() or ()))
+
+
+def _not_ready(e: grpc.aio.AioRpcError) -> ServiceError:
+    """Why GetStats failed, for readiness: a lost connection, or the status the scheduler gave."""
+    if e.code() == grpc.StatusCode.UNAVAILABLE and not _answered(e):
+        return SchedulerLost("")
+    return Unavailable(f"scheduler: {e.details()}")
 
 
 def upstream_error(e: grpc.aio.AioRpcError) -> ServiceError:
@@ -62,46 +69,40 @@ class GrpcSchedulerLink:
         except TimeoutError:
             raise Unavailable(f"scheduler {self.target} is not reachable") from None
 
+    @maps_rpc_errors(mapper=upstream_error)
     async def submit(
         self, request_id: str, request: ValidRequest, timeout: float | None, sample_offset: int = 0
     ) -> AsyncIterator[UpstreamEvent]:
         call = self.stub.Submit(
-            convert.submit_request(request_id, request, sample_offset),
+            wire.submit_request(request_id, request, sample_offset),
             timeout=timeout,
             metadata=request_metadata(request_id),
         )
         try:
             async for ev in call:
-                yield UpstreamEvent(
-                    list(ev.token_ids),
-                    ev.finish_reason,
-                    list(ev.logprobs),
-                    [convert.top_from_proto(t) for t in ev.top],
-                    [convert.position_from_proto(p) for p in ev.prompt_logprobs],
-                    cached_tokens=ev.cached_tokens,
-                )
-        except grpc.aio.AioRpcError as e:
-            raise upstream_error(e) from None
+                yield wire.upstream_event_from_proto(ev)
         finally:
             call.cancel()  # no-op when finished; otherwise the scheduler frees the sequence's KV
 
+    @maps_rpc_errors(mapper=upstream_error)
     async def model_info(self, timeout: float, wait_for_ready: bool = False) -> BackendInfo:
-        try:
-            info = await self.stub.GetModelInfo(
-                dense_pb2.InfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready
-            )
-        except grpc.aio.AioRpcError as e:
-            raise upstream_error(e) from None
-        return convert.backend_info_from_proto(info)
+        info = await self.stub.GetModelInfo(
+            dense_pb2.InfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready
+        )
+        return wire.backend_info_from_proto(info)
 
     async def not_ready_reason(self, timeout: float) -> str | None:
         try:
-            st = await self.stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and not _answered(e):
-                return f"scheduler {self.target} not reachable"
-            return f"scheduler: {e.details()}"
+            st = await self._stats(timeout)
+        except SchedulerLost:
+            return f"scheduler {self.target} not reachable"
+        except ServiceError as e:  # a reason, not an error: readiness reports it
+            return e.message
         return st.not_ready_reason or None
+
+    @maps_rpc_errors(mapper=_not_ready)
+    async def _stats(self, timeout: float) -> scheduler_pb2.SchedulerStats:
+        return await self.stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close()

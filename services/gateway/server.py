@@ -17,13 +17,13 @@ from fastdecode.gateway.auth import bearer_matches
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.model import ModelConfig
 from fastdecode.protocol import ERROR_TRAILER, REQUEST_ID_KEY
-from fastdecode.runtime.convert import chunk_to_proto, model_card_to_proto, params_from_proto
 from fastdecode.runtime.errors import InvalidInput, Unauthenticated
 from fastdecode.runtime.internal_auth import handler_like
 from fastdecode.runtime.rpc import BadRequest, Server, guarded_parser, handles_errors, request_id_of
 from fastdecode.runtime.settings import GatewaySettings
 from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
+from fastdecode.wire.gateway import chunk_to_proto, model_card_to_proto, params_from_proto
 from services.gateway.metrics import GATEWAY_REQUESTS, PrometheusGatewayMetrics
 from services.gateway.scheduler_link import GrpcSchedulerLink
 

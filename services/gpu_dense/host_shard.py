@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
+from fastdecode.kv import AttendBatch
 from fastdecode.runtime.errors import InvalidInput, ServiceError, as_service_error, error_for
 from fastdecode.runtime.settings import DenseSettings, ServiceSettings, ShardSettings
 from services.gpu_dense.exchange import ExchangePlane
@@ -117,8 +118,7 @@ class HostShardPlane:
     def _attend(self, layer: int, item: AttendItem) -> torch.Tensor | BaseException:
         cpu = torch.device("cpu")
         try:
-            return self.host.service.attend_tensors(
-                layer,
+            batch = AttendBatch(
                 item.seq_ids,
                 item.num_tokens,
                 item.start_pos,
@@ -126,6 +126,7 @@ class HostShardPlane:
                 item.k.to(cpu).contiguous(),
                 item.v.to(cpu).contiguous(),
             )
+            return self.host.service.attend_tensors(layer, batch)
         except ServiceError as e:
             return error_for(e.status, f"shard {self.host.index} (hosted): {e.message}")
         except Exception as e:  # noqa: BLE001 - one item fails, the step goes on

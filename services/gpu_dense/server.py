@@ -12,14 +12,15 @@ import torch
 
 from fastdecode.dense import PipelineChooser, StepRunner
 from fastdecode.dense.structured import GrammarBank
-from fastdecode.model import DenseModel
-from fastdecode.runtime import codec, convert
+from fastdecode.model.dense import DenseModel
+from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, Unavailable
 from fastdecode.runtime.progress import LOADING_WEIGHTS, ProgressFile
-from fastdecode.runtime.rpc import Server, handles_errors, item_error
+from fastdecode.runtime.rpc import Server, handles_errors
 from fastdecode.runtime.settings import DenseSettings, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
+from fastdecode.wire import dense as wire
 from services.gpu_dense import metrics
 from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.host_shard import HostShard, HostShardPlane
@@ -58,7 +59,7 @@ class DenseService(pb_grpc.DenseServicer):
     @handles_errors
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         model, _ = self._ready()
-        return convert.model_info_to_proto(
+        return wire.model_info_to_proto(
             model.config,
             str(self.settings.model),
             self.settings.dtype,
@@ -91,30 +92,19 @@ class DenseService(pb_grpc.DenseServicer):
         return pb.DenseRemoveShardResponse()
 
     async def step(self, runner: StepRunner, plan: pb.StepPlan) -> pb.StepResult:
-        result = pb.StepResult(step=plan.step)
         runner.forget(plan.ended)
         try:
-            outcomes, t = await runner.run(convert.planned_seqs_from_proto(plan), plan.pipeline)
+            outcomes, t = await runner.run(wire.planned_seqs_from_proto(plan), plan.pipeline)
         except Exception as e:  # noqa: BLE001 - a failed step is reported in-band
-            result.error.CopyFrom(item_error(e))
-            return result
+            return wire.step_result(plan.step, {}, None, e)
         for sid, o in outcomes.items():
-            r = result.results.add(
-                seq_id=sid,
-                token_id=o.token_id,
-                logprob=o.logprob,
-                top=convert.top_to_proto(o.top),
-                prompt_logprobs=[convert.position_to_proto(p) for p in o.prompt],
-            )
             if o.error is not None:
-                r.error.CopyFrom(item_error(o.error))
                 log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})
         if self.host is not None and t.pipelined:  # the S-part ran on the hosted shard's cores too
             self.host.count_dense_busy(t.s_part_seconds)
         failed = sum(1 for o in outcomes.values() if o.error is not None)
-        result.timings.CopyFrom(convert.timings_to_proto(t))
         metrics.step_done(t, len(outcomes) - failed, failed)
-        return result
+        return wire.step_result(plan.step, outcomes, t)
 
     @handles_errors
     async def Run(

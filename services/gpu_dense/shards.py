@@ -23,12 +23,12 @@ import torch
 
 from fastdecode.dense import AttendItem
 from fastdecode.protocol import DATA_PLANE_OPTIONS
-from fastdecode.runtime.convert import attend_request, parse_response
 from fastdecode.runtime.errors import InvalidInput, NotFound, ServiceError, Unavailable
 from fastdecode.runtime.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.runtime.rpc import error_from_status as from_status
 from fastdecode.runtime.settings import DenseSettings
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from fastdecode.wire.kv import attend_request, parse_response
 from services.gpu_dense.exchange import ExchangePlane, auto_workers
 
 log = logging.getLogger("fastdecode.gpu_dense.shards")

@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import grpc
 import torch
 
-from fastdecode.kv import KV_DTYPES, native
+from fastdecode.kv import KV_DTYPES, AttendBatch, native
 from fastdecode.kv.shard import AttendResult, ShardCore
 from fastdecode.protocol import DATA_PLANE_OPTIONS
-from fastdecode.runtime import codec, convert
+from fastdecode.runtime import codec
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
 from fastdecode.runtime.rpc import (
     Server,
     aio_channel,
     code_from_int,
-    error_from_rpc,
     handles_errors,
-    item_error,
+    maps_rpc_errors,
     request_id_of,
     request_metadata,
 )
 from fastdecode.runtime.settings import ShardSettings
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from fastdecode.wire import kv as wire
+from fastdecode.wire.errors import item_error
 from services.kv_attention.metrics import ShardMetrics
 
 log = logging.getLogger("fastdecode.kv_attention")
@@ -85,7 +86,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
 
     @handles_errors
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ShardStats:
-        return convert.shard_stats_to_proto(self.settings.shard_id, self.core)
+        return wire.shard_stats_to_proto(self.settings.shard_id, self.core)
 
     @handles_errors
     async def Fill(self, request: pb.FillRequest, context: grpc.aio.ServicerContext) -> pb.FillResponse:
@@ -102,7 +103,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         as wire bytes (o copied once, by codec.serialize_with; the server's guard passes bytes
         through), an error as an AttendResponse message."""
         try:
-            r = self.core.attend(req)
+            r = self.core.attend(req.layer, wire.attend_batch(req))
             self._attended(req.layer, r)
             head = pb.AttendResponse(request_id=req.request_id, attend_seconds=r.seconds)
             return codec.serialize_with(head, o=r.o)
@@ -113,20 +114,11 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             log.debug("attend item %d failed: %s", req.request_id, e)
             return resp
 
-    def attend_tensors(
-        self,
-        layer: int,
-        seq_ids: list[str],
-        num_tokens: list[int],
-        start_pos: list[int],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor:
+    def attend_tensors(self, layer: int, batch: AttendBatch) -> torch.Tensor:
         """One item handed over in process by the gpu_dense that hosts this shard (no wire): attended
         and accounted as answer() does; a failure is raised, for the caller's item."""
         try:
-            r = self.core.attend_tensors(layer, seq_ids, num_tokens, start_pos, q, k, v)
+            r = self.core.attend(layer, batch)
         except Exception as e:
             self.metrics.attend_failed(code_from_int(item_error(e).code).name)
             raise
@@ -152,18 +144,10 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         self, request: pb.MigrateOutRequest, context: grpc.aio.ServicerContext
     ) -> pb.MigrateOutResponse:
         t0 = time.perf_counter()
-        chunks = self.core.export_chunks(request.seq_id)
+        chunks = wire.export_chunks(self.core, request.seq_id)
         if ":" not in request.target:
             raise InvalidInput(f"migration target must be HOST:PORT, got {request.target!r}")
-        channel = aio_channel(request.target, self.settings.tls, DATA_PLANE_OPTIONS)
-        try:
-            resp = await pb_grpc.KVAttentionStub(channel).ImportSequence(
-                chunks, timeout=context.time_remaining(), metadata=request_metadata(request.seq_id)
-            )
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, f"migration target {request.target}: ") from None
-        finally:
-            await channel.close()
+        resp = await self._send(request.target, request.seq_id, chunks, context.time_remaining())
         seconds = time.perf_counter() - t0
         log.info(
             "migrated %d tokens (%d bytes) to %s in %.3fs",
@@ -175,11 +159,24 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         )
         return pb.MigrateOutResponse(tokens=resp.tokens, bytes=resp.bytes, seconds=seconds)
 
+    @maps_rpc_errors(prefix=lambda self, target, *_: f"migration target {target}: ")
+    async def _send(
+        self, target: str, seq_id: str, chunks: Iterator[pb.KVChunk], timeout: float | None
+    ) -> pb.ImportResponse:
+        """One sequence's chunks to the target shard's ImportSequence, on a channel of its own."""
+        channel = aio_channel(target, self.settings.tls, DATA_PLANE_OPTIONS)
+        try:
+            return await pb_grpc.KVAttentionStub(channel).ImportSequence(
+                chunks, timeout=timeout, metadata=request_metadata(seq_id)
+            )
+        finally:
+            await channel.close()
+
     @handles_errors
     async def ImportSequence(
         self, request_iterator: AsyncIterator[pb.KVChunk], context: grpc.aio.ServicerContext
     ) -> pb.ImportResponse:
-        tokens, nbytes = await self.core.import_chunks(request_iterator.__aiter__())
+        tokens, nbytes = await wire.import_chunks(self.core, request_iterator.__aiter__())
         self._update_gauges()
         return pb.ImportResponse(tokens=tokens, bytes=nbytes)
 

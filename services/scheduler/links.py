@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastdecode.runtime import codec, convert
-from fastdecode.runtime.errors import Unavailable
+from fastdecode.runtime.errors import ServiceError, Unavailable
 from fastdecode.runtime.geometry import KVGeometry
-from fastdecode.runtime.rpc import aio_channel, error_from_item, error_from_rpc, request_metadata
+from fastdecode.runtime.rpc import aio_channel, maps_rpc_errors, request_metadata
 from fastdecode.runtime.settings import TLSFiles
 from fastdecode.scheduling import Reservation, Step
-from fastdecode.scheduling.driver import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
+from fastdecode.scheduling.ports import DenseInfo, MigrationResult, ShardState, StepOutcome
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc
+from fastdecode.wire import dense as dense_wire
+from fastdecode.wire import kv as kv_wire
 
 
 class GrpcDenseLink:
@@ -29,25 +31,11 @@ class GrpcDenseLink:
         self._queue: asyncio.Queue[dense_pb2.StepPlan | None] | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
 
+    @maps_rpc_errors(prefix=lambda self, *_: f"gpu_dense at {self.address}: ")
     async def info(self, timeout: float) -> DenseInfo:
-        try:
-            i = await self.stub.Info(dense_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, f"gpu_dense at {self.address}: ") from None
+        i = await self.stub.Info(dense_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
         self.model_info = i
-        return DenseInfo(
-            model_type=i.model_type,
-            geometry=KVGeometry(
-                i.num_layers, i.num_kv_heads, i.head_dim, tuple(i.layer_windows), i.attn_logit_softcap
-            ),
-            vocab_size=int(i.vocab_size),
-            max_position_embeddings=int(i.max_position_embeddings),
-            eos_token_ids=tuple(i.eos_token_ids),
-            num_shards=len(i.shards),
-            shard_addresses=tuple(i.shards),
-            model=f"{i.model_path}|{i.dtype}",  # what the KV depends on: shards never mix prefixes of two
-            removed_shards=tuple(i.removed_shards),
-        )
+        return dense_wire.dense_info_from_proto(i)
 
     async def run(self, step: Step, pipeline: bool) -> StepOutcome:
         """One plan over the persistent Run stream (reopened after a failure)."""
@@ -60,29 +48,22 @@ class GrpcDenseLink:
 
             self._call = self.stub.Run(plans())
             self._queue = queue
-        self._queue.put_nowait(convert.step_plan(step, pipeline))
-        assert self._call is not None
+        self._queue.put_nowait(dense_wire.step_plan(step, pipeline))
         try:
-            result = await asyncio.wait_for(self._call.read(), self.step_timeout)
-        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            result = await self._read()
+        except (ServiceError, TimeoutError) as e:
             self._reset()
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else "step timed out"
+            detail = e.message if isinstance(e, ServiceError) else "step timed out"
             raise Unavailable(f"gpu_dense at {self.address} unavailable: {detail}") from None
         if result is grpc.aio.EOF:
             self._reset()
             raise Unavailable(f"gpu_dense at {self.address} closed the step stream")
-        items = [
-            ItemResult(
-                r.seq_id,
-                r.token_id,
-                r.logprob,
-                error_from_item(r.error) if r.error.code else None,
-                convert.top_from_proto(r.top),
-                [convert.position_from_proto(p) for p in r.prompt_logprobs],
-            )
-            for r in result.results
-        ]
-        return StepOutcome(items, error_from_item(result.error) if result.error.code else None)
+        return dense_wire.step_outcome_from_proto(result)
+
+    @maps_rpc_errors
+    async def _read(self) -> Any:
+        assert self._call is not None
+        return await asyncio.wait_for(self._call.read(), self.step_timeout)
 
     def _reset(self) -> None:
         if self._queue is not None:
@@ -93,18 +74,14 @@ class GrpcDenseLink:
             self._call.cancel()
         self._call, self._queue = None, None
 
+    @maps_rpc_errors
     async def add_shard(self, address: str, timeout: float) -> int:
-        try:
-            resp = await self.stub.AddShard(dense_pb2.AddShardRequest(address=address), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e) from None
+        resp = await self.stub.AddShard(dense_pb2.AddShardRequest(address=address), timeout=timeout)
         return int(resp.shard)
 
+    @maps_rpc_errors(prefix=lambda self, *_: f"gpu_dense at {self.address}: ")
     async def remove_shard(self, index: int, timeout: float) -> None:
-        try:
-            await self.stub.RemoveShard(dense_pb2.DenseRemoveShardRequest(shard=index), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, f"gpu_dense at {self.address}: ") from None
+        await self.stub.RemoveShard(dense_pb2.DenseRemoveShardRequest(shard=index), timeout=timeout)
 
 
 class GrpcShardLink:
@@ -116,83 +93,51 @@ class GrpcShardLink:
 
     async def healthy(self, timeout: float) -> bool:
         try:
-            resp = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError:
+            return await self._serving(timeout)
+        except ServiceError:  # not answering counts as not serving
             return False
+
+    @maps_rpc_errors
+    async def _serving(self, timeout: float) -> bool:
+        resp = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
+    @maps_rpc_errors(prefix=lambda self, *_: f"shard {self.address}: ")
     async def stats(self, timeout: float) -> ShardState:
-        try:
-            st = await self.stub.Stats(kv_attention_pb2.StatsRequest(), timeout=timeout, wait_for_ready=True)
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, f"shard {self.address}: ") from None
-        return ShardState(
-            sequences=st.sequences,
-            configured=st.configured,
-            free_tokens=st.free_tokens,
-            tokens_reserved=st.tokens_reserved,
-            bytes_capacity=st.bytes_capacity,
-            kv_itemsize=codec.torch_dtype(st.kv_dtype).itemsize,
-            block_size=st.block_size,
-            # a shard hosted by gpu_dense shares its cores with the S-part: both count
-            busy_seconds=st.attention_busy_seconds + st.host_busy_seconds,
-            attended_pairs=st.attended_token_pairs,
-        )
+        st = await self.stub.Stats(kv_attention_pb2.StatsRequest(), timeout=timeout, wait_for_ready=True)
+        return kv_wire.shard_state_from_proto(st)
 
+    @maps_rpc_errors
     async def reserve(
         self, geometry: KVGeometry, seqs: list[Reservation], timeout: float, model: str = ""
     ) -> list[int]:
-        req = kv_attention_pb2.ReserveRequest(
-            model=model,
-            geometry=kv_attention_pb2.KVGeometry(
-                num_layers=geometry.num_layers,
-                num_kv_heads=geometry.num_kv_heads,
-                head_dim=geometry.head_dim,
-                layer_windows=geometry.layer_windows,
-                attn_logit_softcap=geometry.attn_logit_softcap,
-            ),
-            sequences=[
-                kv_attention_pb2.SequenceReservation(
-                    seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids
-                )
-                for s in seqs
-            ],
+        req = kv_wire.reserve_request(geometry, seqs, model)
+        resp = await self.stub.Reserve(
+            req, timeout=timeout, metadata=request_metadata(*(s.seq_id for s in seqs))
         )
-        try:
-            resp = await self.stub.Reserve(
-                req, timeout=timeout, metadata=request_metadata(*(s.seq_id for s in seqs))
-            )
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e) from None
         # a shard without prefix sharing (or older) answers none: nothing cached
         return list(resp.cached_tokens) or [0] * len(seqs)
 
+    @maps_rpc_errors
     async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
         req = (
             kv_attention_pb2.ReleaseRequest(all=True)
             if seq_ids is None
             else kv_attention_pb2.ReleaseRequest(seq_ids=seq_ids)
         )
-        try:
-            await self.stub.Release(
-                req,
-                timeout=timeout,
-                wait_for_ready=seq_ids is None,  # at start-up the shard may still be coming up
-                metadata=request_metadata(*(seq_ids or ())),
-            )
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e) from None
+        await self.stub.Release(
+            req,
+            timeout=timeout,
+            wait_for_ready=seq_ids is None,  # at start-up the shard may still be coming up
+            metadata=request_metadata(*(seq_ids or ())),
+        )
 
+    @maps_rpc_errors(prefix=lambda self, *_: f"shard {self.address}: ")
     async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
         req = kv_attention_pb2.MigrateOutRequest(seq_id=seq_id, target=target)
-        try:
-            r = await self.stub.MigrateOut(req, timeout=timeout, metadata=request_metadata(seq_id))
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, f"shard {self.address}: ") from None
+        r = await self.stub.MigrateOut(req, timeout=timeout, metadata=request_metadata(seq_id))
         return MigrationResult(int(r.tokens), int(r.bytes), float(r.seconds))
 
+    @maps_rpc_errors(prefix=lambda self, *_: f"shard {self.address}: ")
     async def retire(self, timeout: float) -> None:
-        try:
-            await self.stub.Retire(kv_attention_pb2.RetireRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise error_from_rpc(e, f"shard {self.address}: ") from None
+        await self.stub.Retire(kv_attention_pb2.RetireRequest(), timeout=timeout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode.scheduling import SchedulerStats
-from fastdecode.scheduling.driver import SchedulerMetrics
+from fastdecode.scheduling.ports import SchedulerMetrics
 
 RUNNING = Gauge("fastdecode_num_requests_running", "Sequences decoding")
 WAITING = Gauge("fastdecode_num_requests_waiting", "Sequences queued for admission")

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 import grpc
 
 from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
-from fastdecode.runtime import convert
 from fastdecode.runtime.errors import InvalidInput, Unavailable
 from fastdecode.runtime.logs import bind_request_id
 from fastdecode.runtime.rpc import Server, handles_errors, request_id_of
@@ -17,6 +16,7 @@ from fastdecode.scheduling.driver import SchedulerDriver
 from fastdecode.v1 import dense_pb2
 from fastdecode.v1 import scheduler_pb2 as pb
 from fastdecode.v1 import scheduler_pb2_grpc as pb_grpc
+from fastdecode.wire import scheduler as wire
 from services.scheduler.links import GrpcDenseLink, GrpcShardLink
 from services.scheduler.metrics import PrometheusSchedulerMetrics
 
@@ -42,8 +42,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> AsyncIterator[pb.TokenEvent]:
         sid = request.request_id or request_id_of(context) or self.driver.new_id()
         bind_request_id(sid)  # this call's task logs with the request id from here on
-        async for ev in self.driver.generate(convert.request_from_submit(sid, request)):
-            yield convert.token_event_to_proto(ev)
+        async for ev in self.driver.generate(wire.request_from_submit(sid, request)):
+            yield wire.token_event_to_proto(ev)
 
     @handles_errors
     async def GetModelInfo(
@@ -59,16 +59,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.SchedulerStats:
         if self.driver.core is None:
             raise Unavailable("scheduler not ready")
-        addresses = [shard.link.address for shard in self.driver.shards]
-        out = convert.scheduler_stats_to_proto(
-            self.driver.core.stats(), addresses, self.driver.not_ready_reason()
-        )
-        d = self.driver
-        out.migrated_bytes, out.migration_seconds = d.migrated_bytes, d.migration_seconds
-        out.migrations_failed = d.migrations_failed
-        for sh in out.shards:
-            sh.waiting_to_move = d.waiting_to_move(sh.shard)
-        return out
+        return wire.scheduler_stats_to_proto(self.driver)
 
     @handles_errors
     async def AddShard(
@@ -85,7 +76,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         r = await self.driver.remove_shard(
             request.shard, request.address.strip(), max(0.0, request.timeout_seconds)
         )
-        return convert.remove_result_to_proto(r)
+        return wire.remove_result_to_proto(r)
 
 
 async def _readiness(server: Server, driver: SchedulerDriver, interval: float) -> None:

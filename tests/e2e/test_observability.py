@@ -14,7 +14,7 @@ import grpc
 from fastdecode.runtime.errors import Status
 from fastdecode.runtime.rpc import REQUEST_ID_KEY, sync_channel
 from fastdecode.scheduling import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
-from fastdecode.scheduling.core import ADMISSION_DECISIONS
+from fastdecode.scheduling.tables import ADMISSION_DECISIONS
 from fastdecode.tools.fleet import UpProcess
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support import TOKEN, Samples, scrape, start_up

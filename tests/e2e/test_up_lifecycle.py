@@ -35,7 +35,7 @@ def test_failed_start_exits_nonzero_naming_the_service(tmp_path: Path, model_fac
     def up(model: Path, device: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "fastdecode.cli", "up", "--model", str(model), "--shards", "1"]
-            + ["--device", device, "--port", str(free_port())],
+            + ["--device", device, "--port", str(free_port()), "--kv-dtype", "bfloat16"],
             capture_output=True,
             text=True,
             timeout=120,

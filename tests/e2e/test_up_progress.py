@@ -40,6 +40,7 @@ def test_up_on_a_terminal_shows_progress(model_factory: Callable, tmp_path: Path
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, cols
     cmd = [sys.executable, "-m", "fastdecode.cli", "up", "--model", str(model_factory("llama"))]
     cmd += ["--shards", "1", "--device", "cpu", "--port", str(free_port()), "--kv-capacity", str(64 << 20)]
+    cmd += ["--kv-dtype", "bfloat16"]
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE")}
     proc = subprocess.Popen(
         cmd,

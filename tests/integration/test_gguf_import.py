@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from fastdecode.contract import SamplingParams
 from fastdecode.dense.engine import LocalEngine
-from fastdecode.dense.sampling import SamplingParams
 from fastdecode.runtime.errors import ModelLoadError
 from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.tools.gguf_import import cached_import, import_gguf, unpermute_rotary

@@ -16,7 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.dense import AttendItem
-from fastdecode.kv import KVStore
+from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.runtime.errors import NotFound, Unavailable
 from fastdecode.runtime.rpc import aio_channel
 from fastdecode.runtime.settings import DenseSettings
@@ -70,7 +70,7 @@ def test_hosted_items_attend_in_process_beside_remote_ones(kind: str, tmp_path: 
                 item = _hosted_item(1, layer)
                 out = await plane.attend_layer(0, layer, [_item(0, 1.0), item])
                 assert torch.equal(out[0], torch.full((2, 12), 2.0))  # the remote shard's answer
-                want = ref.attend(layer, IDS, [1, 1], [0, 0], item.q, item.k, item.v)
+                want = ref.attend(layer, AttendBatch(IDS, [1, 1], [0, 0], item.q, item.k, item.v))
                 assert torch.allclose(out[1], want, atol=1e-6), layer
             # only hosted items: no inner plane involved
             only = await plane.attend_layer(1, 0, [_hosted_item(1, 7)])

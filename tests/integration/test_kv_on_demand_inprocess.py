@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fastdecode.dense.engine import pack, run_layers
-from fastdecode.kv import KVStore
-from fastdecode.model import DenseModel
+from fastdecode.kv import AttendBatch, KVStore
+from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import ResourceExhausted
 from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
 
@@ -80,12 +80,14 @@ def run(
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s=seqs, st=store):
                 return st.attend(
                     layer,
-                    [p.seq_id for p in s],
-                    [len(p.token_ids) for p in s],
-                    [p.start_pos for p in s],
-                    q,
-                    k,
-                    v,
+                    AttendBatch(
+                        [p.seq_id for p in s],
+                        [len(p.token_ids) for p in s],
+                        [p.start_pos for p in s],
+                        q,
+                        k,
+                        v,
+                    ),
                 )
 
             try:

@@ -1,5 +1,6 @@
-"""Layering checks that need a fresh interpreter: the domain cores import with gRPC unimportable, and
-the SDK loads no server module."""
+"""Layering checks: no module imports a layer above its own, the cores never see a proto (both drawn
+from the source), and, in a fresh interpreter, the domain cores import with gRPC unimportable, the
+gateway loads no torch and the SDK loads no server module."""
 
 from __future__ import annotations
 
@@ -8,7 +9,107 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.imports import import_graph
+
 REPO = Path(__file__).resolve().parents[2]
+
+# The house, bottom to top: a module imports its own group and groups of a lower rank only (groups of
+# one rank never import each other). The floor is plumbing and the generated stubs; the contract is
+# what crosses between services; then the cores; the wire layer converts between the cores and the
+# protos; tools, the SDK, the benchmarks, the CLI and the service adapters stand on all of it.
+RANK = {
+    "fastdecode": 0,  # the package's own __init__
+    "protocol": 0,  # wire constants the SDK shares
+    "v1": 0,  # generated
+    "runtime": 1,
+    "contract": 2,
+    "model": 3,
+    "kv": 3,
+    "dense": 4,
+    "gateway": 4,
+    "scheduling": 4,
+    "wire": 5,
+    "planning": 5,
+    "tools": 6,
+    "client": 6,
+    "benchmarks": 7,
+    "services": 7,
+    "cli": 8,
+}
+# The domain cores: they see domain objects only, never a generated message (fastdecode.wire converts).
+CORES = ("contract", "model", "kv", "dense", "gateway", "scheduling", "planning")
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    return "services" if parts[0] == "services" else (parts[1] if len(parts) > 1 else parts[0])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if _group(m) != _group(d) and RANK[_group(d)] >= RANK[_group(m)]
+    )
+
+
+def proto_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if _group(m) in CORES
+        for d in deps
+        if d.startswith("fastdecode.v1")
+    )
+
+
+def test_no_upward_import() -> None:
+    graph = import_graph()
+    assert {_group(m) for m in graph} <= set(RANK), "a new top-level module needs its place in RANK"
+    assert upward_imports(graph) == []
+    # the checks see what they are for: the old upward imports, put back
+    graph["fastdecode.runtime.geometry"] = graph["fastdecode.runtime.geometry"] | {"fastdecode.gateway.core"}
+    graph["fastdecode.dense.runner"] = graph["fastdecode.dense.runner"] | {"fastdecode.scheduling.types"}
+    assert upward_imports(graph) == [
+        "fastdecode.dense.runner -> fastdecode.scheduling.types",
+        "fastdecode.runtime.geometry -> fastdecode.gateway.core",
+    ]
+
+
+def test_cores_import_no_protos() -> None:
+    graph = import_graph()
+    assert proto_imports(graph) == []
+    graph["fastdecode.kv.shard"] = graph["fastdecode.kv.shard"] | {"fastdecode.v1.kv_attention_pb2"}
+    assert proto_imports(graph) == ["fastdecode.kv.shard -> fastdecode.v1.kv_attention_pb2"]
+
+
+GATEWAY_LOADS = """
+import importlib, json, pkgutil, sys
+import fastdecode.gateway, services.gateway
+names = [m.name for pkg in (fastdecode.gateway, services.gateway)
+         for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+names += ["fastdecode.wire.gateway", "fastdecode.contract", "fastdecode.model"]
+for name in names:
+    importlib.import_module(name)
+heavy = sorted(
+    m for m in sys.modules if m == "torch" or m.startswith(("torch.", "fastdecode.kv", "fastdecode.dense"))
+)
+print(json.dumps({"imported": names, "heavy": heavy}))
+"""
+
+
+def test_the_gateway_loads_no_torch() -> None:
+    """The gateway validates, tokenizes and relays: importing every one of its modules (the core and
+    the gRPC and HTTP fronts) loads no torch and no model or KV code."""
+    out = subprocess.run(
+        [sys.executable, "-c", GATEWAY_LOADS], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "services.gateway.server" in result["imported"] and "fastdecode.gateway.core" in result["imported"]
+    assert result["heavy"] == []
+
 
 # Modules under fastdecode/ that speak gRPC by design (adapters and tools); every other one is a core
 # or a plain helper and must import without it.
@@ -25,6 +126,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)
     "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
     "fastdecode.benchmarks.split",  # drives gpu_dense and the shards over gRPC
+    "fastdecode.benchmarks.split_fleet",  # starts them and fills their KV over gRPC
 }
 
 BLOCK_GRPC = """
@@ -98,3 +200,21 @@ def test_the_sdk_loads_no_server_module() -> None:
         or m == "grpc_health.v1.health"
     ]
     assert forbidden == []
+
+
+# Modules over the adapter size that are being split; this set only shrinks.
+ADAPTERS_BEING_SPLIT = {"services/gateway/openai_api.py", "services/gpu_dense/exchange.py"}
+
+
+def test_module_sizes() -> None:
+    """No module holds more than 600 lines (the generated stubs and the SDK's one-file client
+    aside), and a service adapter no more than 300: a module past that holds more than one topic."""
+    sizes = {
+        str(p.relative_to(REPO)): len(p.read_text().splitlines())
+        for pkg in ("fastdecode", "services")
+        for p in (REPO / pkg).rglob("*.py")
+        if "v1" not in p.relative_to(REPO).parts
+    }
+    assert [f for f, n in sizes.items() if n > 600 and f != "fastdecode/client.py"] == []
+    over = {f for f, n in sizes.items() if n > 300 and f.startswith("services/")}
+    assert over <= ADAPTERS_BEING_SPLIT, over - ADAPTERS_BEING_SPLIT

@@ -13,11 +13,11 @@ import torch
 
 from fastdecode.dense import AttendItem
 from fastdecode.runtime import codec
-from fastdecode.runtime.convert import attend_request
 from fastdecode.runtime.errors import InvalidInput, Unavailable
-from fastdecode.runtime.rpc import item_error
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from fastdecode.wire.errors import item_error
+from fastdecode.wire.kv import attend_request
 from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.shards import ShardLink, ShardLinks
 

@@ -15,7 +15,7 @@ from fastdecode.gateway.text import ValidRequest
 from fastdecode.runtime.errors import NotFound, ServiceError, Unavailable
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling import Reservation, Step
-from fastdecode.scheduling.driver import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
+from fastdecode.scheduling.ports import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 from fastdecode.benchmarks.gpu_check import split_layouts
 from fastdecode.benchmarks.hosts import cpu_list, host_layout, parse_cpu_set, parse_hosts, thread_env
 from fastdecode.benchmarks.split import crossover, run_split_bench
-from fastdecode.kv import KVStore
+from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.planning.planner import SplitParts, best_host_share, split_ideal_ratio, split_step_s
 from fastdecode.runtime.errors import InvalidInput, NotFound
 
@@ -144,7 +144,7 @@ def test_fill_synthetic_writes_every_layer_linearly() -> None:
     # decode attends over the filled cache like over a prefilled one
     q = torch.randn(2, 4, 8)
     kv = torch.randn(2, 2, 8)
-    o = store.attend(0, ["a", "b"], [1, 1], [33, 33], q, kv, kv)
+    o = store.attend(0, AttendBatch(["a", "b"], [1, 1], [33, 33], q, kv, kv))
     assert o.shape == (2, 32) and torch.isfinite(o.float()).all()
     with pytest.raises(NotFound):
         store.fill_synthetic(["zz"], 4)
@@ -154,7 +154,7 @@ def test_fill_synthetic_writes_every_layer_linearly() -> None:
 
 def test_step_timings_carry_the_mode_and_the_s_part_cpu() -> None:
     from fastdecode.dense.runner import Timings
-    from fastdecode.runtime.convert import timings_to_proto
+    from fastdecode.wire.dense import timings_to_proto
 
     t = Timings(s_part_seconds=0.2, s_part_cpu_seconds=0.15, step_seconds=0.3, pipelined=True)
     p = timings_to_proto(t)

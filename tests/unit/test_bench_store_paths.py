@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fastdecode.kv import KVStore
+from fastdecode.kv import AttendBatch, KVStore
 
 
 def naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def filled(heads: int, kv_heads: int, lengths: list[int], dtype: torch.dtype = t
         k, v = torch.randn(n + 1, kv_heads, 8), torch.randn(n + 1, kv_heads, 8)
         hist[sid] = (k, v)
         for layer in range(2):
-            store.attend(layer, [sid], [n], [0], torch.randn(n, heads, 8), k[:n], v[:n])
+            store.attend(layer, AttendBatch([sid], [n], [0], torch.randn(n, heads, 8), k[:n], v[:n]))
     return store, hist
 
 
@@ -48,7 +48,7 @@ def test_uniform_decode_is_batched_and_matches_naive(
     q = torch.randn(5, heads, 8)
     k = torch.stack([hist[s][0][9] for s in ids])
     v = torch.stack([hist[s][1][9] for s in ids])
-    out = store.attend(1, ids, [1] * 5, [9] * 5, q, k, v)
+    out = store.attend(1, AttendBatch(ids, [1] * 5, [9] * 5, q, k, v))
     assert out.shape == (5, heads * 8) and out.dtype == torch.float32
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i, s in enumerate(ids):
@@ -63,10 +63,10 @@ def test_uneven_decode_falls_back_and_agrees_with_batched() -> None:
     ids = list(hist)
     k = torch.stack([hist[s][0][n] for s, n in zip(ids, [9, 7, 9, 5], strict=True)])
     v = torch.stack([hist[s][1][n] for s, n in zip(ids, [9, 7, 9, 5], strict=True)])
-    out = uneven.attend(0, ids, [1] * 4, [9, 7, 9, 5], q, k, v)
+    out = uneven.attend(0, AttendBatch(ids, [1] * 4, [9, 7, 9, 5], q, k, v))
     for i, (s, n) in enumerate(zip(ids, [9, 7, 9, 5], strict=True)):
         torch.testing.assert_close(out[i], naive(q[i], hist[s][0][: n + 1], hist[s][1][: n + 1]))
     # the same two equal-length sequences, batched (every other one: evenly spaced runs)
     sub = [ids[0], ids[2]]
-    again = uneven.attend(1, sub, [1, 1], [9, 9], q[[0, 2]], k[[0, 2]], v[[0, 2]])
+    again = uneven.attend(1, AttendBatch(sub, [1, 1], [9, 9], q[[0, 2]], k[[0, 2]], v[[0, 2]]))
     torch.testing.assert_close(again, out[[0, 2]], atol=1e-6, rtol=1e-5)

@@ -106,8 +106,8 @@ def test_unsupported_dtype_cannot_be_encoded() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_wire_reads_o_in_place_as_fromstring_would(dtype: torch.dtype) -> None:
-    from fastdecode.runtime.convert import parse_response
     from fastdecode.v1 import kv_attention_pb2 as kv_pb
+    from fastdecode.wire.kv import parse_response
 
     o = torch.randn(5, 12).to(dtype)
     wire = codec.serialize_with(kv_pb.AttendResponse(request_id=7, attend_seconds=0.5), o=o)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdecode.contract import PlannedSeq
 from fastdecode.dense import AttendItem, PipelineChooser, StepRunner
 from fastdecode.dense.engine import LocalEngine
 from fastdecode.kv import KVStore
-from fastdecode.model import DenseModel
+from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import Unavailable
-from fastdecode.scheduling import PlannedSeq
 
 
 class InProcessShards:
@@ -43,7 +43,7 @@ class InProcessShards:
                 out.append(Unavailable(f"shard {it.shard} unavailable"))
                 continue
             store = self.stores[it.shard]
-            out.append(store.attend(layer, it.seq_ids, it.num_tokens, it.start_pos, it.q, it.k, it.v))
+            out.append(store.attend(layer, it.batch))
         return out
 
 
@@ -168,8 +168,9 @@ def test_penalties_keep_the_history_a_re_prefill_restarts_and_a_lost_one_is_refu
     """The runner's penalized draw equals LocalEngine's logits through `penalize` over the same
     history; a sequence prefilled again from start_pos 0 (recovery, preemption) gets the same next
     token; a runner without the history (gpu_dense restarted) refuses the sequence, not the step."""
+    from fastdecode.contract import SamplingParams
     from fastdecode.dense.engine import SeqChunk
-    from fastdecode.dense.sampling import SamplingParams, penalize
+    from fastdecode.dense.sampling import penalize
     from fastdecode.runtime.errors import FailedPrecondition
 
     path = model_factory("llama")

@@ -14,7 +14,8 @@ from fastdecode.gateway.core import SchedulerLost
 from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import InvalidInput, ResourceExhausted, ServiceError, Status, Unavailable
-from fastdecode.runtime.rpc import GRPC_CODE, error_from_item, handles_errors, item_error, status_for
+from fastdecode.runtime.rpc import GRPC_CODE, handles_errors, maps_rpc_errors, status_for
+from fastdecode.wire.errors import error_from_item, item_error
 from services.gateway.scheduler_link import upstream_error
 
 
@@ -127,3 +128,59 @@ def test_a_failed_connection_to_the_scheduler_is_a_lost_scheduler() -> None:
     err = upstream_error(_rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed", answered=False))
     assert isinstance(err, SchedulerLost) and err.status is Status.UNAVAILABLE
     assert err.message == "scheduler lost: Socket closed"
+
+
+class _Link:
+    """A client link whose calls fail as a peer would."""
+
+    address = "10.0.0.7:50061"
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        self.error = error
+        self.closed_early = False
+
+    @maps_rpc_errors(prefix=lambda self, *_: f"shard {self.address}: ")
+    async def call(self, fail: bool) -> int:
+        if fail:
+            raise self.error
+        return 7
+
+    @maps_rpc_errors
+    async def stream(self, fail_after: int) -> AsyncIterator[int]:
+        try:
+            for i in range(fail_after):
+                yield i
+            raise self.error
+        finally:
+            self.closed_early = True
+
+    @maps_rpc_errors(mapper=upstream_error)
+    async def relayed(self) -> None:
+        raise self.error
+
+
+def test_maps_rpc_errors_turns_a_failed_call_into_its_domain_error() -> None:
+    link = _Link(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free block"))
+    assert asyncio.run(link.call(False)) == 7
+    with pytest.raises(ResourceExhausted) as info:
+        asyncio.run(link.call(True))
+    assert info.value.message == "shard 10.0.0.7:50061: no free block"
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no gRPC frames in the log
+
+    async def read(link: _Link, n: int) -> list[int]:
+        return [i async for i in link.stream(n)]
+
+    with pytest.raises(ResourceExhausted, match="^no free block$"):
+        asyncio.run(read(link, 2))
+
+    async def first(link: _Link) -> int:  # a consumer that stops early closes the wrapped stream
+        gen = link.stream(5)
+        item = await anext(gen)
+        await gen.aclose()
+        return item
+
+    early = _Link(link.error)
+    assert asyncio.run(first(early)) == 0 and early.closed_early
+    lost = _Link(_rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed", answered=False))
+    with pytest.raises(SchedulerLost, match="scheduler lost: Socket closed"):
+        asyncio.run(lost.relayed())

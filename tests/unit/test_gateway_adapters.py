@@ -15,11 +15,11 @@ from pydantic import SecretStr
 from fastdecode.gateway.core import GatewayCore, GenerationChunk, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.model import ModelConfig
-from fastdecode.runtime.convert import params_from_proto
 from fastdecode.runtime.errors import InvalidInput, ServiceError, Status, Unavailable
 from fastdecode.runtime.settings import GatewaySettings
 from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
+from fastdecode.wire.gateway import params_from_proto
 from services.gateway.http_server import _Front
 from services.gateway.openai_api import OpenAIApp
 from services.gateway.server import BadRequest, BearerAuthInterceptor, GatewayServicer, _parser

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.guards import ProcessOrPortInUnitTest
-
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("fastdecode", "services")
+from tests.support.imports import REPO, find_cycle, import_graph
 
 
 def test_the_guard_refuses_processes_and_ports() -> None:
@@ -28,69 +26,6 @@ def test_the_guard_refuses_processes_and_ports() -> None:
         grpc.aio.server()
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports, anywhere in its body (lazy imports included)."""
-    files = {
-        _module_name(p): p
-        for pkg in PACKAGES
-        for p in (REPO / pkg).rglob("*.py")
-        if "v1" not in p.relative_to(REPO).parts  # generated stubs import only each other
-    }
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        edges: set[str] = set()
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(
-                        package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
-                    ).strip(".")
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            for t in targets:
-                while t and t not in files:  # `from a.b import c`: c may be a name, not a module
-                    t = t.rpartition(".")[0]
-                if t and t != name:
-                    edges.add(t)
-        graph[name] = edges
-    return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle (as a path that comes back to its start), or None. A package's import of its
-    own submodules is not a cycle through them unless a submodule imports the package back."""
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if node.startswith(nxt + "."):  # a submodule importing its parent package's __init__
-                continue
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)) is not None:
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (found := visit(start)) is not None:
-            return found
-    return None
-
-
 def test_no_import_cycle() -> None:
     graph = import_graph()
     assert "fastdecode.gateway.core" in graph and "services.gateway.server" in graph
@@ -101,6 +36,22 @@ def test_no_import_cycle() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_graph_draws_package_init_edges() -> None:
+    """An import of a package's module from outside it runs the package's __init__ first: the loop
+    dense/__init__ -> runner -> scheduling/__init__ -> core -> dense.sampling (-> dense/__init__)
+    worked only by import order, and drew no cycle while these edges were missing."""
+    graph = import_graph()
+    assert "fastdecode.wire" in graph["services.gateway.server"]  # from fastdecode.wire.gateway import ...
+    assert "fastdecode.kv" in graph["fastdecode.dense.runner"]
+    assert "fastdecode.dense" not in graph["fastdecode.dense.runner"]  # its own package: already running
+    graph = {k: set(v) for k, v in graph.items()}
+    # the old loop, put back (with the package edges each of its imports draws)
+    graph["fastdecode.scheduling.core"] |= {"fastdecode.dense.sampling", "fastdecode.dense"}
+    graph["fastdecode.dense.runner"] |= {"fastdecode.scheduling.types", "fastdecode.scheduling"}
+    cycle = find_cycle(graph)
+    assert cycle is not None and "fastdecode.dense" in cycle and "fastdecode.scheduling" in cycle
 
 
 def _dynamic_imports(path: Path) -> list[str]:

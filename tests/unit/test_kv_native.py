@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastdecode.kv import KV_DTYPES, KVStore, native
-from fastdecode.kv.store import kv_bytes_per_element
+from fastdecode.kv import KV_DTYPES, AttendBatch, KVStore, native
+from fastdecode.kv.memory import kv_bytes_per_element
 from fastdecode.runtime.errors import FailedPrecondition
 
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
@@ -91,7 +91,7 @@ def run_and_check(
         v = torch.cat([history[s][1][p : p + n] for s, p, n in call])
         assert k.shape == (total, kvh, dim)
         o = store.attend(
-            layer, [s for s, *_ in call], [n for *_, n in call], [p for _, p, _ in call], q, k, v
+            layer, AttendBatch([s for s, *_ in call], [n for *_, n in call], [p for _, p, _ in call], q, k, v)
         )
         assert o.shape == (total, heads * dim) and o.dtype == torch.float32
         row = 0
@@ -184,7 +184,7 @@ def test_native_matches_torch_backend_over_steps(dtype: str) -> None:
         total = sum(n)
         q, k, v = (torch.randn(total, h, 32, generator=gen) for h in (8, 2, 2))
         for layer in range(2):
-            outs = [s.attend(layer, ids, n, [pos[i] for i in ids], q, k, v) for s in stores]
+            outs = [s.attend(layer, AttendBatch(ids, n, [pos[i] for i in ids], q, k, v)) for s in stores]
             tol = KERNEL_TOL[dtype] if dtype in ("float32", "int8") else 1e-2  # SDPA: in the half type
             torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
         for i, m in zip(ids, n, strict=True):
@@ -209,7 +209,7 @@ def test_scalar_path_matches_vector_path(dtype: str) -> None:
     try:
         for isa in ("scalar", before):
             kernel.set_isa(isa)
-            outs.append(store.attend(0, ["a", "b"], [1, 1], [499, 19], q, k, v))
+            outs.append(store.attend(0, AttendBatch(["a", "b"], [1, 1], [499, 19], q, k, v)))
     finally:
         kernel.set_isa(before)
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
@@ -284,7 +284,7 @@ def test_int8_wide_heads_do_not_overflow_the_integer_dot() -> None:
     v = torch.randn(3, 1, dim, generator=torch.Generator().manual_seed(3))
     store.write(0, "a", 0, k[:2], v[:2])
     q = torch.ones(1, 1, dim)
-    o = store.attend(0, ["a"], [1], [2], q, k[2:], v[2:])
+    o = store.attend(0, AttendBatch(["a"], [1], [2], q, k[2:], v[2:]))
     sk, sv = stored(store, 0, "a", 3)
     exact = reference(q, sk, sv, 2)
     torch.testing.assert_close(o.double(), exact, atol=KERNEL_TOL["int8"], rtol=KERNEL_TOL["int8"])

@@ -9,8 +9,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fastdecode.kv import KVStore
-from fastdecode.kv.prefix import PrefixCache, chain_hashes, prefix_seed
+from fastdecode.contract import chain_hashes, prefix_seed
+from fastdecode.kv import AttendBatch, KVStore
+from fastdecode.kv.prefix import PrefixCache
 from fastdecode.runtime.errors import ResourceExhausted
 
 BS = 4
@@ -150,7 +151,7 @@ def test_attention_over_shared_blocks_equals_unshared(backend: str) -> None:
             for layer in range(layers):
                 qkv = torch.randn(13, heads + 2 * kvh, hd, generator=gen)
                 q, k, v = qkv[cached:, :heads], qkv[cached:, heads : heads + kvh], qkv[cached:, heads + kvh :]
-                o = store.attend(layer, [sid], [n], [cached], q, k, v)
+                o = store.attend(layer, AttendBatch([sid], [n], [cached], q, k, v))
                 res.append(o[-1])  # the last token's output (what is sampled from)
         outs.append(torch.stack(res))
         if sharing:

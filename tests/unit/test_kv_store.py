@@ -8,8 +8,8 @@ import mmap
 import pytest
 import torch
 
-from fastdecode.kv import BlockAllocator, KVStore, huge_page_empty, huge_page_share
-from fastdecode.kv.store import mapping_of
+from fastdecode.kv import AttendBatch, BlockAllocator, KVStore, huge_page_empty, huge_page_share
+from fastdecode.kv.memory import mapping_of
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 
 
@@ -47,7 +47,8 @@ def test_chunked_prefill_then_decode_matches_naive(heads: int, kv_heads: int) ->
         v = torch.cat([history_v[s][p : p + n] for s, p, n in step])
         for layer in range(3):
             o = store.attend(
-                layer, [s for s, _, _ in step], [n for *_, n in step], [p for _, p, _ in step], q, k, v
+                layer,
+                AttendBatch([s for s, _, _ in step], [n for *_, n in step], [p for _, p, _ in step], q, k, v),
             )
             row = 0
             for s, p, n in step:
@@ -71,10 +72,10 @@ def test_fragmented_pool_gives_same_result_as_contiguous() -> None:
     assert flat.seqs["x"].contiguous
     q, k, v = torch.randn(40, 2, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
     for store in (frag, flat):
-        store.attend(0, ["x"], [30], [0], q[:30], k[:30], v[:30])
+        store.attend(0, AttendBatch(["x"], [30], [0], q[:30], k[:30], v[:30]))
     torch.testing.assert_close(
-        frag.attend(0, ["x"], [10], [30], q[30:], k[30:], v[30:]),
-        flat.attend(0, ["x"], [10], [30], q[30:], k[30:], v[30:]),
+        frag.attend(0, AttendBatch(["x"], [10], [30], q[30:], k[30:], v[30:])),
+        flat.attend(0, AttendBatch(["x"], [10], [30], q[30:], k[30:], v[30:])),
     )
 
 
@@ -85,9 +86,11 @@ def test_half_precision_kv_is_close(dtype: torch.dtype) -> None:
     q, k, v = torch.randn(12, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
     for s in (store, ref):
         s.reserve("a", 12)
-    out = store.attend(0, ["a"], [12], [0], q, k, v)
+    out = store.attend(0, AttendBatch(["a"], [12], [0], q, k, v))
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref.attend(0, ["a"], [12], [0], q, k, v), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(
+        out, ref.attend(0, AttendBatch(["a"], [12], [0], q, k, v)), atol=3e-2, rtol=3e-2
+    )
     assert store.bytes_per_token * 2 == ref.bytes_per_token
 
 
@@ -108,15 +111,15 @@ def test_errors_are_typed() -> None:
     store.reserve("a", 4)
     q, k = torch.randn(1, 4, 8), torch.randn(1, 2, 8)
     with pytest.raises(NotFound):
-        store.attend(0, ["zz"], [1], [0], q, k, k)
+        store.attend(0, AttendBatch(["zz"], [1], [0], q, k, k))
     with pytest.raises(InvalidInput, match="k/v must have shape"):
-        store.attend(0, ["a"], [1], [0], q, torch.randn(1, 3, 8), k)
+        store.attend(0, AttendBatch(["a"], [1], [0], q, torch.randn(1, 3, 8), k))
     with pytest.raises(InvalidInput, match="q must have shape"):
-        store.attend(0, ["a"], [1], [0], torch.randn(1, 3, 8), k, k)
+        store.attend(0, AttendBatch(["a"], [1], [0], torch.randn(1, 3, 8), k, k))
     with pytest.raises(InvalidInput, match="gap"):
-        store.attend(0, ["a"], [1], [2], q, k, k)
+        store.attend(0, AttendBatch(["a"], [1], [2], q, k, k))
     with pytest.raises(InvalidInput, match="layer"):
-        store.attend(7, ["a"], [1], [0], q, k, k)
+        store.attend(7, AttendBatch(["a"], [1], [0], q, k, k))
     with pytest.raises(FailedPrecondition):
         store.reserve("a", 4)
 
@@ -139,7 +142,7 @@ def test_allocator_merges_free_runs() -> None:
 def attend_all(store: KVStore, seq_ids: list[str], start: list[int], n: list[int]) -> torch.Tensor:
     total = sum(n)
     q, kv = torch.randn(total, 4, 8), torch.randn(total, 2, 8)
-    return store.attend(0, seq_ids, n, start, q, kv, kv)
+    return store.attend(0, AttendBatch(seq_ids, n, start, q, kv, kv))
 
 
 def test_sequences_grow_a_block_at_a_time_and_stats_count_blocks() -> None:
@@ -172,14 +175,15 @@ def test_scattered_growth_attends_like_one_contiguous_run() -> None:
     q, k, v = torch.randn(40, 4, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
     for store in (grown, flat):
         for layer in range(3):
-            store.attend(layer, ["x"], [3], [0], q[:3], k[:3], v[:3])
+            store.attend(layer, AttendBatch(["x"], [3], [0], q[:3], k[:3], v[:3]))
     outs = []
     for store in (grown, flat):
         got = []
         for pos in range(3, 40):
             for layer in range(3):
                 o = store.attend(
-                    layer, ["x"], [1], [pos], q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1]
+                    layer,
+                    AttendBatch(["x"], [1], [pos], q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1]),
                 )
             got.append(o)
         outs.append(torch.cat(got))
@@ -227,7 +231,7 @@ def test_a_grown_table_whose_ends_look_like_a_run_is_not_taken_for_one() -> None
     outs: list[list[torch.Tensor]] = [[], []]
     for lo, hi, free in ((0, 16, "c"), (16, 32, "a"), (32, 48, "d"), (48, 64, None)):
         for j, s in enumerate((store, flat)):
-            outs[j].append(s.attend(0, ["x"], [hi - lo], [lo], q[lo:hi], k[lo:hi], v[lo:hi]))
+            outs[j].append(s.attend(0, AttendBatch(["x"], [hi - lo], [lo], q[lo:hi], k[lo:hi], v[lo:hi])))
         if free:
             store.release(free)
     # x grew into 3 (its next block was b's), then 0, then 4: its ends are 3 apart over 4 blocks

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from fastdecode.kv import KV_DTYPES, KVStore, native
-from fastdecode.kv.store import kv_bytes_per_element
+from fastdecode.kv import KV_DTYPES, AttendBatch, KVStore, native
+from fastdecode.kv.memory import kv_bytes_per_element
 
 kernel = native.load()
 ISAS = ["scalar"] + (["avx2"] if kernel.isa() == "avx2" else [])
@@ -105,7 +105,7 @@ def _run(store: KVStore, layer: int, tol: float, window: int, cap: float, gen: t
         k = torch.cat([hist[s][0][p : p + n] for s, p, n in call])
         v = torch.cat([hist[s][1][p : p + n] for s, p, n in call])
         o = store.attend(
-            layer, [s for s, *_ in call], [n for *_, n in call], [p for _, p, _ in call], q, k, v
+            layer, AttendBatch([s for s, *_ in call], [n for *_, n in call], [p for _, p, _ in call], q, k, v)
         )
         row = 0
         for s, p, n in call:
@@ -143,8 +143,8 @@ def test_full_layer_beside_window_layer_sees_everything() -> None:
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(30, 6, 64, generator=gen)
     k, v = torch.randn(30, 2, 64, generator=gen), torch.randn(30, 2, 64, generator=gen)
-    o0 = store.attend(0, ["s"], [30], [0], q, k, v)
-    o1 = store.attend(1, ["s"], [30], [0], q, k, v)
+    o0 = store.attend(0, AttendBatch(["s"], [30], [0], q, k, v))
+    o1 = store.attend(1, AttendBatch(["s"], [30], [0], q, k, v))
     torch.testing.assert_close(o0[:5], o1[:5])  # the first 5 positions see the same keys
     assert not torch.allclose(o0[10:], o1[10:])
     torch.testing.assert_close(o0.double(), reference(q, k, v, 0, 5, 0.0), atol=5e-5, rtol=5e-5)

@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator, Iterable
 import pytest
 import torch
 
-from fastdecode.kv import KVStore
+from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.kv.shard import ShardCore
 from fastdecode.runtime.errors import FailedPrecondition
 from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.wire.kv import export_chunks, import_chunks
 from tests.unit.test_kv_window import reference
 
 KVH, HEADS, DIM, BS = 2, 4, 16, 4
@@ -53,7 +54,7 @@ def test_decode_past_the_window_gives_blocks_back_and_sees_its_window(backend: s
         for layer, w in enumerate(GEMMA):
             q = torch.randn(n, HEADS, DIM, generator=gen)
             k, v = hist[layer][0][pos : pos + n], hist[layer][1][pos : pos + n]
-            o = store.attend(layer, ["s"], [n], [pos], q, k, v)
+            o = store.attend(layer, AttendBatch(["s"], [n], [pos], q, k, v))
             want = reference(q, hist[layer][0][: pos + n], hist[layer][1][: pos + n], pos, w, 0.0)
             torch.testing.assert_close(o.double(), want, atol=1e-4, rtol=1e-4)
         pos += n
@@ -70,10 +71,10 @@ def test_decode_past_the_window_gives_blocks_back_and_sees_its_window(backend: s
     # a rerun below the window's blocks is refused with a clear error, not a kernel failure
     store.reserve("t", 40)
     q, kv = torch.randn(40, HEADS, DIM), torch.randn(40, KVH, DIM)
-    store.attend(0, ["t"], [40], [0], q, kv, kv)
-    store.attend(0, ["t"], [1], [40], q[:1], kv[:1], kv[:1])
+    store.attend(0, AttendBatch(["t"], [40], [0], q, kv, kv))
+    store.attend(0, AttendBatch(["t"], [1], [40], q[:1], kv[:1], kv[:1]))
     with pytest.raises(FailedPrecondition, match="window"):
-        store.attend(0, ["t"], [1], [10], q[:1], kv[:1], kv[:1])
+        store.attend(0, AttendBatch(["t"], [1], [10], q[:1], kv[:1], kv[:1]))
 
 
 def test_more_sequences_fit_at_the_same_capacity() -> None:
@@ -101,8 +102,8 @@ def test_migration_sends_the_window_and_the_copy_attends_the_same(dtype: torch.d
         for layer in range(6):
             q = torch.randn(n, HEADS, DIM, generator=gen)
             kv = torch.randn(n, KVH, DIM, generator=gen)
-            src.attend_tensors(layer, ["s"], [n], [pos], q, kv, kv)
-    chunks = list(src.export_chunks("s"))
+            src.attend(layer, AttendBatch(["s"], [n], [pos], q, kv, kv))
+    chunks = list(export_chunks(src, "s"))
     assert chunks[0].geometry.layer_windows == list(GEMMA) and chunks[0].geometry.attn_logit_softcap == 30.0
     assert [c.first_token for c in chunks[1:]] == [24] * 5 + [0]  # window layers send their blocks only
 
@@ -110,15 +111,15 @@ def test_migration_sends_the_window_and_the_copy_attends_the_same(dtype: torch.d
         for c in items:
             yield c
 
-    tokens, _ = asyncio.run(dst.import_chunks(stream(chunks)))
+    tokens, _ = asyncio.run(import_chunks(dst, stream(chunks)))
     assert tokens == 32
     assert dst.store is not None and dst.store.softcap == 30.0
     assert dst.store.seqs["s"].dead == [6] * 5 + [0]  # the next query (32) sees 25.. : blocks 6..
     for layer in range(6):
         q = torch.randn(1, HEADS, DIM, generator=gen)
         kv = torch.randn(1, KVH, DIM, generator=gen)
-        a = src.attend_tensors(layer, ["s"], [1], [32], q, kv, kv).o
-        b = dst.attend_tensors(layer, ["s"], [1], [32], q, kv, kv).o
+        a = src.attend(layer, AttendBatch(["s"], [1], [32], q, kv, kv)).o
+        b = dst.attend(layer, AttendBatch(["s"], [1], [32], q, kv, kv)).o
         assert torch.equal(a, b)
 
 
@@ -151,7 +152,7 @@ def test_prefix_sharing_reads_the_window_a_finished_prefix_left_cached(backend: 
             for layer, w in enumerate(GEMMA):
                 q = torch.randn(len(part), HEADS, DIM, generator=gen)
                 k, v = kv(layer, part, p0)
-                o = store.attend(layer, [sid], [len(part)], [p0], q, k, v)
+                o = store.attend(layer, AttendBatch([sid], [len(part)], [p0], q, k, v))
                 hk, hv = kv(layer, ids[: p0 + len(part)], 0)
                 want = reference(q, hk, hv, p0, w, 0.0)
                 torch.testing.assert_close(o.double(), want, atol=1e-4, rtol=1e-4)

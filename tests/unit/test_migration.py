@@ -9,15 +9,16 @@ from collections.abc import AsyncIterator, Iterable
 import pytest
 import torch
 
-from fastdecode.kv import KVStore
+from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.kv.shard import ShardCore
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
-from fastdecode.scheduling.core import Move
 from fastdecode.scheduling.driver import SchedulerDriver
+from fastdecode.scheduling.migration import Move
+from fastdecode.wire.kv import export_chunks, import_chunks
+from tests.support.core_fleet import Fleet
 from tests.support.fakes import FakeDense, FakeShard
-from tests.unit.test_scheduling_core import Fleet
 
 LAYERS, KVH, HEADS, DIM = 3, 2, 4, 8
 
@@ -51,8 +52,8 @@ def test_export_import_then_attend_gives_the_same_output(dtype: torch.dtype) -> 
     for layer in range(LAYERS):
         q = torch.randn(1, HEADS, DIM, generator=g)
         k, v = torch.randn(1, KVH, DIM, generator=g), torch.randn(1, KVH, DIM, generator=g)
-        a = src.attend(layer, ["s"], [1], [11], q, k, v)
-        b = dst.attend(layer, ["s"], [1], [11], q, k, v)
+        a = src.attend(layer, AttendBatch(["s"], [1], [11], q, k, v))
+        b = dst.attend(layer, AttendBatch(["s"], [1], [11], q, k, v))
         assert torch.equal(a, b)
 
 
@@ -86,7 +87,7 @@ def test_shard_core_chunk_stream_round_trip_and_a_broken_stream() -> None:
     for layer in range(LAYERS):
         src.store.write(layer, "s", 0, torch.randn(7, KVH, DIM), torch.randn(7, KVH, DIM))
     dst = ShardCore(1 << 20, torch.bfloat16, 4, backend="torch")
-    tokens, nbytes = asyncio.run(dst.import_chunks(_stream(src.export_chunks("s"))))
+    tokens, nbytes = asyncio.run(import_chunks(dst, _stream(export_chunks(src, "s"))))
     assert tokens == 7 and nbytes == LAYERS * 2 * KVH * 7 * DIM * 2
     for layer in range(LAYERS):
         assert all(
@@ -96,13 +97,13 @@ def test_shard_core_chunk_stream_round_trip_and_a_broken_stream() -> None:
             )
         )
     other = ShardCore(1 << 20, torch.bfloat16, 4, backend="torch")
-    cut = list(src.export_chunks("s"))[:2]  # the header and one layer, then the source died
+    cut = list(export_chunks(src, "s"))[:2]  # the header and one layer, then the source died
     with pytest.raises(InvalidInput, match="ended after 1 of 3 layers"):
-        asyncio.run(other.import_chunks(_stream(cut)))
+        asyncio.run(import_chunks(other, _stream(cut)))
     assert other.store is not None and not other.store.seqs and other.store.blocks_in_use == 0
     fp32 = ShardCore(1 << 20, torch.float32, 4, backend="torch")
     with pytest.raises(FailedPrecondition, match="stores"):
-        asyncio.run(fp32.import_chunks(_stream(src.export_chunks("s"))))
+        asyncio.run(import_chunks(fp32, _stream(export_chunks(src, "s"))))
 
 
 # ---- the scheduler core's moves ---------------------------------------------------------------------

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastdecode.dense.engine import LocalEngine, SeqChunk
-from fastdecode.model import DenseModel, ModelConfig
-from fastdecode.model.config import rope_inv_freq
+from fastdecode.model import ModelConfig
+from fastdecode.model.dense import DenseModel
+from fastdecode.model.rope import rope_inv_freq
 from fastdecode.runtime.errors import ModelLoadError
 from tests.support import PROMPTS
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode.dense.structured import Structured
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import sane_request_id
 from fastdecode.gateway.openai import (
@@ -23,6 +22,7 @@ from fastdecode.gateway.openai import (
     error_body,
 )
 from fastdecode.runtime.errors import InvalidInput, ModelLoadError, ServiceError, Status
+from fastdecode.runtime.grammar import Structured
 from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.tools.checkpoint import CHATML_TEMPLATE
 

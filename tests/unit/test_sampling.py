@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode.dense.sampling import SamplingParams, penalize, sample, top_logprobs
+from fastdecode.contract import SamplingParams
+from fastdecode.dense.sampling import penalize, sample, top_logprobs
 from fastdecode.runtime.errors import InvalidInput
 
 

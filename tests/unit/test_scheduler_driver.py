@@ -6,12 +6,13 @@ import asyncio
 
 import pytest
 
-from fastdecode.dense.sampling import SamplingParams
+from fastdecode.contract import SamplingParams
 from fastdecode.runtime.errors import InvalidInput, ServiceError, Unavailable
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling import Request
-from fastdecode.scheduling.driver import DEFAULT_BLOCK_SIZE, SchedulerDriver, capacity_tokens
+from fastdecode.scheduling.driver import SchedulerDriver
+from fastdecode.scheduling.ports import DEFAULT_BLOCK_SIZE, capacity_tokens
 from tests.support.fakes import FakeDense, FakeShard
 
 NAN_TEMPERATURE = SamplingParams(temperature=float("nan"))
@@ -76,7 +77,7 @@ def test_block_size_comes_from_the_shards() -> None:
 
 
 def test_capacity_of_a_configured_shard_is_what_it_reports() -> None:
-    from fastdecode.scheduling.driver import ShardState
+    from fastdecode.scheduling.ports import ShardState
 
     st = ShardState(1, True, 300, 200, 1 << 30, 4, 16, 0.0, 0.0)
     assert capacity_tokens(st, KVGeometry(2, 2, 8)) == 500

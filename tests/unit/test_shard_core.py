@@ -10,6 +10,7 @@ from fastdecode.kv.shard import ShardCore
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, NotFound
 from fastdecode.v1 import kv_attention_pb2 as pb
+from fastdecode.wire.kv import attend_batch
 
 REAL, BOGUS = (2, 2, 8), (1, 1, 2)
 
@@ -49,5 +50,5 @@ def test_attend_errors_name_no_sequence_id() -> None:
         v=codec.encode(kv),
     )
     with pytest.raises(NotFound) as info:
-        c.attend(req)
+        c.attend(req.layer, attend_batch(req))
     assert "secret-request" not in info.value.message and "1 of 2" in info.value.message

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastdecode.runtime.errors import Unavailable
-from fastdecode.tools.fleet import RestartPolicy, Supervisor
+from fastdecode.tools.supervisor import RestartPolicy, Supervisor
 
 
 @dataclass

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fastdecode.model import DenseModel, ModelConfig
+from fastdecode.model import ModelConfig
+from fastdecode.model.dense import DenseModel
 from fastdecode.model.weights import load_weights
 from fastdecode.runtime.progress import ProgressFile, read_progress
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.kv import KVStore
+from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.runtime.errors import ResourceExhausted
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
-from tests.unit.test_scheduling_core import EOS, model
+from tests.support.core_fleet import EOS, model
 
 KVH, DIM, BS = 1, 8, 4
 WINDOWS = (16, 16, 16, 16, 16, 0)
@@ -50,7 +50,7 @@ def _run(windows: tuple[int, ...], capacity_bytes: int) -> tuple[int, int]:
             k = torch.randn(n, KVH, DIM, generator=gen)
             try:
                 for layer in range(layers):
-                    store.attend(layer, [p.seq_id], [n], [p.start_pos], q, k, k)
+                    store.attend(layer, AttendBatch([p.seq_id], [n], [p.start_pos], q, k, k))
             except ResourceExhausted:
                 short.append(p.seq_id)
                 continue

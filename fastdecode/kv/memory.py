@@ -1,0 +1,80 @@
+"""Memory for the KV pools: the storage dtypes and what an element costs, anonymous memory advised
+for transparent huge pages (and how much of a tensor they back), and int8 quantization per row.
+Imports no gRPC."""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
+_INT8_MAX = 127.0
+_HUGE_PAGE = 2 << 20
+
+
+def kv_bytes_per_element(dtype: torch.dtype, head_dim: int) -> float:
+    """Bytes one cached element costs, counting int8's float32 scale per (token, head) row."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return itemsize + (4 / head_dim if dtype == torch.int8 else 0)
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor on private anonymous memory advised for transparent huge pages
+    (MADV_HUGEPAGE; plain torch.empty below 2 MiB or where the OS lacks it). Pages are committed on
+    first write, as with torch.empty, but 2 MiB at a time. The kernel walks each KV head's rows a
+    block at a time, and on 4 KiB pages each block of a head is a new page whose TLB miss stalls
+    the read: with huge pages a layer took 0.75-0.79x the time in bf16 and 0.86-0.90x in fp32 on Zen 4."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < _HUGE_PAGE or advice is None:
+        return torch.empty(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    try:
+        buf.madvise(advice)
+    except OSError:  # THP not in this kernel: plain pages
+        pass
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # keeps buf alive
+
+
+def mapping_of(t: torch.Tensor) -> dict[str, int]:
+    """The /proc/self/smaps fields (Size, Rss, AnonHugePages in kB; THPeligible 0/1) of the
+    mapping that holds t's data; {} where there is no smaps (not Linux) or no such mapping."""
+    addr, fields, inside = t.data_ptr(), {}, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if not head.endswith(":"):  # a mapping's header: start-end perms ...
+                    if inside:
+                        break
+                    start, _, end = head.partition("-")
+                    inside = int(start, 16) <= addr < int(end, 16)
+                elif inside:
+                    value = line.split()[1]
+                    if value.isdigit():
+                        fields[head[:-1]] = int(value)
+    except OSError:
+        return {}
+    return fields
+
+
+def huge_page_share(t: torch.Tensor) -> float | None:
+    """Share of t's mapping, of what is resident, backed by huge pages (None: unknown)."""
+    m = mapping_of(t)
+    return m["AnonHugePages"] / m["Rss"] if m.get("Rss") and "AnonHugePages" in m else None
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of the last dim: x ~= q * scale. The native kernel does the same."""
+    x = x.float()
+    scale = x.abs().amax(-1) / _INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale[..., None] > 0, torch.round(x / safe[..., None]), torch.zeros_like(x))
+    return q.clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale

@@ -1,0 +1,110 @@
+"""The core's load model: how long a sequence is expected to run (max_tokens scaled by the running
+generated/max_tokens ratio), the KV it commits (its blocks plus the headroom for `kv_lookahead`
+steps), each shard's load over a horizon, and where a new sequence goes (placement.choose_shard).
+Pure Python, no gRPC."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from fastdecode.scheduling.placement import ShardLoad, choose_shard
+from fastdecode.scheduling.tables import CoreTables, SeqEntry
+from fastdecode.scheduling.types import Reservation
+
+
+class LoadModel(CoreTables):
+    """SchedulerCore's load model (a mixin over the core's tables)."""
+
+    def _held_blocks(self, end: int, start: int, block_size: int) -> int:
+        """Blocks a sequence holds while computing positions start..end-1 (as its shard allocates:
+        a windowed layer gives back what the query at `start` no longer sees)."""
+        if self._geometry is None:
+            return -(-end // block_size)
+        return self._geometry.held_blocks(end, start, block_size)
+
+    def _held(self, tokens: float) -> float:
+        """KV tokens a sequence of `tokens` holds (and attends over): fewer with windowed layers."""
+        return tokens if self._geometry is None else self._geometry.held_tokens(int(tokens))
+
+    def _expected_gen(self, seq: SeqEntry) -> float:
+        mt = seq.req.max_tokens
+        return float(min(mt, max(seq.generated + 1, self._ratio * mt)))
+
+    def _future_load(self, seq: SeqEntry, horizon: float) -> float:
+        """Mean KV tokens the sequence holds over the next `horizon` steps (it grows by one a step and
+        is gone after its expected end)."""
+        now = len(seq.tokens)
+        h = min(max(0.0, len(seq.req.prompt) + self._expected_gen(seq) - now), horizon)
+        return h * self._held(now + h / 2) / horizon
+
+    def _headroom(self, seq: SeqEntry) -> int:
+        """Tokens the sequence is expected to add over the next kv_lookahead steps: one a step, until
+        its expected end (max_tokens scaled by the running generated/max_tokens ratio)."""
+        left = len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens)
+        return int(min(self._lookahead, max(0, math.ceil(left))))
+
+    def _commitment(self, seq: SeqEntry, block_size: int) -> int:
+        """KV tokens a sequence counts against its shard: its blocks, or its history plus headroom
+        rounded up to whole blocks when that is more (blocks it reads from the prefix cache aside)."""
+        end = len(seq.tokens) + self._headroom(seq)  # a windowed layer holds the most at the end
+        grown = self._held_blocks(end, end - 1, block_size) * block_size
+        return max(seq.blocks * block_size, grown) - seq.shared * block_size
+
+    def _loads(self, step_no: int, horizon: float) -> list[ShardLoad]:
+        load = [0.0] * len(self._shards)
+        committed = [0] * len(self._shards)
+        for seq in self._running.values():
+            if seq.shard is not None:
+                load[seq.shard] += self._future_load(seq, horizon)
+                committed[seq.shard] += self._commitment(seq, self._shards[seq.shard].spec.block_size)
+            if seq.moving is not None:  # a copy under way holds its room on the target too
+                committed[seq.moving] += seq.incoming * self._shards[seq.moving].spec.block_size
+        return [
+            ShardLoad(
+                capacity=sh.spec.capacity_tokens,
+                speed=sh.spec.speed,
+                reserved=committed[i],
+                load=load[i],
+                available=self._serving(sh) and sh.blocked_until <= step_no,
+            )
+            for i, sh in enumerate(self._shards)
+        ]
+
+    def _place(
+        self, seq: SeqEntry, step_no: int, reserve: list[Reservation], may_wait: bool = False
+    ) -> bool | None | Literal["wait"]:
+        """Place on the shard with the least load over the new sequence's expected life (what it will
+        share the shard with), weighted by speed and capacity, or the one holding its longest cached
+        prefix when the balance allows. False: no room now; None: no healthy shard could ever hold
+        it; "wait" (only with may_wait): its prefix is being computed on the shard it would go to."""
+        horizon = max(1.0, len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens))
+        loads = self._loads(step_no, horizon)
+        need = self._commitment(seq, max(sh.spec.block_size for sh in self._shards))
+        matches = [self._prefix_match(seq, j) for j in range(len(self._shards))]
+        cached = [r * sh.spec.block_size for (r, _), sh in zip(matches, self._shards, strict=True)]
+        i = self._whole_prefix_shard(seq, need, loads, matches)
+        if i is None:
+            i = choose_shard(need, self._future_load(seq, horizon), loads, cached, self._affinity)
+        if i is None:
+            return False if any(s.available and need <= s.capacity for s in loads) else None
+        if may_wait and matches[i][1] > matches[i][0]:
+            return "wait"
+        sh = self._shards[i]
+        held = len(seq.tokens)  # the prompt, or the history a preempted / moved sequence recomputes
+        seq.blocks = -(-held // sh.spec.block_size)
+        sh.blocks += seq.blocks
+        sh.seqs.add(seq.req.seq_id)
+        seq.shard, seq.reserved_on, seq.kv = i, i, 0
+        ids = list(seq.tokens) if self._shares(seq) else []
+        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=held, token_ids=ids))
+        if self._shares(seq):
+            names = self._names(seq, sh.spec.block_size)
+            for h in names:  # it will hold them once its prefill is in (those it finds cached, at once)
+                if h in sh.prefixes:
+                    sh.prefixes.move_to_end(h)
+                else:
+                    sh.prefixes[h] = seq.req.seq_id
+            while len(sh.prefixes) > sh.spec.capacity_tokens // sh.spec.block_size:
+                sh.prefixes.popitem(last=False)
+        return True

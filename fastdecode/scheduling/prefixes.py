@@ -1,0 +1,132 @@
+"""Prefix placement: the core's names for a sequence's full prompt blocks, which prefix blocks each
+shard holds or is computing, the shard with the longest match, and a request that waits for a prefix
+being computed right now instead of computing it again (see fastdecode/scheduling/core.py). Pure
+Python, no gRPC."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fastdecode.contract import chain_hashes
+from fastdecode.scheduling.placement import ShardLoad
+from fastdecode.scheduling.tables import NAME_SEED, CoreTables, SeqEntry, ShardEntry
+from fastdecode.scheduling.types import Step
+
+
+class PrefixPlacement(CoreTables):
+    """SchedulerCore's prefix placement (a mixin over the core's tables)."""
+
+    def _names(self, seq: SeqEntry, block_size: int) -> list[bytes]:
+        """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded)."""
+        if seq.names is None or seq.names[:2] != (block_size, len(seq.tokens)):
+            seq.names = (block_size, len(seq.tokens), chain_hashes(NAME_SEED, seq.tokens, block_size))
+        return seq.names[2]
+
+    def _shares(self, seq: SeqEntry) -> bool:
+        """Whether the sequence takes part in prefix sharing. Not when gpu_dense must see its whole
+        prompt: prompt logprobs score every prompt position at prefill, and penalties and grammars
+        keep the token history on the dense side (as vLLM skips its prefix cache for prompt logprobs)."""
+        sp = seq.req.sampling
+        return self._sharing and not (sp.prompt_logprobs or sp.needs_history)
+
+    def _prefix_match(self, seq: SeqEntry, shard: int) -> tuple[int, int]:
+        """(blocks ready, blocks ready or being computed) of the sequence's prefix on a shard, of
+        those a shard would share (the block of its last token is always its own)."""
+        sh = self._shards[shard]
+        if not self._shares(seq) or not sh.healthy or not sh.prefixes:
+            return 0, 0
+        bs = sh.spec.block_size
+        ready = known = 0
+        for h in self._names(seq, bs)[: (len(seq.tokens) - 1) // bs]:
+            owner = sh.prefixes.get(h, False)
+            if owner is False or owner == seq.req.seq_id:
+                break
+            known += 1
+            ready += owner is None and ready == known - 1
+        return ready, known
+
+    def _whole_prefix_shard(
+        self, seq: SeqEntry, need: int, loads: list[ShardLoad], matches: list[tuple[int, int]]
+    ) -> int | None:
+        """The shard holding ready every block the sequence could share (all of its prompt but the
+        last token's block), when it has room: a copy of a prompt (the n choices of one OpenAI
+        request) goes where its KV is, as a fork would, instead of computing it again on an emptier
+        shard. Requests that share only a system prompt differ in later blocks: balance places them."""
+        if not self._shares(seq) or self._affinity <= 0:
+            return None
+        for j, ((ready, _), sh) in enumerate(zip(matches, self._shards, strict=True)):
+            s = loads[j]
+            whole = (len(seq.tokens) - 1) // sh.spec.block_size
+            if ready and ready == whole and s.available and s.reserved + need <= s.capacity:
+                return j
+        return None
+
+    def _awaits_prefix(self, seq: SeqEntry) -> bool:
+        """Its prefix is being computed on a shard right now and no shard holds as much of it ready:
+        waiting the few steps of that prefill beats computing and storing it a second time."""
+        if not self._shares(seq):
+            return False
+        matches = [self._prefix_match(seq, j) for j in range(len(self._shards))]
+        return max(k for _, k in matches) > max(r for r, _ in matches)
+
+    def _prefix_ready(self, seq: SeqEntry) -> None:
+        """The blocks the sequence was computing that its shard now holds (every layer written)."""
+        if not self._sharing or seq.shard is None:
+            return
+        sh = self._shards[seq.shard]
+        sid = seq.req.seq_id
+        for h in self._names(seq, sh.spec.block_size)[: seq.kv // sh.spec.block_size]:
+            if sh.prefixes.get(h) == sid:
+                sh.prefixes[h] = None
+
+    def _forget_pending(self, seq: SeqEntry, sh: ShardEntry) -> None:
+        """The sequence leaves the shard: what it had not finished computing will not be there."""
+        if not self._sharing:
+            return
+        sid = seq.req.seq_id
+        for h in self._names(seq, sh.spec.block_size):
+            if sh.prefixes.get(h) == sid:
+                del sh.prefixes[h]
+
+    def prefix_cached(self, step: Step, cached: dict[str, int]) -> Step:
+        """The shards found the first `cached[seq_id]` tokens of these newly reserved sequences in
+        their prefix caches: their prefill starts there (a chunk wholly cached leaves the step), and
+        the blocks they read from the cache no longer count against the shard per sequence. Call
+        after the reservations of `step` succeeded; run the step it returns."""
+        marks = self._inflight.get(step.step, {})
+        planned = {p.seq_id: p for p in step.seqs}
+        drop: list[str] = []
+        for sid, c in cached.items():
+            seq = self._running.get(sid)
+            if c <= 0 or seq is None or seq.shard is None:
+                continue
+            sh = self._shards[seq.shard]
+            c = min(c, len(seq.tokens) - 1)  # a shard shares no more (its last token is computed)
+            seq.cached = c
+            # (a windowed model's sequence lets go of cached blocks as its window passes them: it
+            # keeps counting them, an over-count of at most its prefix)
+            seq.shared = c // sh.spec.block_size if self._geometry is None else 0
+            sh.blocks -= seq.shared
+            self.prefix_hits += 1
+            self.cached_tokens += c
+            p, mark = planned.get(sid), marks.get(sid)
+            if p is None or mark is None or mark.epoch != seq.epoch or p.start_pos != 0:
+                seq.kv = max(seq.kv, c)  # placed, not planned yet: its first chunk starts there
+                continue
+            if c >= len(p.token_ids):  # the whole chunk is cached: nothing of it to run
+                drop.append(sid)
+                del marks[sid]
+                seq.kv, seq.inflight = c, None
+                continue
+            p.token_ids, p.start_pos = p.token_ids[c:], c
+            marks[sid] = replace(mark, start_pos=c)
+        if not drop:
+            return step
+        return Step(
+            step=step.step,
+            seqs=[p for p in step.seqs if p.seq_id not in drop],
+            reserve=step.reserve,
+            release=step.release,
+            preempted=step.preempted,
+            ended=step.ended,
+        )

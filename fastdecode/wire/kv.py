@@ -1,0 +1,181 @@
+"""kv_attention.proto: an Attend item both ways, a sequence's KV in migration chunks, the shard's
+stats and the scheduler's reservations.
+
+The shard's side of an Attend item stays close to the bytes: `attend_batch` decodes q, k and v as
+views of the message's bytes (codec.decode, no copy), and services/kv_attention serializes o straight
+into the answer's bytes (codec.serialize_with): the item is the latency every decode step pays once
+per layer, and the message is the cheapest form it has. Errors travel as an in-band ItemError built
+and read by fastdecode.runtime.rpc (`item_error`, `error_from_item`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from google.protobuf.message import DecodeError
+
+from fastdecode.kv.attend import AttendBatch
+from fastdecode.kv.shard import LayerRows, SequenceHeader, ShardCore
+from fastdecode.runtime import codec
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.scheduling.ports import ShardState
+from fastdecode.scheduling.types import Reservation
+from fastdecode.v1 import kv_attention_pb2 as kv_pb
+
+if TYPE_CHECKING:  # annotations only
+    from fastdecode.dense import AttendItem
+
+
+def attend_request(layer: int, item: AttendItem, request_id: int) -> bytes:
+    """One item's AttendRequest as wire bytes, q, k and v encoded straight into them (one copy)."""
+    head = kv_pb.AttendRequest(
+        request_id=request_id,
+        layer=layer,
+        seq_ids=item.seq_ids,
+        num_tokens=item.num_tokens,
+        start_pos=item.start_pos,
+    )
+    return codec.serialize_with(head, q=item.q, k=item.k, v=item.v)
+
+
+def parse_response(data: bytes) -> tuple[kv_pb.AttendResponse, torch.Tensor | None]:
+    """An AttendResponse's wire bytes: the message without o, and o aliasing `data` (read-only).
+
+    FromString copies o's bytes into the message and reading `.data` copies them again; at a GPU
+    host's sizes (2 MB of o per layer at Llama-3-8B B=256 bf16) those two copies were a third of
+    the dense side's CPU per layer."""
+    rest, o = codec.split_field(data, kv_pb.AttendResponse.DESCRIPTOR.fields_by_name["o"].number)
+    try:
+        head = kv_pb.AttendResponse.FromString(rest)
+    except DecodeError as e:
+        raise InvalidInput(f"malformed AttendResponse: {e}") from None
+    return head, (codec.decode_wire(o) if o is not None else None)
+
+
+def attend_batch(req: kv_pb.AttendRequest) -> AttendBatch:
+    """The shard's side of an item: q, k and v as views of the message's bytes."""
+    return AttendBatch(
+        list(req.seq_ids),
+        list(req.num_tokens),
+        list(req.start_pos),
+        codec.decode(req.q),
+        codec.decode(req.k),
+        codec.decode(req.v),
+    )
+
+
+# ---- live migration ---------------------------------------------------------------------------------
+def export_chunks(core: ShardCore, seq_id: str) -> Iterator[kv_pb.KVChunk]:
+    """One sequence's KV as ImportSequence chunks: a header, then one chunk per layer. NotFound at
+    once, before any chunk, when the sequence is not held here."""
+    header, layers = core.export_sequence(seq_id)
+    return _chunks(header, layers)
+
+
+def _chunks(header: SequenceHeader, layers: Iterator[LayerRows]) -> Iterator[kv_pb.KVChunk]:
+    yield kv_pb.KVChunk(
+        seq_id=header.seq_id,
+        geometry=kv_pb.KVGeometry(
+            num_layers=header.num_layers,
+            num_kv_heads=header.num_kv_heads,
+            head_dim=header.head_dim,
+            layer_windows=header.layer_windows,
+            attn_logit_softcap=header.softcap,
+        ),
+        kv_dtype=codec.wire_dtype(header.dtype),
+        tokens=header.tokens,
+    )
+    for layer in layers:
+        chunk = kv_pb.KVChunk(seq_id=layer.seq_id, layer=layer.layer, first_token=layer.first)
+        for name, t in zip(("k", "v", "k_scale", "v_scale"), layer.rows, strict=True):
+            if t.numel():
+                codec.encode(t, getattr(chunk, name))
+        yield chunk
+
+
+async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -> tuple[int, int]:
+    """Receive one sequence's chunks (header, then every layer) into `core`. Returns (tokens, bytes)."""
+    header = await anext(chunks, None)
+    if header is None or not header.seq_id or header.tokens < 1:
+        raise InvalidInput("an import starts with a header chunk naming the sequence and its tokens")
+    g = header.geometry
+    head = SequenceHeader(
+        header.seq_id,
+        g.num_layers,
+        g.num_kv_heads,
+        g.head_dim,
+        codec.torch_dtype(header.kv_dtype),
+        header.tokens,
+        tuple(g.layer_windows),
+        g.attn_logit_softcap,
+    )
+
+    async def layers() -> AsyncIterator[LayerRows]:
+        async for c in chunks:
+            rows = [
+                codec.decode(t) if t.ByteSize() else torch.empty(0) for t in (c.k, c.v, c.k_scale, c.v_scale)
+            ]
+            yield LayerRows(c.seq_id, c.layer, rows, c.first_token)
+
+    return await core.import_sequence(head, layers())
+
+
+# ---- stats and reservations -------------------------------------------------------------------------
+def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
+    stats = kv_pb.ShardStats(
+        shard_id=shard_id, kv_dtype=codec.wire_dtype(core.dtype), block_size=core.block_size
+    )
+    s = core.store
+    if s is None:
+        stats.bytes_capacity = core.kv_capacity  # no pool yet: its budget
+        return stats
+    stats.configured = True
+    stats.sequences = len(s.seqs)
+    stats.tokens_held = s.tokens_held
+    stats.tokens_reserved = s.tokens_reserved
+    stats.bytes_used = s.bytes_used
+    stats.bytes_capacity = s.capacity_bytes
+    stats.attention_busy_seconds = s.busy_seconds
+    stats.attend_items = s.attend_calls
+    stats.free_tokens = s.free_tokens
+    stats.attended_token_pairs = core.attended_pairs
+    stats.host_busy_seconds = core.host_busy_seconds
+    stats.blocks_in_use, stats.blocks_free = s.blocks_in_use, s.blocks_free
+    for name, value in s.prefix_stats.items():
+        setattr(stats, f"prefix_{name}", value)
+    return stats
+
+
+def shard_state_from_proto(st: kv_pb.ShardStats) -> ShardState:
+    """What the scheduler's driver reads of a shard's Stats."""
+    return ShardState(
+        sequences=st.sequences,
+        configured=st.configured,
+        free_tokens=st.free_tokens,
+        tokens_reserved=st.tokens_reserved,
+        bytes_capacity=st.bytes_capacity,
+        kv_itemsize=codec.torch_dtype(st.kv_dtype).itemsize,
+        block_size=st.block_size,
+        # a shard hosted by gpu_dense shares its cores with the S-part: both count
+        busy_seconds=st.attention_busy_seconds + st.host_busy_seconds,
+        attended_pairs=st.attended_token_pairs,
+    )
+
+
+def reserve_request(geometry: KVGeometry, seqs: Sequence[Reservation], model: str) -> kv_pb.ReserveRequest:
+    return kv_pb.ReserveRequest(
+        model=model,
+        geometry=kv_pb.KVGeometry(
+            num_layers=geometry.num_layers,
+            num_kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim,
+            layer_windows=geometry.layer_windows,
+            attn_logit_softcap=geometry.attn_logit_softcap,
+        ),
+        sequences=[
+            kv_pb.SequenceReservation(seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids)
+            for s in seqs
+        ],
+    )

@@ -1,0 +1,82 @@
+"""scheduler.proto: the gateway's Submit to the scheduler's Request, its token events back; the
+scheduler's stats and RemoveShard answer for operators."""
+
+from __future__ import annotations
+
+from fastdecode.scheduling.driver import SchedulerDriver
+from fastdecode.scheduling.types import RemoveResult, Request, TokenEvent
+from fastdecode.v1 import scheduler_pb2
+from fastdecode.wire.dense import position_to_proto, sampling_from_proto, top_to_proto
+
+
+def request_from_submit(seq_id: str, r: scheduler_pb2.SubmitRequest) -> Request:
+    return Request(
+        seq_id=seq_id,
+        prompt=list(r.prompt_token_ids),
+        max_tokens=r.max_tokens,
+        sampling=sampling_from_proto(r.sampling),
+        stop_token_ids=frozenset(r.stop_token_ids),
+        ignore_eos=r.ignore_eos,
+        sample_offset=r.sample_index_offset,
+    )
+
+
+def token_event_to_proto(ev: TokenEvent) -> scheduler_pb2.TokenEvent:
+    return scheduler_pb2.TokenEvent(
+        token_ids=ev.token_ids,
+        logprobs=ev.logprobs,
+        finish_reason=ev.finish_reason or "",
+        prompt_tokens=ev.prompt_tokens,
+        completion_tokens=ev.completion_tokens,
+        step=ev.step,
+        shard=ev.shard,
+        cached_tokens=ev.cached_tokens,
+        top=[top_to_proto(t) for t in ev.top],
+        prompt_logprobs=[position_to_proto(p) for p in ev.prompt_logprobs],
+    )
+
+
+def scheduler_stats_to_proto(driver: SchedulerDriver) -> scheduler_pb2.SchedulerStats:
+    """GetStats: the core's figures, each shard's address, and the driver's migration totals."""
+    assert driver.core is not None  # the servicer answers UNAVAILABLE before the driver connected
+    st, not_ready_reason = driver.core.stats(), driver.not_ready_reason()
+    addresses = [shard.link.address for shard in driver.shards]
+    out = scheduler_pb2.SchedulerStats(
+        running=st.running,
+        waiting=st.waiting,
+        steps=st.steps,
+        finished=st.finished,
+        recoveries=st.recoveries,
+        preemptions=st.preemptions,
+        kv_load_tokens=st.kv_load_tokens,
+        w_limit=st.w_limit or 0.0,
+        admission=st.admission,
+        not_ready_reason=not_ready_reason or "",
+        migrations=st.migrations,
+    )
+    for sh in st.shards:
+        out.shards.add(
+            shard=sh.shard,
+            address=addresses[sh.shard],
+            healthy=sh.healthy,
+            sequences=sh.sequences,
+            tokens=sh.tokens,
+            expected_tokens=sh.expected_tokens,
+            capacity_tokens=sh.capacity_tokens,
+            block_tokens=sh.reserved_tokens,
+            state=sh.state,
+            waiting_to_move=driver.waiting_to_move(sh.shard),
+        )
+    out.migrated_bytes, out.migration_seconds = driver.migrated_bytes, driver.migration_seconds
+    out.migrations_failed = driver.migrations_failed
+    return out
+
+
+def remove_result_to_proto(r: RemoveResult) -> scheduler_pb2.RemoveShardResponse:
+    return scheduler_pb2.RemoveShardResponse(
+        shard=r.shard,
+        migrated_sequences=r.migrated,
+        reprefilled_sequences=r.reprefilled,
+        seconds=r.seconds,
+        bytes=r.bytes,
+    )

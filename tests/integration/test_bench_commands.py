@@ -1,0 +1,77 @@
+"""Every `fastdecode bench` subcommand at a tiny size, through the command line, checking the fields of
+its --json object (not only that it exits 0). attention: tests/unit/test_bench.py; fleet, transport:
+test_bench_fleets.py; split: test_bench_split.py; exchange, gpu: test_exchange_workers.py. A bench
+that fails prints one line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+
+from fastdecode.cli import main
+
+
+def _bench(*args: str, timeout: float = 600) -> dict[str, Any]:
+    """`fastdecode bench ARGS --json` in its own process (the fleet benches start and kill fleets)."""
+    cmd = [sys.executable, "-m", "fastdecode.cli", "bench", *args, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _finite(result: dict[str, Any], keys: set[str]) -> None:
+    assert keys <= result.keys(), keys - result.keys()
+    for k in keys:
+        assert isinstance(result[k], int | float) and math.isfinite(result[k]), (k, result[k])
+
+
+def test_bench_structured_tiny(smollm2: Path) -> None:
+    r = _bench("structured", "--model", str(smollm2), "-B", "2", "-n", "2")
+    _finite(r, {"plain_step_ms", "structured_step_ms", "mask_ms", "mask_share_of_step", "answers_finished"})
+    assert r["batch"] == 2 and r["steps"] == 2 and r["plain_step_ms"] > 0 and r["mask_ms"] >= 0
+
+
+def test_bench_load_tiny(model_factory: Callable[..., Path]) -> None:
+    args = ["--model", str(model_factory("llama")), "--clients", "3", "--prompt-len", "4", "--gen-len", "4"]
+    r = _bench("load", *args, "--shards", "1", "--bound-s", "120")
+    _finite(r, {"tokens_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "itl_p99_ms"})
+    assert (r["requests"], r["completed"], r["lost_or_hung"], r["errors"]) == (3, 3, 0, {})
+    assert r["clients"] == 3 and r["shards"] == 1 and r["tokens_per_s"] > 0
+
+
+def test_bench_chaos_tiny(model_factory: Callable[..., Path]) -> None:
+    args = ["--model", str(model_factory("llama")), "--clients", "2", "--requests-per-client", "1"]
+    args += ["--prompt-len", "4", "--gen-len", "12", "--shards", "2", "--kills", "1", "--interval-s", "0.5"]
+    r = _bench("chaos", *args, "--no-probes", "--bound-s", "120")
+    assert r["requests_sent"] == r["completed"] == r["tokens_equal_fault_free"] == 2
+    assert r["failed"] == 0 and r["probes"] == [] and len(r["kills"]) == 1
+    assert {"service", "at_s", "back_after_s"} <= r["kills"][0].keys()
+    _finite(r, {"load_s", "restarts"})
+
+
+def test_bench_migrate_tiny(model_factory: Callable[..., Path]) -> None:
+    """The drain and the skewed load, each on fleets of 3 shards: the scheduler's stats (which need the
+    fleet credential) give the copy and rebalancing figures."""
+    args = ["--model", str(model_factory("llama")), "--streams", "3", "--prompt-len", "8", "--gen-len", "24"]
+    r = _bench("migrate", *args, "--skew-clients", "2", "--skew-requests", "3")
+    assert r["requests"] == r["completed"] == r["equal_to_reference"] == 3
+    assert r["drain_error"] == "" and r["drained_shard_exited"] is True
+    assert r["migrated_sequences"] + r["reprefilled_sequences"] <= 3
+    _finite(r, {"drain_s", "migrated_bytes", "migrate_mb_per_s", "skew_tokens_per_s_ratio"})
+    assert r["skew_completed"] == r["skew_completed_off"] == r["skew_requests"] == 3
+    assert r["rebalance_factor"] == 1.1 and r["rebalance_migrations"] >= 0
+
+
+def test_a_failing_bench_prints_one_line(tmp_path: Path) -> None:
+    """Whatever ends a benchmark (here: no checkpoint where --model points) is one line, exit 1."""
+    res = CliRunner().invoke(main, ["bench", "load", "--model", str(tmp_path / "nothing"), "--json"])
+    assert res.exit_code == 1 and res.exception is None or isinstance(res.exception, SystemExit)
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in res.output

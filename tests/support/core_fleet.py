@@ -1,0 +1,145 @@
+"""A fake fleet for SchedulerCore's unit tests: shards that check every plan like a real shard would,
+and a deterministic 'model' whose tokens change if a position is wrong, duplicated or missing."""
+
+from __future__ import annotations
+
+from fastdecode.runtime.errors import ResourceExhausted
+from fastdecode.scheduling import PlannedSeq, SchedulerCore, ShardSpec, Step, TokenEvent
+
+EOS = 0
+
+
+def model(kv: list[int], sample_index: int) -> int:
+    """A deterministic 'greedy model': the next token depends on every cached token and its position,
+    so a wrong position, a duplicated or a missing token changes everything after it."""
+    h = sample_index * 31
+    for i, t in enumerate(kv):
+        h = (h * 1000003 + (i + 1) * (t + 7)) % 2_147_483_647
+    return 1 + h % 97  # never EOS
+
+
+class Fleet:
+    """Shards that hold token ids as their 'KV', allocate it in blocks on demand like KVStore (admitted
+    with the blocks of the reserved tokens, grown a block at a time), and enforce exact positions.
+
+    `real_blocks` makes a shard smaller than the core believes: a chunk that needs a block it lacks
+    is refused whole (RESOURCE_EXHAUSTED), as KVStore.grow does."""
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        nshards: int,
+        eos_at: dict[str, int] | None = None,
+        real_blocks: dict[int, int] | None = None,
+    ) -> None:
+        self.core = core
+        self.kv: list[dict[str, list[int]]] = [{} for _ in range(nshards)]
+        self.reserved: list[dict[str, int]] = [{} for _ in range(nshards)]  # blocks per sequence
+        self.eos_at = eos_at or {}  # seq -> emit EOS as its n-th generated token
+        self.out: dict[str, list[int]] = {}
+        self.finish: dict[str, str | None] = {}
+        self.plans: list[Step] = []
+        self.overwrite = False
+        shards = core.stats().shards
+        self.bs = [sh.block_size for sh in shards]
+        self.cap = [sh.capacity_tokens // sh.block_size for sh in shards]
+        for j, n in (real_blocks or {}).items():
+            self.cap[j] = n
+        self.peak = [0] * nshards
+        self.refused: list[str] = []
+
+    def add_shard(self) -> None:
+        self.kv.append({})
+        self.reserved.append({})
+        new = self.core.stats().shards[-1]
+        self.bs.append(new.block_size)
+        self.cap.append(new.capacity_tokens // new.block_size)
+        self.peak.append(0)
+
+    def lose(self, shard: int) -> list[str]:
+        self.kv[shard], self.reserved[shard] = {}, {}
+        return self.core.shard_lost(shard)
+
+    def _blocks(self, shard: int) -> int:
+        return sum(self.reserved[shard].values())
+
+    def execute(self, step: Step, skip_shard: int | None = None) -> dict[str, tuple[int, float] | str]:
+        for sid, sh in step.release:
+            assert sid in self.reserved[sh], f"release of {sid} not reserved on {sh}"
+            del self.reserved[sh][sid]
+            self.kv[sh].pop(sid, None)
+        for r in step.reserve:
+            assert r.seq_id not in self.reserved[r.shard], f"double reservation {r}"
+            self.reserved[r.shard][r.seq_id] = -(-r.max_tokens // self.bs[r.shard])
+            self.kv[r.shard][r.seq_id] = []
+            assert self._blocks(r.shard) <= self.cap[r.shard], "reservation over capacity"
+        results: dict[str, tuple[int, float] | str] = {}
+        self.refused = []
+        for p in step.seqs:
+            if p.shard == skip_shard:
+                results[p.seq_id] = (12345, 0.0)  # garbage from a shard that is going away
+                continue
+            kv = self.kv[p.shard][p.seq_id]  # KeyError = planned without a reservation
+            if self.overwrite:  # a real shard writes at start_pos: a re-run step overwrites
+                assert p.start_pos <= len(kv), f"{p.seq_id}: start_pos {p.start_pos} leaves a gap"
+                del kv[p.start_pos :]
+            assert p.start_pos == len(kv), f"{p.seq_id}: start_pos {p.start_pos} but {len(kv)} cached"
+            need = -(-(len(kv) + len(p.token_ids)) // self.bs[p.shard])
+            grow = max(0, need - self.reserved[p.shard][p.seq_id])
+            if self._blocks(p.shard) + grow > self.cap[p.shard]:
+                self.refused.append(p.seq_id)  # no free block: nothing of the chunk is kept
+                results[p.seq_id] = ResourceExhausted("KV pool full")
+                continue
+            self.reserved[p.shard][p.seq_id] += grow
+            self.peak[p.shard] = max(self.peak[p.shard], self._blocks(p.shard))
+            kv.extend(p.token_ids)
+            if p.sample:
+                n = p.sample_index + 1
+                tok = EOS if self.eos_at.get(p.seq_id) == n else model(kv, p.sample_index)
+                results[p.seq_id] = (tok, -0.25)
+        for j in range(len(self.kv)):
+            assert self._blocks(j) <= self.cap[j], f"shard {j} over capacity"
+        return results
+
+    def record(self, events: list[TokenEvent]) -> None:
+        for e in events:
+            assert e.seq_id not in self.finish or self.finish[e.seq_id] is None, "event after finish"
+            self.out.setdefault(e.seq_id, []).extend(e.token_ids)
+            self.finish[e.seq_id] = e.finish_reason
+            assert e.completion_tokens == len(self.out[e.seq_id])
+
+    def step(self) -> Step | None:
+        st = self.core.next_step()
+        if st is None:
+            return None
+        self.plans.append(st)
+        results = self.execute(st)
+        if self.refused:
+            self.core.kv_exhausted(st, self.refused)
+        self.record(self.core.apply(st, results))
+        return st
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if self.step() is None:
+                return
+        raise AssertionError("did not finish")
+
+
+def core_with(nshards: int = 1, cap: int = 10_000, **kw: object) -> SchedulerCore:
+    return SchedulerCore([ShardSpec(cap) for _ in range(nshards)], [EOS], **kw)
+
+
+def planned(step: Step, sid: str) -> PlannedSeq | None:
+    return next((p for p in step.seqs if p.seq_id == sid), None)
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """What the model generates for a prompt without any scheduling in the way."""
+    kv = list(prompt)
+    out = []
+    for i in range(n):
+        t = model(kv, i)
+        out.append(t)
+        kv.append(t)
+    return out

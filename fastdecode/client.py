@@ -46,7 +46,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -261,13 +261,19 @@ def _generate_args(
     repetition_penalty: float | None = None,
     min_tokens: int = 0,
     structured: dict[str, Any] | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_p: float | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] | None = None,
 ) -> tuple[pb.GenerateRequest, float | None]:
     """The generate parameters, written once: `stream` and `generate` of both clients take these.
     Returns the request, with only what is given set, and the timeout. `logprobs`: each token's
     logprob and this many alternatives (0..20); `prompt_logprobs` scores the prompt too; the
     penalties are OpenAI's (presence, frequency) and vLLM's (repetition); min_tokens holds back EOS;
     `structured` constrains the output ({"json_schema": {...}}, {"json_object": True},
-    {"regex": ...}, {"choice": [...]} or {"grammar": Lark text})."""
+    {"regex": ...}, {"choice": [...]} or {"grammar": Lark text}). `logit_bias` adds a bias in
+    [-100, 100] to token ids' logits; vLLM's `min_p` drops tokens below min_p x the top one's
+    probability; `allowed_token_ids` limits sampling to those ids; `bad_words` are never generated."""
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
     req = pb.GenerateRequest(
@@ -278,7 +284,12 @@ def _generate_args(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         min_tokens=min_tokens,
+        logit_bias=dict(logit_bias or {}),
+        allowed_token_ids=list(allowed_token_ids or ()),
+        bad_words=list(bad_words or ()),
     )
+    if min_p is not None:
+        req.min_p = min_p
     if logprobs is not None:
         req.logprobs = logprobs
     if repetition_penalty is not None:

@@ -18,6 +18,7 @@ from fastdecode.runtime.errors import InvalidInput
 MAX_TOP_LOGPROBS = 20  # as vLLM and OpenAI's chat API: the alternatives reported per position
 MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100] (-100 bans a token in practice, +100 forces it)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and `suppress_ids` are masked until this many tokens were sampled
     suppress_ids: tuple[int, ...] = ()  # the request's stop token ids (EOS is the runner's to add)
     grammar: str = ""  # an llguidance grammar the output must match (fastdecode.dense.structured)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias) added to the logits
+    min_p: float = 0.0  # vLLM's: tokens below min_p x the top token's probability are dropped
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (empty: all)
+    # vLLM's bad_words as token sequences: a sequence's last token is banned where the generated
+    # tokens end with the rest of it (a one-token word always)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def validate(self) -> None:
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
@@ -66,11 +73,32 @@ class SamplingParams:
             )
         if self.min_tokens < 0:
             raise InvalidInput(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            raise InvalidInput(f"min_p must be in [0, 1], got {self.min_p}")
+        for t, b in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise InvalidInput(f"logit_bias of token {t} must be in [-100, 100], got {b}")
+        if any(not w for w in self.bad_words):
+            raise InvalidInput("a bad word has no tokens")
+
+    def token_ids(self) -> list[int]:
+        """Every token id the parameters name (checked against the vocabulary by the runner)."""
+        return (
+            [t for t, _ in self.logit_bias]
+            + list(self.allowed_token_ids)
+            + [t for w in self.bad_words for t in w]
+        )
 
     @property
     def needs_history(self) -> bool:
-        """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher)."""
-        return self.penalized or bool(self.grammar)
+        """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher, bad
+        words of more than one token)."""
+        return self.penalized or bool(self.grammar) or any(len(w) > 1 for w in self.bad_words)
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling, beyond the penalties and min_tokens."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def penalized(self) -> bool:

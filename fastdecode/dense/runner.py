@@ -165,6 +165,11 @@ class StepRunner:
         if s.next_token is not None and not 0 <= s.next_token < c.vocab_size:
             raise InvalidInput(f"next_token_id outside the vocabulary [0, {c.vocab_size})")
         s.sampling.validate()
+        named = s.sampling.token_ids()
+        if named and (min(named) < 0 or max(named) >= c.vocab_size):
+            raise InvalidInput(
+                f"a sampling parameter names a token outside the vocabulary [0, {c.vocab_size})"
+            )
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         """These sequences ended: drop what the runner kept for them."""

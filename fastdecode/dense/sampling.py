@@ -1,5 +1,6 @@
 """Batched sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds,
-the OpenAI penalties and min_tokens, and logprobs (the sampled token's and the top-k alternatives).
+the OpenAI penalties, logit_bias and min_tokens, vLLM's min_p, allowed_token_ids and bad_words, and
+logprobs (the sampled token's and the top-k alternatives).
 
 A seeded row draws its noise from a generator seeded by (seed, sample_index), so the
 token it gets does not depend on what else is in the batch or on which step it runs.
@@ -30,14 +31,15 @@ def penalize(
     history: Sequence[Sequence[int] | None],
     eos_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """The logits the sampler draws from: penalties (vLLM's order: repetition, then frequency and
-    presence) over each row's `history` (prompt + generated; its last sample_index tokens are the
-    generated ones), and min_tokens. Rows that need none are untouched; returns `logits` itself when
-    no row does."""
+    """The logits the sampler draws from, the logit processors in vLLM's order: penalties
+    (repetition, then frequency and presence) over each row's `history` (prompt + generated; its last
+    sample_index tokens are the generated ones), min_tokens, logit_bias, allowed_token_ids, bad_words.
+    Rows that need none are untouched; returns `logits` itself when no row does. (min_p acts in
+    `sample`, on the probabilities after temperature.)"""
     rows = [
         i
         for i, p in enumerate(params)
-        if (p.penalized and history[i]) or (p.min_tokens and sample_index[i] < p.min_tokens)
+        if (p.penalized and history[i]) or (p.min_tokens and sample_index[i] < p.min_tokens) or p.processed
     ]
     if not rows:
         return logits
@@ -60,7 +62,23 @@ def penalize(
             banned = [t for t in (*eos_ids, *p.suppress_ids) if 0 <= t < vocab]
             if banned:
                 row[torch.tensor(banned, device=logits.device)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            row[ids] += torch.tensor([b for _, b in p.logit_bias], device=logits.device, dtype=row.dtype)
+        if p.allowed_token_ids:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            keep[torch.tensor(p.allowed_token_ids, device=logits.device)] = True
+            row.masked_fill_(~keep, float("-inf"))
+        if p.bad_words:
+            generated = list(hist[len(hist) - min(sample_index[i], len(hist)) :]) if hist else []
+            banned = [w[-1] for w in p.bad_words if _ends_with(generated, w[:-1])]
+            if banned:
+                row[torch.tensor(banned, device=logits.device)] = float("-inf")
     return out
+
+
+def _ends_with(tokens: Sequence[int], tail: Sequence[int]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and list(tokens[len(tokens) - len(tail) :]) == list(tail))
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[tuple[int, float], ...]]:
@@ -106,6 +124,9 @@ def sample(
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        # min_p: below min_p x the most likely token's probability (after temperature, top-k)
+        min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)
+        drop |= probs < min_p[:, None] * probs[:, :1]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         noise = torch.empty_like(probs)

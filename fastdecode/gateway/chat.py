@@ -99,14 +99,22 @@ class ChatTemplate:
             source = _pick(data.get("chat_template") if isinstance(data, dict) else None, path)
         return None if source is None else cls(source, specials)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; a template's own complaint (raise_exception, a missing
-        key) is the request's fault: InvalidInput."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages` (and `tools`, for a template that renders them); a template's
+        own complaint (raise_exception, a missing key) is the request's fault: InvalidInput."""
         # As transformers: keys whose value is None are dropped (templates test for presence).
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(
-                messages=plain, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=plain,
+                add_generation_prompt=add_generation_prompt,
+                **({"tools": list(tools)} if tools else {}),
+                **self.special_tokens,
             )
         except (jinja2.TemplateError, TypeError, ValueError) as e:  # e.g. a message shape it does not expect
             raise InvalidInput(f"the model's chat template rejected the messages: {e}") from None

@@ -24,7 +24,15 @@ from typing import Protocol
 
 from fastdecode.contract import TokenLogprob
 from fastdecode.gateway.grammar import GrammarCompiler
-from fastdecode.gateway.text import GenerateParams, Limits, OutputText, ValidRequest, check_params, resolve
+from fastdecode.gateway.text import (
+    GenerateParams,
+    Limits,
+    OutputText,
+    ValidRequest,
+    bad_word_ids,
+    check_params,
+    resolve,
+)
 from fastdecode.model import ModelConfig
 from fastdecode.runtime.errors import (
     DeadlineExceeded,
@@ -238,7 +246,8 @@ class GatewayCore:
             prompt_ids = list(params.token_ids or [])
         # never on this thread: llguidance can crash a process on a grammar (a worker's, here)
         grammar = await self.grammars.compile(params.structured) if params.structured is not None else ""
-        return resolve(params, prompt_ids, self.limits, grammar)
+        bad = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        return resolve(params, prompt_ids, self.limits, grammar, bad)
 
     async def _connected(self, remaining: float | None) -> None:
         connect = self.settings.connect_timeout

@@ -1,22 +1,28 @@
-"""The OpenAI-compatible API's pure parts: request bodies to GenerateParams, response objects and SSE
-events, and OpenAI's error shape with the one Status -> HTTP table. Imports no gRPC and no web
-framework: services/gateway/openai_api.py serves these over FastAPI.
+"""The OpenAI-compatible API's pure parts: request bodies to GenerateParams (tools included, through
+fastdecode.gateway.tools), and OpenAI's error shape with the one Status -> HTTP table; the response
+side is fastdecode.gateway.responses. Imports no gRPC and no web framework:
+services/gateway/openai_api.py serves these over FastAPI.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fastdecode.contract import MAX_TOP_LOGPROBS, TokenLogprob
+from fastdecode.contract import MAX_TOP_LOGPROBS
 from fastdecode.gateway.chat import ChatTemplate
-from fastdecode.gateway.core import GenerationChunk
 from fastdecode.gateway.text import GenerateParams, unencodable
+from fastdecode.gateway.tools import (
+    ToolRequest,
+    fallback_messages,
+    template_messages,
+    template_renders_tools,
+    tool_request,
+)
 from fastdecode.runtime.errors import ServiceError, Status
 from fastdecode.runtime.grammar import Structured
 
@@ -64,6 +70,18 @@ def error_body(e: ServiceError) -> tuple[int, dict[str, Any]]:
     }
 
 
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """FastAPI's 422 (the body does not parse or fit the types) as OpenAI's 400 naming the field."""
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    if first.get("type") == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        param = None
+    else:
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid"))
+    return APIError(Status.INVALID_ARGUMENT, message, param)
+
+
 # ---- request bodies ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -101,6 +119,9 @@ class RequestBody(BaseModel):
     repetition_penalty: float | None = Field(None, description="extension (vLLM)")
     min_tokens: int | None = Field(None, description="extension (vLLM)")
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(None, description="extension (vLLM)")
+    allowed_token_ids: list[int] | None = Field(None, description="extension (vLLM)")
+    bad_words: list[str] | None = Field(None, description="extension (vLLM)")
     user: str | None = None
     # vLLM's structured-output extras (extra_body in the openai client)
     guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM)")
@@ -137,6 +158,8 @@ class ChatBody(RequestBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -159,8 +182,6 @@ def refuse_unsupported(body: RequestBody) -> None:
     """Parameters we cannot honour are a clear 400, not silently ignored."""
     if body.n is not None and not 1 <= body.n <= MAX_N:
         raise _invalid(f"n={body.n}: n must be in [1, {MAX_N}]", "n")
-    if body.logit_bias:
-        raise _invalid("logit_bias is not supported", "logit_bias")
     if isinstance(body, CompletionBody):
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
             raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
@@ -177,8 +198,6 @@ def refuse_unsupported(body: RequestBody) -> None:
                     f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
                     "top_logprobs",
                 )
-        if body.tools:
-            raise _invalid("tool calling is not supported", "tools")
 
 
 def structured_output(body: RequestBody) -> Structured | None:
@@ -215,9 +234,23 @@ def structured_output(body: RequestBody) -> Structured | None:
     return found[0][1] if found else None
 
 
+def _logit_bias(body: RequestBody) -> dict[int, float] | None:
+    """OpenAI's logit_bias has token ids as JSON keys (strings)."""
+    if not body.logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in body.logit_bias.items()}
+    except ValueError:
+        raise _invalid("logit_bias: the keys are token ids (integers as strings)", "logit_bias") from None
+
+
 def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return {
+        "logit_bias": _logit_bias(body),
+        "min_p": body.min_p,
+        "allowed_token_ids": body.allowed_token_ids,
+        "bad_words": list(body.bad_words or []),
         "max_tokens": max_tokens,
         # OpenAI's default is 1.0 (the gRPC API's is greedy): an OpenAI client expects sampling.
         "temperature": 1.0 if body.temperature is None else body.temperature,
@@ -262,164 +295,50 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     return d
 
 
-def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> GenerateParams:
-    refuse_unsupported(body)
-    prompt = template.render([_message_dict(m, i) for i, m in enumerate(body.messages)])
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return GenerateParams(
-        prompt=prompt,
-        **_sampling(body, max_tokens),
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        structured=structured_output(body),
-        add_special_tokens=False,  # the template writes BOS itself where the model wants one
-        default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
+def chat_tools(body: ChatBody) -> ToolRequest | None:
+    """The request's tools and tool_choice, checked (a 400 naming the field)."""
+    return tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
+def cannot_chat(model_id: str, reason: str) -> APIError:
+    """A chat request to a model without a usable chat template."""
+    reason = reason or "it has no chat_template (tokenizer_config.json, chat_template.jinja)"
+    return _invalid(
+        f"the model {model_id!r} cannot chat: {reason}; "
+        "use /v1/completions with a prompt you format yourself",
+        "messages",
     )
 
 
-# ---- responses ---------------------------------------------------------------------------------
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def chat_params(body: ChatBody, template: ChatTemplate, max_context: int) -> GenerateParams:
+    return chat_request(body, template, max_context)[0]
 
 
-def _usage(*lasts: GenerationChunk) -> dict[str, Any]:
-    """As OpenAI counts n choices: the prompt once, the completions' tokens summed. The prompt,
-    counted once, was cached as far as the choice that found least of it cached (the one that
-    computed it); `choices_cached_tokens` (extension, n > 1) shows each choice's, so the siblings'
-    reuse of the prompt's full blocks is visible."""
-    prompt = lasts[0].prompt_tokens
-    completion = sum(c.completion_tokens for c in lasts)
-    details: dict[str, Any] = {"cached_tokens": min(c.cached_tokens for c in lasts)}
-    if len(lasts) > 1:
-        details["choices_cached_tokens"] = [c.cached_tokens for c in lasts]
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": details,
-    }
-
-
-class LogprobsShape:
-    """OpenAI's logprobs objects: completions' parallel lists (`tokens`, `token_logprobs`,
-    `top_logprobs`, `text_offset`) or chat's `content` list. Tokens the output hides (EOS, stop ids)
-    are left out, as their text is; a token's string is its own decoded text."""
-
-    def __init__(self, chat: bool, decode: Callable[[int], str], hidden: Collection[int]) -> None:
-        self.chat = chat
-        self.decode = decode
-        self.hidden = frozenset(hidden)
-        self.offset = 0  # completions' text_offset of the next token
-
-    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def of(self, entries: Sequence[TokenLogprob | None]) -> dict[str, Any]:
-        """`None` stands for a position with no logprob (the first prompt token, with echo)."""
-        shown = [e for e in entries if e is None or e.token_id not in self.hidden]
-        if self.chat:
-            content = [
-                self._chat_entry(e.token_id, e.logprob)
-                | {"top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]}
-                for e in shown
-                if e is not None
-            ]
-            return {"content": content, "refusal": None}
-        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in shown:
-            if e is None:
-                continue
-            text = self.decode(e.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append({self.decode(t): lp for t, lp in e.top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
-        return out
-
-    def first_prompt_token(self, token_id: int) -> dict[str, Any]:
-        """Completions' echo: the prompt's first token, which has no logprob (null)."""
-        text = self.decode(token_id)
-        self.offset += len(text)
-        return {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-
-
-def join_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One logprobs object of several (completions' lists or chat's content), in order."""
-    out: dict[str, Any] = {}
-    for p in parts:
-        for k, v in p.items():
-            if isinstance(v, list):
-                out.setdefault(k, []).extend(v)
-            else:
-                out[k] = v
-    return out
-
-
-class ResponseShape:
-    """Response objects of one request: completions or chat, whole or as stream chunks."""
-
-    def __init__(
-        self,
-        chat: bool,
-        request_id: str,
-        model: str,
-        include_usage: bool,
-        logprobs: LogprobsShape | None = None,
-        echo: str | None = None,
-        index: int = 0,
-    ) -> None:
-        self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        self.created = int(time.time())
-        self.model = model
-        self.include_usage = include_usage
-        self.logprobs = logprobs  # None: the request asked for none
-        self.echo = echo  # completions' echo: the prompt text, sent before the completion
-        self.index = index  # the choice this shape writes (n > 1)
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def choice(
-        self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": self.index, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": self.index, "text": (self.echo or "") + text}
-        return choice | {"logprobs": logprobs, "finish_reason": last.finish_reason}
-
-    def whole(
-        self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        return self.response([self.choice(text, last, logprobs)], [last])
-
-    def response(self, choices: list[dict[str, Any]], lasts: Sequence[GenerationChunk]) -> dict[str, Any]:
-        obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": _usage(*lasts)}
-
-    def chunk(
-        self,
-        text: str | None,
-        finish_reason: str | None,
-        role: bool = False,
-        logprobs: dict[str, Any] | None = None,
-    ) -> bytes:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": self.index, "delta": delta}
-        else:
-            choice = {"index": self.index, "text": text or ""}
-        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        out = {**self._head(obj), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None  # as OpenAI: every chunk has it, null but in the last one
-        return sse(out)
-
-    def usage_chunk(self, *lasts: GenerationChunk) -> bytes:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": _usage(*lasts)})
+def chat_request(
+    body: ChatBody, template: ChatTemplate, max_context: int
+) -> tuple[GenerateParams, ToolRequest | None]:
+    """The request's params and tools (chat_tools). The template renders the tools where it can,
+    else the fallback prompt (fastdecode.gateway.tools) does; `required` or a named choice
+    constrains the output."""
+    refuse_unsupported(body)
+    tools = chat_tools(body)
+    messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+    if template_renders_tools(template.source):
+        listed = [t.as_openai() for t in tools.tools] if tools is not None else None
+        prompt = template.render(template_messages(messages), tools=listed)
+    else:
+        prompt = template.render(fallback_messages(messages, tools.tools if tools is not None else ()))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    structured = structured_output(body)
+    forced = tools.structured() if tools is not None else None
+    if tools is not None and forced is not None and structured is not None:
+        raise _invalid(f"tool_choice {tools.choice!r} and a structured output: set one", "tool_choice")
+    params = GenerateParams(
+        prompt=prompt,
+        **_sampling(body, max_tokens),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        structured=forced or structured,
+        add_special_tokens=False,  # the template writes BOS itself where the model wants one
+        default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
+    )
+    return params, tools

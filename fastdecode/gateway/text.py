@@ -10,7 +10,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from fastdecode.contract import MAX_TOP_LOGPROBS, SamplingParams
+from fastdecode.contract import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.grammar import Structured
 from fastdecode.runtime.tokenizer import Tokenizer
@@ -32,6 +32,8 @@ class Limits:
     max_stop_token_ids: int = 256
     default_max_tokens: int = 16
     max_temperature: float = 100.0
+    max_logit_bias: int = 1024  # entries (OpenAI allows 300; vLLM leaves it open)
+    max_bad_words: int = 256
 
 
 @dataclass
@@ -59,6 +61,10 @@ class GenerateParams:
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     structured: Structured | None = None  # the output must match it (compiled by the gateway's workers)
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    min_p: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,10 @@ class ValidRequest:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     grammar: str = ""  # llguidance's, compiled from GenerateParams.structured
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()  # the words' token sequences (bad_word_ids)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -96,6 +106,10 @@ class ValidRequest:
             min_tokens=self.min_tokens,
             suppress_ids=self.stop_token_ids if self.min_tokens else (),
             grammar=self.grammar,
+            logit_bias=self.logit_bias,
+            min_p=self.min_p,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
 
@@ -176,6 +190,38 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
             f"{len(p.stop_token_ids)} stop_token_ids; the limit is {limits.max_stop_token_ids}"
         )
     _check_ids("stop_token_ids", p.stop_token_ids, limits.vocab_size)
+    if p.min_p is not None and not 0.0 <= p.min_p <= 1.0:  # NaN fails too
+        raise InvalidInput(f"min_p must be in [0, 1], got {p.min_p}")
+    if p.logit_bias:
+        if len(p.logit_bias) > limits.max_logit_bias:
+            raise InvalidInput(
+                f"logit_bias has {len(p.logit_bias)} entries; the limit is {limits.max_logit_bias}"
+            )
+        _check_ids("logit_bias", list(p.logit_bias), limits.vocab_size)
+        for t, b in p.logit_bias.items():
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise InvalidInput(f"logit_bias of token {t} must be in [-100, 100], got {b}")
+    if p.allowed_token_ids is not None:
+        if not p.allowed_token_ids:
+            raise InvalidInput("allowed_token_ids is empty: nothing could be sampled")
+        _check_ids("allowed_token_ids", p.allowed_token_ids, limits.vocab_size)
+    if len(p.bad_words) > limits.max_bad_words:
+        raise InvalidInput(f"{len(p.bad_words)} bad_words; the limit is {limits.max_bad_words}")
+    check_text("bad_words", list(p.bad_words))
+    if any(not w.strip() for w in p.bad_words):
+        raise InvalidInput("a bad word is empty")
+
+
+def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[tuple[int, ...]]:
+    """Each word's token sequences as vLLM bans them: the word as written and with a leading space
+    (how it tokenizes inside a sentence), without duplicates."""
+    out: dict[tuple[int, ...], None] = {}
+    for w in words:
+        for text in (w, " " + w.lstrip()):
+            ids = tuple(tokenizer.encode(text, False))
+            if ids:
+                out[ids] = None
+    return list(out)
 
 
 def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -184,9 +230,16 @@ def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
         raise InvalidInput(f"{what} holds {bad}, outside the vocabulary [0, {vocab_size})")
 
 
-def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits, grammar: str = "") -> ValidRequest:
+def resolve(
+    p: GenerateParams,
+    prompt_ids: list[int],
+    limits: Limits,
+    grammar: str = "",
+    bad_words: Sequence[tuple[int, ...]] = (),
+) -> ValidRequest:
     """Apply defaults and the context-length check to a request that passed check_params; `grammar`
-    is p.structured compiled (fastdecode/gateway/grammar.py)."""
+    is p.structured compiled (fastdecode/gateway/grammar.py), `bad_words` p.bad_words tokenized
+    (bad_word_ids)."""
     n = len(prompt_ids)
     if n == 0:
         raise InvalidInput("the prompt tokenizes to no tokens")
@@ -224,6 +277,10 @@ def resolve(p: GenerateParams, prompt_ids: list[int], limits: Limits, grammar: s
         repetition_penalty=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
         min_tokens=min(p.min_tokens or 0, max_tokens),
         grammar=grammar,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in (p.logit_bias or {}).items())),
+        min_p=float(p.min_p or 0.0),
+        allowed_token_ids=tuple(dict.fromkeys(p.allowed_token_ids or ())),
+        bad_words=tuple(bad_words),
     )
 
 

@@ -260,6 +260,10 @@ class GatewaySettings(ServiceSettings):
         max_length=256,
         description="Model id of the HTTP API (default: the checkpoint dir name).",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="How chat answers become tool_calls; auto: from the chat template and the model family.",
+    )
     grammar_workers: int = Field(
         2,
         ge=1,

@@ -31,6 +31,10 @@ def sampling_to_proto(s: SamplingParams) -> dense_pb2.SamplingParams:
         min_tokens=s.min_tokens,
         suppress_token_ids=s.suppress_ids,
         grammar=s.grammar,
+        logit_bias=dict(s.logit_bias),
+        min_p=s.min_p,
+        allowed_token_ids=s.allowed_token_ids,
+        bad_words=[dense_pb2.TokenSequence(token_ids=w) for w in s.bad_words],
     )
     if s.seed is not None:
         out.seed = s.seed
@@ -54,6 +58,10 @@ def sampling_from_proto(sp: dense_pb2.SamplingParams) -> SamplingParams:
         min_tokens=sp.min_tokens,
         suppress_ids=tuple(sp.suppress_token_ids),
         grammar=sp.grammar,
+        logit_bias=tuple(sorted(sp.logit_bias.items())),
+        min_p=sp.min_p,
+        allowed_token_ids=tuple(sp.allowed_token_ids),
+        bad_words=tuple(tuple(w.token_ids) for w in sp.bad_words),
     )
 
 

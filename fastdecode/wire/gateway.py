@@ -36,6 +36,10 @@ def params_from_proto(r: gw_pb.GenerateRequest) -> GenerateParams:
         repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else None,
         min_tokens=r.min_tokens,
         structured=structured_from_proto(r.structured) if r.HasField("structured") else None,
+        logit_bias=dict(r.logit_bias) or None,
+        min_p=r.min_p if r.HasField("min_p") else None,
+        allowed_token_ids=list(r.allowed_token_ids) or None,
+        bad_words=list(r.bad_words),
     )
 
 

@@ -28,17 +28,17 @@ from fastdecode.gateway.openai import (
     APIError,
     ChatBody,
     CompletionBody,
-    LogprobsShape,
     RequestBody,
-    ResponseShape,
-    chat_params,
+    cannot_chat,
+    chat_request,
     choice_params,
     completion_params,
     error_body,
-    join_logprobs,
-    sse,
+    validation_error,
 )
+from fastdecode.gateway.responses import LogprobsShape, ResponseShape, merge_choices, sse
 from fastdecode.gateway.text import GenerateParams
+from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas, choose_parser
 from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
 from fastdecode.runtime.settings import GatewaySettings
 
@@ -87,6 +87,8 @@ class OpenAIApp:
         except ModelLoadError as e:  # chat is refused with the reason; completions still work
             self.template_error = str(e)
             log.warning("chat completions are off: %s", e)
+        source = self.template.source if self.template is not None else ""
+        self.tool_parser = choose_parser(settings.tool_call_parser, source, core.config.model_type)
         app = FastAPI(
             title="FastDecode gateway (OpenAI-compatible)",
             docs_url=None,
@@ -115,15 +117,7 @@ class OpenAIApp:
         return error_response(e)
 
     async def _on_validation(self, request: Request, e: RequestValidationError) -> Response:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-            param = None
-        else:
-            message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid"))
-        err = APIError(Status.INVALID_ARGUMENT, message, param)
+        err = validation_error(e.errors())
         self._rejected(request, err)
         return error_response(err)  # FastAPI's 422 becomes OpenAI's 400
 
@@ -187,23 +181,23 @@ class OpenAIApp:
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
         self._check_model(body.model)
         if self.template is None:
-            reason = self.template_error or (
-                "it has no chat_template (tokenizer_config.json, chat_template.jinja)"
-            )
-            raise APIError(
-                Status.INVALID_ARGUMENT,
-                f"the model {self.core.model_id!r} cannot chat: {reason}; "
-                "use /v1/completions with a prompt you format yourself",
-                "messages",
-            )
+            raise cannot_chat(self.core.model_id, self.template_error)
         try:
-            params = chat_params(body, self.template, self.core.limits.max_context)
+            params, tools = chat_request(body, self.template, self.core.limits.max_context)
+            if tools is not None:
+                await check_tool_schemas(tools, self.core.grammars.compile)
         except Exception as e:  # noqa: BLE001 - the template's InvalidInput and the like
             raise as_service_error(e, log) from None
-        return await self._run(request, params, body, chat=True)
+        return await self._run(request, params, body, chat=True, tools=tools)
 
-    async def _run(
-        self, request: Request, params: GenerateParams, body: RequestBody, chat: bool, echo: str | None = None
+    async def _run(  # noqa: PLR0913 - one request's parts
+        self,
+        request: Request,
+        params: GenerateParams,
+        body: RequestBody,
+        chat: bool,
+        echo: str | None = None,
+        tools: ToolRequest | None = None,
     ) -> Response:
         rid: str = request.state.request_id
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
@@ -215,7 +209,8 @@ class OpenAIApp:
                 tok = self.core.tokenizer
                 hidden = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.core.eos_ids))
                 lp = LogprobsShape(chat, lambda t: tok.decode([t], skip_special_tokens=False), hidden)
-            return ResponseShape(chat, rid, self.core.model_id, include_usage, lp, echo, index=i)
+            calls = ToolCallStream.of(tools, self.tool_parser) if tools is not None else None
+            return ResponseShape(chat, rid, self.core.model_id, include_usage, lp, echo, i, calls)
 
         # n choices are n sequences (each prefills the prompt), one seed stream each
         shapes = [shape(i) for i in range(n)]
@@ -242,18 +237,10 @@ class OpenAIApp:
     async def _collect(
         self, producer: AsyncGenerator[GenerationChunk], shape: ResponseShape
     ) -> tuple[dict[str, Any], GenerationChunk]:
-        parts: list[str] = []
-        logprobs: list[dict[str, Any]] = []
-        last: GenerationChunk | None = None
         async with contextlib.aclosing(producer) as chunks:
             async for c in chunks:
-                parts.append(c.text)
-                if shape.logprobs is not None:
-                    logprobs += self._logprobs(shape.logprobs, c)
-                last = c
-        assert last is not None and last.finish_reason, "generate() ends with a finish reason"
-        whole = join_logprobs(logprobs) if shape.logprobs is not None else None
-        return shape.choice("".join(parts), last, whole), last
+                shape.take(c)
+        return shape.collected()
 
     async def _whole(
         self, request: Request, producers: list[AsyncGenerator[GenerationChunk]], shapes: list[ResponseShape]
@@ -282,56 +269,6 @@ class OpenAIApp:
             return error_response(e)
         return JSONResponse(shapes[0].response([c for c, _ in done], [last for _, last in done]))
 
-    @staticmethod
-    def _logprobs(lp: LogprobsShape, c: GenerationChunk) -> list[dict[str, Any]]:
-        """The logprobs objects of one chunk: the prompt's first (echo), then its tokens'."""
-        out = []
-        if c.prompt_first_token is not None:
-            out.append(lp.first_prompt_token(c.prompt_first_token))
-        if c.prompt_logprobs:
-            out.append(lp.of(c.prompt_logprobs))
-        out.append(lp.of(c.logprobs))
-        return out
-
-    @staticmethod
-    async def _merged(
-        firsts: list[GenerationChunk], producers: list[AsyncGenerator[GenerationChunk]]
-    ) -> AsyncIterator[tuple[int, GenerationChunk]]:
-        """(choice, chunk) as each choice's chunks arrive, the first ones first."""
-        for i, f in enumerate(firsts):
-            yield i, f
-        if len(producers) == 1:  # in this task, as before n: the drain's cut-off lands here
-            async with contextlib.aclosing(producers[0]) as chunks:
-                async for c in chunks:
-                    yield 0, c
-            return
-        queue: asyncio.Queue[tuple[int, GenerationChunk | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, producer: AsyncGenerator[GenerationChunk]) -> None:
-            try:
-                async with contextlib.aclosing(producer) as chunks:
-                    async for c in chunks:
-                        await queue.put((i, c))
-                await queue.put((i, None))
-            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-                await queue.put((i, e))
-
-        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(producers)]
-        try:
-            left = len(tasks)
-            while left:
-                i, c = await queue.get()
-                if c is None:
-                    left -= 1
-                elif isinstance(c, BaseException):
-                    raise c
-                else:
-                    yield i, c
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def _events(
         self,
         firsts: list[GenerationChunk],
@@ -339,30 +276,17 @@ class OpenAIApp:
         shapes: list[ResponseShape],
     ) -> AsyncIterator[bytes]:
         lasts = list(firsts)
-        async with contextlib.aclosing(self._merged(firsts, producers)) as chunks:
+        async with contextlib.aclosing(merge_choices(firsts, producers)) as chunks:
             try:
                 if shapes[0].chat:
                     for shape in shapes:
                         yield shape.chunk(None, None, role=True)
                 async for i, c in chunks:
                     lasts[i] = c
-                    if c.text or c.finish_reason or self._has_logprobs(shapes[i], c):
-                        yield self._event(shapes[i], c)
+                    if shapes[i].wants_event(c):
+                        yield shapes[i].event(c)
                 if shapes[0].include_usage:
                     yield shapes[0].usage_chunk(*lasts)
             except ServiceError as e:  # after the 200: the error travels as an event, as OpenAI's do
                 yield sse(error_body(e)[1])
         yield b"data: [DONE]\n\n"
-
-    @staticmethod
-    def _has_logprobs(shape: ResponseShape, c: GenerationChunk) -> bool:
-        return shape.logprobs is not None and bool(c.logprobs or c.prompt_logprobs or c.prompt_first_token)
-
-    def _event(self, shape: ResponseShape, c: GenerationChunk) -> bytes:
-        text = c.text
-        if shape.echo is not None:  # the prompt leads the first chunk
-            text, shape.echo = shape.echo + text, None
-        lp = join_logprobs(self._logprobs(shape.logprobs, c)) if shape.logprobs is not None else None
-        if shape.chat and text and c.finish_reason:  # OpenAI sends the finish on an empty delta
-            return shape.chunk(text, None, logprobs=lp) + shape.chunk(None, c.finish_reason)
-        return shape.chunk(text, c.finish_reason, logprobs=lp)

@@ -1,24 +1,66 @@
-"""One fleet started with `fastdecode up` (2 shards, auth on, JSON logs), shared by the end-to-end tests."""
+"""The end-to-end tier's fleets, started with `fastdecode up` through one factory.
+
+`fleet_factory(model, *args)` starts a fleet the first time it is asked for one with these
+arguments and hands the same one to every later test that asks alike; every fleet stops at the end
+of the session. `private=True` gives a test a fleet of its own (one it stops, drains or breaks).
+`http=True` adds the OpenAI-compatible HTTP API on a free port. Two fleets are shared by name:
+`fleet` (the tiny model, 2 shards, auth on, JSON logs) and `real_fleet` (SmolLM2-135M-Instruct with
+the HTTP API, fp32 KV: the tests that compare with transformers).
+
+Tests that stop and restart single services by hand (test_reliability.py, test_hostile_calls.py,
+test_kv_on_demand.py) run a `fastdecode.tools.fleet.Fleet` instead: `up` would restart what they kill.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from fastdecode.tools.fleet import UpProcess, free_port
-from tests.support import TOKEN, start_up
+from tests.support import TOKEN, FleetFactory, start_up
 
 
 @pytest.fixture(scope="session")
-def fleet(model_factory: Callable, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    f = start_up(
+def fleet_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetFactory]:
+    shared: dict[tuple[object, ...], UpProcess] = {}
+    started: list[UpProcess] = []
+
+    def make(
+        model: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        http: bool = False,
+        private: bool = False,
+        timeout: float = 300,
+    ) -> UpProcess:
+        key = (str(model), args, tuple(sorted((env or {}).items())), http)
+        if not private and key in shared:
+            return shared[key]
+        extra = (*args, "--http-port", str(free_port())) if http else args
+        up = start_up(model, tmp_path_factory.mktemp("fleet"), *extra, env=env, timeout=timeout)
+        started.append(up)
+        if not private:
+            shared[key] = up
+        return up
+
+    yield make
+    for up in started:
+        up.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet(model_factory: Callable, fleet_factory: FleetFactory) -> UpProcess:
+    return fleet_factory(
         model_factory("llama"),
-        tmp_path_factory.mktemp("fleet"),
         "--log-json",  # tests/e2e/test_observability.py follows one request through the JSON logs
-        "--http-port",  # the OpenAI-compatible HTTP API: tests/e2e/test_openai.py
-        str(free_port()),
         env={"FASTDECODE_AUTH_TOKEN": TOKEN},
+        http=True,  # the OpenAI-compatible HTTP API: tests/e2e/test_openai.py
+        timeout=180,
     )
-    yield f
-    f.stop()
+
+
+@pytest.fixture(scope="session")
+def real_fleet(smollm2: Path, fleet_factory: FleetFactory) -> UpProcess:
+    return fleet_factory(smollm2, http=True)

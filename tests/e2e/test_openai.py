@@ -278,7 +278,10 @@ def test_wrong_or_missing_token_is_401(base: str, model_id: str) -> None:
         ({"prompt": "hi", "n": 17}, "n", ["n=17"]),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", ["logprobs must be in [0, 20]"]),
         ({"prompt": "hi", "presence_penalty": 3}, None, ["presence_penalty"]),
-        ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias", ["not supported"]),
+        ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias", ["token ids"]),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, None, ["logit_bias", "[-100, 100]"]),
+        ({"prompt": "hi", "min_p": 2}, None, ["min_p"]),
+        ({"prompt": "hi", "allowed_token_ids": [1 << 20]}, None, ["allowed_token_ids", "vocabulary"]),
         ({"prompt": "hi", "stop": ["x"] * 17}, None, ["stop strings"]),
         ({}, "prompt", ["Field required"]),
     ],
@@ -295,7 +298,21 @@ def test_bad_chat_params_are_400(base: str, model_id: str) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages.0.role"),
-        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+            },
+            "tools[0].function.parameters",
+        ),
         ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ]

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from fastdecode.client import Client, InvalidRequestError
-from fastdecode.tools.fleet import UpProcess, free_port
-from tests.support import start_up
+from fastdecode.tools.fleet import UpProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -24,21 +23,14 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2, tmp_path_factory) -> Iterator[UpProcess]:
-    f = start_up(smollm2, tmp_path_factory.mktemp("oa-fleet"), "--http-port", str(free_port()), timeout=300)
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def oa(fleet: UpProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"http://{fleet.http}/v1", api_key="x", timeout=120, max_retries=0) as c:
+def oa(real_fleet: UpProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"http://{real_fleet.http}/v1", api_key="x", timeout=120, max_retries=0) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def model_id(fleet: UpProcess) -> str:
-    return fleet.model.name
+def model_id(real_fleet: UpProcess) -> str:
+    return real_fleet.model.name
 
 
 def hf_logprobs(smollm2_hf: tuple, ids: list[int]) -> torch.Tensor:
@@ -187,9 +179,9 @@ def test_chat_logprobs_equal_transformers(oa, model_id, smollm2_hf) -> None:
     assert all(e.logprob <= 0 and math.isfinite(e.logprob) for e in content)
 
 
-def test_sdk_carries_logprobs_and_prompt_logprobs(fleet, smollm2_hf) -> None:
+def test_sdk_carries_logprobs_and_prompt_logprobs(real_fleet, smollm2_hf) -> None:
     prompt = chat_prompt(smollm2_hf, QUESTION)
-    with Client(fleet.target) as client:
+    with Client(real_fleet.target) as client:
         r = client.generate(token_ids=prompt, max_tokens=6, logprobs=4, prompt_logprobs=True, timeout=120)
         plain = client.generate(token_ids=prompt, max_tokens=6, timeout=120)
         choice = client.generate(
@@ -377,9 +369,10 @@ def test_a_schema_that_does_not_compile_is_a_400(oa, model_id) -> None:
         )
     with pytest.raises(openai.BadRequestError, match="regex"):
         oa.completions.create(model=model_id, prompt="x", extra_body={"guided_regex": "(a"})
-    with pytest.raises(openai.BadRequestError, match="tool calling is not supported"):
+    # a tool's parameters are a schema too: one that does not compile names the field
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": bad["json_schema"]["schema"]}}
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled") as e:
         oa.chat.completions.create(
-            model=model_id,
-            messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f"}}],
+            model=model_id, messages=[{"role": "user", "content": "x"}], tools=[bad_tool]
         )
+    assert e.value.body["param"] == "tools[0].function.parameters"

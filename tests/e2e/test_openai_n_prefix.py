@@ -1,6 +1,8 @@
 """`n` > 1 prefills the prompt once: the n choices are n sequences of one prompt submitted together,
 and prefix sharing makes the siblings wait for the first one's prefill and read its full KV blocks
-(the block holding the last prompt token is each choice's own). Real model (SmolLM2, fp32 KV), the
+(the block holding the last prompt token is each choice's own). Real model (SmolLM2, fp32 KV: with
+bf16 KV a choice that computed the prompt and a request that read it cached can differ past bf16's
+rounding, enough to flip a seeded draw), the
 official `openai` client; each choice equals the single request with seed + its index; with
 `--prefix-sharing off` n > 1 still works, every choice prefilling the prompt itself."""
 
@@ -8,26 +10,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
-from fastdecode.tools.fleet import UpProcess, free_port
-from tests.support import metric_total, scrape, start_up
+from fastdecode.tools.fleet import UpProcess
+from tests.support import FleetFactory, metric_total, scrape
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BLOCK = 16  # the fleet's default KV block size
 N = 4
 HIT_TOKENS = "fastdecode_kv_prefix_hit_tokens_total"
-
-
-def fleet_of(smollm2, tmp_path_factory, *extra: str) -> UpProcess:
-    # fp32 KV, as the module says: with up's default bf16 KV a choice that computed the prompt and a
-    # request that read it cached can differ past bf16's rounding, enough to flip a seeded draw
-    # (it did once in CI: choice 0 against its single request)
-    args = ("--http-port", str(free_port()), "--kv-dtype", "float32", *extra)
-    return start_up(smollm2, tmp_path_factory.mktemp("oa-n"), *args, timeout=300)
 
 
 def hit_tokens(fleet: UpProcess) -> float:
@@ -68,26 +63,22 @@ def run_n(fleet: UpProcess, sharing: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2, tmp_path_factory) -> Iterator[UpProcess]:
-    f = fleet_of(smollm2, tmp_path_factory, "--shards", "1")
+def one_shard(smollm2: Path, fleet_factory: FleetFactory) -> Iterator[UpProcess]:
+    f = fleet_factory(smollm2, "--shards", "1", http=True, private=True)
     yield f
     f.stop()
 
 
-def test_n_prefills_the_prompt_once(fleet) -> None:
-    run_n(fleet, sharing=True)
+def test_n_prefills_the_prompt_once(one_shard: UpProcess) -> None:
+    run_n(one_shard, sharing=True)
 
 
-def test_n_on_two_shards_prefills_the_prompt_once(smollm2, tmp_path_factory) -> None:
-    f = fleet_of(smollm2, tmp_path_factory, "--shards", "2")
-    try:
-        run_n(f, sharing=True)
-    finally:
-        f.stop()
+def test_n_on_two_shards_prefills_the_prompt_once(real_fleet: UpProcess) -> None:
+    run_n(real_fleet, sharing=True)  # the prompt is new to the fleet (its nonce), the counts deltas
 
 
-def test_n_without_prefix_sharing_prefills_each_choice(smollm2, tmp_path_factory) -> None:
-    f = fleet_of(smollm2, tmp_path_factory, "--prefix-sharing", "off")
+def test_n_without_prefix_sharing_prefills_each_choice(smollm2: Path, fleet_factory: FleetFactory) -> None:
+    f = fleet_factory(smollm2, "--prefix-sharing", "off", http=True, private=True)
     try:
         run_n(f, sharing=False)
     finally:

@@ -9,29 +9,20 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
 from fastdecode.client import Client
 from fastdecode.runtime.rpc import sync_channel
-from fastdecode.tools.fleet import UpProcess, free_port, state_credentials
+from fastdecode.tools.fleet import state_credentials
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
-from tests.support import start_up
 from tests.support.gguf import CHAT_QUESTIONS, hf_chat_greedy
 
 # Start-up loads two copies of the model (fleet, transformers oracle): slow on a 2-core CI machine.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 NEW_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def real_fleet(smollm2, tmp_path_factory) -> Iterator[UpProcess]:
-    f = start_up(smollm2, tmp_path_factory.mktemp("real-fleet"), "--http-port", str(free_port()), timeout=300)
-    yield f
-    f.stop()
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +101,11 @@ def test_chat_flag_of_the_cli(command, real_fleet, expected, smollm2):
     assert json.loads(proc.stdout)["token_ids"] == expected[question][1]
 
 
-def test_greedy_equals_transformers_with_a_shard_hosted_in_gpu_dense(smollm2, expected, tmp_path):
+def test_greedy_equals_transformers_with_a_shard_hosted_in_gpu_dense(smollm2, expected, fleet_factory):
     """`up --host-shard`: one shard process and one shard in gpu_dense's own process, whose items
     never touch the wire. The questions run at once, so the scheduler places on both; every one's
     tokens equal transformers', and the hosted shard attended its share."""
-    up = start_up(smollm2, tmp_path, "--shards", "1", "--host-shard", timeout=300)
+    up = fleet_factory(smollm2, "--shards", "1", "--host-shard", private=True)
     try:
         with Client(up.target) as client, concurrent.futures.ThreadPoolExecutor(len(expected)) as pool:
             runs = {

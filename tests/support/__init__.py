@@ -4,6 +4,7 @@ sys.path: see pyproject's pythonpath). In-process fakes of the services live in 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from fastdecode.runtime.metrics import Samples as Samples  # re-exported: tests import these from here
@@ -20,6 +21,9 @@ PROMPTS: list[list[int]] = [
 
 
 TOKEN = "e2e-secret-token"
+
+# tests/e2e/conftest.py's fleet_factory: (model, *up_args, env=, http=, private=, timeout=) -> a fleet
+FleetFactory = Callable[..., UpProcess]
 
 
 def start_up(

@@ -215,3 +215,45 @@ def test_penalties_keep_the_history_a_re_prefill_restarts_and_a_lost_one_is_refu
     assert isinstance(refused, FailedPrecondition)
     runner.forget(["a", "b"])
     assert not runner._history
+
+
+def test_bad_words_follow_the_generated_tokens_and_foreign_ids_fail_only_their_sequence(
+    model_factory: Callable,
+) -> None:
+    """A two-token bad word taken from the greedy run: the run is the same up to its first token and
+    then avoids its second; a sequence whose processors name a token outside the vocabulary fails
+    alone (InvalidInput), the step goes on."""
+    from fastdecode.contract import SamplingParams
+    from fastdecode.runtime.errors import InvalidInput
+
+    path = model_factory("llama")
+    model = DenseModel.from_pretrained(path, "cpu", torch.float32)
+    prompt, steps = [1, 5, 9], 8
+    plain = LocalEngine.from_pretrained(path).generate([prompt], steps, ignore_eos=True)[0].token_ids
+    k = 3
+    sp = SamplingParams(bad_words=((plain[k], plain[k + 1]),))
+    shards = InProcessShards(model, 1)
+    shards.stores[0].reserve("a", 64)
+    shards.stores[0].reserve("x", 64)
+    runner = StepRunner(model, shards)
+    foreign = SamplingParams(allowed_token_ids=(model.config.vocab_size,))
+
+    async def run() -> tuple[list[int], BaseException | None]:
+        got: list[int] = []
+        toks = list(prompt)
+        error = None
+        for i in range(k + 2):
+            new = toks if i == 0 else toks[-1:]
+            seqs = [PlannedSeq("a", 0, 0, list(new), len(toks) - len(new), sp, True, i)]
+            if i == 0:
+                seqs.append(PlannedSeq("x", 0, 0, [1, 2], 0, foreign, True, 0))
+            out, _ = await runner.run(seqs)
+            if i == 0:
+                error = out["x"].error
+            got.append(out["a"].token_id)
+            toks.append(out["a"].token_id)
+        return got, error
+
+    got, error = asyncio.run(run())
+    assert got[: k + 1] == plain[: k + 1] and got[k + 1] != plain[k + 1]
+    assert isinstance(error, InvalidInput) and "vocabulary" in str(error)

@@ -61,6 +61,25 @@ def test_params_from_proto_keeps_unset_fields_unset() -> None:
         0,
     )
     assert p.stop == ["a"]
+    assert (p.logit_bias, p.min_p, p.allowed_token_ids, p.bad_words) == (None, None, None, [])
+
+
+def test_logit_processors_cross_every_hop() -> None:
+    """The SDK's request -> GenerateParams -> the scheduler's and gpu_dense's SamplingParams."""
+    from fastdecode.client import _generate_args
+    from fastdecode.contract import SamplingParams
+    from fastdecode.wire.dense import sampling_from_proto, sampling_to_proto
+
+    req, _ = _generate_args(
+        "x", logit_bias={5: -100.0, 9: 2.5}, min_p=0.1, allowed_token_ids=[5, 9, 11], bad_words=["no way"]
+    )
+    p = params_from_proto(req)
+    assert p.logit_bias == {5: -100.0, 9: 2.5} and p.min_p == pytest.approx(0.1)
+    assert (p.allowed_token_ids, p.bad_words) == ([5, 9, 11], ["no way"])
+    s = SamplingParams(
+        logit_bias=((5, -100.0), (9, 2.5)), min_p=0.25, allowed_token_ids=(5, 9), bad_words=((1, 2), (3,))
+    )
+    assert sampling_from_proto(sampling_to_proto(s)) == s
 
 
 @pytest.mark.parametrize(
@@ -392,6 +411,11 @@ def test_cut_off_ends_an_http_stream_with_an_error_event_then_done(llama_dir: Pa
 
 def _post(app: object, path: str, body: dict) -> tuple[int, bytes]:
     """One POST through the ASGI app (no socket): (status, body bytes)."""
+    return asyncio.run(post(app, path, body))
+
+
+async def post(app: object, path: str, body: dict) -> tuple[int, bytes]:
+    """_post on the running loop (for a core whose workers live on one loop)."""
     raw = json.dumps(body).encode()
     scope = {
         "type": "http",
@@ -420,7 +444,7 @@ def _post(app: object, path: str, body: dict) -> tuple[int, bytes]:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(app(scope, receive, send))  # type: ignore[operator]
+    await app(scope, receive, send)  # type: ignore[operator]
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 

@@ -137,7 +137,7 @@ def test_completion_params() -> None:
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "logprobs": -1}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
     ],
 )
 def test_unsupported_completion_params_are_refused(body: dict, param: str) -> None:
@@ -177,7 +177,10 @@ def test_chat_params() -> None:
     )
     for bad, param in [
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         (
             {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
@@ -200,9 +203,9 @@ def test_chat_params() -> None:
             "guided_regex",
         ),
     ]:
-        with pytest.raises(APIError) as e:
+        with pytest.raises(ServiceError) as e:  # APIError, or the tools' ToolError
             chat_params(ChatBody(**bad), template, 8)
-        assert e.value.param == param
+        assert e.value.status is Status.INVALID_ARGUMENT and e.value.param == param
     user = [{"role": "user", "content": "x"}]
     assert chat_params(ChatBody(messages=user, logprobs=True), template, 8).logprobs == 0
     assert chat_params(ChatBody(messages=user, logprobs=True, top_logprobs=5), template, 8).logprobs == 5

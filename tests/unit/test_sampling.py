@@ -99,3 +99,57 @@ def test_top_logprobs_are_the_best_first() -> None:
         SamplingParams(presence_penalty=float("nan")).validate()
     with pytest.raises(InvalidInput):
         SamplingParams(repetition_penalty=0).validate()
+
+
+def test_logit_bias_adds_to_the_logits() -> None:
+    x = logits(2)
+    top = int(x[0].argmax())
+    p = SamplingParams(logit_bias=((top, -100.0), (7, 3.5)))
+    out = penalize(x, [p, SamplingParams()], [0, 0], [None, None])
+    assert out[0, top] == pytest.approx(x[0, top].item() - 100)
+    assert out[0, 7] == pytest.approx(x[0, 7].item() + 3.5)
+    assert torch.equal(out[1], x[1])  # a row that asks for nothing is untouched
+    toks, lps = sample(x, [p, SamplingParams()], [0, 0], out)
+    assert toks[0] != top
+    # the logprobs stay the model's (OpenAI: before any processor)
+    assert lps[0] == pytest.approx(torch.log_softmax(x[0], -1)[toks[0]].item())
+    forced = SamplingParams(temperature=1.0, logit_bias=((11, 100.0),))
+    draws = [int(sample(x[:1], [forced], [i], penalize(x[:1], [forced], [i], [None]))[0]) for i in range(20)]
+    assert set(draws) == {11}
+
+
+def test_allowed_token_ids_limit_what_is_sampled() -> None:
+    x = logits(1, vocab=50)
+    p = SamplingParams(temperature=2.0, seed=5, allowed_token_ids=(3, 9, 40))
+    draws = {int(sample(x, [p], [i], penalize(x, [p], [i], [None]))[0]) for i in range(60)}
+    assert draws <= {3, 9, 40} and len(draws) > 1
+
+
+def test_bad_words_ban_a_last_token_after_the_rest() -> None:
+    x = torch.zeros(1, 10)
+    x[0, 4] = 5.0
+    one = SamplingParams(bad_words=((4,),))
+    assert int(sample(x, [one], [0], penalize(x, [one], [0], [None]))[0]) != 4
+    two = SamplingParams(bad_words=((2, 4),))
+    # history: prompt [1] + generated [2]: the word's prefix was just generated, so 4 is banned
+    assert penalize(x, [two], [1], [[1, 2]])[0, 4] == float("-inf")
+    assert penalize(x, [two], [1], [[1, 3]])[0, 4] == 5.0  # another prefix: allowed
+    assert penalize(x, [two], [0], [[2]])[0, 4] == 5.0  # the prompt's 2 is not a generated token
+    assert two.needs_history and not one.needs_history
+
+
+def test_min_p_drops_the_unlikely_tail() -> None:
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = SamplingParams(temperature=1.0, min_p=0.5)  # keeps p >= 0.25: tokens 0 and 1
+    draws = {int(sample(x, [p], [i])[0][0]) for i in range(200)}
+    assert draws == {0, 1}
+    assert {int(sample(x, [SamplingParams(temperature=1.0)], [i])[0][0]) for i in range(200)} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(min_p=1.5), SamplingParams(logit_bias=((1, 101.0),)), SamplingParams(bad_words=((),))],
+)
+def test_invalid_processor_params(params: SamplingParams) -> None:
+    with pytest.raises(InvalidInput):
+        params.validate()

@@ -245,7 +245,7 @@ def plan_cmd(
     if any(prof.layer_windows):
         click.echo(
             f"KV held / seq    {result.kv_held_ratio:.3f} of full attention at S "
-            f"({prof.held(seq_len):.0f} of {seq_len} tokens; "
+            f"({result.kv_held_ratio * seq_len:.0f} of {seq_len} tokens; "
             f"{result.mean_held_tokens:.0f} on average over its life)"
         )
     if plot:

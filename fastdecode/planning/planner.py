@@ -8,9 +8,6 @@ holds and P shards:
   no bound: B where E(B) = B / T(B) stops improving (next measured B gains < 5%)
   memory:   B * S / 2 <= C * P                     (mean sequence holds S/2 tokens)
   balance:  P = B * S * R / (2 * T(B))             (R-part of the mean load = S-part)
-With windowed layers (a profile's layer_windows) a sequence holds, and attends over, only the
-window on those layers: S / 2 becomes the mean over its life of what it holds (mean_held), which
-both the memory and the balance rule use.
 Predicted step (two mini-batches pipelined, per layer the slower of the two sides):
   step = N * max(T(B), B * S * R / (2 * P)),  tokens/s = B / step.
 The latency rule is the paper's; it counts the two mini-batches' S-parts back to back, so it is
@@ -30,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import check_windows, window_held, window_mean_held
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EFFICIENCY_GAIN = 0.05  # "stops improving": the next measured batch size gains less than this
@@ -54,7 +52,7 @@ class Profile:
     # measured with T(B); empty when unknown). Small next to N layers on a 7B model, not on a
     # 12-layer one.
     t_head: dict[int, float] = field(default_factory=dict)
-    # Attention window per layer (0 = full; empty = full everywhere): Gemma 2/3, Mistral.
+    # Attention window per layer (0 = full; empty = all full): S / 2 becomes what a sequence holds on average
     layer_windows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -64,29 +62,7 @@ class Profile:
             raise InvalidInput("profile needs T(B) > 0 samples at batch sizes >= 1")
         if self.r_attn <= 0 or self.num_layers < 1 or self.kv_bytes_per_token < 1:
             raise InvalidInput("profile needs r_attn > 0, num_layers >= 1, kv_bytes_per_token >= 1")
-        self.layer_windows = [int(w) for w in self.layer_windows]
-        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
-            raise InvalidInput(
-                f"profile has {len(self.layer_windows)} layer windows for {self.num_layers} layers"
-            )
-
-    def held(self, tokens: int) -> float:
-        """KV tokens (each on every layer) a sequence of `tokens` holds: a windowed layer its window."""
-        if not any(self.layer_windows):
-            return float(tokens)
-        return sum(min(tokens, w) if w else tokens for w in self.layer_windows) / self.num_layers
-
-    def mean_held(self, seq_len: int) -> float:
-        """What a sequence holds on average over its life of seq_len tokens: S / 2 without windows."""
-        if not any(self.layer_windows):
-            return seq_len / 2
-        total = 0.0
-        for w in self.layer_windows:
-            if not w or seq_len <= w:
-                total += seq_len / 2
-            else:  # grows to w, then stays at w
-                total += (w * w / 2 + (seq_len - w) * w) / seq_len
-        return total / self.num_layers
+        self.layer_windows = check_windows([int(w) for w in self.layer_windows], self.num_layers)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -169,8 +145,7 @@ class Plan:
     predicted_latency_s: float  # S * step
     paper_latency_s: float  # 2 * N * S * T(B)
     kv_tokens_per_shard: int | None
-    # What one sequence holds at its end (S tokens), as a share of full attention on every layer,
-    # and on average over its life (S / 2 without windowed layers)
+    # KV a sequence holds at S as a share of full attention; on average over its life (S/2 without windows)
     kv_held_ratio: float = 1.0
     mean_held_tokens: float = 0.0
 
@@ -179,9 +154,8 @@ class Plan:
 
 
 def r_part_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
-    """Per-layer R-part seconds at the mean load B * S / 2 (what B sequences hold on average)
-    spread over P, plus the round trip."""
-    return batch * profile.mean_held(seq_len) * profile.r_attn / shards + profile.rtt_s
+    """Per-layer R-part seconds at the mean load B * S / 2 spread over P, plus the round trip."""
+    return batch * window_mean_held(profile.layer_windows, seq_len) * profile.r_attn / shards + profile.rtt_s
 
 
 def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int, overlap: bool = True) -> float:
@@ -299,7 +273,7 @@ def predicted_tokens_per_s(profile: Profile, batch: int, shards: int, seq_len: i
 
 
 def p_balance(profile: Profile, batch: int, seq_len: int) -> float:
-    return batch * profile.mean_held(seq_len) * profile.r_attn / profile.t_at(batch)
+    return batch * window_mean_held(profile.layer_windows, seq_len) * profile.r_attn / profile.t_at(batch)
 
 
 def knee(profile: Profile, gain: float = EFFICIENCY_GAIN) -> int:
@@ -331,7 +305,7 @@ def plan(
     if shards is not None and shards < 1:
         raise InvalidInput("shards must be >= 1")
     N, S = profile.num_layers, seq_len
-    held = profile.mean_held(S)  # S / 2 without windowed layers
+    held = window_mean_held(profile.layer_windows, S)  # S / 2 without windowed layers
     bs = profile.batch_sizes
     factor = "gpu-efficiency"
     batch = knee(profile, gain)
@@ -379,7 +353,7 @@ def plan(
         predicted_latency_s=S * step,
         paper_latency_s=2 * N * S * profile.t_at(batch),
         kv_tokens_per_shard=cap,
-        kv_held_ratio=profile.held(S) / S,
+        kv_held_ratio=window_held(profile.layer_windows, S) / S,
         mean_held_tokens=held,
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastdecode.runtime.errors import InvalidInput
@@ -58,6 +59,31 @@ class KVGeometry:
             first = max(0, context - w + 1) // block_size if w else 0
             held += context - first * block_size
         return held / self.num_layers
+
+
+def check_windows(windows: list[int], num_layers: int) -> list[int]:
+    """Per-layer windows (or none) for a model of num_layers layers, else InvalidInput."""
+    if windows and (len(windows) != num_layers or min(windows) < 0):
+        raise InvalidInput(f"{len(windows)} layer windows for {num_layers} layers (each >= 0)")
+    return windows
+
+
+def window_held(windows: Sequence[int], tokens: int) -> float:
+    """KV tokens (each on every layer) a sequence of `tokens` holds when each layer keeps its
+    window (0 = full; () = every layer full), in whole tokens (the planner's view)."""
+    if not any(windows):
+        return float(tokens)
+    return sum(min(tokens, w) if w else tokens for w in windows) / len(windows)
+
+
+def window_mean_held(windows: Sequence[int], seq_len: int) -> float:
+    """What a sequence of seq_len tokens holds on average over its life (seq_len / 2 without windows)."""
+    if not any(windows):
+        return seq_len / 2
+    total = 0.0
+    for w in windows:  # a windowed layer grows to w, then stays at w
+        total += seq_len / 2 if not w or seq_len <= w else (w * w / 2 + (seq_len - w) * w) / seq_len
+    return total / len(windows)
 
 
 @dataclass(frozen=True)

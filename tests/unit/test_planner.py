@@ -213,7 +213,7 @@ def test_plan_knows_windowed_layers(tmp_path: Path) -> None:
     shards balance the same batch."""
     kv_token = 2 * 18 * 1 * 256 * 2
     full = Profile(t_dense=T, r_attn=R, num_layers=18, kv_bytes_per_token=kv_token)
-    with pytest.raises(InvalidInput, match="layer windows"):
+    with pytest.raises(InvalidInput, match="layer windows for 18 layers"):
         Profile(t_dense=T, r_attn=R, num_layers=18, kv_bytes_per_token=1, layer_windows=[512] * 5 + [0])
     gemma = Profile(
         t_dense=T, r_attn=R, num_layers=18, kv_bytes_per_token=kv_token, layer_windows=([512] * 5 + [0]) * 3

@@ -29,6 +29,22 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
 
 
 @pytest.fixture(scope="session")
+def family_factory(
+    tmp_path_factory: pytest.TempPathFactory, model_factory: Callable[[str], Path]
+) -> Callable[[str], Path]:
+    """Tiny random checkpoints saved by transformers itself, one per family (tests.support.families)."""
+    from tests.support.families import save_family
+
+    root = tmp_path_factory.mktemp("families")
+
+    @functools.cache
+    def make(name: str) -> Path:
+        return save_family(name, root / name, tokenizer_from=model_factory("llama"))
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def llama_dir(model_factory: Callable[[str], Path]) -> Path:
     return model_factory("llama")
 

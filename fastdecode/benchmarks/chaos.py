@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastdecode.benchmarks.chaos_attacks import grammar_crash_probe, pool_rebuild_probe, shards_down_probe
 from fastdecode.benchmarks.chaos_probes import (
     _client,
     _Outcome,
@@ -149,14 +150,29 @@ def run_chaos_bench(
                 k: v["restarts"] for k, v in up.reload().items() if isinstance(v, dict) and "restarts" in v
             } | {f"kv_attention-{i}": s["restarts"] for i, s in enumerate(up.state["kv_attention"])}
             hostile: dict[str, Any] | None = None
+            attacks: list[dict[str, Any]] = []
             if probes:
                 hostile = hostile_probe(up, load, reference)
+                attacks.append(grammar_crash_probe(up, load, reference, gen_len))
+                attacks.append(pool_rebuild_probe(up, load, reference, gen_len))
         finally:
             up.stop()
         stays_down: dict[str, Any] | None = None
         if probes:
             stays_down = stays_down_probe(
                 model, Path(tmp) / "down", prompts, gen_len, shards, kv_capacity, down_timeout_s, clients
+            )
+            attacks.append(
+                shards_down_probe(
+                    model,
+                    Path(tmp) / "shards-down",
+                    prompts,
+                    gen_len,
+                    shards,
+                    kv_capacity,
+                    down_timeout_s,
+                    clients,
+                )
             )
 
     ref_tokens = {i: o.tokens for i, o in reference.items() if o.error is None}
@@ -168,7 +184,7 @@ def run_chaos_bench(
         "repeated_kills", len(chaos), chaos, gen_len, kills=len(killed), tokens_equal_fault_free=equal
     )
     return {
-        "probes": [p for p in (kill_probe, hostile, stays_down) if p is not None],
+        "probes": [p for p in (kill_probe, hostile, stays_down, *attacks) if p is not None],
         "requests_sent": len(chaos),
         "completed": sum(o.error is None for o in chaos.values()),
         "failed": sum(errors.values()) + max(0, n - len(chaos)),

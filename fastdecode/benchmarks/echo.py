@@ -111,6 +111,37 @@ def grpc_echo_s(out: int, back: int, repeats: int = 200) -> list[float]:
         return run_async(run(port))[repeats // 10 :]
 
 
+def grpc_echo_cpu_s(out: int, back: int, repeats: int = 200) -> tuple[float, float]:
+    """(median wall seconds, client CPU seconds) per round trip of the bare grpc.aio echo: the CPU
+    is this process's (every thread: the event loop and gRPC's poller) over the timed round trips."""
+    import grpc
+
+    from fastdecode.benchmarks.common import median, run_async
+
+    payload = b"\1" * out
+    warm = max(1, repeats // 10)
+
+    async def run(port: int) -> tuple[float, float]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as ch:
+            call = ch.stream_stream(_METHOD, request_serializer=_ident, response_deserializer=_ident)()
+            for _ in range(warm):
+                await call.write(payload)
+                await call.read()
+            times = []
+            c0 = time.process_time()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                await call.write(payload)
+                await call.read()
+                times.append(time.perf_counter() - t0)
+            cpu = (time.process_time() - c0) / repeats
+            await call.done_writing()
+            return median(times), cpu
+
+    with _server("grpc", out, back) as port:
+        return run_async(run(port))
+
+
 def tcp_echo_s(out: int, back: int, repeats: int = 200) -> list[float]:
     """Seconds per round trip of the same bytes over a raw loopback TCP socket (TCP_NODELAY)."""
     payload = b"\1" * out

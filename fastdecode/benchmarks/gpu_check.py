@@ -62,6 +62,82 @@ def bf16_t_of_b(model_dir: Path, batches: tuple[int, ...] = BF16_BATCHES) -> dic
     return {str(b): s * 1e3 for b, s in _dense_times(m, batches, "cuda").items()}
 
 
+def geometry_model(geometry: str, device: str, dtype: torch.dtype, layers: int = 2) -> Any:
+    """A DenseModel of a named geometry's layer shapes with random weights (`layers` layers, a small
+    vocabulary: the layers are what T(B) times)."""
+    from dataclasses import replace
+
+    from fastdecode.model.config import ModelConfig, RopeConfig
+    from fastdecode.model.dense import DenseModel
+    from fastdecode.runtime.geometry import GEOMETRIES
+
+    g = GEOMETRIES[geometry]
+    c = ModelConfig(
+        "llama",
+        g.hidden,
+        g.intermediate,
+        layers,
+        g.heads,
+        g.kv_heads,
+        g.head_dim,
+        1e-5,
+        RopeConfig(),
+        8192,
+        1024,
+        True,
+        False,
+        False,
+        False,
+        1,
+    )
+    gen = torch.Generator().manual_seed(0)
+    required, _ = DenseModel.tensor_names(c)
+    shapes = {"embed_tokens": (c.vocab_size, c.hidden_size), "norm": (c.hidden_size,)}
+    q, kv = g.heads * g.head_dim, g.kv_heads * g.head_dim
+    per = {
+        "q_proj": (q, g.hidden),
+        "k_proj": (kv, g.hidden),
+        "v_proj": (kv, g.hidden),
+        "o_proj": (g.hidden, q),
+        "gate_proj": (g.intermediate, g.hidden),
+        "up_proj": (g.intermediate, g.hidden),
+        "down_proj": (g.hidden, g.intermediate),
+        "layernorm": (g.hidden,),
+    }
+    tensors = {}
+    for name in required:
+        key = next(k for k in (*per, *shapes) if f"{k}." in name or name.endswith(f"{k}.weight"))
+        shape = per.get(key) or shapes[key]
+        tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=dtype)
+    return DenseModel(replace(c), tensors, torch.device(device), dtype)
+
+
+def profile_vs_measured(
+    geometry: str = "llama-3-8b", batches: tuple[int, ...] = (64, 128, 256, 512), device: str = "cuda"
+) -> dict[str, Any]:
+    """The emulated profile's T(B) for this GPU next to the measured one (one layer's S-part, bf16), so
+    the profile's efficiency and kernel floor can be corrected (docs/emulated-gpu.md)."""
+    from fastdecode.dense.emulated import PROFILES, Roofline
+    from fastdecode.planning.planner import _dense_times
+    from fastdecode.runtime.geometry import GEOMETRIES
+
+    name = torch.cuda.get_device_name(0).lower() if device.startswith("cuda") else "h100"
+    profile = next((p for k, p in PROFILES.items() if k in name.replace(" ", "")), PROFILES["h100"])
+    m = geometry_model(geometry, device, torch.bfloat16)
+    measured = _dense_times(m, batches, device)
+    roof = Roofline(profile, GEOMETRIES[geometry], 2)
+    rows = [
+        {
+            "batch": b,
+            "profile_ms": roof.layer_seconds(b) * 1e3,
+            "measured_ms": s * 1e3,
+            "measured_over_profile": s / roof.layer_seconds(b),
+        }
+        for b, s in sorted(measured.items())
+    ]
+    return {"profile": profile.name, "geometry": geometry, "rows": rows}
+
+
 def split_layouts(
     available: Sequence[int], counts: Sequence[int] = SPLIT_SHARD_HOSTS
 ) -> list[tuple[int, str, str]]:
@@ -135,6 +211,7 @@ def run_gpu_check(model_dir: Path | None = None, budget_s: float = 450.0) -> dic
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "model": str(model_dir)}
     result["cuda_vs_cpu"] = cuda_vs_cpu_tokens(model_dir)
     result["t_of_b_ms_bf16"] = bf16_t_of_b(model_dir)
+    result["emulated_profile"] = profile_vs_measured()
     result["exchange"] = run_exchange_bench(
         GEOMETRIES["llama-3-8b"],
         "bfloat16",

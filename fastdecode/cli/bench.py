@@ -246,20 +246,22 @@ def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     "--probes/--no-probes",
     default=True,
     show_default=True,
-    help="Also hostile internal calls under load, and a gpu_dense that stays down.",
+    help="Also hostile internal calls, the grammar crash and a pool rebuild under load, and gpu_dense "
+    "or every shard staying down.",
 )
 @click.option(
     "--down-timeout-s",
     type=float,
     default=3.0,
     show_default=True,
-    help="The stays-down probe's scheduler --dense-down-timeout.",
+    help="The stays-down probes' scheduler --dense-down-timeout and --shards-down-timeout.",
 )
 def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     """kill -9 shards, gpu_dense and the scheduler under load (`up` restarts them): requests sent,
     completed, failed, tokens equal to a fault-free run, and the longest pause a client saw; per
-    probe (repeated kills, hostile internal calls, a service that stays down): requests, completed,
-    failed with a clear status, hung, lost, and the longest time to an answer."""
+    probe (repeated kills, hostile internal calls, a service that stays down, the grammar crash, a
+    shard pool rebuild, every shard down): requests, completed, failed with a clear status, hung,
+    lost, services crashed (the last three), and the longest time to an answer."""
     from fastdecode.benchmarks.chaos import run_chaos_bench
 
     result = run_bench(lambda: run_chaos_bench(Path(model) if model else None, **kw))
@@ -272,11 +274,12 @@ def chaos_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
             click.echo(
                 f"probe {p['name']}: {p['requests']} requests, {p['completed']} completed, "
                 f"{p['failed_clear']} failed clearly, {p['hung']} hung, {p['lost']} lost, "
-                f"longest answer {p['max_answer_s']:.2f}s"
+                + (f"{p['crashed']} crashed, " if "crashed" in p else "")
+                + f"longest answer {p['max_answer_s']:.2f}s"
             )
     if result["failed"] or result["tokens_equal_fault_free"] != result["requests_sent"]:
         raise SystemExit(1)
-    if any(p["hung"] or p["lost"] for p in result["probes"]):
+    if any(p["hung"] or p["lost"] or p.get("crashed") for p in result["probes"]):
         raise SystemExit(1)
 
 
@@ -488,3 +491,76 @@ def migrate_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     emit(result, as_json, "migrate: drain mid-decode, skewed load with and without rebalancing")
     if result["completed"] != result["requests"] or result["equal_to_reference"] != result["requests"]:
         raise SystemExit(1)
+
+
+@bench.command("pace")
+@json_option
+@click.option(
+    "--gpu", default="h100", show_default=True, help="Emulated GPU: h100, h200, a10, l4 or a profile file."
+)
+@click.option(
+    "--geometry", default="llama-3-8b", show_default=True, help="Model shape (llama-3-8b, llama-3-70b)."
+)
+@click.option("--batch", "-B", "batches", type=int, multiple=True, default=(256,), show_default=True)
+@click.option("--shards", "-P", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option(
+    "--workers",
+    "-K",
+    type=click.IntRange(0, 64),
+    multiple=True,
+    default=(1,),
+    show_default=True,
+    help="Exchange worker processes (0: the Attend streams in gpu_dense's process); repeat for points.",
+)
+@click.option("--prompt-len", type=int, default=8, show_default=True)
+@click.option(
+    "--gen-len",
+    type=int,
+    default=48,
+    show_default=True,
+    help="Context = prompt + gen (short: shards keep pace).",
+)
+@click.option(
+    "--model",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Tokenizer and config (default: tiny llama).",
+)
+@click.option("--echo-repeats", type=int, default=200, show_default=True)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Stacked-bar PNG."
+)
+def pace_cmd(
+    as_json: bool,
+    model: str | None,
+    plot: Path | None,
+    batches: tuple[int, ...],
+    workers: tuple[int, ...],
+    **kw: Any,
+) -> None:
+    """A real fleet on an emulated GPU: the host CPU each decode step costs, per part.
+
+    The last line (--json) is one object with `points`; each point has the GPU step (the profile's
+    roofline), the wall step, the CPU per step of the scheduler, gpu_dense's main process, the
+    exchange workers, the shards outside attention and the gateway, the dense host's CPU per MB
+    and per round trip next to a bare grpc.aio echo of the same bytes, and the cores it needs.
+    """
+    from fastdecode.benchmarks.pace import plot_pace, run_pace
+
+    if plot is not None and not plot.resolve().parent.is_dir():
+        raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
+    result = run_bench(
+        lambda: run_pace(batches=batches, workers=workers, model=Path(model) if model else None, **kw)
+    )
+    if plot is not None:
+        click.echo(f"plot written to {plot_pace(result, plot)}", err=True)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    from fastdecode.benchmarks.common import format_table
+
+    rows = [
+        {**{k: v for k, v in p.items() if k != "cpu_ms_per_step"}, **p["cpu_ms_per_step"]}
+        for p in result["points"]
+    ]
+    click.echo(format_table(rows))

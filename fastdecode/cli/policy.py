@@ -165,6 +165,29 @@ def simulate_cmd(
     help="GPU host mode: the model's shape.",
 )
 @click.option("--cores", type=int, default=16, show_default=True, help="GPU host mode: the host's cores.")
+@click.option(
+    "--gpu",
+    default=None,
+    help="Pace mode: a GPU profile (h100, h200, a10, l4, FILE.json); with --pace, where the split beats "
+    "the same GPU holding its own KV, and the dense-host cores it needs (docs/emulated-gpu.md).",
+)
+@click.option(
+    "--pace",
+    "pace_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Pace mode: a `bench pace --json` result (its last line): the measured unit costs.",
+)
+@click.option("--contexts", default="1024,2048,4096,8192", show_default=True, help="Pace mode: contexts S.")
+@click.option("--batches", default="256,512,1024,2048", show_default=True, help="Pace mode: batches B.")
+@click.option("--shard-counts", default="4,8,16,32", show_default=True, help="Pace mode: shard hosts P.")
+@click.option(
+    "--shard-gbps",
+    type=float,
+    default=150.0,
+    show_default=True,
+    help="Pace mode: KV GB/s one shard host attends.",
+)
 @click.option("--dtype-bytes", type=int, default=2, show_default=True, help="GPU host mode: 2 = bf16.")
 @click.option(
     "--layer-windows",
@@ -190,11 +213,21 @@ def plan_cmd(
     cores: int,
     dtype_bytes: int,
     layer_windows: str | None,
+    gpu: str | None,
+    pace_file: str | None,
+    contexts: str,
+    batches: str,
+    shard_counts: str,
+    shard_gbps: float,
 ) -> None:
     """Choose batch size B and shard count P from measured T(B) and R (the paper's model); with
     --dense-step-ms, the exchange workers and shards a GPU host needs per batch (--exchange)."""
     from fastdecode.planning import planner
 
+    if gpu is not None or pace_file is not None:
+        ints = [[int(x) for x in v.split(",") if x.strip()] for v in (batches, contexts, shard_counts)]
+        _plan_pace(gpu, pace_file, geometry, cores, dtype_bytes, shard_gbps, *ints, as_json)
+        return
     if dense_step_ms is not None or exchange_file is not None:
         _plan_gpu_host(dense_step_ms, exchange_file, geometry, cores, dtype_bytes, shards, as_json)
         return
@@ -309,4 +342,76 @@ def _plan_gpu_host(
             f"{p.exchange_workers} exchange workers, "
             f"{p.shards} shards -> {p.predicted_step_ms:.1f} ms/step, {p.predicted_tokens_per_s:.0f} tok/s; "
             f"limit: {p.limiting_factor}"
+        )
+
+
+def _plan_pace(
+    gpu: str | None,
+    pace_file: str | None,
+    geometry: str,
+    cores: int,
+    dtype_bytes: int,
+    shard_gbps: float,
+    batches: list[int],
+    contexts: list[int],
+    shard_counts: list[int],
+    as_json: bool,
+) -> None:
+    from fastdecode.dense.emulated import load_profile
+    from fastdecode.planning.pace_plan import UnitCosts, plan_pace
+    from fastdecode.runtime.geometry import GEOMETRIES
+
+    if gpu is None or pace_file is None:
+        raise click.UsageError("pace mode needs both --gpu and --pace (a `bench pace --json` result)")
+    try:
+        lines = Path(pace_file).read_text().strip().splitlines()
+        try:
+            bench = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError as e:
+            raise click.ClickException(f"{pace_file}: last line is not JSON ({e})") from None
+        costs = UnitCosts.from_pace(bench, source=pace_file)
+        points = plan_pace(
+            load_profile(gpu),
+            GEOMETRIES[geometry],
+            costs,
+            batches,
+            contexts,
+            shard_counts,
+            shard_gbps,
+            cores,
+            dtype_bytes,
+        )
+    except ServiceError as e:
+        raise click.ClickException(str(e)) from e
+    wins = [p for p in points if p.speedup > 1 and p.dense_host_cores_needed <= cores]
+    best = max(wins, key=lambda p: (p.speedup, -p.dense_host_cores_needed), default=None)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "costs": costs.__dict__,
+                    "points": [p.to_dict() for p in points],
+                    "best": best.to_dict() if best else None,
+                }
+            )
+        )
+        return
+    click.echo(
+        f"unit costs ({costs.source}): {costs.ms_per_mb:.3f} ms/MB and {costs.us_per_round_trip:.1f} us per "
+        f"round trip of dense-host CPU; scheduler {costs.scheduler_us_per_seq:.2f} us per sequence per step"
+    )
+    for p in points:
+        mark = "  <- split wins" if p in wins else ""
+        click.echo(
+            f"S={p.context} B={p.batch} P={p.shards}: split {p.split_step_ms:.1f} ms/step "
+            f"{p.split_tokens_per_s:.0f} tok/s (limit {p.limit}), {p.dense_host_cores_needed:.1f} dense-host "
+            f"cores; GPU alone B={p.gpu_alone_batch} {p.gpu_alone_tokens_per_s:.0f} tok/s; "
+            f"{p.speedup:.2f}x{mark}"
+        )
+    if best is None:
+        click.echo(f"no point where the split beats {gpu} alone within {cores} dense-host cores")
+    else:
+        click.echo(
+            f"best: S={best.context} B={best.batch} P={best.shards}: {best.speedup:.2f}x {gpu} alone, "
+            f"{best.dense_host_cores_needed:.1f} dense-host cores"
         )

@@ -63,7 +63,13 @@ def _call(opts: dict[str, Any], method: str, request: Any, timeout: float) -> An
         with sync_channel(target, tls) as ch:
             return getattr(scheduler_pb2_grpc.SchedulerStub(ch), method)(request, timeout=timeout)
     except grpc.RpcError as e:
-        click.echo(f"error: {target}: {e.code().name}: {e.details()}", err=True)
+        hint = ""
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            hint = (
+                " (the scheduler needs the fleet secret: give --state-file F, the file `fastdecode up"
+                " --state-file F` writes, or set FASTDECODE_FLEET_SECRET_FILE to the secret's file)"
+            )
+        click.echo(f"error: {target}: {e.code().name}: {e.details()}{hint}", err=True)
         sys.exit(1)
 
 

@@ -40,7 +40,12 @@ def health(
 
 
 @click.command("make-model")
-@click.option("--arch", type=click.Choice(["llama", "mistral", "qwen2"]), default="llama", show_default=True)
+@click.option(
+    "--arch",
+    type=click.Choice(["llama", "mistral", "qwen2", "qwen3_moe"]),
+    default="llama",
+    show_default=True,
+)
 @click.option("--preset", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), required=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -99,6 +104,7 @@ def run(
     from fastdecode.cli.gguf import chat_token_ids, resolve_model
     from fastdecode.contract import SamplingParams
     from fastdecode.dense.engine import LocalEngine
+    from fastdecode.model import ModelConfig
     from fastdecode.runtime.errors import ServiceError
     from fastdecode.runtime.tokenizer import Tokenizer
 
@@ -114,7 +120,12 @@ def run(
     else:
         ids = given_ids if given_ids is not None else tok.encode(prompt or "")
     try:
-        engine = LocalEngine.from_pretrained(path, device=device)
+        # KV for this one request (the engine's default room, 64 full contexts, is tens of GB
+        # for a 32k-context model)
+        per_token = ModelConfig.from_pretrained(path).kv_bytes_per_token(4)
+        engine = LocalEngine.from_pretrained(
+            path, device=device, kv_capacity_bytes=per_token * (len(ids) + max_tokens + 64)
+        )
         params = SamplingParams(temperature, top_p, top_k, seed)
         out_ids: list[int] = []
         finish = None

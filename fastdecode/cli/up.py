@@ -43,7 +43,17 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 "on first use).",
             ),
             click.option("--shards", type=click.IntRange(1, 64), default=2, show_default=True),
-            _setting(DenseSettings, "device", help="gpu_dense device: auto | cpu | cuda[:N]."),
+            _setting(
+                DenseSettings,
+                "device",
+                help="gpu_dense device: auto, cpu, cuda[:N], or emulated:h100|h200|a10|l4|PROFILE.json "
+                "(no weights; synthetic tokens at that GPU's pace, docs/emulated-gpu.md).",
+            ),
+            click.option(
+                "--geometry",
+                default=None,
+                help="With an emulated device: the model shape to emulate (llama-3-8b, llama-3-70b).",
+            ),
             _setting(ShardSettings, "kv_capacity", help="KV bytes per shard."),
             _setting(
                 ShardSettings,
@@ -135,11 +145,28 @@ def _make_fleet(
     env: dict[str, str] | None = None,
     prefix_sharing: str = "on",
     host_shard: bool = False,
+    geometry: str | None = None,
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
+    from fastdecode.dense.emulated import is_emulated, load_emulated
+    from fastdecode.runtime.errors import InvalidInput
     from fastdecode.tools.fleet import Fleet
 
     path = resolve_model(model)  # before any service starts: a bad model is one clear line
+    dense_args: list[str] = []
+    if is_emulated(device):  # an unknown profile or a geometry that does not fit: one line, now
+        import torch
+
+        emulated = load_emulated(path, device, torch.bfloat16, geometry)
+        dense_args = ["--dtype", "bfloat16", *(["--geometry", geometry] if geometry else [])]
+        click.echo(
+            f"device {device} is EMULATED: no weights, synthetic tokens at {emulated.profile.name}'s "
+            f"roofline pace ({geometry or 'the checkpoint'}'s shape, bfloat16); the scheduler, gateway "
+            "and shards are real",
+            err=True,
+        )
+    elif geometry:
+        raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
     return Fleet(
         model=path,
         shards=shards,
@@ -152,6 +179,7 @@ def _make_fleet(
         pipeline={"auto": None, "on": True, "off": False}[pipeline],
         host_shard=host_shard,
         scheduler_args=["--admission", admission, "--prefix-sharing", prefix_sharing],
+        dense_args=dense_args,
         env=dict(env or {}),
     )
 
@@ -198,6 +226,7 @@ def up(
     model: str | None,
     shards: int,
     device: str,
+    geometry: str | None,
     kv_capacity: int,
     kv_dtype: str,
     admission: str,
@@ -240,6 +269,7 @@ def up(
         env={"FASTDECODE_LOG_JSON": "1"} if log_json else None,  # the services' ServiceSettings.log_json
         prefix_sharing=prefix_sharing,
         host_shard=host_shard,
+        geometry=geometry,
     )
     fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:

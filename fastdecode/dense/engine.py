@@ -48,6 +48,66 @@ def pack(chunks: Sequence[SeqChunk], device: torch.device) -> tuple[torch.Tensor
     return ids.to(device), pos.to(device), last.to(device)
 
 
+class WindowedAttention:
+    """Attention with per-layer sliding windows and a logit soft-cap, in torch, for LocalEngine.
+
+    The shards' store attends every cached token without a cap; until it applies a model's
+    `layer_windows` and `attn_logit_softcap` itself, LocalEngine (`fastdecode run`, the reference)
+    attends here for models that have either, so its tokens equal transformers'. It keeps each
+    sequence's K/V per layer in fp32, in the order of transformers' eager attention: scores
+    (q . k) * head_dim**-0.5, soft-cap, window and causal mask, fp32 softmax.
+    """
+
+    def __init__(self, windows: Sequence[int], softcap: float, num_layers: int) -> None:
+        self.windows = list(windows) or [0] * num_layers
+        self.softcap = softcap
+        self.num_layers = num_layers
+        self.seqs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def release(self, seq_id: str) -> None:
+        self.seqs.pop(seq_id, None)
+
+    def attend(
+        self,
+        layer: int,
+        seq_ids: Sequence[str],
+        counts: Sequence[int],
+        starts: Sequence[int],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        total, heads, dim = q.shape
+        group = heads // k.shape[1]
+        window = self.windows[layer]
+        out = torch.empty(total, heads * dim, dtype=q.dtype)
+        row = 0
+        for sid, n, start in zip(seq_ids, counts, starts, strict=True):
+            layers = self.seqs.setdefault(sid, [(torch.empty(0), torch.empty(0))] * self.num_layers)
+            old_k, old_v = layers[layer]
+            keys = torch.cat((old_k[:start], k[row : row + n].float())) if start else k[row : row + n].float()
+            values = (
+                torch.cat((old_v[:start], v[row : row + n].float())) if start else v[row : row + n].float()
+            )
+            layers[layer] = (keys, values)
+            qs = q[row : row + n].float().transpose(0, 1)  # [H, n, D]
+            kh = keys.transpose(0, 1).repeat_interleave(group, 0)  # [H, end, D]
+            vh = values.transpose(0, 1).repeat_interleave(group, 0)
+            scores = qs @ kh.transpose(1, 2) * dim**-0.5
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            qpos = torch.arange(start, start + n)[:, None]
+            kpos = torch.arange(start + n)[None, :]
+            allowed = kpos <= qpos
+            if window:
+                allowed &= kpos > qpos - window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            o = torch.softmax(scores, dim=-1) @ vh  # [H, n, D]
+            out[row : row + n] = o.transpose(0, 1).reshape(n, heads * dim).to(q.dtype)
+            row += n
+        return out
+
+
 def run_layers(
     model: DenseModel, hidden: torch.Tensor, positions: torch.Tensor, attend: AttendFn
 ) -> torch.Tensor:
@@ -67,14 +127,12 @@ class LocalEngine:
         itemsize = torch.empty((), dtype=kv_dtype).element_size()
         if kv_capacity_bytes is None:  # room for 64 full-context sequences
             kv_capacity_bytes = 64 * c.max_position_embeddings * c.kv_bytes_per_token(itemsize)
-        self.kv = KVStore(
-            c.num_hidden_layers,
-            c.num_key_value_heads,
-            c.head_dim,
-            kv_capacity_bytes,
-            kv_dtype,
-            layer_windows=c.layer_windows,
-            softcap=c.attn_logit_softcap,
+        self.kv = KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_capacity_bytes, kv_dtype)
+        # The store still reserves and accounts; a model with windows or a soft-cap attends here.
+        self.windowed = (
+            WindowedAttention(c.layer_windows, c.attn_logit_softcap, c.num_hidden_layers)
+            if any(c.layer_windows) or c.attn_logit_softcap
+            else None
         )
         self._ids = itertools.count()
 
@@ -101,6 +159,9 @@ class LocalEngine:
         starts = [c.start_pos for c in chunks]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if self.windowed is not None:
+                o = self.windowed.attend(layer, seq_ids, counts, starts, q.cpu(), k.cpu(), v.cpu())
+                return o.to(self.model.device)
             o = self.kv.attend(layer, AttendBatch(seq_ids, counts, starts, q.cpu(), k.cpu(), v.cpu()))
             return o.to(self.model.device)
 
@@ -180,11 +241,16 @@ class LocalEngine:
                     events.append((i, tok, lp, finish))
                     if finish:
                         live.remove(i)
-                        self.kv.release(sids[i])
+                        self.release(sids[i])
                 yield events
         finally:
             for sid in sids:
-                self.kv.release(sid)
+                self.release(sid)
+
+    def release(self, seq_id: str) -> None:
+        self.kv.release(seq_id)
+        if self.windowed is not None:
+            self.windowed.release(seq_id)
 
     def generate(
         self,

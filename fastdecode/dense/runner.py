@@ -22,6 +22,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from fastdecode.contract import PlannedSeq, TokenLogprob
+from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.sampling import penalize, sample, top_logprobs
@@ -85,6 +86,9 @@ class Timings:
     step_seconds: float = 0.0
     attend_seconds: float = 0.0  # time mini-batches spent awaiting the shards, summed over them
     pipelined: bool = False  # whether this step ran two mini-batches
+    # CPU of the LM head and sampling, all of the process's threads while it runs (on an emulated
+    # device, the host's stand-in for sampling a GPU does on the device: fastdecode/dense/emulated.py)
+    head_cpu_seconds: float = 0.0
 
     @property
     def overlap_ratio(self) -> float:
@@ -115,7 +119,7 @@ class _Group:
 class StepRunner:
     def __init__(
         self,
-        model: DenseModel,
+        model: DenseModel | EmulatedModel,
         shards: ShardPlane,
         chooser: PipelineChooser | None = None,
         grammars: GrammarBank | None = None,
@@ -270,6 +274,7 @@ class StepRunner:
             return (h, *model.pre_attention(0, h, pos))
 
         hidden, q, k, v = self._compute(first)
+        await model.settle()  # an emulated device's time: waited for, the other mini-batch runs
         for layer in range(num_layers):
             live = [g for g in groups if g.error is None]
             items = [
@@ -301,6 +306,7 @@ class StepRunner:
                 return (h, *model.pre_attention(lyr + 1, h, pos))
 
             hidden, q, k, v = self._compute(post)  # type: ignore[assignment]
+            await model.settle()
         self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
         row = 0
         for s in seqs:
@@ -328,6 +334,7 @@ class StepRunner:
         self._failures = {}
         self._prompt = {}
         outcomes: dict[str, Outcome] = {}
+        head_cpu = 0.0
         valid: list[PlannedSeq] = []
         history: dict[str, list[int] | None] = {}
         for s in seqs:
@@ -386,7 +393,10 @@ class StepRunner:
                         tops[j] = top[: params[j].top_logprobs]
                 return toks.tolist(), lps.tolist(), tops
 
+            c0 = time.process_time()  # every thread: torch's intra-op threads do the sampling's math
             toks, lps, tops = self._compute(head)
+            head_cpu = time.process_time() - c0
+            await self.model.settle()
             for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
                 outcomes[ordered[i].seq_id] = Outcome(tok, lp, top=tops.get(j, ()))
         for sid, scored in self._prompt.items():
@@ -408,5 +418,5 @@ class StepRunner:
                     off * 1e3,
                 )
         return outcomes, Timings(
-            self._busy, self._busy_cpu, max(0.0, step - self._busy), step, self._attend_wait, piped
+            self._busy, self._busy_cpu, max(0.0, step - self._busy), step, self._attend_wait, piped, head_cpu
         )

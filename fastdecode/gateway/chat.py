@@ -10,6 +10,7 @@ with the options and helpers transformers gives them (trim_blocks, lstrip_blocks
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+_MARKER = re.compile("\ue000([0-9]+)\ue001")  # a message's content in render_spans' skeleton
 
 
 def _raise_exception(message: str) -> None:
@@ -98,6 +100,42 @@ class ChatTemplate:
             data = json.loads((path / "chat_template.json").read_text(encoding="utf-8"))
             source = _pick(data.get("chat_template") if isinstance(data, dict) else None, path)
         return None if source is None else cls(source, specials)
+
+    def render_spans(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[str, list[tuple[int, int]] | None]:
+        """The prompt and where each message's content lies in it (character spans), so that its
+        text can be tokenized as text (special-token strings included). The template is rendered
+        with a marker in place of each content and once as is; None when the two disagree (a
+        template that inspects or reshapes content): the caller then cannot tell content apart."""
+        prompt = self.render(messages, add_generation_prompt, tools)
+        contents = [m.get("content") for m in messages]
+        marked = [
+            {**m, "content": f"\ue000{i}\ue001"} if isinstance(c, str) else m
+            for i, (m, c) in enumerate(zip(messages, contents, strict=True))
+        ]
+        try:
+            skeleton = self.render(marked, add_generation_prompt, tools)
+        except InvalidInput:
+            return prompt, None
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        at = length = 0
+        for part in _MARKER.finditer(skeleton):
+            content = contents[int(part.group(1))]
+            if not isinstance(content, str):
+                return prompt, None
+            out.append(skeleton[at : part.start()])
+            length += part.start() - at
+            spans.append((length, length + len(content)))
+            out.append(content)
+            length += len(content)
+            at = part.end()
+        out.append(skeleton[at:])
+        return (prompt, spans) if "".join(out) == prompt else (prompt, None)
 
     def render(
         self,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastdecode.contract import TokenLogprob
+from fastdecode.gateway.auth import cache_salt, current_tenant
 from fastdecode.gateway.grammar import GrammarCompiler
 from fastdecode.gateway.text import (
     GenerateParams,
@@ -231,6 +232,12 @@ class GatewayCore:
         finally:
             self.active_ids.discard(rid)
 
+    @staticmethod
+    def public_id(candidate: str | None, rid: str) -> str:
+        """The id the caller is shown: its own when sane, as sent, even where the gateway names the
+        request otherwise (a suffix for an id already in flight would tell it someone else uses it)."""
+        return sane_request_id(candidate) or rid
+
     def rejected(self, api: str, err: ServiceError) -> None:
         """Count and log a generation request refused before it entered `generate`."""
         self.metrics.answered(err.status, api)
@@ -238,7 +245,16 @@ class GatewayCore:
 
     async def _validate(self, params: GenerateParams) -> ValidRequest:
         check_params(params, self.limits)
-        if params.prompt is not None:
+        guarded = params.text_spans if not self.settings.chat_special_tokens else None
+        if params.untrusted and not self.settings.chat_special_tokens and guarded is None:
+            # a template that reshapes content: its spans are unknown, so special text is refused
+            specials = self.tokenizer.special_strings
+            found = next((s for t in params.untrusted for s in specials if s in t), None)
+            if found is not None:
+                raise InvalidInput(f"message content holds the special token {found!r}, which is not allowed")
+        if params.prompt is not None and guarded is not None:
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode_spans, params.prompt, guarded)
+        elif params.prompt is not None:
             prompt_ids = await asyncio.to_thread(
                 self.tokenizer.encode, params.prompt, params.add_special_tokens
             )
@@ -247,7 +263,8 @@ class GatewayCore:
         # never on this thread: llguidance can crash a process on a grammar (a worker's, here)
         grammar = await self.grammars.compile(params.structured) if params.structured is not None else ""
         bad = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else []
-        return resolve(params, prompt_ids, self.limits, grammar, bad)
+        salt = cache_salt(current_tenant(), params.cache_salt, self.settings.tenant_cache_isolation)
+        return resolve(params, prompt_ids, self.limits, grammar, bad, salt)
 
     async def _connected(self, remaining: float | None) -> None:
         connect = self.settings.connect_timeout

@@ -84,13 +84,17 @@ def validation_error(errors: Sequence[Any]) -> APIError:
 
 # ---- request bodies ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class RequestBody(BaseModel):
     # Unknown fields are ignored, as vLLM does (SDKs add new ones); the unsupported fields that would
     # change the answer are declared below and refused when set.
-    model_config = ConfigDict(extra="ignore")
+    # Strict: a boolean is not an integer, nor a string a number (`max_tokens: true`, `n: "2"` and
+    # `logprobs: "yes"` are 400s, as in OpenAI's API), where pydantic's lax mode would convert them.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +127,7 @@ class RequestBody(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, description="extension (vLLM)")
     bad_words: list[str] | None = Field(None, description="extension (vLLM)")
     user: str | None = None
+    cache_salt: str | None = Field(None, description="prefix-cache namespace (OpenAI, vLLM)")
     # vLLM's structured-output extras (extra_body in the openai client)
     guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM)")
     guided_regex: str | None = Field(None, description="extension (vLLM)")
@@ -264,6 +269,7 @@ def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
         "min_tokens": body.min_tokens,
+        "cache_salt": body.cache_salt,
     }
 
 
@@ -325,9 +331,11 @@ def chat_request(
     messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
     if template_renders_tools(template.source):
         listed = [t.as_openai() for t in tools.tools] if tools is not None else None
-        prompt = template.render(template_messages(messages), tools=listed)
+        prompt, spans = template.render_spans(template_messages(messages), tools=listed)
     else:
-        prompt = template.render(fallback_messages(messages, tools.tools if tools is not None else ()))
+        prompt, spans = template.render_spans(
+            fallback_messages(messages, tools.tools if tools is not None else ())
+        )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     structured = structured_output(body)
     forced = tools.structured() if tools is not None else None
@@ -339,6 +347,9 @@ def chat_request(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         structured=forced or structured,
         add_special_tokens=False,  # the template writes BOS itself where the model wants one
+        # where the contents lie: their special-token strings are text (GenerateParams.text_spans)
+        text_spans=spans,
+        untrusted=[m["content"] for m in messages if isinstance(m.get("content"), str)],
         default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
     )
     return params, tools

@@ -65,6 +65,11 @@ class GenerateParams:
     min_p: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    cache_salt: str | None = None  # OpenAI's: only requests of the same salt share prefix-cache blocks
+    # Character spans of the prompt that are untrusted text (chat message content): special-token
+    # strings there are tokenized as text unless the gateway allows them (--chat-special-tokens).
+    text_spans: list[tuple[int, int]] | None = None
+    untrusted: list[str] | None = None  # that content itself, for a template whose spans are unknown
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class ValidRequest:
     min_p: float = 0.0
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()  # the words' token sequences (bad_word_ids)
+    cache_salt: str = ""  # the prefix-cache namespace (tenant and cache_salt, hashed; "" shared)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -177,6 +183,10 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
         raise InvalidInput(f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}")
     if p.min_tokens is not None and p.min_tokens < 0:
         raise InvalidInput(f"min_tokens must be >= 0, got {p.min_tokens}")
+    if p.cache_salt is not None and not 1 <= len(p.cache_salt) <= 256:
+        raise InvalidInput(f"cache_salt must have 1-256 characters, got {len(p.cache_salt)}")
+    if p.cache_salt is not None:
+        check_text("cache_salt", p.cache_salt)
     if len(p.stop) > limits.max_stop:
         raise InvalidInput(f"{len(p.stop)} stop strings; the limit is {limits.max_stop}")
     check_text("stop", list(p.stop))
@@ -236,6 +246,7 @@ def resolve(
     limits: Limits,
     grammar: str = "",
     bad_words: Sequence[tuple[int, ...]] = (),
+    cache_salt: str = "",
 ) -> ValidRequest:
     """Apply defaults and the context-length check to a request that passed check_params; `grammar`
     is p.structured compiled (fastdecode/gateway/grammar.py), `bad_words` p.bad_words tokenized
@@ -281,6 +292,7 @@ def resolve(
         min_p=float(p.min_p or 0.0),
         allowed_token_ids=tuple(dict.fromkeys(p.allowed_token_ids or ())),
         bad_words=tuple(bad_words),
+        cache_salt=cache_salt,
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.kv.attend import AttendBatch
-from fastdecode.kv.store import KVStore
+from fastdecode.kv.store import KVStore, ReserveItem
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 
 log = logging.getLogger("fastdecode.kv_attention")
@@ -30,6 +30,7 @@ class AttendResult:
     o: torch.Tensor
     seconds: float  # attention compute time
     kv_bytes_read: int  # keys and values read by this item
+    cpu_seconds: float = 0.0  # the serving thread's CPU in it (bench pace: shards' work outside attention)
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,12 @@ class ShardCore:
     def reserve(
         self,
         geometry: tuple[int, int, int] | tuple[int, int, int, Sequence[int], float],
-        sequences: Sequence[tuple[str, int]] | Sequence[tuple[str, int, list[int]]],
+        sequences: Sequence[ReserveItem],
         model: str = "",
     ) -> tuple[int, list[int]]:
-        """Reserve every sequence or none: (seq_id, tokens) or (seq_id, tokens, token_ids), the
-        token ids for prefix sharing. Returns the free tokens left and each one's cached tokens."""
+        """Reserve every sequence or none: (seq_id, tokens), (seq_id, tokens, token_ids), the token ids
+        for prefix sharing, or (seq_id, tokens, token_ids, cache_salt). Returns the free tokens left
+        and each one's cached tokens."""
         store = self.store_for(*geometry)
         cached = store.reserve_many(list(sequences), model)
         return store.free_tokens, cached
@@ -145,16 +147,17 @@ class ShardCore:
         store = self.store
         if store is None:
             raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         o = store.attend(layer, batch)
         seconds = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
         # Each new token attends to every cached token of its sequence, its own chunk included (on
         # a windowed layer, to its window: the keys from the chunk's first query's window start on).
         ends = list(map(operator.add, batch.start_pos, batch.num_tokens))
         w = store.window(layer)
         keys = [e - max(0, s - w + 1) for s, e in zip(batch.start_pos, ends, strict=True)] if w else ends
         self.attended_pairs += sum(map(operator.mul, batch.num_tokens, keys))
-        return AttendResult(o, seconds, sum(keys) * store.bytes_per_token // store.num_layers)
+        return AttendResult(o, seconds, sum(keys) * store.bytes_per_token // store.num_layers, cpu)
 
     # ---- live migration ----------------------------------------------------------------------
     def export_sequence(self, seq_id: str) -> tuple[SequenceHeader, Iterator[LayerRows]]:

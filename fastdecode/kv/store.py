@@ -50,6 +50,9 @@ from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 
 BACKENDS = ("native", "torch")
 
+# (seq_id, tokens), with its first token ids for prefix sharing, and with its cache salt
+ReserveItem = tuple[str, int] | tuple[str, int, list[int]] | tuple[str, int, list[int], str]
+
 
 class KVStore(WindowGroups, Attention):
     def __init__(
@@ -197,16 +200,21 @@ class KVStore(WindowGroups, Attention):
 
     def reserve_many(
         self,
-        requests: list[tuple[str, int]] | list[tuple[str, int, list[int]]],
+        requests: Sequence[ReserveItem],
         model: str = "",
     ) -> list[int]:
         """Reserve all or nothing: on failure every block taken here is given back. Each request is
-        (seq_id, tokens) or (seq_id, tokens, token_ids); returns each one's cached tokens."""
+        (seq_id, tokens), (seq_id, tokens, token_ids) or those and its cache salt (a namespace of its
+        own: its blocks match only the same salt's); returns each one's cached tokens."""
         done: list[str] = []
         cached: list[int] = []
         try:
-            for seq_id, max_tokens, *ids in requests:
-                cached.append(self.reserve(seq_id, max_tokens, ids[0] if ids else None, model))
+            for seq_id, max_tokens, *rest in requests:
+                ids = rest[0] if rest else None
+                salt = rest[1] if len(rest) > 1 else ""
+                # the salt goes into the hash chain's seed, beside the model
+                salted = f"{model}|salt={salt}" if salt else model
+                cached.append(self.reserve(seq_id, max_tokens, ids, salted))
                 done.append(seq_id)
         except Exception:
             for seq_id in done:

@@ -1,5 +1,5 @@
 """Model core: config (torch-free: the gateway reads it), and in its modules the weights, the rotary
-embedding and the S-part of Llama-family models (fastdecode.model.dense). Imports no gRPC."""
+embedding and the S-part of every supported family (fastdecode.model.dense). Imports no gRPC."""
 
 from fastdecode.model.config import ModelConfig, RopeConfig
 

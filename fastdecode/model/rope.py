@@ -1,5 +1,5 @@
-"""Rotary position embeddings' inverse frequencies, as transformers computes them (default, linear
-and llama3 scaling)."""
+"""Rotary position embeddings' inverse frequencies, as transformers computes them (default, linear,
+llama3 and longrope scaling; partial rotary)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ import torch
 from fastdecode.model.config import RopeConfig
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies as transformers computes them (fp32)."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (fp32); `long`: longrope's long factors."""
+    dim = rope.rotary_dim or head_dim
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        return 1.0 / (
+            torch.tensor(factors, dtype=torch.float32)
+            * rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
     if rope.rope_type == "linear":
         return inv / rope.factor
     if rope.rope_type == "llama3":

@@ -96,6 +96,8 @@ class Geometry:
     kv_heads: int
     head_dim: int
     num_layers: int = 1
+    intermediate: int = 0  # the MLP's width; 0: unknown (the checkpoint's, where one is given)
+    vocab: int = 0  # likewise the LM head's rows
 
     def payload_bytes(self, batch: int, itemsize: int) -> int:
         """q, k, v out and o back for one decode token of `batch` sequences."""
@@ -103,9 +105,9 @@ class Geometry:
 
 
 GEOMETRIES: dict[str, Geometry] = {
-    "llama-3-8b": Geometry("llama-3-8b", 4096, 32, 8, 128, 32),
-    "llama-3-70b": Geometry("llama-3-70b", 8192, 64, 8, 128, 80),
-    "smollm2": Geometry("smollm2", 576, 9, 3, 64, 30),  # SmolLM2-135M, the default model
+    "llama-3-8b": Geometry("llama-3-8b", 4096, 32, 8, 128, 32, 14336, 128256),
+    "llama-3-70b": Geometry("llama-3-70b", 8192, 64, 8, 128, 80, 28672, 128256),
+    "smollm2": Geometry("smollm2", 576, 9, 3, 64, 30, 1536, 49152),  # SmolLM2-135M, the default model
     "small": Geometry("small", 768, 12, 12, 64, 12),  # the small random-weight preset
 }
 

@@ -25,6 +25,7 @@ from fastdecode.protocol import CHANNEL_OPTIONS, DEPENDENCY_DOWN_KEY, MAX_MESSAG
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import ServiceError, Status
 from fastdecode.runtime.internal_auth import OPEN_PREFIXES, CredentialedChannel, FleetAuthInterceptor
+from fastdecode.runtime.logs import Throttle
 from fastdecode.runtime.metrics import start_metrics_server
 from fastdecode.runtime.serving import write_ready_file
 from fastdecode.runtime.settings import TLSFiles
@@ -212,8 +213,13 @@ def guarded_parser(parse: Callable[[bytes], Any], message_type: str) -> Callable
     return guarded
 
 
+_BAD_REQUESTS = Throttle(10.0)  # a flood of garbage calls must not flood the log: one line per method
+
+
 async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: BadRequest) -> NoReturn:
-    log.warning("%s: %s", method, bad.message)
+    held = _BAD_REQUESTS(method)
+    if held is not None:
+        log.warning("%s: %s%s", method, bad.message, f" ({held} more like it held back)" if held else "")
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
     raise AssertionError("context.abort returned")
 

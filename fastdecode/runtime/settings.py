@@ -131,7 +131,17 @@ class DenseSettings(ServiceSettings):
 
     model: Path = Field(..., description="HuggingFace checkpoint dir.", json_schema_extra=_DIR)
     shards: str = Field(..., description="HOST:PORT,HOST:PORT of the kv_attention shards in shard-id order.")
-    device: str = Field("auto", description="auto | cpu | cuda[:N].")
+    device: str = Field(
+        "auto",
+        description="auto | cpu | cuda[:N] | emulated:h100|h200|a10|l4|PROFILE.json (no weights, synthetic "
+        "tokens at that GPU's roofline pace: docs/emulated-gpu.md).",
+    )
+    geometry: str | None = Field(
+        None,
+        description="With an emulated device: a named model shape (llama-3-8b, llama-3-70b) over the "
+        "checkpoint's.",
+    )
+
     dtype: DType = Field("float32", description="Weight and activation type.")
     shard_timeout: float = Field(60.0, gt=0, description="Seconds to wait for a shard's answer.")
     exchange_workers: int | None = Field(
@@ -199,6 +209,12 @@ class SchedulerSettings(ServiceSettings):
         description="Seconds requests wait for a lost gpu_dense (a restart is a few seconds of backoff "
         "plus its start); then they fail UNAVAILABLE and new ones are refused until it is back.",
     )
+    shards_down_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds requests wait while no kv_attention shard serves (lost, removed); then they "
+        "fail UNAVAILABLE naming the shards and new ones are refused until one is back.",
+    )
     control_timeout: float = Field(
         10.0,
         gt=0,
@@ -233,6 +249,21 @@ class GatewaySettings(ServiceSettings):
     auth_token: SecretStr | None = Field(
         None,
         description="Bearer token clients must send (off if unset). Prefer the env var (argv shows in ps).",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of API keys, one 'TENANT KEY' a line (# comments); reloaded on SIGHUP. "
+        "Each key's requests count and cache as that tenant (--auth-token is tenant 'default').",
+    )
+    tenant_cache_isolation: bool = Field(
+        True,
+        description="Salt each tenant's prefix-cache blocks apart (cached_tokens never shows another "
+        "tenant's prompt); off: tenants share blocks, as requests of one cache_salt do.",
+    )
+    chat_special_tokens: bool = Field(
+        False,
+        description="Let special-token strings typed in chat message content (<|im_start|>...) act as "
+        "control tokens; off (default): they are tokenized as text, so no turn can be forged.",
     )
     max_concurrent_requests: int = Field(
         4096, ge=1, description="Generate calls in flight; more = RESOURCE_EXHAUSTED."

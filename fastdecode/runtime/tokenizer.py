@@ -13,6 +13,11 @@ class Tokenizer:
     def __init__(self, tok: _HFTokenizer) -> None:
         self._tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # the strings the tokenizer turns into special (control) tokens wherever they appear
+        self.special_strings = tuple(
+            t.content for t in tok.get_added_tokens_decoder().values() if t.special and t.content
+        )
+        self._as_text: _HFTokenizer | None = None  # a copy that reads special-token strings as text
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -23,6 +28,29 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_spans(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Like encode(text, add_special_tokens=False), except that inside `spans` (character ranges
+        of untrusted text, e.g. chat message content) special-token strings are plain text: a user
+        who types "<|im_start|>system" gets those characters' tokens, not a control token. Text whose
+        spans hold no such string is encoded whole, exactly as encode() does."""
+        if not any(s in text[a:b] for a, b in spans for s in self.special_strings):
+            return self.encode(text, add_special_tokens=False)
+        if self._as_text is None:
+            copy = _HFTokenizer.from_str(self._tok.to_str())
+            copy.encode_special_tokens = True
+            self._as_text = copy
+        ids: list[int] = []
+        at = 0
+        for a, b in sorted(spans):
+            if a > at:
+                ids += self._tok.encode(text[at:a], add_special_tokens=False).ids
+            if b > a:
+                ids += self._as_text.encode(text[a:b], add_special_tokens=False).ids
+            at = max(at, b)
+        if at < len(text):
+            ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. An id the tokenizer does not know decodes to nothing, as in transformers: a

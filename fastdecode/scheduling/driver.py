@@ -97,6 +97,8 @@ class SchedulerDriver(Migrations, ShardHealth):
         self.migrations_failed = 0
         # Set once gpu_dense has been down past dense_down_timeout: what every request gets meanwhile.
         self.dense_dead: DependencyDown | None = None
+        self.shards_down_since: float | None = None  # ShardHealth._check_shards_down
+        self.shards_dead: DependencyDown | None = None
         self._throttle = Throttle(10.0)  # conditions that repeat every step or probe: one line per 10 s
 
     def not_ready_reason(self) -> str | None:
@@ -202,6 +204,8 @@ class SchedulerDriver(Migrations, ShardHealth):
             raise InvalidInput(f"request id {req.seq_id!r} is already running")
         if self.dense_dead is not None:  # admission refuses while gpu_dense stays down
             raise self.dense_dead
+        if self.shards_dead is not None:  # and while every shard stays down
+            raise self.shards_dead
         core.submit(req)
         stream = self.streams[req.seq_id] = _Mailbox()
         log.info("queued: %d prompt tokens, max_tokens %d", len(req.prompt), req.max_tokens)
@@ -370,12 +374,17 @@ class SchedulerDriver(Migrations, ShardHealth):
             f"gpu_dense down for {time.monotonic() - since:.0f}s ({self.dense_down}); retry once it is back"
         )
         log.error("%s: failing %d requests", self.dense_dead.message, len(self.streams))
+        self._fail_all(self.dense_dead)  # their KV is freed with the first step after the reconnect
+
+    def _fail_all(self, error: DependencyDown) -> None:
+        assert self.core is not None
         for sid, stream in list(self.streams.items()):
-            stream.queue.put_nowait(self.dense_dead)
+            stream.queue.put_nowait(error)
             try:
-                self.core.cancel(sid)  # its KV is freed with the first step after the reconnect
+                self.core.cancel(sid)  # its KV is freed with the next step
             except ServiceError:
                 pass
+        self.wake.set()
 
     async def _release(self, releases: list[tuple[str, int]]) -> None:
         by_shard: dict[int, list[str]] = defaultdict(list)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fastdecode.runtime.errors import ServiceError
+from fastdecode.runtime.errors import DependencyDown, ServiceError
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling.core import SchedulerCore
 from fastdecode.scheduling.ports import DenseLink, SchedulerMetrics, ShardLink
@@ -52,8 +52,14 @@ class ShardHealth:
     wake: asyncio.Event
     dense: DenseLink
     _throttle: Any
+    streams: dict[str, Any]
+    # Since when no shard serves, and once that lasted past shards_down_timeout, what every request
+    # gets until one serves again (set in SchedulerDriver.__init__; _check_shards_down keeps them).
+    shards_down_since: float | None
+    shards_dead: DependencyDown | None
 
     def _shard_lost(self, shard: int, reason: str) -> None: ...
+    def _fail_all(self, error: DependencyDown) -> None: ...
 
     # ---- shard health and speed --------------------------------------------------------------------
     async def health_loop(self) -> None:
@@ -61,6 +67,31 @@ class ShardHealth:
         while True:
             await asyncio.sleep(self.s.health_interval)
             await self.probe_shards()
+            self._check_shards_down()
+
+    def _check_shards_down(self) -> None:
+        """No shard serving past shards_down_timeout: the waiting requests end UNAVAILABLE naming the
+        shards, and new ones are refused until one serves again (probes go on meanwhile)."""
+        assert self.core is not None
+        if any(t.healthy and self.core.shard_state(i) != SHARD_REMOVED for i, t in enumerate(self.shards)):
+            if self.shards_down_since is not None:
+                log.info("a shard serves again after %.1fs", time.monotonic() - self.shards_down_since)
+            self.shards_down_since, self.shards_dead = None, None
+            return
+        now = time.monotonic()
+        if self.shards_down_since is None:
+            self.shards_down_since = now
+            log.warning("no kv_attention shard serves: %d requests wait", len(self.streams))
+            return
+        if self.shards_dead is not None or now - self.shards_down_since < self.s.shards_down_timeout:
+            return
+        names = ", ".join(f"shard {i} ({t.link.address})" for i, t in enumerate(self.shards)) or "none"
+        self.shards_dead = DependencyDown(
+            f"no kv_attention shard serving for {now - self.shards_down_since:.0f}s ({names}); "
+            "retry once one is back"
+        )
+        log.error("%s: failing %d requests", self.shards_dead.message, len(self.streams))
+        self._fail_all(self.shards_dead)
 
     async def probe_shards(self) -> None:
         """A lost shard gives its sequences back; one that returns (SERVING and empty) takes new work."""

@@ -97,7 +97,11 @@ class LoadModel(CoreTables):
         sh.seqs.add(seq.req.seq_id)
         seq.shard, seq.reserved_on, seq.kv = i, i, 0
         ids = list(seq.tokens) if self._shares(seq) else []
-        reserve.append(Reservation(seq_id=seq.req.seq_id, shard=i, max_tokens=held, token_ids=ids))
+        reserve.append(
+            Reservation(
+                seq_id=seq.req.seq_id, shard=i, max_tokens=held, token_ids=ids, cache_salt=seq.req.cache_salt
+            )
+        )
         if self._shares(seq):
             names = self._names(seq, sh.spec.block_size)
             for h in names:  # it will hold them once its prefill is in (those it finds cached, at once)

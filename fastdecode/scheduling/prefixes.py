@@ -19,7 +19,8 @@ class PrefixPlacement(CoreTables):
     def _names(self, seq: SeqEntry, block_size: int) -> list[bytes]:
         """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded)."""
         if seq.names is None or seq.names[:2] != (block_size, len(seq.tokens)):
-            seq.names = (block_size, len(seq.tokens), chain_hashes(NAME_SEED, seq.tokens, block_size))
+            seed = NAME_SEED + seq.req.cache_salt.encode()  # another salt's blocks never match
+            seq.names = (block_size, len(seq.tokens), chain_hashes(seed, seq.tokens, block_size))
         return seq.names[2]
 
     def _shares(self, seq: SeqEntry) -> bool:

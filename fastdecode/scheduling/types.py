@@ -26,6 +26,8 @@ class Request:
     ignore_eos: bool = False
     # Tokens generated before this submission (a resubmission): the first sample index.
     sample_offset: int = 0
+    # Prefix-cache namespace: blocks are shared only among requests with the same salt (tenants).
+    cache_salt: str = ""
 
     @property
     def kv_tokens(self) -> int:
@@ -43,6 +45,7 @@ class Reservation:
     max_tokens: int
     # Its first tokens, with prefix sharing: the shard answers how many of them it holds cached.
     token_ids: list[int] = field(default_factory=list)
+    cache_salt: str = ""  # its prefix-cache namespace (Request.cache_salt)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3_moe")
 PRESETS = ("tiny", "small")
 
 CORPUS_PATH = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
@@ -98,10 +98,21 @@ _PRESETS = {
     ),
 }
 
-# kv heads = attention heads // divisor: llama MHA, mistral GQA 4:1, qwen2 GQA 2:1.
-_KV_DIVISOR = {"llama": 1, "mistral": 4, "qwen2": 2}
-_ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_ROPE_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 1000000.0}
+# kv heads = attention heads // divisor: llama MHA, mistral GQA 4:1, qwen2 and qwen3_moe GQA 2:1.
+_KV_DIVISOR = {"llama": 1, "mistral": 4, "qwen2": 2, "qwen3_moe": 2}
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_ROPE_THETA = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 1000000.0, "qwen3_moe": 1000000.0}
+# qwen3_moe: a mixture of experts shaped like Qwen3-30B-A3B (top-8 of 128 there): each expert's MLP
+# is intermediate_size // MOE_EXPERT_DIVISOR wide, so the active MLP per token stays about the
+# preset's dense one while the weights are MOE_EXPERTS / MOE_TOP_K times as many.
+MOE_EXPERTS = 8
+MOE_TOP_K = 2
+MOE_EXPERT_DIVISOR = 2
 
 
 def _check(arch: str, preset: str) -> Preset:
@@ -150,6 +161,19 @@ def build_config(arch: str, preset: str) -> dict:
         cfg["mlp_bias"] = False
     elif arch == "mistral":
         cfg["sliding_window"] = None
+    elif arch == "qwen3_moe":
+        cfg |= {
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "num_experts": MOE_EXPERTS,
+            "num_experts_per_tok": MOE_TOP_K,
+            "moe_intermediate_size": p.intermediate_size // MOE_EXPERT_DIVISOR,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        cfg["tie_word_embeddings"] = False
     else:  # qwen2: q/k/v biases are built into the architecture, no config switch
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
@@ -165,6 +189,7 @@ def _tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     q_out = cfg["num_attention_heads"] * hd
     kv_out = cfg["num_key_value_heads"] * hd
     qkv_bias = cfg["model_type"] == "qwen2"
+    moe = cfg["model_type"] == "qwen3_moe"
     out: list[tuple[str, tuple[int, ...], str]] = [
         ("model.embed_tokens.weight", (cfg["vocab_size"], h), "embed")
     ]
@@ -179,7 +204,18 @@ def _tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
             out.append((pre + "self_attn.k_proj.bias", (kv_out,), "bias"))
             out.append((pre + "self_attn.v_proj.bias", (kv_out,), "bias"))
         out.append((pre + "self_attn.o_proj.weight", (h, q_out), "linear"))
+        if moe:
+            out.append((pre + "self_attn.q_norm.weight", (hd,), "norm"))
+            out.append((pre + "self_attn.k_norm.weight", (hd,), "norm"))
         out.append((pre + "post_attention_layernorm.weight", (h,), "norm"))
+        if moe:
+            e_inter = cfg["moe_intermediate_size"]
+            out.append((pre + "mlp.gate.weight", (cfg["num_experts"], h), "linear"))
+            for e in range(cfg["num_experts"]):
+                out.append((pre + f"mlp.experts.{e}.gate_proj.weight", (e_inter, h), "linear"))
+                out.append((pre + f"mlp.experts.{e}.up_proj.weight", (e_inter, h), "linear"))
+                out.append((pre + f"mlp.experts.{e}.down_proj.weight", (h, e_inter), "linear"))
+            continue
         out.append((pre + "mlp.gate_proj.weight", (inter, h), "linear"))
         out.append((pre + "mlp.up_proj.weight", (inter, h), "linear"))
         out.append((pre + "mlp.down_proj.weight", (h, inter), "linear"))
@@ -337,7 +373,7 @@ def make_model(arch: str, preset: str, out: Path | str, seed: int = 0, chat_temp
             "do_sample": False,
         },
     )
-    style = "qwen2" if arch == "qwen2" else "bytelevel"
+    style = "qwen2" if arch in ("qwen2", "qwen3_moe") else "bytelevel"
     (out / "tokenizer.json").write_text(train_tokenizer(cfg["vocab_size"], style), encoding="utf-8")
     _write_json(
         out / "tokenizer_config.json", _tokenizer_config(cfg["max_position_embeddings"], chat_template)
@@ -419,7 +455,8 @@ def _safetensors_header(file: Path) -> dict[str, dict]:
 
 
 def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Shape of every tensor a ModelConfig needs (HuggingFace names)."""
+    """Shape of every tensor a ModelConfig needs (HuggingFace names; the names as
+    fastdecode.model.dense.DenseModel.tensor_names lists them)."""
     c = config
     h, hd, inter = c.hidden_size, c.head_dim, c.intermediate_size
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
@@ -430,10 +467,38 @@ def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        out |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.o_proj.weight": (h, q)}
-        out |= {p + f"self_attn.{n}_proj.weight": (kv, h) for n in "kv"}
-        out |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
-        out[p + "mlp.down_proj.weight"] = (h, inter)
+        if c.gemma_norms:
+            out |= {
+                p + "pre_feedforward_layernorm.weight": (h,),
+                p + "post_feedforward_layernorm.weight": (h,),
+            }
+        out[p + "self_attn.o_proj.weight"] = (h, q)
+        if c.fused_projections:
+            out[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            out[p + "self_attn.q_proj.weight"] = (q, h)
+            out |= {p + f"self_attn.{n}_proj.weight": (kv, h) for n in "kv"}
+        if c.qk_norm == "head":
+            out |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        elif c.qk_norm == "full":
+            out |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
+        if c.moe is not None and c.moe.layers[i]:
+            e_inter = c.moe.intermediate_size
+            block, gate, up, down = (
+                ("block_sparse_moe.", "w1", "w3", "w2")
+                if c.moe.naming == "mixtral"
+                else ("mlp.", "gate_proj", "up_proj", "down_proj")
+            )
+            out[p + block + "gate.weight"] = (c.moe.num_experts, h)
+            for e in range(c.moe.num_experts):
+                x = f"{p}{block}experts.{e}."
+                out |= {x + f"{gate}.weight": (e_inter, h), x + f"{up}.weight": (e_inter, h)}
+                out[x + f"{down}.weight"] = (h, e_inter)
+        elif c.fused_projections:
+            out |= {p + "mlp.gate_up_proj.weight": (2 * inter, h), p + "mlp.down_proj.weight": (h, inter)}
+        else:
+            out |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+            out[p + "mlp.down_proj.weight"] = (h, inter)
         if c.qkv_bias:
             out |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
             out[p + "self_attn.v_proj.bias"] = (kv,)

@@ -77,6 +77,9 @@ class _Pending:
     progress: Path
 
 
+GATEWAY_ONLY_ENV = frozenset({"FASTDECODE_AUTH_TOKEN", "FASTDECODE_API_KEYS_FILE"})
+
+
 def spawn_service(
     name: str,
     args: list[str],
@@ -109,10 +112,15 @@ def spawn_service(
             # The child stops by itself when this supervisor dies (see rpc.Server): no orphans. No
             # preexec_fn: forking a process that runs gRPC threads aborts in gRPC's fork handlers.
             env={
-                **os.environ,
-                "FASTDECODE_SUPERVISOR_PID": str(os.getpid()),
-                PROGRESS_ENV: str(progress),
-                **(env or {}),
+                k: v
+                for k, v in {
+                    **os.environ,
+                    "FASTDECODE_SUPERVISOR_PID": str(os.getpid()),
+                    PROGRESS_ENV: str(progress),
+                    **(env or {}),
+                }.items()
+                # the public API's keys are the gateway's alone: no other service gets them
+                if name == "gateway" or k not in GATEWAY_ONLY_ENV
             },
             start_new_session=True,
         )

@@ -33,8 +33,19 @@ from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 # (done, total) in tensor bytes read from the GGUF file.
 ProgressCallback = Callable[[int, int], None]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-_ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# llama.cpp's Gemma 3 constants (its llama-model.cpp), which its GGUF files do not carry.
+_GEMMA3_LOCAL_THETA = 10_000.0
+_GEMMA3_PATTERN = 6
+# RoPE scalings of the GGUF metadata (rope.scaling.type) that the model core implements.
+_GGUF_ROPE_SCALINGS = ("none", "", "linear")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # llama.cpp's tokenizer.ggml.token_type values.
@@ -124,8 +135,11 @@ def build_config(g: GGUFFile) -> dict[str, Any]:
     head_dim = int(g.get(f"{key}.attention.key_length", 0) or g.get(f"{key}.rope.dimension_count", 0))
     head_dim = head_dim or hidden // heads
     scaling = str(g.get(f"{key}.rope.scaling.type", "none"))
-    if scaling not in ("none", ""):
+    if scaling not in _GGUF_ROPE_SCALINGS:
         raise ModelLoadError(f"{g.path}: unsupported RoPE scaling {scaling!r} in the GGUF metadata")
+    factor = float(g.get(f"{key}.rope.scaling.factor", 1.0) or 1.0)
+    if key == "gemma3" and g.get(f"{key}.rope.scaling.attn_factor") not in (None, 1.0):
+        raise ModelLoadError(f"{g.path}: unsupported RoPE attention factor in the GGUF metadata")
     if "rope_freqs.weight" in g.tensors:
         raise ModelLoadError(f"{g.path}: unsupported per-frequency RoPE factors (rope_freqs.weight)")
     tokens = g.get("tokenizer.ggml.tokens")
@@ -137,9 +151,12 @@ def build_config(g: GGUFFile) -> dict[str, Any]:
     theta = float(g.get(f"{key}.rope.freq_base", 10000.0))
     layers = int(g.require(f"{key}.block_count"))
     tie = "output.weight" not in g.tensors
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear" and factor != 1.0:
+        rope = {"rope_type": "linear", "rope_theta": theta, "factor": factor}
     cfg: dict[str, Any] = {
         "architectures": [_ARCH_CLASS[arch]],
-        "model_type": arch,
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "hidden_size": hidden,
         "intermediate_size": int(g.require(f"{key}.feed_forward_length")),
         "num_hidden_layers": layers,
@@ -149,7 +166,7 @@ def build_config(g: GGUFFile) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": float(g.get(f"{key}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
         "max_position_embeddings": int(g.get(f"{key}.context_length", 2048)),
         "vocab_size": vocab,
         "tie_word_embeddings": tie,
@@ -166,6 +183,29 @@ def build_config(g: GGUFFile) -> dict[str, Any]:
         cfg["mlp_bias"] = False
     elif arch == "mistral":
         cfg["sliding_window"] = None
+    elif arch == "gemma3":
+        # transformers 5 spelling: one RoPE per layer type, the scaling on the global layers only
+        pattern = _GEMMA3_PATTERN
+        cfg |= {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_act": "gelu_pytorch_tanh",
+            "sliding_window": int(g.require(f"{key}.attention.sliding_window")),
+            "layer_types": [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+            ],
+            "rope_parameters": {
+                "full_attention": rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_THETA},
+            },
+            # llama.cpp scales by head_dim**-0.5 but for the 27B model's hidden / heads
+            "query_pre_attn_scalar": hidden // heads
+            if str(g.get("general.size_label", "")).upper() == "27B"
+            else head_dim,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "attention_bias": False,
+        }
+        del cfg["rope_theta"]
     else:
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
@@ -186,17 +226,28 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's sandwich norms: llama.cpp's ffn_norm is its pre-MLP norm, and two more follow the blocks.
+_GEMMA_NAMES = {
+    **_LAYER_NAMES,
+    **_QK_NORM_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {"qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES}, "gemma3": _GEMMA_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """HuggingFace name of a GGUF tensor: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in the GGUF file")
 
 
@@ -229,10 +280,13 @@ def load_weights(
     if progress is not None:
         progress(0, total)
     permute = cfg["model_type"] in ("llama", "mistral")
+    # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w; transformers keeps w.
+    gemma = cfg["model_type"] == "gemma3_text"
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    arch = g.architecture
     out: dict[str, torch.Tensor] = {}
     for name, t in g.tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, arch)
         want = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims innermost first
         try:
             arr = np.ascontiguousarray(_dequantize(t), dtype=np.float32)
@@ -245,6 +299,8 @@ def load_weights(
             w = unpermute_rotary(w, heads)
         elif permute and ".attn_k." in name:
             w = unpermute_rotary(w, kv_heads)
+        elif gemma and name.endswith("norm.weight"):
+            w = w - 1.0
         out[target] = w.to(dtype).contiguous()
         done += int(t.n_bytes)
         if progress is not None:
@@ -275,10 +331,12 @@ def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]]:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     model = g.get("tokenizer.ggml.model")
+    if model == "llama" and g.architecture == "gemma3":
+        return _gemma_tokenizer(g)
     if model != "gpt2":
         raise ModelLoadError(
             f"{g.path}: unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: 'gpt2' "
-            "(byte-level BPE)"
+            "(byte-level BPE), and 'llama' (SentencePiece BPE) for gemma3"
         )
     pre = str(g.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_TOKENIZERS:
@@ -344,6 +402,86 @@ def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]]:
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(g.get(f"{g.require('general.architecture')}.context_length", 2048)),
+    }
+    template = g.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = str(template)
+    return tok.to_str(pretty=True), config
+
+
+def _gemma_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]]:
+    """Gemma's SentencePiece BPE (byte fallback, spaces as U+2581, no prefix space), rebuilt as
+    transformers' GemmaTokenizer and its GGUF loader build it.
+
+    The file lists no merges: they are recovered from the vocabulary, each token cut into two
+    tokens, best first in the order the tokens appear in the file (Gemma's scores do not follow
+    its merge order). Tokens of two or more spaces are stored as spaces and looked up as U+2581."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    raw: list[str] = list(g.require("tokenizer.ggml.tokens"))
+    types: list[int] = list(g.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(raw))
+    if len(types) != len(raw):
+        raise ModelLoadError(f"{g.path}: {len(types)} token types for {len(raw)} tokens")
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in raw]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    rank = {t: i for i, t in enumerate(tokens)}  # the merge order: the file's order
+    found: list[tuple[int, int, int, str, str]] = []
+    for token, r in rank.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((r, -len(left), -len(right), left, right))
+    found.sort()
+    unk = raw[int(g.get("tokenizer.ggml.unknown_token_id", 3))]
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for *_, a, b in found],
+            fuse_unk=True,
+            unk_token=unk,
+            byte_fallback=True,
+        )
+    )
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(raw, types, strict=True)
+            if k == _TOKEN_CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_USER_DEFINED
+        ]
+    )
+
+    def special(meta: str) -> str | None:
+        i = g.get(f"tokenizer.ggml.{meta}")
+        return raw[int(i)] if i is not None and 0 <= int(i) < len(raw) else None
+
+    bos, eos = special("bos_token_id"), special("eos_token_id")
+    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", True)) and bos is not None
+    single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"])
+    pair = " ".join([single, *([f"{bos}:1"] * add_bos), "$B:1"])
+    specials = [(bos, vocab[bos])] if add_bos and bos is not None else []
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": special("padding_token_id"),
+        "unk_token": unk,
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(g.get("gemma3.context_length", 2048)),
     }
     template = g.get("tokenizer.chat_template")
     if template is not None:

@@ -114,14 +114,16 @@ class AttendResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., o: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., attend_seconds: _Optional[float] = ...) -> None: ...
 
 class SequenceReservation(_message.Message):
-    __slots__ = ("seq_id", "max_tokens", "token_ids")
+    __slots__ = ("seq_id", "max_tokens", "token_ids", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     max_tokens: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("geometry", "sequences", "model")

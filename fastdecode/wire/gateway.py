@@ -40,6 +40,7 @@ def params_from_proto(r: gw_pb.GenerateRequest) -> GenerateParams:
         min_p=r.min_p if r.HasField("min_p") else None,
         allowed_token_ids=list(r.allowed_token_ids) or None,
         bad_words=list(r.bad_words),
+        cache_salt=r.cache_salt or None,
     )
 
 
@@ -104,6 +105,7 @@ def submit_request(request_id: str, v: ValidRequest, sample_offset: int = 0) -> 
         sampling=sampling_to_proto(v.sampling()),
         stop_token_ids=list(v.stop_token_ids),
         ignore_eos=v.ignore_eos,
+        cache_salt=v.cache_salt,
     )
 
 

@@ -175,7 +175,9 @@ def reserve_request(geometry: KVGeometry, seqs: Sequence[Reservation], model: st
             attn_logit_softcap=geometry.attn_logit_softcap,
         ),
         sequences=[
-            kv_pb.SequenceReservation(seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids)
+            kv_pb.SequenceReservation(
+                seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids, cache_salt=s.cache_salt
+            )
             for s in seqs
         ],
     )

@@ -18,6 +18,7 @@ def request_from_submit(seq_id: str, r: scheduler_pb2.SubmitRequest) -> Request:
         stop_token_ids=frozenset(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
         sample_offset=r.sample_index_offset,
+        cache_salt=r.cache_salt,
     )
 
 

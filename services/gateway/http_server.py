@@ -9,10 +9,9 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
-from pydantic import SecretStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastdecode.gateway.auth import bearer_matches
+from fastdecode.gateway.auth import Tenants, tenant_scope
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.gateway.openai import APIError
 from fastdecode.protocol import REQUEST_ID_KEY
@@ -26,16 +25,16 @@ class _Front:
     logging; before the body is read, the bearer token on /v1/ (/health needs none) and the body
     size by Content-Length (FastAPI's max_body_size still bounds chunked bodies, in plain text)."""
 
-    def __init__(self, app: ASGIApp, core: GatewayCore, token: SecretStr | None, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, core: GatewayCore, tenants: Tenants | None, max_body: int) -> None:
         self.app = app
         self.core = core
-        self.expected = token.get_secret_value().encode() if token else None
+        self.tenants = tenants or Tenants()  # None: no keys, every caller the anonymous tenant
         self.max_body = max_body
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> tuple[APIError, int] | None:
         path: str = scope.get("path", "")
-        if self.expected is not None and path.startswith("/v1/"):
-            if not bearer_matches(headers.get(b"authorization", b""), self.expected):
+        if self.tenants.enabled and path.startswith("/v1/"):
+            if self.tenants.tenant_of(headers.get(b"authorization", b"")) is None:
                 message = "missing or invalid bearer token (header Authorization: Bearer <token>)"
                 return APIError(Status.UNAUTHENTICATED, message, error_code="invalid_api_key"), 401
         length = headers.get(b"content-length", b"")
@@ -50,9 +49,11 @@ class _Front:
             return
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
         candidate = headers.get(REQUEST_ID_KEY.encode())
-        with self.core.request_scope(candidate.decode("latin-1") if candidate else None) as rid:
-            scope.setdefault("state", {})["request_id"] = rid
-            tag = (REQUEST_ID_KEY.encode(), rid.encode())
+        asked = candidate.decode("latin-1") if candidate else None
+        with self.core.request_scope(asked) as rid:
+            shown = self.core.public_id(asked, rid)
+            scope.setdefault("state", {}).update(request_id=rid, public_id=shown)
+            tag = (REQUEST_ID_KEY.encode(), shown.encode())
 
             started = False
 
@@ -70,17 +71,19 @@ class _Front:
                     self.core.metrics.answered(err.status, "http")
                 await error_response(err, status)(scope, receive, send_with_id)
                 return
-            try:
-                await self.app(scope, receive, send_with_id)
-            except asyncio.CancelledError:
-                # The drain's cut-off cancels a stream's request task: its SSE stream has already
-                # ended with an error event and [DONE]; before any response, answer 503 (retry).
-                # Either way no "Exception in ASGI application" traceback for a planned stop.
-                cut = self.core.cut_off_error()
-                if cut is None:
-                    raise
-                if not started:
-                    await error_response(cut)(scope, receive, send_with_id)
+            tenant = self.tenants.tenant_of(headers.get(b"authorization", b"")) or ""
+            with tenant_scope(tenant):  # its metrics and its prefix-cache namespace
+                try:
+                    await self.app(scope, receive, send_with_id)
+                except asyncio.CancelledError:
+                    # The drain's cut-off cancels a stream's request task: its SSE stream has already
+                    # ended with an error event and [DONE]; before any response, answer 503 (retry).
+                    # Either way no "Exception in ASGI application" traceback for a planned stop.
+                    cut = self.core.cut_off_error()
+                    if cut is None:
+                        raise
+                    if not started:
+                        await error_response(cut)(scope, receive, send_with_id)
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -117,14 +120,14 @@ def _bind(host: str, port: int) -> socket.socket:
 class HTTPServer:
     """The HTTP port: bound at construction (so the port is known before start), served as a task."""
 
-    def __init__(self, core: GatewayCore, settings: GatewaySettings, token: SecretStr | None) -> None:
+    def __init__(self, core: GatewayCore, settings: GatewaySettings, tenants: Tenants) -> None:
         assert settings.http_port is not None
         self.api = OpenAIApp(core, settings)
         self.sock = _bind(settings.host, settings.http_port)
         self.port: int = self.sock.getsockname()[1]
         tls = settings.tls
         config = uvicorn.Config(
-            _Front(self.api.app, core, token, settings.max_message_bytes),
+            _Front(self.api.app, core, tenants, settings.max_message_bytes),
             log_config=None,  # the service's logging (fastdecode.runtime.logs) is already set up
             access_log=False,  # the gateway logs each request itself, with its id
             lifespan="off",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from fastdecode.gateway.auth import current_tenant
 from fastdecode.gateway.core import GatewayMetrics
 from fastdecode.runtime.errors import Status
 from fastdecode.scheduling import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
@@ -50,6 +51,17 @@ GATEWAY_REQUESTS = Counter(
 IN_FLIGHT = Gauge("fastdecode_gateway_requests_in_flight", "Generation requests in flight at the gateway")
 PROMPT_TOKENS = Counter("fastdecode_prompt_tokens_total", "Prompt tokens of accepted requests")
 GENERATION_TOKENS = Counter("fastdecode_generation_tokens_total", "Tokens streamed to clients")
+# Per tenant (the API key's, --api-keys-file; "" without keys): the label set is bounded by the file
+TENANT_REQUESTS = Counter(
+    "fastdecode_gateway_tenant_requests_total",
+    "Generation requests answered, per tenant",
+    ["tenant", "status"],
+)
+TENANT_TOKENS = Counter(
+    "fastdecode_gateway_tenant_tokens_total",
+    "Tokens per tenant; kind: prompt or generated",
+    ["tenant", "kind"],
+)
 
 
 APIS = ("grpc", "http")
@@ -65,14 +77,24 @@ class PrometheusGatewayMetrics(GatewayMetrics):
             for api in APIS:
                 GATEWAY_REQUESTS.labels(status.name, api)
 
+    def tenants(self, names: list[str]) -> None:
+        """Export every tenant's series from the first scrape (and after a reload)."""
+        for tenant in names:
+            for status in Status:
+                TENANT_REQUESTS.labels(tenant, status.name)
+            for kind in ("prompt", "generated"):
+                TENANT_TOKENS.labels(tenant, kind)
+
     def answered(self, status: Status, api: str) -> None:
         GATEWAY_REQUESTS.labels(status.name, api).inc()  # Status names are gRPC's code names
+        TENANT_REQUESTS.labels(current_tenant(), status.name).inc()  # the request's, bound by its front
 
     def in_flight(self, delta: int) -> None:
         IN_FLIGHT.inc(delta)
 
     def accepted(self, prompt_tokens: int) -> None:
         PROMPT_TOKENS.inc(prompt_tokens)
+        TENANT_TOKENS.labels(current_tenant(), "prompt").inc(prompt_tokens)
 
     def first_token(self, seconds: float) -> None:
         TTFT.observe(seconds)
@@ -82,6 +104,7 @@ class PrometheusGatewayMetrics(GatewayMetrics):
 
     def generated(self, tokens: int) -> None:
         GENERATION_TOKENS.inc(tokens)
+        TENANT_TOKENS.labels(current_tenant(), "generated").inc(tokens)
 
     def finished(self, reason: str, seconds: float) -> None:
         REQUESTS.labels(reason).inc()

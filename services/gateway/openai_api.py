@@ -210,7 +210,9 @@ class OpenAIApp:
                 hidden = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.core.eos_ids))
                 lp = LogprobsShape(chat, lambda t: tok.decode([t], skip_special_tokens=False), hidden)
             calls = ToolCallStream.of(tools, self.tool_parser) if tools is not None else None
-            return ResponseShape(chat, rid, self.core.model_id, include_usage, lp, echo, i, calls)
+            # the caller's own id in the response, never the gateway's suffixed one for a reused id
+            shown = getattr(request.state, "public_id", rid)
+            return ResponseShape(chat, shown, self.core.model_id, include_usage, lp, echo, i, calls)
 
         # n choices are n sequences (each prefills the prompt), one seed stream each
         shapes = [shape(i) for i in range(n)]

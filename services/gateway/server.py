@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from pydantic import SecretStr
 
-from fastdecode.gateway.auth import bearer_matches
+from fastdecode.gateway.auth import Tenants, bearer_token, tenant_scope
 from fastdecode.gateway.core import GatewayCore
 from fastdecode.model import ModelConfig
 from fastdecode.protocol import ERROR_TRAILER, REQUEST_ID_KEY
@@ -55,20 +55,28 @@ def _deny(handler: grpc.RpcMethodHandler, message: str, api_request: bool) -> gr
     return handler_like(handler, deny, parse_request=True)
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer <token>` on every call but health and reflection; constant-time compare."""
+def tenant_of(tenants: Tenants, metadata: Any) -> str | None:
+    """The caller's tenant from `authorization: Bearer <key>` metadata; None: not a known key."""
+    if not tenants.enabled:
+        return ""
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and bearer_token(value) is not None:
+            return tenants.tenant_of(value)
+    return None
 
-    def __init__(self, token: SecretStr) -> None:
-        self._expected = token.get_secret_value().encode()
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """`authorization: Bearer <key>` on every call but health and reflection; constant-time compare
+    against each key (--auth-token, --api-keys-file)."""
+
+    def __init__(self, tenants: Tenants) -> None:
+        self.tenants = tenants
 
     def __repr__(self) -> str:
-        return "BearerAuthInterceptor(token=**********)"
+        return "BearerAuthInterceptor(keys=**********)"
 
     def authorized(self, metadata: Any) -> bool:
-        for key, value in metadata or ():
-            if key.lower() == "authorization" and (ok := bearer_matches(value, self._expected)) is not None:
-                return ok
-        return False
+        return tenant_of(self.tenants, metadata) is not None
 
     async def intercept_service(
         self,
@@ -99,8 +107,9 @@ class GatewayServicer:
     """fastdecode.v1.Gateway over one GatewayCore. Errors leave through `handles_errors`, marked
     with ERROR_TRAILER so a client can tell them from transport failures."""
 
-    def __init__(self, core: GatewayCore) -> None:
+    def __init__(self, core: GatewayCore, tenants: Tenants | None = None) -> None:
         self.core = core
+        self.tenants = tenants or Tenants()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """Method handlers whose deserializers turn unparseable bytes into BadRequest."""
@@ -138,8 +147,10 @@ class GatewayServicer:
     ) -> None:
         # Writer style (context.write) rather than an async-generator handler: a cancel lands here
         # wherever we wait, and `aclosing` shuts the producer, whose finally cancels the upstream call.
-        with self.core.request_scope(request_id_of(context)) as rid:
-            await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+        tenant = tenant_of(self.tenants, context.invocation_metadata()) or ""  # the interceptor checked it
+        asked = request_id_of(context)
+        with self.core.request_scope(asked) as rid, tenant_scope(tenant):
+            await context.send_initial_metadata(((REQUEST_ID_KEY, self.core.public_id(asked, rid)),))
             if isinstance(request, BadRequest):
                 err = InvalidInput(request.message)
                 self.core.rejected("grpc", err)
@@ -184,6 +195,7 @@ async def serve(settings: GatewaySettings) -> None:
     tokenizer = Tokenizer.from_pretrained(settings.model)
     config = ModelConfig.from_pretrained(settings.model)
     token = settings.auth_token if settings.auth_token and settings.auth_token.get_secret_value() else None
+    tenants = Tenants(token.get_secret_value().encode() if token else None, settings.api_keys_file)
     server = Server(
         [SERVICE_NAME],
         settings.host,
@@ -191,21 +203,30 @@ async def serve(settings: GatewaySettings) -> None:
         settings.tls,
         settings.grace_seconds,
         require_client_cert=False,  # public port: clients authenticate with bearer tokens
-        interceptors=[BearerAuthInterceptor(token)] if token else (),
+        interceptors=[BearerAuthInterceptor(tenants)] if tenants.enabled else (),
         max_message_bytes=settings.max_message_bytes,
         guard_requests=False,  # its handlers parse with their own guard (BadRequest, counted as rejected)
         internal=False,  # public: clients need the bearer token, not the fleet secret
     )
     link = GrpcSchedulerLink(settings.scheduler, settings.tls)
-    core = GatewayCore(settings, tokenizer, config, link, PrometheusGatewayMetrics())
-    server.server.add_generic_rpc_handlers((GatewayServicer(core).handlers(),))
+    metrics = PrometheusGatewayMetrics()
+    metrics.tenants(tenants.names())
+    core = GatewayCore(settings, tokenizer, config, link, metrics)
+    server.server.add_generic_rpc_handlers((GatewayServicer(core, tenants).handlers(),))
     server.install_signal_handlers(settings.supervisor_pid)
+    if tenants.enabled:
+
+        def reload_keys() -> None:  # SIGHUP: the keys file again (a bad one keeps the old keys)
+            tenants.reload()
+            metrics.tenants(tenants.names())
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
     http = None
     if settings.http_port is not None:
         # Imported only when asked for: FastAPI adds start-up time the gRPC-only gateway need not pay.
         from services.gateway.http_server import HTTPServer
 
-        http = HTTPServer(core, settings, token)
+        http = HTTPServer(core, settings, tenants)
     await server.start()
     if http is not None:
         await http.start()
@@ -222,7 +243,7 @@ async def serve(settings: GatewaySettings) -> None:
         f", OpenAI HTTP on port {http.port}" if http else "",
         settings.scheduler,
         "on" if settings.tls.enabled else "off",
-        "on" if token else "off",
+        f"on, {len(tenants.names())} tenants" if tenants.enabled else "off",
     )
     readiness = asyncio.create_task(_readiness(server, core, settings.readiness_interval))
     await server.stopping.wait()

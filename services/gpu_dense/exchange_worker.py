@@ -26,7 +26,19 @@ from fastdecode.dense.handoff import Arena, Attached, Slice, frame, read_frame
 from fastdecode.runtime.errors import Status
 from fastdecode.runtime.rpc import status_of
 from fastdecode.runtime.settings import TLSFiles
-from services.gpu_dense.shards import ShardLink, ShardLinks
+from services.gpu_dense.exchange_messages import (
+    AddShard,
+    Attend,
+    Cancel,
+    Done,
+    Err,
+    Ok,
+    Ready,
+    RemoveShard,
+    RestoreShard,
+    Secret,
+)
+from services.gpu_dense.shards import AttendLink, ShardLinks
 
 
 def _die_with_parent(parent: int) -> None:
@@ -51,7 +63,7 @@ class _WorkerLoop:
     def add(self, index: int, address: str, timeout: float, tls: TLSFiles | None) -> None:
         if index not in self.local:
             self.local[index] = len(self.links.links)
-            self.links.add(ShardLink(index, address, tls, timeout))
+            self.links.add(AttendLink(index, address, tls, timeout))
 
     def arena(self, slot: int, name: str) -> Arena:
         old = self.slot_arena.get(slot)
@@ -60,60 +72,57 @@ class _WorkerLoop:
         self.slot_arena[slot] = name
         return self.arenas.get(name)
 
-    async def attend(
-        self, rid: int, slot: int, layer: int, name: str, message: list[tuple[Any, ...]]
-    ) -> None:
-        lock = self.slot_lock.setdefault(slot, asyncio.Lock())
+    async def attend(self, msg: Attend) -> None:
+        lock = self.slot_lock.setdefault(msg.slot, asyncio.Lock())
         async with lock:  # a cancelled layer of this slot has unwound before the next one starts
             try:
-                arena = self.arena(slot, name)
-                items = []
-                for shard, seq_ids, num_tokens, start_pos, q, k, v, _o, _room in message:
-                    items.append(
-                        AttendItem(
-                            self.local[shard],
-                            seq_ids,
-                            num_tokens,
-                            start_pos,
-                            arena.view(Slice(*q)),
-                            arena.view(Slice(*k)),
-                            arena.view(Slice(*v)),
-                        )
+                arena = self.arena(msg.slot, msg.arena)
+                items = [
+                    AttendItem(
+                        self.local[it.shard],
+                        it.seq_ids,
+                        it.num_tokens,
+                        it.start_pos,
+                        arena.view(Slice(*it.q)),
+                        arena.view(Slice(*it.k)),
+                        arena.view(Slice(*it.v)),
                     )
-                outs = await self.links.attend_layer(slot, layer, items)
-                results: list[tuple[Any, ...]] = []
-                for (*_, off, room), o in zip(message, outs, strict=True):
+                    for it in msg.items
+                ]
+                outs = await self.links.attend_layer(msg.slot, msg.layer, items)
+                results: list[Ok | Err] = []
+                for it, o in zip(msg.items, outs, strict=True):
                     if isinstance(o, BaseException):
                         status, text = status_of(o)
-                        results.append(("err", status.value, text))
-                    elif o.nbytes > room:
+                        results.append(Err(status.value, text))
+                    elif o.nbytes > it.o_room:
                         results.append(
-                            ("err", Status.INTERNAL.value, f"answer of {o.nbytes} bytes, room {room}")
+                            Err(Status.INTERNAL.value, f"answer of {o.nbytes} bytes, room {it.o_room}")
                         )
                     else:
-                        results.append(("ok", arena.put(off, o).astuple()))
+                        results.append(Ok(arena.put(it.o_offset, o).astuple()))
             except Exception as e:  # noqa: BLE001 - every item of the layer fails in-band
                 status, text = status_of(e)
-                results = [("err", status.value, text)] * len(message)
-            self.writer.write(frame(("done", rid, results)))
-        self.tasks.pop(rid, None)
+                results = [Err(status.value, text)] * len(msg.items)
+            self.writer.write(frame(Done(msg.rid, results)))
+        self.tasks.pop(msg.rid, None)
 
     async def run(self, reader: asyncio.StreamReader, timeout: float, tls: TLSFiles | None) -> None:
         loop = asyncio.get_running_loop()
         while (msg := await read_frame(reader)) is not None:
-            kind = msg[0]
-            if kind == "attend":
-                self.tasks[msg[1]] = loop.create_task(self.attend(*msg[1:]))
-            elif kind == "cancel":
-                task = self.tasks.pop(msg[1], None)
-                if task is not None:
-                    task.cancel()
-            elif kind == "add":
-                self.add(msg[1], msg[2], timeout, tls)
-            elif kind == "remove" and msg[1] in self.local:
-                await self.links.remove(self.local[msg[1]])
-            elif kind == "restore" and msg[1] in self.local:
-                self.links.restore(self.local[msg[1]])
+            match msg:
+                case Attend():
+                    self.tasks[msg.rid] = loop.create_task(self.attend(msg))
+                case Cancel():
+                    task = self.tasks.pop(msg.rid, None)
+                    if task is not None:
+                        task.cancel()
+                case AddShard():
+                    self.add(msg.index, msg.address, timeout, tls)
+                case RemoveShard() if msg.index in self.local:
+                    await self.links.remove(self.local[msg.index])
+                case RestoreShard() if msg.index in self.local:
+                    self.links.restore(self.local[msg.index])
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -122,21 +131,24 @@ class _WorkerLoop:
 
 
 async def _worker_main(args: argparse.Namespace) -> None:
+    sock = socket.socket(fileno=args.fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    first = await read_frame(reader)  # the parent's fleet secret (or None), before anything else
+    secret = first.secret if isinstance(first, Secret) else None
     tls = None
-    if args.tls_cert or args.tls_ca:
+    if args.tls_cert or args.tls_ca or secret is not None:
         tls = TLSFiles(
             cert=Path(args.tls_cert) if args.tls_cert else None,
             key=Path(args.tls_key) if args.tls_key else None,
             ca=Path(args.tls_ca) if args.tls_ca else None,
+            secret=secret,
         )
     links = ShardLinks([])
     for part in filter(None, args.shards.split(",")):
         index, address = part.split("=", 1)
-        links.add(ShardLink(int(index), address, tls, args.timeout))
-    sock = socket.socket(fileno=args.fd)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
+        links.add(AttendLink(int(index), address, tls, args.timeout))
     loop = _WorkerLoop(links, writer)
-    writer.write(frame(("ready",)))
+    writer.write(frame(Ready(os.getpid())))
     await loop.run(reader, args.timeout, tls)
     writer.close()
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,6 +26,7 @@ from fastdecode.kv import AttendBatch
 from fastdecode.runtime.errors import InvalidInput, ServiceError, as_service_error, error_for
 from fastdecode.runtime.settings import DenseSettings, ServiceSettings, ShardSettings
 from services.gpu_dense.exchange import ExchangePlane
+from services.gpu_dense.plane import ShardEntry
 from services.gpu_dense.shards import ShardLinks
 from services.kv_attention.server import build
 
@@ -95,11 +95,11 @@ class HostShardPlane:
         return self.inner.num_shards
 
     @property
-    def links(self) -> list[Any]:
+    def links(self) -> Sequence[ShardEntry]:
         return self.inner.links
 
-    def add(self, link: Any) -> None:
-        self.inner.add(link)
+    def add_shard(self, address: str) -> int:
+        return self.inner.add_shard(address)
 
     async def remove(self, index: int) -> None:
         await self.inner.remove(index)
@@ -133,16 +133,22 @@ class HostShardPlane:
             return as_service_error(e, log)
 
     async def attend_layer(
-        self, slot: int, layer: int, items: Sequence[AttendItem]
+        self,
+        slot: int,
+        layer: int,
+        items: Sequence[AttendItem],
+        between: Callable[[], None] | None = None,
     ) -> list[torch.Tensor | BaseException]:
         here = [i for i, item in enumerate(items) if self._hosted(item)]
         if not here:
-            return await self.inner.attend_layer(slot, layer, items)
+            return await self.inner.attend_layer(slot, layer, items, between)
         out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
 
         def attend_here() -> None:
             for i in here:
                 out[i] = self._attend(layer, items[i])
+            if between is not None:
+                between()
 
         mine = set(here)
         away = [i for i in range(len(items)) if i not in mine]

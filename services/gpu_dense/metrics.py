@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode.dense import Timings
 
@@ -29,6 +29,16 @@ STEPS = Counter(
 STEP_SEQUENCES = Counter(
     "fastdecode_dense_sequences_total", "Sequences computed in steps, by outcome", ["outcome"]
 )
+HEAD_CPU_SECONDS = Counter(
+    "fastdecode_dense_head_cpu_seconds",
+    "CPU seconds of the process while the LM head and sampling ran (on an emulated device: the host "
+    "standing in for the device's sampling)",
+)
+DEVICE_SECONDS = Gauge(
+    "fastdecode_dense_emulated_device_seconds",
+    "An emulated device's busy seconds so far, by engine (compute, copy)",
+    ["engine"],
+)
 
 # Exported (as 0) from the first scrape, not after the first step.
 for _mode in ("piped", "plain"):
@@ -45,4 +55,10 @@ def step_done(t: Timings, ok: int, failed: int) -> None:
     STEP_SECONDS.observe(t.step_seconds)
     S_PART_SECONDS.observe(t.s_part_seconds)
     SHARD_WAIT_SECONDS.observe(t.shard_wait_seconds)
+    HEAD_CPU_SECONDS.inc(t.head_cpu_seconds)
     OVERLAP_RATIO.observe(t.overlap_ratio)  # 0 with the pipeline off: nothing overlaps
+
+
+def device_time(compute: float, copy: float) -> None:
+    DEVICE_SECONDS.labels("compute").set(compute)
+    DEVICE_SECONDS.labels("copy").set(copy)

@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from fastdecode.dense import PipelineChooser, StepRunner
+from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime import codec
@@ -22,14 +23,13 @@ from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from fastdecode.wire import dense as wire
 from services.gpu_dense import metrics
-from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.host_shard import HostShard, HostShardPlane
-from services.gpu_dense.shards import ShardLink, ShardLinks, make_plane
+from services.gpu_dense.plane import ShardPlaneService
+from services.gpu_dense.shards import make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
 Settings = DenseSettings  # the one settings class: fastdecode.runtime.settings
-ShardPlaneService = ShardLinks | ExchangePlane | HostShardPlane  # what the service asks of its plane
 
 
 class DenseService(pb_grpc.DenseServicer):
@@ -37,21 +37,32 @@ class DenseService(pb_grpc.DenseServicer):
         self.settings = settings
         self.links = links
         self.host = host  # the shard this process hosts (--host-shard), if any
-        self.model: DenseModel | None = None  # set by load(); calls before that get UNAVAILABLE
+        self.model: DenseModel | EmulatedModel | None = (
+            None  # set by load(); calls before that get UNAVAILABLE
+        )
         self.runner: StepRunner | None = None
 
     async def load(self) -> None:
         s = self.settings
         progress = ProgressFile(s.progress_file, LOADING_WEIGHTS) if s.progress_file else None
-        self.model = await asyncio.to_thread(
-            DenseModel.from_pretrained, s.model, s.device, codec.DTYPE_NAMES[s.dtype], progress
-        )
+        dtype = codec.DTYPE_NAMES[s.dtype]
+        if is_emulated(s.device):
+            self.model = load_emulated(s.model, s.device, dtype, s.geometry)
+            log.warning(
+                "device %s is EMULATED: no weights, synthetic tokens at the profile's roofline pace (%s)",
+                s.device,
+                self.model.profile,
+            )
+        else:
+            self.model = await asyncio.to_thread(
+                DenseModel.from_pretrained, s.model, s.device, dtype, progress
+            )
         chooser = PipelineChooser() if s.pipeline_mode == "auto" else None
         c = self.model.config
         grammars = GrammarBank(Path(s.model) / "tokenizer.json", c.vocab_size, c.eos_token_ids)
         self.runner = StepRunner(self.model, self.links, chooser, grammars)
 
-    def _ready(self) -> tuple[DenseModel, StepRunner]:
+    def _ready(self) -> tuple[DenseModel | EmulatedModel, StepRunner]:
         if self.model is None or self.runner is None:
             raise Unavailable("gpu_dense is still loading its weights")
         return self.model, self.runner
@@ -60,10 +71,10 @@ class DenseService(pb_grpc.DenseServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         model, _ = self._ready()
         return wire.model_info_to_proto(
-            model.config,
+            model.served_config if isinstance(model, EmulatedModel) else model.config,
             str(self.settings.model),
             self.settings.dtype,
-            str(model.device),
+            model.label if isinstance(model, EmulatedModel) else str(model.device),
             [link.address for link in self.links.links],
             [link.index for link in self.links.links if link.removed],
         )
@@ -79,10 +90,9 @@ class DenseService(pb_grpc.DenseServicer):
             if link.address == address:
                 self.links.restore(link.index)  # a removed shard back on its address (a restarted pod)
                 return pb.AddShardResponse(shard=link.index)
-        link = ShardLink(self.links.num_shards, address, self.settings.tls, self.settings.shard_timeout)
-        self.links.add(link)
-        log.info("added %s", link.name)
-        return pb.AddShardResponse(shard=link.index)
+        index = self.links.add_shard(address)
+        log.info("added %s", self.links.links[index].name)
+        return pb.AddShardResponse(shard=index)
 
     @handles_errors
     async def RemoveShard(
@@ -104,6 +114,8 @@ class DenseService(pb_grpc.DenseServicer):
             self.host.count_dense_busy(t.s_part_seconds)
         failed = sum(1 for o in outcomes.values() if o.error is not None)
         metrics.step_done(t, len(outcomes) - failed, failed)
+        if isinstance(self.model, EmulatedModel):
+            metrics.device_time(self.model.clock.compute_seconds, self.model.clock.copy_seconds)
         return wire.step_result(plan.step, outcomes, t)
 
     @handles_errors
@@ -128,8 +140,14 @@ class DenseService(pb_grpc.DenseServicer):
 
 async def serve(settings: Settings) -> None:
     log = settings.configure_logging("gpu_dense")
+    if is_emulated(settings.device):  # an unknown profile or a geometry too big: one line, before any port
+        load_emulated(settings.model, settings.device, codec.DTYPE_NAMES[settings.dtype], settings.geometry)
+    elif settings.geometry:
+        raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    elif is_emulated(settings.device):  # no math but the sampling stand-in: one thread, as beside a GPU
+        torch.set_num_threads(1)
     addresses = split_addresses(settings.shards)
     if not addresses:
         raise InvalidInput("gpu_dense needs at least one shard (--shards HOST:PORT,...)")

@@ -46,8 +46,9 @@ class _Stream:
         self.expired = False
 
 
-class ShardLink:
-    """A shard's Attend streams, one per slot. A broken stream fails its item and reopens lazily."""
+class AttendLink:
+    """A shard's Attend streams, one per slot (the data plane's link; the scheduler's control link to
+    a shard is its ShardLink). A broken stream fails its item and reopens lazily."""
 
     def __init__(self, index: int, address: str, tls: TLSFiles | None = None, timeout: float = 60.0) -> None:
         self.index = index
@@ -146,8 +147,16 @@ class ShardLink:
 class ShardLinks:
     """The ShardPlane of gpu_dense: every shard's link, and the per-layer fan-out over them."""
 
-    def __init__(self, links: list[ShardLink], concurrent: bool = False) -> None:
+    def __init__(
+        self,
+        links: list[AttendLink],
+        concurrent: bool = False,
+        tls: TLSFiles | None = None,
+        timeout: float = 60.0,
+    ) -> None:
         self.links = links
+        self.tls = tls  # for shards added later (add_shard)
+        self.timeout = timeout
         # concurrent: with several shards in a layer, run their exchanges side by side (one task
         # each), so every stream's write and read are posted at once and completions can share loop
         # wake-ups; in order (the default, the measured path), each shard adds its poller round
@@ -159,8 +168,13 @@ class ShardLinks:
     def num_shards(self) -> int:
         return len(self.links)
 
-    def add(self, link: ShardLink) -> None:
+    def add(self, link: AttendLink) -> None:
         self.links.append(link)
+
+    def add_shard(self, address: str) -> int:
+        index = len(self.links)
+        self.links.append(AttendLink(index, address, self.tls, self.timeout))
+        return index
 
     async def remove(self, index: int) -> None:
         """Close a removed shard's streams; its index stays taken, so no other shard's moves."""
@@ -176,7 +190,7 @@ class ShardLinks:
         """AddShard of a removed shard's address (a restarted pod): a fresh link at the same index."""
         old = self.links[index]
         if old.removed:
-            self.links[index] = ShardLink(index, old.address, old.tls, old.timeout)
+            self.links[index] = AttendLink(index, old.address, old.tls, old.timeout)
             log.info("re-added %s", old.name)
 
     async def _watch(self) -> None:
@@ -252,7 +266,8 @@ def connect(
     started by its start(), or by its first layer)."""
     if workers:
         return ExchangePlane(addresses, workers, tls, timeout)
-    return ShardLinks([ShardLink(i, a, tls, timeout) for i, a in enumerate(addresses)], concurrent)
+    links = [AttendLink(i, a, tls, timeout) for i, a in enumerate(addresses)]
+    return ShardLinks(links, concurrent, tls, timeout)
 
 
 async def make_plane(

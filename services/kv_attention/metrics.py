@@ -24,6 +24,11 @@ ATTENTION_SECONDS = Histogram(
     ["shard"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
 )
+ATTENTION_CPU_SECONDS = Counter(
+    "fastdecode_kv_attention_cpu_seconds",
+    "CPU seconds of attention on the serving thread (wall time on a busy host counts others' turns too)",
+    ["shard"],
+)
 KV_BYTES_READ = Counter(
     "fastdecode_kv_bytes_read_total", "KV-cache bytes read by attention (keys and values)", ["shard"]
 )
@@ -66,6 +71,7 @@ class ShardMetrics:
         self.kv_capacity = kv_capacity
         # per-item metrics, resolved once rather than by label on every item
         self._attention_seconds = ATTENTION_SECONDS.labels(shard)
+        self._attention_cpu = ATTENTION_CPU_SECONDS.labels(shard)
         self._kv_bytes_read = KV_BYTES_READ.labels(shard)
         self._prefix_counted: dict[str, int] = {}  # store counts already added to PREFIX_COUNTERS
         self._counted_store: weakref.ref[KVStore] | None = None  # the pool those counts came from
@@ -112,8 +118,9 @@ class ShardMetrics:
                 counter.labels(self.shard).inc(now - before if now >= before else now)
                 self._prefix_counted[name] = now
 
-    def attended(self, seconds: float, kv_bytes_read: int) -> None:
+    def attended(self, seconds: float, kv_bytes_read: int, cpu_seconds: float = 0.0) -> None:
         self._attention_seconds.observe(seconds)
+        self._attention_cpu.inc(cpu_seconds)
         self._kv_bytes_read.inc(kv_bytes_read)
 
     def attend_failed(self, code: str) -> None:

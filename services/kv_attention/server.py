@@ -11,9 +11,9 @@ import torch
 
 from fastdecode.kv import KV_DTYPES, AttendBatch, native
 from fastdecode.kv.shard import AttendResult, ShardCore
-from fastdecode.protocol import DATA_PLANE_OPTIONS
+from fastdecode.protocol import DATA_PLANE_OPTIONS, MAX_MESSAGE_BYTES
 from fastdecode.runtime import codec
-from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, ResourceExhausted
 from fastdecode.runtime.rpc import (
     Server,
     aio_channel,
@@ -46,6 +46,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             backend=settings.attention_backend,
         )
         self.metrics = ShardMetrics(self.shard, settings.kv_capacity)
+        self.max_reply_bytes = MAX_MESSAGE_BYTES  # what gpu_dense's Attend stream takes
         self.retire: Callable[[], Awaitable[None]] | None = None  # serve(): stop serving and exit
         self._update_gauges()
 
@@ -59,7 +60,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         g, seqs = request.geometry, request.sequences
         free, cached = self.core.reserve(
             (g.num_layers, g.num_kv_heads, g.head_dim, list(g.layer_windows), g.attn_logit_softcap),
-            [(s.seq_id, s.max_tokens, list(s.token_ids)) for s in seqs],
+            [(s.seq_id, s.max_tokens, list(s.token_ids), s.cache_salt) for s in seqs],
             request.model,
         )
         self._update_gauges()
@@ -106,7 +107,15 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             r = self.core.attend(req.layer, wire.attend_batch(req))
             self._attended(req.layer, r)
             head = pb.AttendResponse(request_id=req.request_id, attend_seconds=r.seconds)
-            return codec.serialize_with(head, o=r.o)
+            reply = codec.serialize_with(head, o=r.o)
+            if len(reply) > self.max_reply_bytes:
+                # gRPC would fail the whole stream mid-write (a traceback here, every item lost):
+                # this item's error instead, in-band, and the stream goes on
+                raise ResourceExhausted(
+                    f"the reply to item {req.request_id} has {len(reply)} bytes; the limit is "
+                    f"{self.max_reply_bytes}: send fewer sequences per item"
+                )
+            return reply
         except Exception as e:  # noqa: BLE001 - in-band error, the stream goes on
             resp = pb.AttendResponse(request_id=req.request_id)
             resp.error.CopyFrom(item_error(e))
@@ -126,7 +135,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         return r.o
 
     def _attended(self, layer: int, r: AttendResult) -> None:
-        self.metrics.attended(r.seconds, r.kv_bytes_read)
+        self.metrics.attended(r.seconds, r.kv_bytes_read, r.cpu_seconds)
         if (store := self.core.store) is not None and layer == store.num_layers - 1:
             # The store counts a token as held once its last layer is in: the gauges follow each
             # mini-batch's step here, not only Reserve/Release (the Attend stream stays open).

@@ -83,3 +83,40 @@ def test_repeated_gpu_dense_losses_leave_no_asyncio_errors(
     log = (tmp_path / "scheduler.log").read_text(errors="replace")
     for bad in ("Task was destroyed", "already running", "Traceback"):
         assert bad not in log, bad
+
+
+def test_requests_fail_fast_while_every_shard_stays_down(model_factory: Callable, tmp_path: Path) -> None:
+    """Both shards killed, nobody restarts them: streams in flight and new requests end UNAVAILABLE
+    naming the shards within --shards-down-timeout (plus a health interval and the probes), not at
+    their deadline; admission then refuses at once; a shard back serves again."""
+    with Fleet(
+        model=model_factory("llama"),
+        shards=2,
+        device="cpu",
+        kv_capacity=64 << 20,
+        workdir=tmp_path,
+        scheduler_args=["--shards-down-timeout", str(BOUND), "--health-interval", "0.3"],
+    ) as f:
+        assert f.gateway
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = [pool.submit(_ask, f.gateway.address, [0, 5 + i, 9]) for i in range(3)]
+            time.sleep(0.5)  # decoding
+            for k in f.kv:
+                k.proc.kill()
+            for k in f.kv:
+                k.proc.wait(10)
+            late = pool.submit(_ask, f.gateway.address, [0, 8, 8])  # arrives with no shard serving
+            answers = [r.result(timeout=90) for r in [*running, late]]
+        for code, details, took in answers:
+            assert code == "UNAVAILABLE" and "kv_attention shard" in details, (code, details)
+            assert f.kv[0].address in details and f.kv[1].address in details, details
+            assert took < BOUND + 8, took
+        code, details, took = _ask(f.gateway.address, [0, 1])  # admission refuses at once
+        assert code == "UNAVAILABLE" and "kv_attention shard" in details and took < 3, (code, details, took)
+        f.restart(f.kv[0])
+        deadline = time.monotonic() + 60
+        while (answer := _ask(f.gateway.address, [0, 1]))[0] != "OK" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert answer[0] == "OK", answer
+    log = (tmp_path / "scheduler.log").read_text(errors="replace")
+    assert "Traceback" not in log

@@ -114,3 +114,43 @@ def test_a_bogus_reserve_from_inside_does_not_wedge_the_fleet(
     sched = (tmp_path / "scheduler.log").read_text(errors="replace")
     assert len(sched.splitlines()) < 300, sched[-3000:]
     assert "Traceback" not in sched
+
+
+def _scrape(address: str, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_pool_rebuild_after_prefix_hits_leaves_the_fleet_generating(fleet: Fleet) -> None:
+    """Prefix hits first, then a bogus-geometry Reserve and a Release on every idle shard with the
+    secret (each pool is rebuilt and its counters restart at 0), then unique prompts: all complete,
+    no call answers INTERNAL, the shards log no traceback, and the exported counters never go down."""
+    assert fleet.gateway
+    shared = [0, *range(100, 140)]  # 41 tokens: two full blocks shared by the repeats
+    with Client(fleet.gateway.address, timeout=60) as client:
+        for _ in range(3):
+            client.generate(token_ids=shared, max_tokens=4)
+    queries = [_scrape(k.metrics, "fastdecode_kv_prefix_queries_total") for k in fleet.kv if k.metrics]
+    bogus = kv_pb.ReserveRequest(
+        geometry=BOGUS, sequences=[kv_pb.SequenceReservation(seq_id="rebuild", max_tokens=16)]
+    )
+    for k in fleet.kv:
+        with sync_channel(k.address, fleet.peer_credentials) as ch:
+            stub = kv_grpc.KVAttentionStub(ch)
+            stub.Reserve(bogus, timeout=10)  # raises on INTERNAL
+            assert stub.Release(kv_pb.ReleaseRequest(seq_ids=["rebuild"]), timeout=10).released == 1
+    unique = [[0, 3 + i, *range(200 + 50 * i, 240 + 50 * i)] for i in range(4)]
+    with (
+        Client(fleet.gateway.address, timeout=60) as client,
+        concurrent.futures.ThreadPoolExecutor(4) as pool,
+    ):
+        outs = list(pool.map(lambda p: client.generate(token_ids=p, max_tokens=8, ignore_eos=True), unique))
+    assert [len(o.token_ids) for o in outs] == [8] * 4
+    after = [_scrape(k.metrics, "fastdecode_kv_prefix_queries_total") for k in fleet.kv if k.metrics]
+    assert all(a >= b for a, b in zip(after, queries, strict=True)), (queries, after)
+    for k in fleet.kv:
+        text = k.log_path.read_text(errors="replace")
+        assert "Traceback" not in text and "INTERNAL" not in text, text[-3000:]

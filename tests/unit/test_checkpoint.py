@@ -117,8 +117,11 @@ def test_arch_specific_tensors(tiny_dirs):
             256,
         ]
         assert "model.layers.4.input_layernorm.weight" not in hdr
+        moe = "model.layers.0.mlp.experts.7.down_proj.weight" in hdr
+        assert moe == (arch == "qwen3_moe") == ("model.layers.0.self_attn.q_norm.weight" in hdr)
+        assert ("model.layers.0.mlp.gate_proj.weight" in hdr) == (not moe)
         heads[arch] = (cfg["num_attention_heads"], cfg["num_key_value_heads"])
-    assert heads == {"llama": (8, 8), "mistral": (8, 2), "qwen2": (8, 4)}
+    assert heads == {"llama": (8, 8), "mistral": (8, 2), "qwen2": (8, 4), "qwen3_moe": (8, 4)}
     mistral = json.loads((tiny_dirs["mistral"] / "config.json").read_text())
     assert mistral["sliding_window"] is None
     assert json.loads((tiny_dirs["qwen2"] / "config.json").read_text())["rope_theta"] == 1e6

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pydantic import SecretStr
 
+from fastdecode.gateway.auth import Tenants
 from fastdecode.gateway.core import GatewayCore, GenerationChunk, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.model import ModelConfig
@@ -97,7 +97,7 @@ def test_logit_processors_cross_every_hop() -> None:
     ],
 )
 def test_bearer_auth(metadata: tuple[tuple[str, str], ...] | None, ok: bool) -> None:
-    interceptor = BearerAuthInterceptor(SecretStr(TOKEN))
+    interceptor = BearerAuthInterceptor(Tenants(TOKEN.encode()))
     assert interceptor.authorized(metadata) is ok
     assert TOKEN not in repr(interceptor)
 
@@ -362,7 +362,7 @@ def test_cut_off_ends_an_http_stream_with_an_error_event_then_done(llama_dir: Pa
 
     core, answered = make_core(llama_dir, Forever(), http_port=0)
     core.ready = True
-    app = _Front(OpenAIApp(core, core.settings).app, core, None, 1 << 20)
+    app = _Front(OpenAIApp(core, core.settings).app, core, Tenants(), 1 << 20)
     body = json.dumps({"model": core.model_id, "prompt": [5], "max_tokens": 500, "stream": True}).encode()
     scope = {
         "type": "http",
@@ -464,7 +464,7 @@ def test_n_choices_logprobs_and_usage_over_http(llama_dir: Path) -> None:
     link.script = script
     core, _ = make_core(llama_dir, link, http_port=0)
     core.ready = True
-    app = _Front(OpenAIApp(core, core.settings).app, core, None, 1 << 20)
+    app = _Front(OpenAIApp(core, core.settings).app, core, Tenants(), 1 << 20)
     body = {"model": core.model_id, "prompt": [5, 7, 9], "max_tokens": 2, "n": 3, "seed": 10, "logprobs": 2}
     status, raw = _post(app, "/v1/completions", body)
     assert status == 200, raw

@@ -18,7 +18,7 @@ from fastdecode.model.rope import rope_inv_freq
 from fastdecode.runtime.errors import ModelLoadError
 from tests.support import PROMPTS
 
-ARCHS = ["llama", "mistral", "qwen2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

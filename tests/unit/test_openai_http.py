@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fastdecode.gateway.auth import Tenants
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import sane_request_id
 from fastdecode.gateway.openai import (
@@ -264,7 +265,6 @@ def test_sane_request_id(candidate: str | None, kept: bool) -> None:
 
 def test_front_refuses_before_reading_the_body(llama_dir: Path) -> None:
     """Token and body size are checked from the headers alone; every answer carries the request id."""
-    from pydantic import SecretStr
 
     from fastdecode.gateway.core import GatewayCore
     from fastdecode.model import ModelConfig
@@ -283,7 +283,7 @@ def test_front_refuses_before_reading_the_body(llama_dir: Path) -> None:
             ModelConfig.from_pretrained(llama_dir),
             FakeScheduler(),
         )
-        front = _Front(app, service, SecretStr("tok"), max_body=100)
+        front = _Front(app, service, Tenants(b"tok"), max_body=100)
         sent: list[dict] = []
 
         async def receive() -> dict:

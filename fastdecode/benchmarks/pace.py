@@ -1,0 +1,246 @@
+"""`fastdecode bench pace`: the fleet at a GPU's pace, and the host CPU each decode step costs.
+
+A real fleet (gateway, scheduler, gpu_dense with K exchange workers, P kv_attention shards, all
+processes) whose gpu_dense runs on an emulated GPU (`--device emulated:NAME`,
+fastdecode/dense/emulated.py): each layer's S-part lasts the profile's roofline and q, k, v are
+synthetic, so everything around the arithmetic runs and is measured. B streams decode with a short
+context (so that the shards, one core each, keep pace); between a quarter and three quarters of
+their tokens (steady decode, no prefill) the bench reads every process's CPU and the services'
+metrics. Per point:
+
+- gpu_step_ms: the profile's roofline for this step (two mini-batches: each layer's weights read
+  twice; plus the LM head); wall_step_ms: the measured wall time per step.
+- cpu_ms_per_step: scheduler, dense_main (gpu_dense's process, all its threads, less the host's
+  stand-in for on-device sampling: `dense_stand_in_ms`), exchange_workers, shards_outside_attention
+  (the shards' CPU less their attention time), gateway.
+- round_trips_per_step (Attend items the shards answered), payload_mb_per_step (q, k, v out and o
+  back), dense_host_cpu_ms_per_mb and dense_cpu_us_per_round_trip (main process and exchange
+  workers), next to a bare grpc.aio echo of one item's bytes in the same run (echo_*).
+- dense_host_cores_needed = dense host CPU per step / gpu_step_ms; exposed_host_ms = wall - GPU
+  step - one shard's attention per step (the most the shards can keep on the critical path) - the
+  stand-in's sampling time (which a GPU spends inside gpu_step_ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastdecode.benchmarks.common import run_async
+from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds
+from fastdecode.runtime.metrics import metric_total, scrape
+
+PARTS = ("scheduler", "dense_main", "exchange_workers", "shards_outside_attention", "gateway")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (gpu_dense's exchange workers)."""
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class _Mark:
+    """CPU seconds of every process and the counters the point needs, at one instant."""
+
+    def __init__(self, fleet: Any) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = {
+            "gateway": process_cpu_seconds(fleet.gateway.pid),
+            "scheduler": process_cpu_seconds(fleet.scheduler.pid),
+            "dense_main": process_cpu_seconds(fleet.dense.pid),
+            "exchange_workers": sum(process_cpu_seconds(p) for p in _children(fleet.dense.pid)),
+            "shards": sum(process_cpu_seconds(s.pid) for s in fleet.kv),
+        }
+        d = scrape(fleet.dense.metrics)
+        self.steps = metric_total(d, "fastdecode_dense_steps_total")
+        self.head_cpu = metric_total(d, "fastdecode_dense_head_cpu_seconds_total")
+        self.device = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="compute")
+        self.copy = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="copy")
+        shards = [scrape(s.metrics) for s in fleet.kv]
+        # CPU, not wall: on a busy host an item's wall time counts the other processes' turns too
+        self.attention = sum(metric_total(m, "fastdecode_kv_attention_cpu_seconds_total") for m in shards)
+        self.items = sum(metric_total(m, "fastdecode_kv_attention_seconds_count") for m in shards)
+
+
+async def _drive(target: str, prompts: list[list[int]], gen_len: int, fleet: Any) -> list[_Mark]:
+    from fastdecode.client import AsyncClient
+
+    marks: list[_Mark] = []
+    want = [len(prompts) * gen_len // 4, 3 * len(prompts) * gen_len // 4]
+    tokens = 0
+    async with AsyncClient(target) as client:
+        await client.generate(token_ids=prompts[0][:4], max_tokens=2)  # warm the path
+
+        async def one(p: list[int]) -> None:
+            nonlocal tokens
+            async for chunk in client.stream(token_ids=p, max_tokens=gen_len, ignore_eos=True):
+                tokens += len(chunk.token_ids)
+                while want and tokens >= want[0]:
+                    want.pop(0)
+                    marks.append(await asyncio.to_thread(_Mark, fleet))
+
+        await asyncio.gather(*(one(p) for p in prompts))
+    return marks
+
+
+def run_point(
+    gpu: str,
+    geometry: str,
+    batch: int,
+    shards: int,
+    workers: int,
+    prompt_len: int,
+    gen_len: int,
+    model: Path,
+    echo_repeats: int = 200,
+) -> dict[str, Any]:
+    import torch
+
+    from fastdecode.benchmarks.echo import grpc_echo_cpu_s
+    from fastdecode.benchmarks.fleet_bench import prompts_for
+    from fastdecode.dense.emulated import apply_geometry, load_emulated
+    from fastdecode.model.config import ModelConfig
+    from fastdecode.tools.fleet import Fleet
+
+    device = f"emulated:{gpu}"
+    emulated = load_emulated(model, device, torch.bfloat16, geometry)  # errors before any process
+    c = apply_geometry(ModelConfig.from_pretrained(model), geometry)
+    roof = emulated.roofline.step_seconds(batch, pipelined=True)
+    per_seq = (prompt_len + gen_len + 32) * c.kv_bytes_per_token(2)
+    kv_capacity = int(per_seq * batch / shards * 1.5) + (16 << 20)
+    prompts = prompts_for(batch, prompt_len, ModelConfig.from_pretrained(model).vocab_size)
+    fleet = Fleet(
+        model=model,
+        shards=shards,
+        device=device,
+        kv_capacity=kv_capacity,
+        kv_dtype="bfloat16",
+        pipeline=True,
+        dense_args=["--dtype", "bfloat16", "--geometry", geometry, "--exchange-workers", str(workers)],
+        scheduler_args=["--max-running", str(batch)],
+        workdir=Path(tempfile.mkdtemp(prefix="fastdecode-bench-pace-")),
+    )
+    fleet.start()
+    try:
+        marks = run_async(_drive(fleet.gateway.address, prompts, gen_len, fleet))
+        # the bare echo of one item's bytes, in this process, while the fleet sits idle
+        rows = max(1, batch // 2 // shards)
+        out_b = rows * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2 + 64
+        back_b = rows * c.num_attention_heads * c.head_dim * 2 + 32
+        _, echo_cpu = grpc_echo_cpu_s(out_b, back_b, echo_repeats)
+    finally:
+        fleet.stop()
+    if len(marks) < 2:
+        raise RuntimeError("the decode window was not reached")
+    a, b = marks
+    steps = b.steps - a.steps
+    if steps <= 0:
+        raise RuntimeError("no dense step in the decode window")
+
+    def per_step(x: float, y: float) -> float:
+        return (y - x) * 1e3 / steps
+
+    stand_in = per_step(a.head_cpu, b.head_cpu)
+    attention = per_step(a.attention, b.attention)
+    cpu = {
+        "scheduler": per_step(a.cpu["scheduler"], b.cpu["scheduler"]),
+        "dense_main": per_step(a.cpu["dense_main"], b.cpu["dense_main"]) - stand_in,
+        "exchange_workers": per_step(a.cpu["exchange_workers"], b.cpu["exchange_workers"]),
+        "shards_outside_attention": per_step(a.cpu["shards"], b.cpu["shards"]) - attention,
+        "gateway": per_step(a.cpu["gateway"], b.cpu["gateway"]),
+    }
+    gpu_ms = roof["gpu_step_s"] * 1e3
+    wall = (b.wall - a.wall) * 1e3 / steps
+    trips = (b.items - a.items) / steps
+    payload_mb = c.num_hidden_layers * batch * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    payload_mb = payload_mb * c.head_dim * 2 / 1e6
+    dense_host = cpu["dense_main"] + cpu["exchange_workers"]
+    load = os.getloadavg()[0]
+    return {
+        "gpu": gpu,
+        "geometry": geometry,
+        "batch": batch,
+        "shards": shards,
+        "workers": workers,
+        "context": prompt_len + gen_len,
+        "steps_measured": steps,
+        "gpu_step_ms": gpu_ms,
+        "emulated_device_ms": per_step(a.device, b.device),  # what the clock charged: = gpu_step_ms
+        "pcie_copy_ms": per_step(a.copy, b.copy),
+        "wall_step_ms": wall,
+        "cpu_ms_per_step": cpu,
+        "dense_stand_in_ms": stand_in,
+        "shard_attention_ms": attention,
+        "round_trips_per_step": trips,
+        "payload_mb_per_step": payload_mb,
+        "dense_host_cpu_ms_per_mb": dense_host / payload_mb,
+        "dense_cpu_us_per_round_trip": dense_host * 1e3 / trips if trips else float("nan"),
+        "echo_cpu_us_per_round_trip": echo_cpu * 1e6,
+        "echo_cpu_ms_per_mb": echo_cpu * 1e3 / ((out_b + back_b) / 1e6),
+        "dense_host_cores_needed": dense_host / gpu_ms,
+        "exposed_host_ms": wall - gpu_ms - attention / shards - stand_in,
+        "load_average": load,
+    }
+
+
+def run_pace(
+    gpu: str = "h100",
+    geometry: str = "llama-3-8b",
+    batches: tuple[int, ...] = (256,),
+    shards: int = 4,
+    workers: tuple[int, ...] = (1,),
+    prompt_len: int = 8,
+    gen_len: int = 48,
+    model: Path | None = None,
+    echo_repeats: int = 200,
+) -> dict[str, Any]:
+    path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
+    points = [
+        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats)
+        for b in batches
+        for k in workers
+    ]
+    return {"points": points, "cores": os.cpu_count(), "load_average_end": os.getloadavg()[0]}
+
+
+def pace_figure(result: dict[str, Any]) -> Any:
+    """One stacked bar per point: each part's CPU per step, beside the GPU step and the wall step."""
+    from matplotlib.figure import Figure
+
+    points = result["points"]
+    fig = Figure(figsize=(max(6, 2.2 * len(points)), 4.5))
+    ax = fig.add_subplot()
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"]
+    x = list(range(len(points)))
+    bottom = [0.0] * len(points)
+    for part, color in zip(PARTS, colors, strict=True):
+        vals = [max(0.0, p["cpu_ms_per_step"][part]) for p in points]
+        ax.bar(x, vals, 0.5, bottom=bottom, label=part, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.scatter(
+        x, [p["gpu_step_ms"] for p in points], marker="_", s=900, color="black", label="GPU step (roofline)"
+    )
+    ax.scatter(x, [p["wall_step_ms"] for p in points], marker="x", color="black", label="wall step")
+    ax.set_xticks(
+        x, [f"{p['gpu']} {p['geometry']}\nB={p['batch']} P={p['shards']} K={p['workers']}" for p in points]
+    )
+    ax.set_ylabel("ms per decode step (CPU per part, stacked)")
+    ax.set_title("bench pace: host CPU per step at an emulated GPU's pace")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_pace(result: dict[str, Any], path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = pace_figure(result)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,376 @@
+"""An emulated accelerator: the S-part at a GPU's pace, with no weights and no arithmetic.
+
+`--device emulated:h100` (h200, a10, l4, or a JSON profile file) gives gpu_dense an
+EmulatedModel in place of DenseModel. It has the checkpoint's config (or a named `--geometry`'s
+dims over it) and allocates no weights. Every S-part call charges a device timeline the time the
+profile's roofline gives, and the caller waits for it (`await model.settle()`: the event loop runs
+the other mini-batch and the network meanwhile). q, k, v and logits are synthetic tensors of the
+right shapes and dtypes, so the shards attend real KV and sampling, logprobs, grammar masks and
+stop rules run as on a GPU. Hidden states live on torch's `meta` device: they have shapes and no
+storage, as tensors that stay on a GPU cost the host nothing.
+
+The roofline (docs/emulated-gpu.md): a kernel group moving `bytes` and doing `flops` takes
+    max(bytes / hbm_bandwidth, flops / peak_flops) / efficiency + kernels * kernel_floor.
+A layer is two groups: before attention (norm, fused QKV GEMM, RoPE: 3 kernels) and after it (O
+GEMM, residual and norm, gate/up GEMM, SiLU-mul, down GEMM: 5 kernels). Bytes are the weights
+plus each kernel's activations in and out; FLOPs are 2 per weight per token. The LM head reads its
+weights and writes fp32 logits (sampling on the device: 4 more kernels). The copies of q, k, v to
+the host and of o back run on a copy engine at the profile's PCIe bandwidth, beside the compute
+engine (the other mini-batch computes meanwhile); both are device time, never host CPU.
+
+What stays on the host is what a GPU host runs on its CPU: everything else. One exception is
+metered apart: sampling over the synthetic logits runs on the host's CPU (the real code on real
+shapes), where a GPU would run it on the device; gpu_dense reports that CPU as
+`fastdecode_dense_head_cpu_seconds`, so the benchmarks can count it as device work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from fastdecode.model.config import ModelConfig
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import GEOMETRIES, Geometry
+
+PREFIX = "emulated:"
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    """What the roofline needs to know about one GPU (the datasheet's dense figures)."""
+
+    name: str
+    hbm_gbps: float  # device memory bandwidth, GB/s
+    peak_tflops: float  # dense bf16/fp16 tensor-core TFLOP/s (no sparsity)
+    efficiency: float  # share of the roofline real kernels reach
+    kernel_floor_us: float  # per kernel: launch and tail that no size hides (CUDA graphs assumed)
+    pcie_gbps: float  # host <-> device copies, GB/s achieved one way
+    memory_gib: float  # device memory
+
+    def __post_init__(self) -> None:
+        if min(self.hbm_gbps, self.peak_tflops, self.pcie_gbps, self.memory_gib) <= 0:
+            raise InvalidInput(f"GPU profile {self.name!r}: bandwidths, peak and memory must be positive")
+        if not 0 < self.efficiency <= 1 or self.kernel_floor_us < 0:
+            raise InvalidInput(f"GPU profile {self.name!r}: efficiency in (0, 1], kernel floor >= 0")
+
+    def kernel_seconds(self, nbytes: float, flops: float, kernels: int) -> float:
+        """The roofline time of a group of `kernels` kernels moving `nbytes` and doing `flops`."""
+        roof = max(nbytes / (self.hbm_gbps * 1e9), flops / (self.peak_tflops * 1e12))
+        return roof / self.efficiency + kernels * self.kernel_floor_us * 1e-6
+
+    def copy_seconds(self, nbytes: float) -> float:
+        return nbytes / (self.pcie_gbps * 1e9)
+
+
+# Datasheet figures: H100 SXM5 (3.35 TB/s HBM3, 989 TFLOP/s dense bf16, 80 GB), H200 (4.8 TB/s,
+# 141 GB, same compute), A10 (600 GB/s, 125 TFLOP/s, 24 GB), L4 (300 GB/s, 121 TFLOP/s, 24 GB).
+# PCIe: gen5 x16 ~55 GB/s achieved for H100/H200, gen4 x16 ~25 GB/s for A10 and L4. Efficiency
+# 0.8 and a 3 us kernel floor are what decode GEMMs at this size reach with CUDA graphs; measure
+# and correct them with `make gpu-check` on the real GPU.
+PROFILES: dict[str, GPUProfile] = {
+    "h100": GPUProfile("h100", 3350, 989, 0.8, 3.0, 55, 80),
+    "h200": GPUProfile("h200", 4800, 989, 0.8, 3.0, 55, 141),
+    "a10": GPUProfile("a10", 600, 125, 0.8, 4.0, 25, 24),
+    "l4": GPUProfile("l4", 300, 121, 0.8, 4.0, 25, 24),
+}
+
+
+def is_emulated(device: str) -> bool:
+    return device.startswith(PREFIX)
+
+
+def load_profile(device: str) -> GPUProfile:
+    """The profile `emulated:NAME` or `emulated:FILE.json` (GPUProfile's fields) names."""
+    spec = device[len(PREFIX) :] if is_emulated(device) else device
+    if spec in PROFILES:
+        return PROFILES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise InvalidInput(
+            f"unknown GPU profile {spec!r}: expected one of {', '.join(sorted(PROFILES))} "
+            "or a JSON profile file"
+        )
+    try:
+        fields = json.loads(path.read_text())
+        return GPUProfile(**{"name": path.stem, **fields})
+    except (ValueError, TypeError) as e:
+        raise InvalidInput(
+            f"GPU profile {path}: {e} (fields: {', '.join(GPUProfile.__annotations__)})"
+        ) from None
+
+
+def profile_dict(p: GPUProfile) -> dict[str, float | str]:
+    return asdict(p)
+
+
+def apply_geometry(config: ModelConfig, name: str | None) -> ModelConfig:
+    """The checkpoint's config with a named geometry's dims over it (None: the checkpoint's own)."""
+    if not name:
+        return config
+    g = GEOMETRIES.get(name)
+    if g is None:
+        raise InvalidInput(f"unknown geometry {name!r}; expected one of {', '.join(sorted(GEOMETRIES))}")
+    return replace(
+        config,
+        hidden_size=g.hidden,
+        num_attention_heads=g.heads,
+        num_key_value_heads=g.kv_heads,
+        head_dim=g.head_dim,
+        num_hidden_layers=g.num_layers,
+        intermediate_size=g.intermediate or config.intermediate_size,
+        vocab_size=g.vocab or config.vocab_size,
+    )
+
+
+def geometry_of(c: ModelConfig, name: str = "") -> Geometry:
+    return Geometry(
+        name or "checkpoint",
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.num_hidden_layers,
+        c.intermediate_size,
+        c.vocab_size,
+    )
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Device times of one model's S-part pieces on one GPU at `itemsize` bytes per element."""
+
+    profile: GPUProfile
+    geometry: Geometry
+    itemsize: int = 2
+
+    @property
+    def _dims(self) -> tuple[int, int, int, int]:
+        g = self.geometry
+        return g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim, g.intermediate
+
+    def layer_params(self) -> tuple[int, int]:
+        """(before attention, after attention) weights of one layer."""
+        h, q, kv, inter = self._dims
+        return h * (q + 2 * kv), q * h + 3 * h * inter
+
+    def weight_bytes(self) -> int:
+        g = self.geometry
+        pre, post = self.layer_params()
+        return ((pre + post) * g.num_layers + 2 * g.hidden * g.vocab) * self.itemsize  # + embed, head
+
+    def pre_seconds(self, tokens: int) -> float:
+        """Norm, fused QKV GEMM, RoPE for `tokens` rows."""
+        h, q, kv, _ = self._dims
+        w, _ = self.layer_params()
+        act = tokens * (2 * h + 2 * (q + 2 * kv)) * self.itemsize  # norm in/out, GEMM out, RoPE in/out
+        return self.profile.kernel_seconds(w * self.itemsize + act, 2 * tokens * w, 3)
+
+    def post_seconds(self, tokens: int) -> float:
+        """O GEMM, residual + norm, gate/up GEMM, SiLU-mul, down GEMM."""
+        h, q, _, inter = self._dims
+        _, w = self.layer_params()
+        act = tokens * (q + 5 * h + 2 * inter + 3 * inter + h) * self.itemsize
+        return self.profile.kernel_seconds(w * self.itemsize + act, 2 * tokens * w, 5)
+
+    def layer_seconds(self, tokens: int) -> float:
+        return self.pre_seconds(tokens) + self.post_seconds(tokens)
+
+    def head_seconds(self, rows: int) -> float:
+        """Final norm, LM head (fp32 logits out) and sampling over them."""
+        g = self.geometry
+        w = g.hidden * g.vocab
+        nbytes = w * self.itemsize + rows * (g.hidden * self.itemsize + 3 * g.vocab * 4)
+        return self.profile.kernel_seconds(nbytes, 2 * rows * w, 6)
+
+    def qkv_copy_seconds(self, tokens: int) -> float:
+        _, q, kv, _ = self._dims
+        return self.profile.copy_seconds(tokens * (q + 2 * kv) * self.itemsize)
+
+    def o_copy_seconds(self, tokens: int) -> float:
+        _, q, _, _ = self._dims
+        return self.profile.copy_seconds(tokens * q * self.itemsize)
+
+    def step_seconds(self, batch: int, pipelined: bool = True) -> dict[str, float]:
+        """A decode step of `batch` sequences: the compute engine's time (the GPU step), the copy
+        engine's, and the pieces, in seconds. Piped: two mini-batches, each layer's weights read
+        twice."""
+        halves = [batch // 2, batch - batch // 2] if pipelined and batch > 1 else [batch]
+        layers = self.geometry.num_layers
+        compute = sum(layers * self.layer_seconds(t) for t in halves) + self.head_seconds(batch)
+        copies = sum(layers * (self.qkv_copy_seconds(t) + self.o_copy_seconds(t)) for t in halves)
+        return {
+            "gpu_step_s": compute,
+            "layer_s": self.layer_seconds(halves[0]),
+            "head_s": self.head_seconds(batch),
+            "copy_s": copies,
+        }
+
+
+def check_fits(roof: Roofline) -> None:
+    """One clear line when the weights (and 10% for activations) exceed the GPU's memory."""
+    need = roof.weight_bytes() * 1.1
+    have = roof.profile.memory_gib * GIB
+    if need > have:
+        raise InvalidInput(
+            f"geometry {roof.geometry.name} needs {need / GIB:.0f} GiB of weights and activations at "
+            f"{roof.itemsize} bytes per element; {roof.profile.name} has {roof.profile.memory_gib:g} GiB"
+        )
+
+
+def _host_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class DeviceClock:
+    """One compute engine and one copy engine, each serial. An operation starts when its engine is
+    free and its inputs are ready; the caller's task remembers when its last result is ready
+    (a context variable: each mini-batch is its own task) and `settle` sleeps until then."""
+
+    def __init__(self) -> None:
+        self._compute_free = 0.0
+        self._copy_free = 0.0
+        self.compute_seconds = 0.0  # busy time so far, per engine
+        self.copy_seconds = 0.0
+        self._ready: contextvars.ContextVar[float] = contextvars.ContextVar("device_ready", default=0.0)
+
+    def compute(self, seconds: float) -> None:
+        start = max(time.perf_counter(), self._ready.get(), self._compute_free)
+        self._compute_free = start + seconds
+        self.compute_seconds += seconds
+        self._ready.set(self._compute_free)
+
+    def copy(self, seconds: float) -> None:
+        start = max(time.perf_counter(), self._ready.get(), self._copy_free)
+        self._copy_free = start + seconds
+        self.copy_seconds += seconds
+        self._ready.set(self._copy_free)
+
+    async def settle(self) -> None:
+        wait = self._ready.get() - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+def _warm_meta() -> None:
+    """torch registers its meta kernels on the first meta op: seconds of imports (py-spy: ~10 s of CPU
+    on a loaded 2-core host) that would land in the first step. Paid here, at load, instead."""
+    h = torch.empty(4, 8, device="meta")
+    a = torch.zeros(4, 8, device="meta")
+    a[0:2] = torch.ones(2, 8).to("meta")
+    torch.cat([h, a]).index_select(0, torch.tensor([0, 1]).to("meta"))
+
+
+class EmulatedModel:
+    """DenseModel's interface (embed, pre_attention, post_attention, logits, settle) on the clock."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        profile: GPUProfile,
+        dtype: torch.dtype = torch.bfloat16,
+        geometry: str = "",
+        token_limit: int | None = None,
+    ) -> None:
+        self.config = config
+        self.profile = profile
+        self.dtype = dtype
+        self.device = torch.device("meta")  # hidden states: shapes, no storage
+        self.label = f"{PREFIX}{profile.name}"
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.roofline = Roofline(profile, geometry_of(config, geometry), itemsize)
+        check_fits(self.roofline)
+        self.clock = DeviceClock()
+        self.q_size = config.num_attention_heads * config.head_dim
+        self.kv_size = config.num_key_value_heads * config.head_dim
+        # Sampled ids stay inside the tokenizer's vocabulary (a named geometry's may be larger).
+        self.token_limit = min(token_limit or config.vocab_size, config.vocab_size)
+        self._gen = torch.Generator().manual_seed(0)
+        self._q = self._k = self._v = torch.empty(0)
+        self._logits = torch.empty(0)
+        _warm_meta()
+
+    def _pool(
+        self, pool: torch.Tensor, rows: int, width: int, dtype: torch.dtype, scale: float
+    ) -> torch.Tensor:
+        if pool.shape[0] >= rows:
+            return pool
+        rows = max(rows, 2 * pool.shape[0], 64)
+        need = rows * width * torch.empty((), dtype=dtype).element_size()
+        if need > _host_available() // 2:
+            raise InvalidInput(
+                f"synthetic tensors of {need / GIB:.1f} GiB do not fit this host's free memory"
+            )
+        return (torch.randn(rows, width, generator=self._gen) * scale).to(dtype)
+
+    # ---- the S-part, as DenseModel has it -------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return torch.empty(token_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=self.device)
+
+    def pre_attention(
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Charges norm, QKV, RoPE and the copy of q, k, v to the host; returns host tensors
+        (views of one synthetic pool: a copy off a GPU lands in fresh host memory, this costs none)."""
+        c, t = self.config, hidden.shape[0]
+        self.clock.compute(self.roofline.pre_seconds(t))
+        self.clock.copy(self.roofline.qkv_copy_seconds(t))
+        if self._q.shape[0] < t:  # three pools, so every row slice is contiguous
+            self._q = self._pool(self._q, t, self.q_size, self.dtype, 0.5)
+            self._k = self._pool(self._k, t, self.kv_size, self.dtype, 0.5)
+            self._v = self._pool(self._v, t, self.kv_size, self.dtype, 0.5)
+        return (
+            self._q[:t].view(t, c.num_attention_heads, c.head_dim),
+            self._k[:t].view(t, c.num_key_value_heads, c.head_dim),
+            self._v[:t].view(t, c.num_key_value_heads, c.head_dim),
+        )
+
+    def post_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        self.clock.copy(self.roofline.o_copy_seconds(t))
+        self.clock.compute(self.roofline.post_seconds(t))
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Synthetic fp32 logits [N, vocab]: the pool's first N rows (greedy draws repeat, so runs
+        are reproducible; sampled draws vary)."""
+        n, vocab = hidden.shape[0], self.config.vocab_size
+        self.clock.compute(self.roofline.head_seconds(n))
+        if self._logits.shape[0] < n:
+            pool = self._pool(self._logits, n, vocab, torch.float32, 2.0)
+            pool[:, self.token_limit :] = -1e4  # ids the tokenizer cannot decode are never drawn
+            self._logits = pool
+        return self._logits[:n]
+
+    async def settle(self) -> None:
+        await self.clock.settle()
+
+    @property
+    def served_config(self) -> ModelConfig:
+        """What gpu_dense reports (Info): the emulated shape, with the vocabulary the tokenizer has
+        (the gateway checks they agree; the logits keep the geometry's width)."""
+        return replace(self.config, vocab_size=self.token_limit)
+
+
+def load_emulated(
+    path: str | Path, device: str, dtype: torch.dtype, geometry: str | None = None
+) -> EmulatedModel:
+    """The EmulatedModel for `--device emulated:...`: the checkpoint's config (and tokenizer range),
+    a named geometry's dims over it, no weights."""
+    profile = load_profile(device)
+    base = ModelConfig.from_pretrained(path)
+    return EmulatedModel(apply_geometry(base, geometry), profile, dtype, geometry or "", base.vocab_size)

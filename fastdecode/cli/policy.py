@@ -189,6 +189,12 @@ def simulate_cmd(
     help="Pace mode: KV GB/s one shard host attends.",
 )
 @click.option("--dtype-bytes", type=int, default=2, show_default=True, help="GPU host mode: 2 = bf16.")
+@click.option(
+    "--layer-windows",
+    default=None,
+    help="Attention window per layer, repeated over the layers (0 = full), e.g. 512,512,512,512,512,0 "
+    "for Gemma 3's five windowed layers to one global; overrides the model's own.",
+)
 def plan_cmd(
     model_dir: str | None,
     profile: str | None,
@@ -206,6 +212,7 @@ def plan_cmd(
     geometry: str,
     cores: int,
     dtype_bytes: int,
+    layer_windows: str | None,
     gpu: str | None,
     pace_file: str | None,
     contexts: str,
@@ -239,6 +246,8 @@ def plan_cmd(
                 model_dir = str(ensure_default_model())
             sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
             prof = planner.measure_profile(model_dir, sizes, device)
+        if layer_windows is not None:
+            prof.layer_windows = _windows(layer_windows, prof.num_layers)
         if save_profile:
             prof.save(save_profile)
         result = planner.plan(
@@ -266,8 +275,30 @@ def plan_cmd(
     click.echo(f"limiting factor   {result.limiting_factor}")
     click.echo(f"latency, S tokens {result.predicted_latency_s:.3f} s  (S={seq_len})")
     click.echo(f"  paper's bound   2*N*S*T(B) = {result.paper_latency_s:.3f} s")
+    if any(prof.layer_windows):
+        click.echo(
+            f"KV held / seq    {result.kv_held_ratio:.3f} of full attention at S "
+            f"({result.kv_held_ratio * seq_len:.0f} of {seq_len} tokens; "
+            f"{result.mean_held_tokens:.0f} on average over its life)"
+        )
     if plot:
         click.echo(f"plot              {Path(plot)}")
+
+
+def _windows(spec: str, num_layers: int) -> list[int]:
+    """A comma-separated window pattern repeated over the layers (its length must divide them)."""
+    try:
+        pattern = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{spec!r} is not a list of integers", param_hint="--layer-windows"
+        ) from None
+    if not pattern or min(pattern) < 0 or num_layers % len(pattern):
+        raise click.BadParameter(
+            f"needs windows >= 0, a pattern whose length divides the model's {num_layers} layers",
+            param_hint="--layer-windows",
+        )
+    return pattern * (num_layers // len(pattern))
 
 
 def _plan_gpu_host(

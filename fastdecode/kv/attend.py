@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fastdecode.kv.blocks import SeqBlocks
 from fastdecode.kv.memory import quantize
-from fastdecode.runtime.errors import InvalidInput, NotFound
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 
 
 @dataclass
@@ -51,9 +51,22 @@ class Attention:
     busy_seconds: float
     attend_calls: int
     _native: Any
-    _tables: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None
+    _tables: dict[int, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]
+    # windowed stores (see KVStore._group_layers)
+    grouped: bool
+    softcap: float
+    prefixes: list[Any]
+    _group_of: list[int]
+    _member: list[int]
 
     def _grow(self, seqs: list[SeqBlocks], seq_ids: list[str], ends: list[int]) -> None: ...
+    def _grow_group(self, seqs: list[SeqBlocks], seq_ids: list[str], ends: list[int], g: int) -> None: ...
+    def _recycle(self, seq: SeqBlocks, g: int, start: int) -> None: ...
+    def _unfreeze_group(self, seq: SeqBlocks, g: int, start: int) -> None: ...
+    def _publish_group(self, seq: SeqBlocks, g: int) -> None: ...
+    def _first_key(self, g: int, pos: int) -> int: ...
+    def _tab(self, seq: SeqBlocks, g: int) -> list[int]: ...
+    def window(self, layer: int) -> int: ...
     def _unfreeze(self, seq: SeqBlocks, start: int) -> None: ...
     def _publish(self, seq: SeqBlocks) -> None: ...
 
@@ -104,6 +117,13 @@ class Attention:
                     f"sequence {i} of {len(seq_ids)} layer {layer}: start_pos {start} leaves a gap "
                     f"(holds {seq.lengths[layer]} tokens)"
                 )
+            if self.grouped:
+                g = self._group_of[layer]
+                if self._first_key(g, start) // self.block_size < seq.dead[g]:
+                    raise FailedPrecondition(
+                        f"sequence {i} of {len(seq_ids)} layer {layer}: start_pos {start} needs keys "
+                        f"its window gave back (it holds positions {seq.dead[g] * self.block_size} on)"
+                    )
             seqs.append(seq)
         return seqs
 
@@ -115,7 +135,14 @@ class Attention:
         seq_ids, num_tokens, start_pos = batch.seq_ids, batch.num_tokens, batch.start_pos
         seqs = self._check(layer, batch)
         ends = list(map(operator.add, start_pos, num_tokens))
-        self._grow(seqs, seq_ids, ends)
+        if self.grouped:  # this layer's group only: give back what its window passed, then grow
+            g = self._group_of[layer]
+            for seq, start in zip(seqs, start_pos, strict=True):
+                self._recycle(seq, g, start)
+                self._unfreeze_group(seq, g, start)
+            self._grow_group(seqs, seq_ids, ends, g)
+        else:
+            self._grow(seqs, seq_ids, ends)
         for seq, start in zip(seqs, start_pos, strict=True):
             if start < seq.frozen * self.block_size:
                 self._unfreeze(seq, start)
@@ -129,45 +156,53 @@ class Attention:
                         held[layer] = end
             else:
                 out = None
-                if not self.quantized:
+                if self.grouped:
+                    out = self._attend_grouped(layer, batch)
+                elif not self.quantized and not self.softcap:
                     out = self._attend_uniform_decode(layer, batch)
                 if out is None:
                     out = self._attend_each(layer, batch)
         if self.prefix is not None and layer == self.num_layers - 1:
             for seq in seqs:
                 self._publish(seq)
+        elif self.grouped and self.prefixes:
+            for seq in seqs:
+                self._publish_group(seq, self._group_of[layer])
         self.busy_seconds += time.perf_counter() - t0
         self.attend_calls += 1
         return out
 
-    def _block_tables(self, seq_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated int32 block tables and their offsets; reused while the call's sequences
-        and their blocks stay the same (every layer of a step asks for the same ones)."""
+    def _block_tables(self, seq_ids: list[str], g: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated int32 block tables of layer group g and their offsets; reused while the
+        call's sequences and their blocks stay the same (every layer of a step asks for the same ones)."""
         key = tuple(seq_ids)
-        if self._tables is not None and self._tables[0] == key:
-            return self._tables[1], self._tables[2]
+        cached = self._tables.get(g)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
         parts = []
         for sid in seq_ids:
             seq = self.seqs[sid]
-            if seq.table is None:
-                seq.table = torch.tensor(seq.blocks, dtype=torch.int32)
-            parts.append(seq.table)
+            part = seq.tables.get(g)
+            if part is None:
+                part = seq.tables[g] = torch.tensor(self._tab(seq, g), dtype=torch.int32)
+            parts.append(part)
         offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor([len(p) for p in parts], dtype=torch.int64), 0, out=offsets[1:])
         table = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
-        self._tables = (key, table, offsets)
+        self._tables[g] = (key, table, offsets)
         return table, offsets
 
     def _attend_native(self, layer: int, batch: AttendBatch) -> torch.Tensor:
         q, k, v = batch.q, batch.k, batch.v
-        table, offsets = self._block_tables(batch.seq_ids)
-        scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+        table, offsets = self._block_tables(batch.seq_ids, self._group_of[layer])
+        m = self._member[layer]
+        scales = (self.k_scale[m], self.v_scale[m]) if self.quantized else (None, None)
         o = self._native.attend(  # type: ignore[union-attr]
             q.float().contiguous(),
             k.float().contiguous(),
             v.float().contiguous(),
-            self.k[layer],
-            self.v[layer],
+            self.k[m],
+            self.v[m],
             *scales,
             table,
             offsets,
@@ -176,6 +211,8 @@ class Attention:
             torch.from_numpy(np.array(batch.num_tokens, dtype=np.int64)),
             self.block_size,
             1.0 / math.sqrt(self.head_dim),
+            self.window(layer),
+            self.softcap,
         )
         return o.to(q.dtype)  # attend() records the new lengths
 
@@ -258,7 +295,9 @@ class Attention:
                 keys, values = kp[:, idx], vp[:, idx]
             seq.lengths[layer] = max(seq.lengths[layer], end)
             qn = q[row : row + n].to(compute)
-            if n == 1:  # decode: no mask; query heads of one kv head become its query rows
+            if self.softcap:  # (a store without windows: only the soft-cap)
+                o = self._scores_softmax(qn, keys, values, start, 0, scale)
+            elif n == 1:  # decode: no mask; query heads of one kv head become its query rows
                 o = F.scaled_dot_product_attention(
                     qn.reshape(1, kvh, group, dim), keys.unsqueeze(0), values.unsqueeze(0), scale=scale
                 )
@@ -279,3 +318,68 @@ class Attention:
             out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
             row += n
         return out
+
+    def _attend_grouped(self, layer: int, batch: AttendBatch) -> torch.Tensor:
+        """The torch backend on a windowed store: per sequence, gather the keys its chunk sees
+        through the layer group's table (from the first query's window start on)."""
+        q, k, v = batch.q, batch.k, batch.v
+        total, heads, dim = q.shape
+        g, m = self._group_of[layer], self._member[layer]
+        kp, vp = self.k[m], self.v[m]
+        ksp, vsp = (self.k_scale[m], self.v_scale[m]) if self.quantized else (None, None)
+        compute = torch.float32 if self.quantized else self.dtype
+        window, bs = self.window(layer), self.block_size
+        out = torch.empty(total, heads * dim, dtype=q.dtype)
+        row = 0
+        for sid, n, start in zip(batch.seq_ids, batch.num_tokens, batch.start_pos, strict=True):
+            seq, end = self.seqs[sid], start + n
+            lo = self._first_key(g, start)
+            blocks = torch.tensor(self._tab(seq, g), dtype=torch.int64)
+            pos = torch.arange(lo, end)
+            idx = blocks[pos // bs] * bs + pos % bs
+            new = idx[start - lo :]
+            knew, vnew = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+            if self.quantized:
+                (kp[:, new], ksp[:, new]), (vp[:, new], vsp[:, new]) = (
+                    quantize(knew, self.dtype),
+                    quantize(vnew, self.dtype),
+                )
+                keys = kp[:, idx].float() * ksp[:, idx, None]  # type: ignore[index]
+                values = vp[:, idx].float() * vsp[:, idx, None]  # type: ignore[index]
+            else:
+                kp[:, new], vp[:, new] = knew.to(self.dtype), vnew.to(self.dtype)
+                keys, values = kp[:, idx], vp[:, idx]
+            seq.lengths[layer] = max(seq.lengths[layer], end)
+            qn = q[row : row + n].to(compute)
+            o = self._scores_softmax(qn, keys, values, start, window, 1 / math.sqrt(dim), lo)
+            out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)
+            row += n
+        return out
+
+    def _scores_softmax(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        window: int,
+        scale: float,
+        key0: int = 0,
+    ) -> torch.Tensor:
+        """Attention written out (SDPA has no soft-cap): q [n, H, D] at positions start.., keys and
+        values [KVH, L, D] of positions key0..key0+L-1 -> o [n, H, D]. Scores are q . k * scale,
+        then the soft-cap, then the causal and window mask and the softmax, in float32."""
+        n, heads, dim = q.shape
+        kvh = keys.shape[0]
+        qg = q.float().reshape(n, kvh, heads // kvh, dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
+        scores = qg @ keys.float().transpose(1, 2).unsqueeze(1) * scale  # [KVH, G, n, L]
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        pos = torch.arange(start, start + n)[:, None]
+        key = torch.arange(key0, key0 + keys.shape[1])[None, :]
+        visible = key <= pos
+        if window:
+            visible &= key > pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        o = torch.softmax(scores, -1) @ values.float().unsqueeze(1)  # [KVH, G, n, D]
+        return o.permute(2, 0, 1, 3).reshape(n, heads, dim).to(q.dtype)

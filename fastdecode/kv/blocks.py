@@ -15,9 +15,15 @@ class SeqBlocks:
     lengths: list[int]  # tokens held per layer
     contiguous: bool
     slots: torch.Tensor | None = field(default=None)  # token slot index when scattered (torch path)
-    table: torch.Tensor | None = field(default=None)  # int32 block table for the native kernel
+    tables: dict[int, torch.Tensor] = field(default_factory=dict)  # int32 block tables per layer group
     hashes: list[bytes] = field(default_factory=list)  # names of the full blocks of its known tokens
     frozen: int = 0  # leading blocks owned by the prefix cache: read, never written
+    # Windowed stores: the block tables of layer groups 1.. (group 0's is `blocks`), and per group
+    # the leading blocks given back (-1 in the table) because every window has passed them, and the
+    # leading blocks the group's prefix cache owns (read, never written; those below `dead` let go).
+    more: list[list[int]] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
+    gfrozen: list[int] = field(default_factory=list)
 
 
 class BlockAllocator:

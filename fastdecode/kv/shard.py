@@ -43,15 +43,19 @@ class SequenceHeader:
     head_dim: int
     dtype: torch.dtype
     tokens: int
+    layer_windows: tuple[int, ...] = ()  # per layer (0 = full); () = full everywhere
+    softcap: float = 0.0
 
 
 @dataclass
 class LayerRows:
-    """One layer of a migrated sequence: k, v, k_scale, v_scale (the scales empty unless int8)."""
+    """One layer of a migrated sequence: k, v, k_scale, v_scale (the scales empty unless int8), of
+    positions first.. (a windowed layer sends the blocks its window still sees; 0 otherwise)."""
 
     seq_id: str
     layer: int
     rows: list[torch.Tensor]
+    first: int = 0
 
 
 class ShardCore:
@@ -68,13 +72,27 @@ class ShardCore:
         # attends on (services/gpu_dense/host_shard.py); they count in its measured speed
         self.host_busy_seconds = 0.0
 
-    def store_for(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVStore:
+    def store_for(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_windows: Sequence[int] = (),
+        softcap: float = 0.0,
+    ) -> KVStore:
         if min(num_layers, num_kv_heads, head_dim) < 1:
             raise InvalidInput("reservation needs a positive KV geometry (layers, kv heads, head dim)")
         geometry = (num_layers, num_kv_heads, head_dim)
+        windows = tuple(layer_windows)
         if self.store is None:
             self.store = KVStore(
-                *geometry, self.kv_capacity, self.dtype, self.block_size, backend=self.backend
+                *geometry,
+                self.kv_capacity,
+                self.dtype,
+                self.block_size,
+                backend=self.backend,
+                layer_windows=windows,
+                softcap=softcap,
             )
             log.info(
                 "KV pool: %d tokens (%d bytes) of geometry %s",
@@ -82,21 +100,23 @@ class ShardCore:
                 self.store.capacity_bytes,
                 geometry,
             )
-        elif not self.store.geometry_matches(*geometry):
+        elif not self.store.geometry_matches(*geometry, windows, softcap):
             s = self.store
-            have = (s.num_layers, s.num_kv_heads, s.head_dim)
+            have = (s.num_layers, s.num_kv_heads, s.head_dim, s.layer_windows, s.softcap)
             if s.seqs:
-                raise InvalidInput(f"this shard holds KV of geometry {have}, not {geometry}")
+                raise InvalidInput(
+                    f"this shard holds KV of geometry {have}, not {(*geometry, windows, softcap)}"
+                )
             # Empty: the pool is rebuilt for the new geometry, so one odd reservation on an idle shard
             # (a stray client, a test) cannot pin it to a geometry the fleet does not use.
             log.warning("KV pool holds nothing: rebuilding it from geometry %s for %s", have, geometry)
             self.store = None
-            return self.store_for(*geometry)
+            return self.store_for(*geometry, windows, softcap)
         return self.store
 
     def reserve(
         self,
-        geometry: tuple[int, int, int],
+        geometry: tuple[int, int, int] | tuple[int, int, int, Sequence[int], float],
         sequences: Sequence[ReserveItem],
         model: str = "",
     ) -> tuple[int, list[int]]:
@@ -131,10 +151,13 @@ class ShardCore:
         o = store.attend(layer, batch)
         seconds = time.perf_counter() - t0
         cpu = time.thread_time() - c0
-        # Each new token attends to every cached token of its sequence, its own chunk included.
+        # Each new token attends to every cached token of its sequence, its own chunk included (on
+        # a windowed layer, to its window: the keys from the chunk's first query's window start on).
         ends = list(map(operator.add, batch.start_pos, batch.num_tokens))
-        self.attended_pairs += sum(map(operator.mul, batch.num_tokens, ends))
-        return AttendResult(o, seconds, sum(ends) * store.bytes_per_token // store.num_layers, cpu)
+        w = store.window(layer)
+        keys = [e - max(0, s - w + 1) for s, e in zip(batch.start_pos, ends, strict=True)] if w else ends
+        self.attended_pairs += sum(map(operator.mul, batch.num_tokens, keys))
+        return AttendResult(o, seconds, sum(keys) * store.bytes_per_token // store.num_layers, cpu)
 
     # ---- live migration ----------------------------------------------------------------------
     def export_sequence(self, seq_id: str) -> tuple[SequenceHeader, Iterator[LayerRows]]:
@@ -151,20 +174,25 @@ class ShardCore:
             store.head_dim,
             store.dtype,
             min(store.seqs[seq_id].lengths),
+            store.layer_windows,
+            store.softcap,
         )
         return header, self._layers(store, seq_id)
 
     @staticmethod
     def _layers(store: KVStore, seq_id: str) -> Iterator[LayerRows]:
         for layer in range(store.num_layers):
-            yield LayerRows(seq_id, layer, list(store.export_layer(seq_id, layer)))
+            rows = list(store.export_layer(seq_id, layer))
+            yield LayerRows(seq_id, layer, rows, store.layer_first(seq_id, layer))
 
     async def import_sequence(
         self, header: SequenceHeader, layers: AsyncIterator[LayerRows]
     ) -> tuple[int, int]:
         """Receive one sequence, every layer; it is held only once the last layer is in, and an
         import that fails or ends early frees its blocks. Returns (tokens, bytes)."""
-        store = self.store_for(header.num_layers, header.num_kv_heads, header.head_dim)
+        store = self.store_for(
+            header.num_layers, header.num_kv_heads, header.head_dim, header.layer_windows, header.softcap
+        )
         if header.dtype != store.dtype:
             raise FailedPrecondition(f"KV arrives as {header.dtype}, this shard stores {store.dtype}")
         seq_id, nbytes, count = header.seq_id, 0, 0
@@ -173,7 +201,7 @@ class ShardCore:
             async for layer in layers:
                 if layer.seq_id != seq_id:
                     raise InvalidInput(f"chunk for {layer.seq_id!r} in the import of {seq_id!r}")
-                nbytes += store.import_layer(seq_id, layer.layer, layer.rows)
+                nbytes += store.import_layer(seq_id, layer.layer, layer.rows, layer.first)
                 count += 1
             if count != store.num_layers:
                 raise InvalidInput(f"import of {seq_id!r} ended after {count} of {store.num_layers} layers")

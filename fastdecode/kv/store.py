@@ -45,6 +45,7 @@ from fastdecode.kv.attend import Attention
 from fastdecode.kv.blocks import BlockAllocator, SeqBlocks
 from fastdecode.kv.memory import KV_DTYPES, SCALED_DTYPES, huge_page_empty, quantize
 from fastdecode.kv.prefix import PrefixCache
+from fastdecode.kv.windows import WindowGroups
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 
 BACKENDS = ("native", "torch")
@@ -53,7 +54,7 @@ BACKENDS = ("native", "torch")
 ReserveItem = tuple[str, int] | tuple[str, int, list[int]] | tuple[str, int, list[int], str]
 
 
-class KVStore(Attention):
+class KVStore(WindowGroups, Attention):
     def __init__(
         self,
         num_layers: int,
@@ -64,9 +65,15 @@ class KVStore(Attention):
         block_size: int = 16,
         backend: str = "native",
         prefix_sharing: bool = True,
+        layer_windows: Sequence[int] = (),
+        softcap: float = 0.0,
     ) -> None:
         if min(num_layers, num_kv_heads, head_dim, block_size) < 1:
             raise InvalidInput("KV geometry must be positive")
+        if layer_windows and len(layer_windows) != num_layers or any(w < 0 for w in layer_windows):
+            raise InvalidInput(f"layer windows {list(layer_windows)} do not fit {num_layers} layers")
+        if softcap < 0:
+            raise InvalidInput(f"the logit soft-cap must be >= 0, got {softcap}")
         if dtype not in KV_DTYPES.values():
             raise InvalidInput(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype}")
         if backend not in BACKENDS:
@@ -77,41 +84,57 @@ class KVStore(Attention):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # per layer: keys a query sees (0: all); () when no layer has a window
+        self.layer_windows: tuple[int, ...] = tuple(layer_windows) if any(layer_windows) else ()
+        self.softcap = float(softcap)
         self.dtype = dtype
         self.block_size = block_size
         self.quantized = dtype in SCALED_DTYPES
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + the row's scale
         self.bytes_per_token = 2 * num_layers * num_kv_heads * row_bytes
-        self.num_blocks = max(0, capacity_bytes // (self.bytes_per_token * block_size))
-        self.capacity_bytes = self.num_blocks * block_size * self.bytes_per_token
+        self._group_layers()
+        # A block holds block_size tokens of the `group_size` layers of one layer group.
+        block_bytes = 2 * self.group_size * num_kv_heads * row_bytes * block_size
+        self.num_blocks = max(0, capacity_bytes // block_bytes)
+        self.capacity_bytes = self.num_blocks * block_bytes
         slots = self.num_blocks * block_size
         # Untouched pages: memory is committed as sequences write (2 MiB at a time, huge pages).
-        self.k = huge_page_empty((num_layers, num_kv_heads, slots, head_dim), dtype)
-        self.v = huge_page_empty((num_layers, num_kv_heads, slots, head_dim), dtype)
-        scale_shape = (num_layers, num_kv_heads, slots) if self.quantized else (0,)
+        lg = self.group_size
+        self.k = huge_page_empty((lg, num_kv_heads, slots, head_dim), dtype)
+        self.v = huge_page_empty((lg, num_kv_heads, slots, head_dim), dtype)
+        scale_shape = (lg, num_kv_heads, slots) if self.quantized else (0,)
         self.k_scale = huge_page_empty(scale_shape, torch.float32)
         self.v_scale = huge_page_empty(scale_shape, torch.float32)
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, SeqBlocks] = {}
-        self.prefix: PrefixCache | None = PrefixCache() if prefix_sharing else None
+        # One prefix cache per layer group (a windowed store's groups cache their blocks apart: a
+        # windowed group lets go of a cached block once its window has passed it); `prefix` is the
+        # one cache of a store without windows.
+        self.prefixes: list[PrefixCache] = (
+            [PrefixCache() for _ in range(self.num_groups)] if prefix_sharing else []
+        )
+        self.prefix: PrefixCache | None = self.prefixes[0] if prefix_sharing and not self.grouped else None
         self._importing: dict[str, SeqBlocks] = {}  # live migration: blocks taken, not yet held
         self.busy_seconds = 0.0
         self.attend_calls = 0
-        self._tables: tuple[tuple[str, ...], torch.Tensor, torch.Tensor] | None = None
+        self._tables: dict[int, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = {}
 
-    # ---- capacity ---------------------------------------------------------------------------
     @property
     def free_tokens(self) -> int:
-        return self.blocks_free * self.block_size
+        return self.blocks_free * self.block_size // self.num_groups
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_blocks * self.block_size // self.num_groups
 
     @property
     def tokens_held(self) -> int:
-        """Distinct tokens the sequences hold: a shared prefix block counts once."""
+        """Distinct tokens the sequences hold: a shared prefix block counts once, a windowed layer
+        counts the positions it still holds (its window, in whole blocks)."""
+        if self.grouped:
+            read = sum(p.read_blocks for p in self.prefixes) * self.block_size / self.num_groups
+            return round(sum(map(self.held_of, self.seqs.values())) + read)
         own = sum(s.lengths[-1] - s.frozen * self.block_size for s in self.seqs.values())
         return own + (self.prefix.read_blocks * self.block_size if self.prefix is not None else 0)
 
@@ -122,37 +145,58 @@ class KVStore(Attention):
 
     @property
     def blocks_free(self) -> int:
-        return self.alloc.free + (self.prefix.idle_blocks if self.prefix is not None else 0)
+        return self.alloc.free + sum(p.idle_blocks for p in self.prefixes)
 
     @property
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counters and sizes (all 0 with sharing off)."""
-        p = self.prefix
-        if p is None:
+        if not self.prefixes:
             return dict.fromkeys(
                 ("queries", "hits", "hit_tokens", "evictions", "cached_blocks", "shared_bytes"), 0
             )
+        p, g = self.prefixes[0], self.num_groups  # a windowed store counts queries on group 0's cache
         return {
             "queries": p.queries,
             "hits": p.hits,
             "hit_tokens": p.hit_blocks * self.block_size,
-            "evictions": p.evictions,
-            "cached_blocks": p.cached_blocks,
+            "evictions": sum(c.evictions for c in self.prefixes) // g,
+            "cached_blocks": sum(c.cached_blocks for c in self.prefixes) // g,
             # KV memory sharing saves now: every reader past the first of a block reads no copy
-            "shared_bytes": p.extra_readers * self.block_size * self.bytes_per_token,
+            "shared_bytes": sum(c.extra_readers for c in self.prefixes)
+            * self.block_size
+            * self.bytes_per_token
+            // g,
         }
 
     @property
     def tokens_reserved(self) -> int:
         """Tokens the blocks in use hold (tokens held, rounded up to whole blocks per sequence)."""
-        return self.blocks_in_use * self.block_size
+        return self.capacity_tokens - self.free_tokens
 
     @property
     def bytes_used(self) -> int:
         return self.tokens_held * self.bytes_per_token
 
-    def geometry_matches(self, num_layers: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (num_layers, num_kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
+    def geometry_matches(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_windows: Sequence[int] = (),
+        softcap: float = 0.0,
+    ) -> bool:
+        windows = tuple(layer_windows) if any(layer_windows) else ()
+        return (num_layers, num_kv_heads, head_dim, windows, float(softcap)) == (
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.layer_windows,
+            self.softcap,
+        )
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees, itself included (0: every key before it)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def reserve_many(
         self,
@@ -194,6 +238,8 @@ class KVStore(Attention):
             raise FailedPrecondition(f"sequence {seq_id!r} is already reserved on this shard")
         if token_ids is not None and len(token_ids) > tokens:
             raise InvalidInput(f"{len(token_ids)} token ids for a reservation of {tokens} tokens")
+        if self.grouped:
+            return self._reserve_grouped(seq_id, tokens, token_ids, model)
         hashes: list[bytes] = []
         shared: list[int] = []
         if self.prefix is not None and token_ids:
@@ -203,7 +249,7 @@ class KVStore(Attention):
             for b in shared:  # taken before allocating, so that eviction cannot pick them
                 self.prefix.acquire(b)
         n = math.ceil(tokens / self.block_size)
-        blocks = self._allocate(n - len(shared))
+        blocks = self._allocate(n * self.num_groups - len(shared))
         if blocks is None:
             for b in shared:
                 self.prefix.release(b)  # type: ignore[union-attr]
@@ -225,9 +271,14 @@ class KVStore(Attention):
         free list is short; None, with nothing evicted, when even that is not enough."""
         short = n - self.alloc.free
         if short > 0:
-            if self.prefix is None or self.prefix.idle_blocks < short:
+            if sum(p.idle_blocks for p in self.prefixes) < short:
                 return None
-            self.alloc.release(self.prefix.evict(short))
+            for p in sorted(self.prefixes, key=lambda p: -p.idle_blocks):  # the idlest cache first
+                got = p.evict(short)
+                self.alloc.release(got)
+                short -= len(got)
+                if short <= 0:
+                    break
         return self.alloc.allocate(n)
 
     def _set_blocks(self, seq: SeqBlocks, blocks: list[int]) -> None:
@@ -236,7 +287,7 @@ class KVStore(Attention):
         # a grown table need not ascend: compare every block, not just the ends
         seq.contiguous = all(b == blocks[0] + i for i, b in enumerate(blocks))
         seq.slots = None
-        if not seq.contiguous:
+        if not seq.contiguous and not self.grouped:
             b = torch.tensor(blocks, dtype=torch.int64)
             seq.slots = (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
         self._blocks_changed(seq)
@@ -250,6 +301,10 @@ class KVStore(Attention):
         self._grow([self.seqs[sid] for sid in seq_ids], seq_ids, ends)
 
     def _grow(self, seqs: list[SeqBlocks], seq_ids: list[str], ends: list[int]) -> None:
+        if self.grouped:  # every group (write, tests); attend grows only the group it attends
+            for g in range(self.num_groups):
+                self._grow_group(seqs, seq_ids, ends, g)
+            return
         taken: list[tuple[SeqBlocks, list[int]]] = []
         short: list[str] = []
         for seq, sid, end in zip(seqs, seq_ids, ends, strict=True):
@@ -281,6 +336,11 @@ class KVStore(Attention):
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return False
+        self._tables.clear()
+        if self.grouped:  # the last block first: an idle prefix's tail is evicted before its head
+            for g in range(self.num_groups):
+                self._let_go(seq, g, reversed(range(len(self._tab(seq, g)))))
+            return True
         own = seq.blocks
         if self.prefix is not None and seq.frozen:
             # the last block first: an idle prefix's tail is evicted before the blocks leading to it
@@ -288,10 +348,10 @@ class KVStore(Attention):
                 self.prefix.release(b)
             own = seq.blocks[seq.frozen :]
         self.alloc.release(own)
-        self._tables = None
         return True
 
     # ---- shared prefixes ------------------------------------------------------------------------
+
     def _publish(self, seq: SeqBlocks) -> None:
         """Hand the sequence's full blocks of known tokens to the prefix cache once every layer has
         written them. A block someone cached meanwhile (the same prefix computed twice) replaces the
@@ -354,18 +414,35 @@ class KVStore(Attention):
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")
         if not 0 <= layer < self.num_layers:
             raise InvalidInput(f"layer {layer} outside [0, {self.num_layers})")
-        slots = self._slots(seq, min(seq.lengths))
-        out = [self.k[layer][:, slots].clone(), self.v[layer][:, slots].clone()]
+        g, m = self._group_of[layer], self._member[layer]
+        slots = self._slots(seq, min(seq.lengths), g)[self.layer_first(seq_id, layer) :]
+        out = [self.k[m][:, slots].clone(), self.v[m][:, slots].clone()]
         if self.quantized:
-            out += [self.k_scale[layer][:, slots].clone(), self.v_scale[layer][:, slots].clone()]
+            out += [self.k_scale[m][:, slots].clone(), self.v_scale[m][:, slots].clone()]
         else:
             out += [torch.empty(0), torch.empty(0)]
         return tuple(out)
 
-    def _slots(self, seq: SeqBlocks, n: int) -> torch.Tensor:
+    def layer_first(self, seq_id: str, layer: int) -> int:
+        """The first position export_layer sends: 0, or where a windowed layer's blocks begin."""
+        seq = self.seqs[seq_id]
+        return seq.dead[self._group_of[layer]] * self.block_size if self.grouped else 0
+
+    def _slots(self, seq: SeqBlocks, n: int, g: int = 0) -> torch.Tensor:
+        """Pool slots of positions 0..n-1 in group g's table (-1 blocks give negative slots)."""
         pos = torch.arange(n)
-        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        blocks = torch.tensor(self._tab(seq, g), dtype=torch.int64)
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _put(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, KVH, D] of one layer at pool slots (quantizing for int8 and float8)."""
+        m = self._member[layer]
+        for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            rows = new.transpose(0, 1)  # [KVH, n, D]
+            if self.quantized:
+                pool[m][:, slots], scales[m][:, slots] = quantize(rows, self.dtype)
+            else:
+                pool[m][:, slots] = rows.to(self.dtype)
 
     def begin_import(self, seq_id: str, tokens: int) -> None:
         """Take the blocks for an incoming sequence of `tokens`; it is not held (no Attend, no
@@ -374,19 +451,29 @@ class KVStore(Attention):
             raise FailedPrecondition(f"sequence {seq_id!r} is already held by this shard")
         if tokens < 1:
             raise InvalidInput(f"an imported sequence holds >= 1 token, got {tokens}")
+        n = math.ceil(tokens / self.block_size)
+        # a windowed group takes only the blocks the next query (at `tokens`) sees
+        dead = [self._first_key(g, tokens) // self.block_size for g in range(self.num_groups)]
         blocks = self._allocate(  # idle cached prefix blocks make room too
-            math.ceil(tokens / self.block_size)
+            sum(n - d for d in dead)
         )
         if blocks is None:
             raise ResourceExhausted(
                 f"KV pool full: {tokens} tokens to import, {self.free_tokens} free of {self.capacity_tokens}"
             )
-        seq = SeqBlocks([], 0, [0] * self.num_layers, True)
-        self._set_blocks(seq, blocks)
+        tables, i = [], 0
+        for d in dead:
+            tables.append([-1] * d + blocks[i : i + n - d])
+            i += n - d
+        seq = SeqBlocks(
+            [], 0, [0] * self.num_layers, True, more=tables[1:], dead=dead, gfrozen=[0] * len(dead)
+        )
+        self._set_blocks(seq, tables[0])
         self._importing[seq_id] = seq
 
-    def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor]) -> int:
-        """Write one exported layer (k, v and int8's or float8's scales) of an import; returns its bytes."""
+    def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor], first: int = 0) -> int:
+        """Write one exported layer (k, v and int8's or float8's scales, of positions first..) of an import;
+        returns its bytes. A windowed layer keeps the rows its window still sees."""
         seq = self._importing.get(seq_id)
         if seq is None:
             raise NotFound(f"no import of sequence {seq_id!r} in progress")
@@ -400,15 +487,20 @@ class KVStore(Attention):
                 f"layer rows must be {self.dtype} [{self.num_kv_heads}, n, {self.head_dim}], "
                 f"got {k.dtype} {list(k.shape)}"
             )
-        if v.dtype != self.dtype or n > seq.capacity:
-            raise InvalidInput(f"v rows of {v.dtype} or {n} tokens do not fit the import")
+        g, m = self._group_of[layer], self._member[layer]
+        keep = (seq.dead[g] if self.grouped else 0) * self.block_size  # first position it holds
+        if v.dtype != self.dtype or first + n > len(self._tab(seq, g)) * self.block_size:
+            raise InvalidInput(f"v rows of {v.dtype} or {first + n} tokens do not fit the import")
+        if not 0 <= first <= keep:
+            raise InvalidInput(f"layer {layer} rows start at position {first}, the import needs {keep} on")
         if self.quantized and (tuple(ks.shape) != shape[:2] or tuple(vs.shape) != shape[:2]):
             raise InvalidInput(f"{self.dtype} rows need scales of shape {list(shape[:2])}")
-        slots = self._slots(seq, n)
-        self.k[layer][:, slots], self.v[layer][:, slots] = k, v
+        slots = self._slots(seq, first + n, g)[keep:]
+        cut = keep - first
+        self.k[m][:, slots], self.v[m][:, slots] = k[:, cut:], v[:, cut:]
         if self.quantized:
-            self.k_scale[layer][:, slots], self.v_scale[layer][:, slots] = ks.float(), vs.float()
-        seq.lengths[layer] = n
+            self.k_scale[m][:, slots], self.v_scale[m][:, slots] = ks[:, cut:].float(), vs[:, cut:].float()
+        seq.lengths[layer] = first + n
         return sum(t.numel() * t.element_size() for t in rows)
 
     def commit_import(self, seq_id: str) -> int:
@@ -425,12 +517,12 @@ class KVStore(Attention):
         """Free an unfinished import's blocks (the stream broke); unknown ids are ignored."""
         seq = self._importing.pop(seq_id, None)
         if seq is not None:
-            self.alloc.release(seq.blocks)
+            self.alloc.release(self._live(seq) if self.grouped else seq.blocks)
 
     def _blocks_changed(self, seq: SeqBlocks) -> None:
-        """Call after changing seq.blocks: drops the cached int32 tables the native kernel reads."""
-        seq.table = None
-        self._tables = None
+        """Call after changing a block table: drops the cached int32 tables the native kernel reads."""
+        seq.tables.clear()
+        self._tables.clear()
 
     def write(self, layer: int, seq_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, KVH, D] at positions start.. of one sequence without attending
@@ -444,19 +536,20 @@ class KVStore(Attention):
             raise InvalidInput(f"k/v must have shape {list(shape)}")
         if not 0 <= layer < self.num_layers or not 0 <= start <= seq.lengths[layer]:
             raise InvalidInput(f"layer {layer} / start {start} outside what sequence {seq_id!r} holds")
-        self.grow([seq_id], [start + n])
-        self._unfreeze(seq, start)
-        pos = torch.arange(start, start + n)
-        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
-        slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        for pool, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            rows = new.transpose(0, 1)  # [KVH, n, D]
-            if self.quantized:
-                pool[layer][:, slots], scales[layer][:, slots] = quantize(rows, self.dtype)
-            else:
-                pool[layer][:, slots] = rows.to(self.dtype)
+        g = self._group_of[layer]
+        if self.grouped:
+            if start < seq.dead[g] * self.block_size:
+                raise FailedPrecondition(f"positions before {seq.dead[g] * self.block_size} left the window")
+            self._unfreeze_group(seq, g, start)
+            self._grow_group([seq], [seq_id], [start + n], g)
+        else:
+            self.grow([seq_id], [start + n])
+            self._unfreeze(seq, start)
+        self._put(layer, self._slots(seq, start + n, g)[start:], k, v)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)
-        if layer == self.num_layers - 1:  # as attend: the last layer completes a position
+        if self.grouped and self.prefixes:
+            self._publish_group(seq, g)
+        elif layer == self.num_layers - 1:  # as attend: the last layer completes a position
             self._publish(seq)
 
     def fill_synthetic(self, seq_ids: list[str], tokens: int, seed: int = 0) -> int:
@@ -472,6 +565,19 @@ class KVStore(Attention):
         gen = torch.Generator().manual_seed(seed)
         k = torch.randn(tokens, self.num_kv_heads, self.head_dim, generator=gen)
         v = torch.randn(tokens, self.num_kv_heads, self.head_dim, generator=gen)
+        if self.grouped:  # a windowed group takes only the blocks its window still sees
+            for sid in seq_ids:
+                seq = self.seqs[sid]
+                for g in range(self.num_groups):
+                    self._recycle(seq, g, tokens)
+                    self._grow_group([seq], [sid], [tokens], g)
+                    first = seq.dead[g] * self.block_size
+                    slots = self._slots(seq, tokens, g)[first:]
+                    for layer in range(self.num_layers):
+                        if self._group_of[layer] == g:
+                            self._put(layer, slots, k[first:], v[first:])
+                            seq.lengths[layer] = tokens
+            return tokens
         for sid in seq_ids:
             for layer in range(self.num_layers):
                 self.write(layer, sid, 0, k, v)

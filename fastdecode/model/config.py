@@ -112,7 +112,13 @@ class ModelConfig:
 
     @property
     def kv_geometry(self) -> KVGeometry:
-        return KVGeometry(self.num_hidden_layers, self.num_key_value_heads, self.head_dim)
+        return KVGeometry(
+            self.num_hidden_layers,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.layer_windows,
+            self.attn_logit_softcap,
+        )
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return self.kv_geometry.bytes_per_token(itemsize)

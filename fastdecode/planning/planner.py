@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import check_windows, window_held, window_mean_held
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EFFICIENCY_GAIN = 0.05  # "stops improving": the next measured batch size gains less than this
@@ -51,6 +52,8 @@ class Profile:
     # measured with T(B); empty when unknown). Small next to N layers on a 7B model, not on a
     # 12-layer one.
     t_head: dict[int, float] = field(default_factory=dict)
+    # Attention window per layer (0 = full; empty = all full): S / 2 becomes what a sequence holds on average
+    layer_windows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.t_dense = {int(b): float(t) for b, t in self.t_dense.items()}
@@ -59,6 +62,7 @@ class Profile:
             raise InvalidInput("profile needs T(B) > 0 samples at batch sizes >= 1")
         if self.r_attn <= 0 or self.num_layers < 1 or self.kv_bytes_per_token < 1:
             raise InvalidInput("profile needs r_attn > 0, num_layers >= 1, kv_bytes_per_token >= 1")
+        self.layer_windows = check_windows([int(w) for w in self.layer_windows], self.num_layers)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -91,6 +95,7 @@ class Profile:
                 notes=dict(d.get("notes", {})),
                 rtt_s=float(d.get("rtt_s", 0.0)),
                 t_head={int(b): float(t) for b, t in d.get("t_head", {}).items()},
+                layer_windows=list(d.get("layer_windows", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InvalidInput(f"bad profile: {e!r}") from e
@@ -140,6 +145,9 @@ class Plan:
     predicted_latency_s: float  # S * step
     paper_latency_s: float  # 2 * N * S * T(B)
     kv_tokens_per_shard: int | None
+    # KV a sequence holds at S as a share of full attention; on average over its life (S/2 without windows)
+    kv_held_ratio: float = 1.0
+    mean_held_tokens: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,7 +155,7 @@ class Plan:
 
 def r_part_s(profile: Profile, batch: int, shards: int, seq_len: int) -> float:
     """Per-layer R-part seconds at the mean load B * S / 2 spread over P, plus the round trip."""
-    return batch * seq_len * profile.r_attn / (2 * shards) + profile.rtt_s
+    return batch * window_mean_held(profile.layer_windows, seq_len) * profile.r_attn / shards + profile.rtt_s
 
 
 def predicted_step_s(profile: Profile, batch: int, shards: int, seq_len: int, overlap: bool = True) -> float:
@@ -265,7 +273,7 @@ def predicted_tokens_per_s(profile: Profile, batch: int, shards: int, seq_len: i
 
 
 def p_balance(profile: Profile, batch: int, seq_len: int) -> float:
-    return batch * seq_len * profile.r_attn / (2 * profile.t_at(batch))
+    return batch * window_mean_held(profile.layer_windows, seq_len) * profile.r_attn / profile.t_at(batch)
 
 
 def knee(profile: Profile, gain: float = EFFICIENCY_GAIN) -> int:
@@ -297,6 +305,7 @@ def plan(
     if shards is not None and shards < 1:
         raise InvalidInput("shards must be >= 1")
     N, S = profile.num_layers, seq_len
+    held = window_mean_held(profile.layer_windows, S)  # S / 2 without windowed layers
     bs = profile.batch_sizes
     factor = "gpu-efficiency"
     batch = knee(profile, gain)
@@ -315,8 +324,8 @@ def plan(
         cap = shard_memory_bytes // profile.kv_bytes_per_token
     if shards is not None:
         P, by = shards, "given"
-        if cap is not None and batch * S / 2 > cap * P:
-            fits = [b for b in bs if b <= batch and b * S / 2 <= cap * P]
+        if cap is not None and batch * held > cap * P:
+            fits = [b for b in bs if b <= batch and b * held <= cap * P]
             if not fits:
                 raise InvalidInput(f"{P} shards of {cap} tokens cannot hold B={bs[0]} sequences of {S}")
             batch, factor = max(fits), "memory"
@@ -324,7 +333,7 @@ def plan(
             factor = "balance"
     else:
         p_bal = p_balance(profile, batch, S)
-        p_mem = batch * S / (2 * cap) if cap is not None else 0.0
+        p_mem = batch * held / cap if cap is not None else 0.0
         P = max(1, math.ceil(p_bal - 1e-9), math.ceil(p_mem - 1e-9))
         by = "memory" if p_mem > p_bal and P > 1 else "balance"
     step = predicted_step_s(profile, batch, P, S)
@@ -340,10 +349,12 @@ def plan(
         r_part_ms=r_part_s(profile, batch, P, S) * 1e3,
         gpu_efficiency=batch / profile.t_at(batch),
         p_balance=p_balance(profile, batch, S),
-        p_memory=batch * S / (2 * cap) if cap is not None else None,
+        p_memory=batch * held / cap if cap is not None else None,
         predicted_latency_s=S * step,
         paper_latency_s=2 * N * S * profile.t_at(batch),
         kv_tokens_per_shard=cap,
+        kv_held_ratio=window_held(profile.layer_windows, S) / S,
+        mean_held_tokens=held,
     )
 
 
@@ -578,6 +589,7 @@ def measure_profile(
         device=str(device),
         model=str(model_dir),
         t_head=head,
+        layer_windows=list(cfg.layer_windows),
         notes={
             "dtype": "float32",
             "kv_dtype": kv_dtype,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastdecode.runtime.errors import InvalidInput
@@ -14,10 +15,75 @@ class KVGeometry:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Attention window per layer (a query at p sees keys p - w + 1 .. p; 0 = full); () = full everywhere.
+    layer_windows: tuple[int, ...] = ()
+    attn_logit_softcap: float = 0.0  # score = cap * tanh(score / cap); 0 = none
+
+    def __post_init__(self) -> None:
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise InvalidInput(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if any(w < 0 for w in self.layer_windows) or self.attn_logit_softcap < 0:
+            raise InvalidInput("layer windows and the logit soft-cap must be >= 0")
 
     def bytes_per_token(self, itemsize: int) -> int:
         """K and V, every layer, every KV head."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees (0: all before it)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_windows)
+
+    def held_blocks(self, end: int, start: int, block_size: int) -> int:
+        """Blocks (each of block_size positions on every layer, so 1/num_layers of one per layer's
+        block) a sequence holds while it computes positions start..end-1: a windowed layer gives
+        back what the query at `start` no longer sees. Rounded up."""
+        total = -(-end // block_size)
+        if not self.windowed:
+            return total
+        dead = sum(max(0, start - w + 1) // block_size for w in self.layer_windows if w)
+        return -(-(total * self.num_layers - dead) // self.num_layers)
+
+    def held_tokens(self, context: int, block_size: int = 1) -> float:
+        """Tokens of KV (each a token on every layer) a sequence of `context` tokens really holds
+        when windowed layers keep only their window: a window w layer holds the blocks of its last w
+        positions (in whole blocks: the next query, at `context`, sees context - w + 1 on), a full
+        layer all of them."""
+        if not self.windowed:
+            return float(context)
+        held = 0
+        for w in self.layer_windows:
+            first = max(0, context - w + 1) // block_size if w else 0
+            held += context - first * block_size
+        return held / self.num_layers
+
+
+def check_windows(windows: list[int], num_layers: int) -> list[int]:
+    """Per-layer windows (or none) for a model of num_layers layers, else InvalidInput."""
+    if windows and (len(windows) != num_layers or min(windows) < 0):
+        raise InvalidInput(f"{len(windows)} layer windows for {num_layers} layers (each >= 0)")
+    return windows
+
+
+def window_held(windows: Sequence[int], tokens: int) -> float:
+    """KV tokens (each on every layer) a sequence of `tokens` holds when each layer keeps its
+    window (0 = full; () = every layer full), in whole tokens (the planner's view)."""
+    if not any(windows):
+        return float(tokens)
+    return sum(min(tokens, w) if w else tokens for w in windows) / len(windows)
+
+
+def window_mean_held(windows: Sequence[int], seq_len: int) -> float:
+    """What a sequence of seq_len tokens holds on average over its life (seq_len / 2 without windows)."""
+    if not any(windows):
+        return seq_len / 2
+    total = 0.0
+    for w in windows:  # a windowed layer grows to w, then stays at w
+        total += seq_len / 2 if not w or seq_len <= w else (w * w / 2 + (seq_len - w) * w) / seq_len
+    return total / len(windows)
 
 
 @dataclass(frozen=True)

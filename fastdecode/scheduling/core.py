@@ -52,6 +52,7 @@ from fastdecode.runtime.errors import (
     ResourceExhausted,
     ServiceError,
 )
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.load import LoadModel
 from fastdecode.scheduling.membership import Membership
@@ -101,6 +102,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         kv_lookahead: int = DEFAULT_KV_LOOKAHEAD,
         prefix_sharing: bool = False,
         prefix_affinity: float = 0.5,
+        kv_geometry: KVGeometry | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
@@ -112,6 +114,9 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         self._lookahead = kv_lookahead
         if prefix_affinity < 0:
             raise InvalidInput("prefix_affinity must be >= 0")
+        # windowed layers (the model's geometry): a sequence holds, and attends over, less than its
+        # length; without windows every count below is the sequence's length
+        self._geometry = kv_geometry if kv_geometry is not None and kv_geometry.windowed else None
         self._sharing = prefix_sharing
         self._affinity = prefix_affinity
         self.prefix_hits = 0  # reservations that found cached prefix tokens
@@ -245,8 +250,11 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         need = [0] * len(self._shards)
         for p in planned:
             seq = self._running[p.seq_id]
-            after = -(-(p.start_pos + len(p.token_ids)) // bs[p.shard])
-            if after > seq.blocks:
+            # the shard keeps the blocks it reserved for the prompt (history) until a window passes them
+            end = max(p.start_pos + len(p.token_ids), len(seq.tokens))
+            after = self._held_blocks(end, p.start_pos, bs[p.shard])
+            # (a windowed model's sequence can hold fewer blocks after the chunk than before it)
+            if after > seq.blocks or (after < seq.blocks and self._geometry is not None):
                 grow[p.seq_id] = after - seq.blocks
                 need[p.shard] += after - seq.blocks
         for i, sh in enumerate(self._shards):
@@ -545,7 +553,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         out = [0] * len(self._shards)
         for seq in self._running.values():
             if seq.shard is not None:
-                out[seq.shard] += seq.kv
+                out[seq.shard] += seq.kv if self._geometry is None else round(self._held(seq.kv))
         return out
 
     def stats(self) -> SchedulerStats:

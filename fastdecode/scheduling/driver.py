@@ -150,6 +150,7 @@ class SchedulerDriver(Migrations, ShardHealth):
             kv_lookahead=s.kv_lookahead,
             prefix_sharing=s.prefix_sharing == "on",
             prefix_affinity=s.prefix_affinity,
+            kv_geometry=self.info.geometry,
         )
         for i in removed:
             self.core.remove_shard(i)

@@ -16,6 +16,17 @@ from fastdecode.scheduling.types import Reservation
 class LoadModel(CoreTables):
     """SchedulerCore's load model (a mixin over the core's tables)."""
 
+    def _held_blocks(self, end: int, start: int, block_size: int) -> int:
+        """Blocks a sequence holds while computing positions start..end-1 (as its shard allocates:
+        a windowed layer gives back what the query at `start` no longer sees)."""
+        if self._geometry is None:
+            return -(-end // block_size)
+        return self._geometry.held_blocks(end, start, block_size)
+
+    def _held(self, tokens: float) -> float:
+        """KV tokens a sequence of `tokens` holds (and attends over): fewer with windowed layers."""
+        return tokens if self._geometry is None else self._geometry.held_tokens(int(tokens))
+
     def _expected_gen(self, seq: SeqEntry) -> float:
         mt = seq.req.max_tokens
         return float(min(mt, max(seq.generated + 1, self._ratio * mt)))
@@ -25,7 +36,7 @@ class LoadModel(CoreTables):
         is gone after its expected end)."""
         now = len(seq.tokens)
         h = min(max(0.0, len(seq.req.prompt) + self._expected_gen(seq) - now), horizon)
-        return h * (now + h / 2) / horizon
+        return h * self._held(now + h / 2) / horizon
 
     def _headroom(self, seq: SeqEntry) -> int:
         """Tokens the sequence is expected to add over the next kv_lookahead steps: one a step, until
@@ -36,7 +47,8 @@ class LoadModel(CoreTables):
     def _commitment(self, seq: SeqEntry, block_size: int) -> int:
         """KV tokens a sequence counts against its shard: its blocks, or its history plus headroom
         rounded up to whole blocks when that is more (blocks it reads from the prefix cache aside)."""
-        grown = -(-(len(seq.tokens) + self._headroom(seq)) // block_size) * block_size
+        end = len(seq.tokens) + self._headroom(seq)  # a windowed layer holds the most at the end
+        grown = self._held_blocks(end, end - 1, block_size) * block_size
         return max(seq.blocks * block_size, grown) - seq.shared * block_size
 
     def _loads(self, step_no: int, horizon: float) -> list[ShardLoad]:

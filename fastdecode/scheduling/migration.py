@@ -47,7 +47,7 @@ class MigrationPlanning(CoreTables):
         if seq.shard == target or not self._serving(sh):
             raise FailedPrecondition(f"shard {target} cannot take sequence {seq_id!r}")
         seq.moving = target
-        seq.incoming = -(-seq.kv // sh.spec.block_size)
+        seq.incoming = self._held_blocks(seq.kv, seq.kv, sh.spec.block_size)  # a window: only its blocks
         sh.blocks += seq.incoming
         return Move(seq_id, seq.shard, target, seq.kv, seq.epoch)
 

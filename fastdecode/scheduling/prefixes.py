@@ -104,7 +104,9 @@ class PrefixPlacement(CoreTables):
             sh = self._shards[seq.shard]
             c = min(c, len(seq.tokens) - 1)  # a shard shares no more (its last token is computed)
             seq.cached = c
-            seq.shared = c // sh.spec.block_size
+            # (a windowed model's sequence lets go of cached blocks as its window passes them: it
+            # keeps counting them, an over-count of at most its prefix)
+            seq.shared = c // sh.spec.block_size if self._geometry is None else 0
             sh.blocks -= seq.shared
             self.prefix_hits += 1
             self.cached_tokens += c

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.admission import AdmissionPolicy
 from fastdecode.scheduling.types import Request, ShardSpec
 
@@ -87,6 +88,7 @@ class CoreTables:
     _lookahead: int
     _sharing: bool
     _affinity: float
+    _geometry: KVGeometry | None  # a windowed model's geometry (None: every layer full)
     _recoveries: int
     prefix_hits: int
     cached_tokens: int

@@ -26,7 +26,7 @@ class MigrateOutResponse(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("seq_id", "geometry", "kv_dtype", "tokens", "layer", "k", "v", "k_scale", "v_scale")
+    __slots__ = ("seq_id", "geometry", "kv_dtype", "tokens", "layer", "k", "v", "k_scale", "v_scale", "first_token")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class KVChunk(_message.Message):
     V_FIELD_NUMBER: _ClassVar[int]
     K_SCALE_FIELD_NUMBER: _ClassVar[int]
     V_SCALE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     geometry: KVGeometry
     kv_dtype: _tensor_pb2.DType
@@ -45,7 +46,8 @@ class KVChunk(_message.Message):
     v: _tensor_pb2.Tensor
     k_scale: _tensor_pb2.Tensor
     v_scale: _tensor_pb2.Tensor
-    def __init__(self, seq_id: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., tokens: _Optional[int] = ..., layer: _Optional[int] = ..., k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k_scale: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v_scale: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    first_token: int
+    def __init__(self, seq_id: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., tokens: _Optional[int] = ..., layer: _Optional[int] = ..., k: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k_scale: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., v_scale: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class ImportResponse(_message.Message):
     __slots__ = ("tokens", "bytes")
@@ -66,14 +68,18 @@ class RetireResponse(_message.Message):
     def __init__(self, sequences: _Optional[int] = ...) -> None: ...
 
 class KVGeometry(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "layer_windows", "attn_logit_softcap")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    ATTN_LOGIT_SOFTCAP_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    layer_windows: _containers.RepeatedScalarFieldContainer[int]
+    attn_logit_softcap: float
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., attn_logit_softcap: _Optional[float] = ...) -> None: ...
 
 class AttendRequest(_message.Message):
     __slots__ = ("request_id", "layer", "seq_ids", "num_tokens", "start_pos", "q", "k", "v")

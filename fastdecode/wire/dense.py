@@ -155,6 +155,8 @@ def model_info_to_proto(
         num_shards=len(shards),
         shards=list(shards),
         removed_shards=list(removed_shards),
+        layer_windows=list(c.layer_windows),
+        attn_logit_softcap=c.attn_logit_softcap,
     )
     if c.bos_token_id is not None:
         info.bos_token_id = c.bos_token_id
@@ -205,7 +207,9 @@ def dense_info_from_proto(i: dense_pb2.ModelInfo) -> DenseInfo:
     """What the scheduler's driver reads of gpu_dense's Info."""
     return DenseInfo(
         model_type=i.model_type,
-        geometry=KVGeometry(i.num_layers, i.num_kv_heads, i.head_dim),
+        geometry=KVGeometry(
+            i.num_layers, i.num_kv_heads, i.head_dim, tuple(i.layer_windows), i.attn_logit_softcap
+        ),
         vocab_size=int(i.vocab_size),
         max_position_embeddings=int(i.max_position_embeddings),
         eos_token_ids=tuple(i.eos_token_ids),

@@ -78,13 +78,17 @@ def _chunks(header: SequenceHeader, layers: Iterator[LayerRows]) -> Iterator[kv_
     yield kv_pb.KVChunk(
         seq_id=header.seq_id,
         geometry=kv_pb.KVGeometry(
-            num_layers=header.num_layers, num_kv_heads=header.num_kv_heads, head_dim=header.head_dim
+            num_layers=header.num_layers,
+            num_kv_heads=header.num_kv_heads,
+            head_dim=header.head_dim,
+            layer_windows=header.layer_windows,
+            attn_logit_softcap=header.softcap,
         ),
         kv_dtype=codec.wire_dtype(header.dtype),
         tokens=header.tokens,
     )
     for layer in layers:
-        chunk = kv_pb.KVChunk(seq_id=layer.seq_id, layer=layer.layer)
+        chunk = kv_pb.KVChunk(seq_id=layer.seq_id, layer=layer.layer, first_token=layer.first)
         for name, t in zip(("k", "v", "k_scale", "v_scale"), layer.rows, strict=True):
             if t.numel():
                 codec.encode(t, getattr(chunk, name))
@@ -104,6 +108,8 @@ async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -
         g.head_dim,
         codec.torch_dtype(header.kv_dtype),
         header.tokens,
+        tuple(g.layer_windows),
+        g.attn_logit_softcap,
     )
 
     async def layers() -> AsyncIterator[LayerRows]:
@@ -111,7 +117,7 @@ async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -
             rows = [
                 codec.decode(t) if t.ByteSize() else torch.empty(0) for t in (c.k, c.v, c.k_scale, c.v_scale)
             ]
-            yield LayerRows(c.seq_id, c.layer, rows)
+            yield LayerRows(c.seq_id, c.layer, rows, c.first_token)
 
     return await core.import_sequence(head, layers())
 
@@ -162,7 +168,11 @@ def reserve_request(geometry: KVGeometry, seqs: Sequence[Reservation], model: st
     return kv_pb.ReserveRequest(
         model=model,
         geometry=kv_pb.KVGeometry(
-            num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim
+            num_layers=geometry.num_layers,
+            num_kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim,
+            layer_windows=geometry.layer_windows,
+            attn_logit_softcap=geometry.attn_logit_softcap,
         ),
         sequences=[
             kv_pb.SequenceReservation(

@@ -59,7 +59,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     ) -> pb.ReserveResponse:
         g, seqs = request.geometry, request.sequences
         free, cached = self.core.reserve(
-            (g.num_layers, g.num_kv_heads, g.head_dim),
+            (g.num_layers, g.num_kv_heads, g.head_dim, list(g.layer_windows), g.attn_logit_softcap),
             [(s.seq_id, s.max_tokens, list(s.token_ids), s.cache_salt) for s in seqs],
             request.model,
         )

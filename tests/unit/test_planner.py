@@ -205,3 +205,41 @@ def test_dense_times_walk_the_layers() -> None:
     t = planner._dense_times(Recorder(), [1, 2], "cpu", repeats=2, warmup=1)
     assert set(t) == {1, 2} and all(v > 0 for v in t.values())
     assert seen == [0, 1, 2, 0, 1, 2]
+
+
+def test_plan_knows_windowed_layers(tmp_path: Path) -> None:
+    """Gemma 3's shape (18 layers, window 512, five windowed to one global) at S = 4096: a sequence
+    ends holding <= 0.3x of full attention, so one shard memory holds more sequences and fewer
+    shards balance the same batch."""
+    kv_token = 2 * 18 * 1 * 256 * 2
+    full = Profile(t_dense=T, r_attn=R, num_layers=18, kv_bytes_per_token=kv_token)
+    with pytest.raises(InvalidInput, match="layer windows for 18 layers"):
+        Profile(t_dense=T, r_attn=R, num_layers=18, kv_bytes_per_token=1, layer_windows=[512] * 5 + [0])
+    gemma = Profile(
+        t_dense=T, r_attn=R, num_layers=18, kv_bytes_per_token=kv_token, layer_windows=([512] * 5 + [0]) * 3
+    )
+    a, b = (
+        plan(full, 4096, shard_memory_bytes=64 * 4096 * kv_token),
+        plan(gemma, 4096, shard_memory_bytes=64 * 4096 * kv_token),
+    )
+    assert a.kv_held_ratio == 1.0 and b.kv_held_ratio <= 0.3
+    assert b.kv_held_ratio == pytest.approx((1 + 5 * 512 / 4096) / 6)
+    assert a.mean_held_tokens == 2048 and b.mean_held_tokens < 0.4 * 2048
+    assert b.p_memory == pytest.approx(a.p_memory * b.mean_held_tokens / 2048)
+    assert b.p_balance < a.p_balance
+    f = tmp_path / "p.json"
+    full.save(f)
+    res = CliRunner().invoke(
+        cli(),
+        ["plan", "--profile", str(f), "-S", "4096", "--layer-windows", "512,512,512,512,512,0", "--json"],
+    )
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["kv_held_ratio"] == pytest.approx(b.kv_held_ratio)
+    res = CliRunner().invoke(
+        cli(), ["plan", "--profile", str(f), "-S", "4096", "--layer-windows", "512,0,0,0,0"]
+    )
+    assert res.exit_code != 0 and "divides" in res.output
+    res = CliRunner().invoke(
+        cli(), ["plan", "--profile", str(f), "-S", "4096", "--layer-windows", "512,512,512,512,512,0"]
+    )
+    assert res.exit_code == 0 and "KV held / seq    0.271 of full attention" in res.output, res.output

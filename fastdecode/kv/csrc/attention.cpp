@@ -24,6 +24,11 @@
 // so no -march is needed; the highest level the CPU has is picked at load time from CPUID, and each
 // dtype then uses the highest path at or below it that measured faster than the one below
 // (kKeep, figures in docs/kernel.md). set_isa forces a level (tests, A/B benches).
+//
+// Two per-layer options (Mistral, Gemma 2/3): a sliding window W (a query at position p sees keys
+// p - W + 1 .. p; first_key() is the one place that lower bound is computed, and a job starts its
+// key walk there) and a logit soft-cap c (score = c * tanh(score / c), applied where each path
+// scores, before the mask and the softmax).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -78,7 +83,19 @@ struct Args {
   const int64_t* row0;        // [B + 1] first row of each sequence in q / out
   int64_t S, D, H, G, bs;
   float scale;
+  int64_t window;             // keys a query sees, itself included (0: all before it)
+  float softcap;              // 0: none
 };
+
+// The first key the query at position pos sees: the window's lower bound (0 without one).
+inline int64_t first_key(const Args& a, int64_t pos) {
+  return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+}
+
+// The first key any row of a job sees (its first query token's bound).
+inline int64_t first_key(const Args& a, const Job& jb) { return first_key(a, a.start[jb.seq] + jb.t0); }
+
+inline float softcap1(const Args& a, float x) { return a.softcap > 0.f ? a.softcap * std::tanh(x / a.softcap) : x; }
 
 // Slot offsets (in tokens) of keys [p0, p0 + n) of one sequence, walking its block table.
 inline void slots_of(const Args& a, const int32_t* tab, int64_t p0, int n, int64_t* slot) {
@@ -117,21 +134,22 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
   const int32_t* tab = a.table + a.table_off[jb.seq];
   const int64_t start = a.start[jb.seq], nkeys = start + jb.t1, hbase = jb.kvh * a.S;
   int64_t slot[kTile];
-  for (int64_t p0 = 0; p0 < nkeys; p0 += kTile) {
+  for (int64_t p0 = first_key(a, jb); p0 < nkeys; p0 += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, nkeys - p0));
     slots_of(a, tab, p0, n, slot);
     for (int r = 0; r < rows; ++r) {
       const int64_t t = jb.t0 + r / G, h = jb.kvh * G + r % G;
       const int nr = static_cast<int>(std::min<int64_t>(n, start + t + 1 - p0));
-      if (nr <= 0) continue;
+      const int j0 = static_cast<int>(std::max<int64_t>(0, first_key(a, start + t) - p0));
+      if (nr <= j0) continue;
       const float* qr = a.q + ((a.row0[jb.seq] + t) * a.H + h) * D;
       float mt = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < nr; ++j) {
+      for (int j = j0; j < nr; ++j) {
         const int64_t off = (hbase + slot[j]) * D;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qr[d] * load1<K>(a.k, off + d);
         if constexpr (scaled(K)) dot *= a.ks[hbase + slot[j]];
-        s[j] = dot * a.scale;
+        s[j] = softcap1(a, dot * a.scale);
         mt = std::max(mt, s[j]);
       }
       const float mn = std::max(m[r], mt);
@@ -139,7 +157,7 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
       float* ar = acc + r * D;
       l[r] *= corr;
       for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-      for (int j = 0; j < nr; ++j) {
+      for (int j = j0; j < nr; ++j) {
         const float p = std::exp(s[j] - mn);
         l[r] += p;
         float w = p;
@@ -253,6 +271,13 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// c * tanh(x / c) for 8 lanes, as 1 - 2 / (e^(2x/c) + 1) (exp8 clamps, so large |x| gives +-c).
+inline __m256 softcap8(__m256 x, float c) {
+  const __m256 e = exp8(_mm256_mul_ps(x, _mm256_set1_ps(2.f / c)));
+  const __m256 th = _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
+  return _mm256_mul_ps(th, _mm256_set1_ps(c));
 }
 
 inline float hmax(__m256 v) {
@@ -446,6 +471,7 @@ namespace v5 {
 using v2::exp8;
 using v2::hmax;
 using v2::hsum;
+using v2::softcap8;
 using v2::prefetch_rows;
 using v2::quantize_q16;
 using v2::split_order;
@@ -641,6 +667,7 @@ namespace v5n {
 using v2::exp8;
 using v2::hmax;
 using v2::hsum;
+using v2::softcap8;
 using v2::prefetch_rows;
 using v2::split_order;
 using v5::kSplitChunk;
@@ -684,6 +711,7 @@ namespace v5b {
 using v2::exp8;
 using v2::hmax;
 using v2::hsum;
+using v2::softcap8;
 using v2::prefetch_rows;
 using v2::split_order;
 using v5::kSplitChunk;
@@ -941,12 +969,12 @@ void check_i64(const at::Tensor& t, const char* name, int64_t n) {
 
 // q [T, H, D], k/v [T, KVH, D] float32; pools [KVH, S, D] of one layer; scales [KVH, S] (int8 only);
 // table int32 (concatenated block tables), table_off [B+1], start [B], ntok [B] int64.
-// Returns o [T, H * D] float32.
+// window: keys a query sees (0: all); softcap: logit soft-cap (0: none). Returns o [T, H * D] float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kpool,
                   at::Tensor vpool, const c10::optional<at::Tensor>& kscale_opt,
                   const c10::optional<at::Tensor>& vscale_opt, const at::Tensor& table,
                   const at::Tensor& table_off, const at::Tensor& start, const at::Tensor& ntok,
-                  int64_t block_size, double scale) {
+                  int64_t block_size, double scale, int64_t window, double softcap) {
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
@@ -961,6 +989,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "k/v must be [T, KVH, D] matching q and the pool");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_size >= 1 && S % block_size == 0, "bad block size");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0");
   const Kind kind = kind_of(kpool);
   at::Tensor kscale, vscale;
   if (scaled(kind)) {
@@ -987,12 +1016,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* nt = ntok.data_ptr<int64_t>();
   std::vector<int64_t> row0(B + 1, 0);
   TORCH_CHECK(toff[0] == 0 && toff[B] == table.numel(), "table_off does not cover the table");
+  // -1 marks a block a windowed layer gave back: allowed only where no query of the call looks
   for (int64_t i = 0; i < table.numel(); ++i)
-    TORCH_CHECK(tab[i] >= 0 && tab[i] < nblocks, "block id ", tab[i], " outside the pool");
+    TORCH_CHECK(tab[i] >= -1 && tab[i] < nblocks, "block id ", tab[i], " outside the pool");
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(nt[b] >= 1 && st[b] >= 0, "sequence ", b, ": needs >= 1 new token at a position >= 0");
     TORCH_CHECK(toff[b + 1] >= toff[b] && st[b] + nt[b] <= (toff[b + 1] - toff[b]) * block_size,
                 "sequence ", b, ": tokens beyond its block table");
+    const int64_t lo = (window > 0 ? std::max<int64_t>(0, st[b] - window + 1) : 0) / block_size;
+    for (int64_t i = toff[b] + lo; i < toff[b] + (st[b] + nt[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tab[i] >= 0, "sequence ", b, ": block ", i - toff[b], " is gone but inside the window");
     row0[b + 1] = row0[b] + nt[b];
   }
   TORCH_CHECK(row0[B] == T, "ntok sums to ", row0[B], " but q has ", T, " rows");
@@ -1000,7 +1033,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::Tensor out = at::empty({T, H * D}, q.options());
   Args a{q.data_ptr<float>(), out.data_ptr<float>(), kpool.data_ptr(), vpool.data_ptr(),
          scaled(kind) ? kscale.data_ptr<float>() : nullptr, scaled(kind) ? vscale.data_ptr<float>() : nullptr,
-         tab, toff, st, row0.data(), S, D, H, H / KVH, block_size, static_cast<float>(scale)};
+         tab, toff, st, row0.data(), S, D, H, H / KVH, block_size, static_cast<float>(scale),
+         window, static_cast<float>(softcap)};
 
   // 1. append the new k, v (rows in parallel: a prefill chunk brings thousands)
   at::parallel_for(0, T, 64, [&](int64_t r0, int64_t r1) {
@@ -1015,7 +1049,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t0 = 0; t0 < nt[b]; t0 += kQChunk) {
       const int64_t t1 = std::min<int64_t>(nt[b], t0 + kQChunk);
-      const int64_t cost = (st[b] + t1) * (t1 - t0) + 64;
+      const int64_t keys = st[b] + t1 - first_key(a, st[b] + t0);
+      const int64_t cost = keys * (t1 - t0) + 64;
       for (int64_t h = 0; h < KVH; ++h)
         jobs.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(t0),
                         static_cast<int32_t>(t1), cost});
@@ -1091,7 +1126,10 @@ double stream_read(const at::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FastDecode shard kernel: fused decode/chunked-prefill attention over a block-table KV pool";
-  m.def("attend", &fd::attend, "append new k, v and attend every query token (see attention.cpp)");
+  m.def("attend", &fd::attend, "append new k, v and attend every query token (see attention.cpp)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kpool"), py::arg("vpool"), py::arg("kscale"),
+        py::arg("vscale"), py::arg("table"), py::arg("table_off"), py::arg("start"), py::arg("ntok"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("stream_read", &fd::stream_read, "sum a float32 tensor with attend's threads (bandwidth yardstick)");
   m.def("isa", &fd::isa, "isa level in use: scalar, avx2, avx512, avx512_vnni or avx512_bf16");
   m.def("set_isa", &fd::set_isa,

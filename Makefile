@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint protos bench gpu-check clean
 
-$(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp
+$(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp fastdecode/kv/csrc/vec_job.inc
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned, so nothing can resolve a CUDA build; then the project builds its

@@ -29,6 +29,7 @@ def _extension_build() -> dict[str, object]:
     ext = CppExtension(
         "fastdecode.kv._attention",
         ["fastdecode/kv/csrc/attention.cpp"],
+        depends=["fastdecode/kv/csrc/vec_job.inc"],  # included once per ISA path: a change rebuilds
         extra_compile_args=flags,
         extra_link_args=["-fopenmp"],
     )

@@ -1,0 +1,93 @@
+"""`fastdecode bench attention` and `bench kv-agreement`: the shard's kernel and its KV dtypes
+(registered on the `bench` group of fastdecode.cli.bench)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fastdecode.cli.bench import ATTN_KV_DTYPES, bench, emit, json_option, run_bench
+
+
+@bench.command("attention")
+@json_option
+@click.option("--batch", "-B", type=int, default=32, show_default=True, help="Decoding sequences.")
+@click.option(
+    "--context", "-L", type=int, default=1024, show_default=True, help="Tokens per sequence (mean if mixed)."
+)
+@click.option(
+    "--lengths",
+    type=click.Choice(["uniform", "mixed"]),
+    default="mixed",
+    show_default=True,
+    help="uniform: all = context; mixed: drawn from [context/16, 2*context - context/16].",
+)
+@click.option("--kv-dtype", type=ATTN_KV_DTYPES, default="float32", show_default=True)
+@click.option("--backend", type=click.Choice(["native", "torch"]), default="native", show_default=True)
+@click.option("--repeats", "-n", type=int, default=11, show_default=True)
+@click.option("--layers", type=int, default=1, show_default=True, help="Layers attended per timed step.")
+@click.option("--heads", type=int, default=12, show_default=True, help="Query heads (small preset: 12).")
+@click.option("--kv-heads", type=int, default=12, show_default=True)
+@click.option("--head-dim", type=int, default=64, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
+@click.option(
+    "--isa",
+    default=None,
+    help="Native kernel ISA level for the run: scalar, avx2, avx512, avx512_vnni, avx512_bf16 (default: "
+    "the highest the CPU has).",
+)
+@click.option(
+    "--clock",
+    type=click.Choice(["wall", "thread"]),
+    default="wall",
+    show_default=True,
+    help="thread: the calling thread's CPU time (needs --threads 1), for hosts shared with other work.",
+)
+@click.option(
+    "--baseline-isa",
+    default=None,
+    help="Also time this ISA level, interleaved with --isa's runs: vs_baseline is the same-run time ratio.",
+)
+@click.option(
+    "--memory-mib",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Yardstick buffer size.",
+)
+def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
+    """One shard's decode attention (KVStore.attend) vs a streaming-read bandwidth yardstick.
+
+    effective_gbps = bytes of K and V read per layer / median time per layer; ratio =
+    effective_gbps / memory_gbps (target >= 0.8), both measured interleaved with the same threads.
+    """
+    from fastdecode.benchmarks.attention import run_attention_bench
+
+    result = run_bench(lambda: run_attention_bench(memory_bytes=memory_mib << 20, **kw))
+    emit(result, as_json, "decode attention, one shard (KVStore.attend), medians")
+
+
+@bench.command("kv-agreement")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: SmolLM2 (imported).")
+@click.option(
+    "--kv-dtypes",
+    default="bfloat16,int8,float8_e4m3",
+    show_default=True,
+    help="Comma-separated KV dtypes compared with float32 KV.",
+)
+@click.option("--prompts", type=int, default=8, show_default=True, help="Prompts of random token ids.")
+@click.option("--prompt-len", type=int, default=32, show_default=True)
+@click.option("--tokens", type=int, default=64, show_default=True, help="Greedy tokens per prompt.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def kv_agreement_cmd(as_json: bool, model: str | None, kv_dtypes: str, **kw: Any) -> None:
+    """Greedy tokens and logits with each KV dtype against float32 KV (LocalEngine, native kernel)."""
+    from fastdecode.benchmarks.kv_agreement import run_kv_agreement
+    from fastdecode.tools.gguf_import import ensure_default_model
+
+    path = Path(model) if model else ensure_default_model()
+    dtypes = tuple(d.strip() for d in kv_dtypes.split(",") if d.strip())
+    result = run_bench(lambda: run_kv_agreement(path, dtypes, **kw))
+    emit(result, as_json, "KV dtype vs float32 KV: greedy agreement and logit error")

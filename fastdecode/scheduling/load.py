@@ -104,6 +104,7 @@ class LoadModel(CoreTables):
         )
         if self._shares(seq):
             names = self._names(seq, sh.spec.block_size)
+            seq.claimed = len(names)  # only these can name it as their owner (_prefix_ready)
             for h in names:  # it will hold them once its prefill is in (those it finds cached, at once)
                 if h in sh.prefixes:
                     sh.prefixes.move_to_end(h)

@@ -33,8 +33,8 @@ being computed right now waits for it instead of computing it again. Blocks read
 prefix cache are not counted against the shard per sequence (`SeqEntry.shared`).
 
 The core is one class over its tables (fastdecode/scheduling/tables.py), in parts along its seams:
-membership (shards in and out), migration (live moves), load (the load model and placement),
-prefixes (prefix placement); this module holds admission, planning, preemption, apply and stats.
+membership (shards in and out), migration (live moves), load (the load model, placement, stats),
+prefixes (prefix placement); this module holds admission, planning, preemption and apply.
 """
 
 from __future__ import annotations
@@ -77,9 +77,7 @@ from fastdecode.scheduling.types import (
     Reservation,
     Sampled,
     Sampling,
-    SchedulerStats,
     ShardSpec,
-    ShardStats,
     Step,
     TokenEvent,
 )
@@ -560,62 +558,3 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         if seq is None:
             raise NotFound(f"unknown running sequence {seq_id!r}")
         return seq.shard
-
-    def kv_tokens_per_shard(self) -> list[int]:
-        """KV tokens each shard holds now (planned chunks included)."""
-        out = [0] * len(self._shards)
-        if self._geometry is None:
-            for seq in self._running.values():
-                if seq.shard is not None:
-                    out[seq.shard] += seq.kv
-            return out
-        for seq in self._running.values():
-            if seq.shard is not None:
-                out[seq.shard] += round(self._held(seq.kv))
-        return out
-
-    def stats(self, loads: bool = True) -> SchedulerStats:
-        """Counts and per-shard load (the scheduler's GetStats and its metrics). `loads=False` leaves
-        out the per-sequence load model (each shard's expected and committed tokens are None): the
-        metrics, reported every step, do not show it, and it is most of the cost over many sequences."""
-        tokens = self.kv_tokens_per_shard()
-        expected: list[float | None] = [None] * len(self._shards)
-        committed: list[int | None] = [None] * len(self._shards)
-        if loads:
-            expected, committed = [0.0] * len(self._shards), [0] * len(self._shards)
-            block = [sh.spec.block_size for sh in self._shards]
-            expected_gen, commitment = self._expected_gen, self._commitment
-            for seq in self._running.values():
-                i = seq.shard
-                if i is not None:
-                    expected[i] += len(seq.req.prompt) + expected_gen(seq)  # type: ignore[operator]
-                    committed[i] += commitment(seq, block[i])  # type: ignore[operator]
-        return SchedulerStats(
-            running=self.running,
-            waiting=self.waiting,
-            steps=self._step,
-            finished=self._finished,
-            recoveries=self._recoveries,
-            preemptions=self.preemptions,
-            admission=getattr(self._admission, "name", type(self._admission).__name__),
-            w_limit=self._admission.w_limit(self._step),
-            kv_load_tokens=float(sum(tokens)),
-            expected_ratio=self._ratio,
-            shards=[
-                ShardStats(
-                    shard=i,
-                    healthy=sh.healthy,
-                    sequences=len(sh.seqs),
-                    tokens=tokens[i],
-                    expected_tokens=None if (e := expected[i]) is None else int(round(e)),
-                    reserved_tokens=sh.blocks * sh.spec.block_size,
-                    committed_tokens=committed[i],
-                    capacity_tokens=sh.spec.capacity_tokens,
-                    block_size=sh.spec.block_size,
-                    speed=sh.spec.speed,
-                    state=sh.state,
-                )
-                for i, sh in enumerate(self._shards)
-            ],
-            migrations=self.migrations,
-        )

@@ -91,6 +91,8 @@ class CoreTables:
     _affinity: float
     _geometry: KVGeometry | None  # a windowed model's geometry (None: every layer full)
     _recoveries: int
+    _finished: int
+    preemptions: int
     prefix_hits: int
     cached_tokens: int
     migrations: int

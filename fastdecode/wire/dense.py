@@ -89,9 +89,12 @@ def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
     # one is converted once a step, not once a sequence.
     samplings: dict[SamplingParams, dense_pb2.SamplingParams] = {}
     for p in step.seqs:
-        sp = samplings.get(p.sampling)
-        if sp is None:
-            sp = samplings[p.sampling] = sampling_to_proto(p.sampling)
+        try:
+            sp = samplings.get(p.sampling)
+            if sp is None:
+                sp = samplings[p.sampling] = sampling_to_proto(p.sampling)
+        except TypeError:  # settings built with a list somewhere (unhashable): converted as they are
+            sp = sampling_to_proto(p.sampling)
         q = plan.sequences.add(
             seq_id=p.seq_id,
             shard=p.shard,

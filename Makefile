@@ -27,7 +27,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 protos: $(STAMP)
 	$(BIN)/python -m fastdecode.tools.codegen

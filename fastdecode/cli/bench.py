@@ -453,6 +453,22 @@ def migrate_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
         raise SystemExit(1)
 
 
+@bench.command("scheduler-step")
+@json_option
+@click.option("--batch", "-B", type=int, default=256, show_default=True, help="Running sequences.")
+@click.option("--shards", "-P", type=int, default=4, show_default=True)
+@click.option("--steps", "-n", type=int, default=200, show_default=True, help="Timed decode steps.")
+@click.option("--prompt-len", type=int, default=32, show_default=True)
+@click.option("--prefix-sharing/--no-prefix-sharing", default=True, show_default=True)
+def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
+    """The scheduler's own CPU per decode step (real driver, core and wire code; in-process peers
+    that answer at once, no transport): medians of plan, exchange, apply and per-request streams."""
+    from fastdecode.benchmarks.scheduler_step import run_scheduler_step_bench
+
+    result = run_bench(lambda: run_scheduler_step_bench(**kw))
+    emit(result, as_json, "scheduler-step: the scheduler process's CPU per decode step")
+
+
 @bench.command("pace")
 @json_option
 @click.option(

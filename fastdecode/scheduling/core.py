@@ -33,8 +33,8 @@ being computed right now waits for it instead of computing it again. Blocks read
 prefix cache are not counted against the shard per sequence (`SeqEntry.shared`).
 
 The core is one class over its tables (fastdecode/scheduling/tables.py), in parts along its seams:
-membership (shards in and out), migration (live moves), load (the load model and placement),
-prefixes (prefix placement); this module holds admission, planning, preemption, apply and stats.
+membership (shards in and out), migration (live moves), load (the load model, placement, stats),
+prefixes (prefix placement); this module holds admission, planning, preemption and apply.
 """
 
 from __future__ import annotations
@@ -77,9 +77,7 @@ from fastdecode.scheduling.types import (
     Reservation,
     Sampled,
     Sampling,
-    SchedulerStats,
     ShardSpec,
-    ShardStats,
     Step,
     TokenEvent,
 )
@@ -245,16 +243,18 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
     ) -> None:
         """Grow the blocks of this step's sequences; where a shard lacks blocks, preempt its youngest
         sequences (those planned in this step are taken out of it) until the growth fits."""
-        bs = {i: sh.spec.block_size for i, sh in enumerate(self._shards)}
+        bs = [sh.spec.block_size for sh in self._shards]
         grow: dict[str, int] = {}
         need = [0] * len(self._shards)
+        running, windowed = self._running, self._geometry is not None
         for p in planned:
-            seq = self._running[p.seq_id]
+            seq = running[p.seq_id]
             # the shard keeps the blocks it reserved for the prompt (history) until a window passes them
             end = max(p.start_pos + len(p.token_ids), len(seq.tokens))
-            after = self._held_blocks(end, p.start_pos, bs[p.shard])
+            # (-(-end // block) is _held_blocks without windows, inlined: this runs for every sequence)
+            after = self._held_blocks(end, p.start_pos, bs[p.shard]) if windowed else -(-end // bs[p.shard])
             # (a windowed model's sequence can hold fewer blocks after the chunk than before it)
-            if after > seq.blocks or (after < seq.blocks and self._geometry is not None):
+            if after > seq.blocks or (after < seq.blocks and windowed):
                 grow[p.seq_id] = after - seq.blocks
                 need[p.shard] += after - seq.blocks
         for i, sh in enumerate(self._shards):
@@ -266,12 +266,12 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
                 need[i] -= grow.pop(victim.req.seq_id, 0)
                 marks.pop(victim.req.seq_id, None)
                 self._preempt(victim, reserve)
-        planned[:] = [p for p in planned if p.seq_id in marks]
-        for p in planned:
-            seq = self._running[p.seq_id]
-            g = grow.get(p.seq_id, 0)
-            seq.blocks += g
-            self._shards[p.shard].blocks += g
+        if len(planned) != len(marks):
+            planned[:] = [p for p in planned if p.seq_id in marks]
+        for sid, g in grow.items():  # (only sequences still planned: a preempted one left `grow`)
+            running[sid].blocks += g
+        for i, g in enumerate(need):
+            self._shards[i].blocks += g
 
     # ---------------------------------------------------------------- planning
     def next_step(self) -> Step | None:
@@ -290,36 +290,44 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         planned: list[PlannedSeq] = []
         marks: dict[str, Inflight] = {}
         budget = self._budget
+        # The per-sequence loop runs every step over every running sequence: attributes are read
+        # once into locals, and a decode (one token, nothing to score) skips the general path.
         for sid, seq in self._running.items():
             if seq.shard is None or seq.inflight is not None or seq.moving is not None:
                 continue
-            pending = len(seq.tokens) - seq.kv
+            tokens, kv, req = seq.tokens, seq.kv, seq.req
+            ntok = len(tokens)
+            pending = ntok - kv
             if pending <= 0:
                 continue
-            if seq.generated > 0 and pending == 1:
+            generated = ntok - len(req.prompt)
+            if generated > 0 and pending == 1:
                 n = 1  # decode: always goes
             else:
                 if budget <= 0:
                     continue
                 n = min(pending, budget)
                 budget -= n
-            sample = seq.kv + n == len(seq.tokens)
-            sampling, next_token = self._prompt_scoring(seq, n)
+            sample = kv + n == ntok
+            if req.sampling.prompt_logprobs:
+                sampling, next_token = self._prompt_scoring(seq, n)
+            else:
+                sampling, next_token = req.sampling, None
             planned.append(
                 PlannedSeq(
-                    seq_id=sid,
-                    shard=seq.shard,
-                    mini_batch=0,
-                    token_ids=seq.tokens[seq.kv : seq.kv + n],
-                    start_pos=seq.kv,
-                    sampling=sampling,
-                    sample=sample,
-                    sample_index=seq.req.sample_offset + seq.generated,
-                    next_token=next_token,
+                    sid,
+                    seq.shard,
+                    0,
+                    tokens[kv : kv + n],
+                    kv,
+                    sampling,
+                    sample,
+                    req.sample_offset + generated,
+                    next_token,
                 )
             )
-            marks[sid] = Inflight(seq.epoch, sample, seq.kv, seq.blocks)
-            seq.kv += n
+            marks[sid] = Inflight(seq.epoch, sample, kv, seq.blocks)
+            seq.kv = kv + n
             seq.inflight = step_no
         self._fit_growth(planned, marks, reserve)
         if not planned and not reserve and not self._releases and not self._ended:
@@ -421,18 +429,21 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
                 return []
             raise InvalidInput(f"step {step.step} is not outstanding")
         events: list[TokenEvent] = []
+        running, scores = self._running, prompt_logprobs or {}
         for sid, mark in marks.items():
-            seq = self._running.get(sid)
+            seq = running.get(sid)
             if seq is None or seq.epoch != mark.epoch:
                 continue  # cancelled, or moved off a lost shard: its history is re-prefilled instead
             seq.inflight = None
-            self._prefix_ready(seq)
+            if seq.claimed:
+                self._prefix_ready(seq)
             res = results.get(sid)
             if isinstance(res, ServiceError):
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=res))
                 self._leave(seq)
                 continue
-            scored = self._take_prompt_logprobs(seq, mark.start_pos, (prompt_logprobs or {}).get(sid))
+            got = scores.get(sid)
+            scored = self._take_prompt_logprobs(seq, mark.start_pos, got) if got else []
             if not mark.sample:
                 if scored:  # a prefill chunk that is not the last: only its prompt logprobs go out
                     events.append(self._event(seq, [], [], None, step.step, prompt_logprobs=scored))
@@ -547,50 +558,3 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         if seq is None:
             raise NotFound(f"unknown running sequence {seq_id!r}")
         return seq.shard
-
-    def kv_tokens_per_shard(self) -> list[int]:
-        """KV tokens each shard holds now (planned chunks included)."""
-        out = [0] * len(self._shards)
-        for seq in self._running.values():
-            if seq.shard is not None:
-                out[seq.shard] += seq.kv if self._geometry is None else round(self._held(seq.kv))
-        return out
-
-    def stats(self) -> SchedulerStats:
-        """Counts and per-shard load (the scheduler's GetStats and its metrics)."""
-        tokens = self.kv_tokens_per_shard()
-        expected = [0.0] * len(self._shards)
-        committed = [0] * len(self._shards)
-        for seq in self._running.values():
-            if seq.shard is not None:
-                expected[seq.shard] += len(seq.req.prompt) + self._expected_gen(seq)
-                committed[seq.shard] += self._commitment(seq, self._shards[seq.shard].spec.block_size)
-        return SchedulerStats(
-            running=self.running,
-            waiting=self.waiting,
-            steps=self._step,
-            finished=self._finished,
-            recoveries=self._recoveries,
-            preemptions=self.preemptions,
-            admission=getattr(self._admission, "name", type(self._admission).__name__),
-            w_limit=self._admission.w_limit(self._step),
-            kv_load_tokens=float(sum(tokens)),
-            expected_ratio=self._ratio,
-            shards=[
-                ShardStats(
-                    shard=i,
-                    healthy=sh.healthy,
-                    sequences=len(sh.seqs),
-                    tokens=tokens[i],
-                    expected_tokens=int(round(expected[i])),
-                    reserved_tokens=sh.blocks * sh.spec.block_size,
-                    committed_tokens=committed[i],
-                    capacity_tokens=sh.spec.capacity_tokens,
-                    block_size=sh.spec.block_size,
-                    speed=sh.spec.speed,
-                    state=sh.state,
-                )
-                for i, sh in enumerate(self._shards)
-            ],
-            migrations=self.migrations,
-        )

@@ -301,9 +301,11 @@ class SchedulerDriver(Migrations, ShardHealth):
         scored: dict[str, list[TokenLogprob]] = {}
         lost: set[int] = set()
         full: list[str] = []
-        shard_of = {p.seq_id: p.shard for p in step.seqs}
+        shard_of: dict[str, int] | None = None  # built at the first failed item: most steps have none
         for r in outcome.items:
             if r.error is not None:
+                if shard_of is None:
+                    shard_of = {p.seq_id: p.shard for p in step.seqs}
                 shard = shard_of.get(r.seq_id)
                 if r.error.status is Status.UNAVAILABLE and shard is not None:
                     lost.add(shard)  # not this sequence's fault: recover it
@@ -488,4 +490,4 @@ class SchedulerDriver(Migrations, ShardHealth):
         assert self.core is not None
         delta = {d: n - self._decisions_seen.get(d, 0) for d, n in self.core.decisions.items()}
         self._decisions_seen = dict(self.core.decisions)
-        self.metrics.state(self.core.stats(), delta)
+        self.metrics.state(self.core.stats(loads=False), delta)  # the metrics show no load model

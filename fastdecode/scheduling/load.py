@@ -1,7 +1,7 @@
 """The core's load model: how long a sequence is expected to run (max_tokens scaled by the running
 generated/max_tokens ratio), the KV it commits (its blocks plus the headroom for `kv_lookahead`
-steps), each shard's load over a horizon, and where a new sequence goes (placement.choose_shard).
-Pure Python, no gRPC."""
+steps), each shard's load over a horizon, where a new sequence goes (placement.choose_shard), and
+the counts and per-shard load the core reports (stats). Pure Python, no gRPC."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Literal
 
 from fastdecode.scheduling.placement import ShardLoad, choose_shard
 from fastdecode.scheduling.tables import CoreTables, SeqEntry
-from fastdecode.scheduling.types import Reservation
+from fastdecode.scheduling.types import Reservation, SchedulerStats, ShardStats
 
 
 class LoadModel(CoreTables):
@@ -104,6 +104,7 @@ class LoadModel(CoreTables):
         )
         if self._shares(seq):
             names = self._names(seq, sh.spec.block_size)
+            seq.claimed = len(names)  # only these can name it as their owner (_prefix_ready)
             for h in names:  # it will hold them once its prefill is in (those it finds cached, at once)
                 if h in sh.prefixes:
                     sh.prefixes.move_to_end(h)
@@ -112,3 +113,62 @@ class LoadModel(CoreTables):
             while len(sh.prefixes) > sh.spec.capacity_tokens // sh.spec.block_size:
                 sh.prefixes.popitem(last=False)
         return True
+
+    def kv_tokens_per_shard(self) -> list[int]:
+        """KV tokens each shard holds now (planned chunks included)."""
+        out = [0] * len(self._shards)
+        if self._geometry is None:
+            for seq in self._running.values():
+                if seq.shard is not None:
+                    out[seq.shard] += seq.kv
+            return out
+        for seq in self._running.values():
+            if seq.shard is not None:
+                out[seq.shard] += round(self._held(seq.kv))
+        return out
+
+    def stats(self, loads: bool = True) -> SchedulerStats:
+        """Counts and per-shard load (the scheduler's GetStats and its metrics). `loads=False` leaves
+        out the per-sequence load model (each shard's expected and committed tokens are None): the
+        metrics, reported every step, do not show it, and it is most of the cost over many sequences."""
+        tokens = self.kv_tokens_per_shard()
+        expected: list[float | None] = [None] * len(self._shards)
+        committed: list[int | None] = [None] * len(self._shards)
+        if loads:
+            expected, committed = [0.0] * len(self._shards), [0] * len(self._shards)
+            block = [sh.spec.block_size for sh in self._shards]
+            expected_gen, commitment = self._expected_gen, self._commitment
+            for seq in self._running.values():
+                i = seq.shard
+                if i is not None:
+                    expected[i] += len(seq.req.prompt) + expected_gen(seq)  # type: ignore[operator]
+                    committed[i] += commitment(seq, block[i])  # type: ignore[operator]
+        return SchedulerStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            steps=self._step,
+            finished=self._finished,
+            recoveries=self._recoveries,
+            preemptions=self.preemptions,
+            admission=getattr(self._admission, "name", type(self._admission).__name__),
+            w_limit=self._admission.w_limit(self._step),
+            kv_load_tokens=float(sum(tokens)),
+            expected_ratio=self._ratio,
+            shards=[
+                ShardStats(
+                    shard=i,
+                    healthy=sh.healthy,
+                    sequences=len(sh.seqs),
+                    tokens=tokens[i],
+                    expected_tokens=None if (e := expected[i]) is None else int(round(e)),
+                    reserved_tokens=sh.blocks * sh.spec.block_size,
+                    committed_tokens=committed[i],
+                    capacity_tokens=sh.spec.capacity_tokens,
+                    block_size=sh.spec.block_size,
+                    speed=sh.spec.speed,
+                    state=sh.state,
+                )
+                for i, sh in enumerate(self._shards)
+            ],
+            migrations=self.migrations,
+        )

@@ -17,10 +17,22 @@ class PrefixPlacement(CoreTables):
     """SchedulerCore's prefix placement (a mixin over the core's tables)."""
 
     def _names(self, seq: SeqEntry, block_size: int) -> list[bytes]:
-        """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded)."""
-        if seq.names is None or seq.names[:2] != (block_size, len(seq.tokens)):
-            seed = NAME_SEED + seq.req.cache_salt.encode()  # another salt's blocks never match
-            seq.names = (block_size, len(seq.tokens), chain_hashes(seed, seq.tokens, block_size))
+        """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded).
+        Tokens are only ever appended, so a name once computed stays right: only blocks filled since
+        are hashed (one a block, not the whole history every step)."""
+        n = len(seq.tokens)
+        if seq.names is not None and seq.names[0] == block_size and seq.names[1] <= n:
+            _, covered, names = seq.names
+            if n // block_size == covered // block_size:
+                if covered != n:
+                    seq.names = (block_size, n, names)
+                return names
+            if names:  # the chain goes on from the last name
+                more = chain_hashes(names[-1], seq.tokens[len(names) * block_size :], block_size)
+                seq.names = (block_size, n, names + more)
+                return seq.names[2]
+        seed = NAME_SEED + seq.req.cache_salt.encode()  # another salt's blocks never match
+        seq.names = (block_size, n, chain_hashes(seed, seq.tokens, block_size))
         return seq.names[2]
 
     def _shares(self, seq: SeqEntry) -> bool:
@@ -72,13 +84,16 @@ class PrefixPlacement(CoreTables):
 
     def _prefix_ready(self, seq: SeqEntry) -> None:
         """The blocks the sequence was computing that its shard now holds (every layer written)."""
-        if not self._sharing or seq.shard is None:
-            return
+        if not self._sharing or seq.shard is None or not seq.claimed:
+            return  # it claimed no block at its placement, or every claimed one is in
         sh = self._shards[seq.shard]
         sid = seq.req.seq_id
-        for h in self._names(seq, sh.spec.block_size)[: seq.kv // sh.spec.block_size]:
+        done = seq.kv // sh.spec.block_size
+        for h in self._names(seq, sh.spec.block_size)[: min(done, seq.claimed)]:
             if sh.prefixes.get(h) == sid:
                 sh.prefixes[h] = None
+        if done >= seq.claimed:
+            seq.claimed = 0
 
     def _forget_pending(self, seq: SeqEntry, sh: ShardEntry) -> None:
         """The sequence leaves the shard: what it had not finished computing will not be there."""
@@ -88,6 +103,7 @@ class PrefixPlacement(CoreTables):
         for h in self._names(seq, sh.spec.block_size):
             if sh.prefixes.get(h) == sid:
                 del sh.prefixes[h]
+        seq.claimed = 0
 
     def prefix_cached(self, step: Step, cached: dict[str, int]) -> Step:
         """The shards found the first `cached[seq_id]` tokens of these newly reserved sequences in

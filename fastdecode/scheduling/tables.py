@@ -43,6 +43,7 @@ class SeqEntry:
     cached: int = 0  # prompt tokens its shard found cached at its latest reservation
     shared: int = 0  # of its blocks, those read from the shard's prefix cache (not counted per sequence)
     names: tuple[int, int, list[bytes]] | None = None  # (block size, tokens, names of full blocks)
+    claimed: int = 0  # of its names, the leading ones its placement claimed on its shard (being computed)
     moving: int | None = None  # shard its KV is being copied to (live migration); not planned meanwhile
     incoming: int = 0  # blocks counted on `moving` for the copy
     moved_step: int = -(1 << 30)  # step its last move ended (rebalancing leaves it alone a while)
@@ -66,7 +67,7 @@ class ShardEntry:
     prefixes: OrderedDict[bytes, str | None] = field(default_factory=OrderedDict)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is made per planned sequence every step (frozen is ~3x the cost)
 class Inflight:
     epoch: int
     sample: bool
@@ -90,6 +91,8 @@ class CoreTables:
     _affinity: float
     _geometry: KVGeometry | None  # a windowed model's geometry (None: every layer full)
     _recoveries: int
+    _finished: int
+    preemptions: int
     prefix_hits: int
     cached_tokens: int
     migrations: int

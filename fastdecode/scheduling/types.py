@@ -137,9 +137,10 @@ class ShardStats:
     healthy: bool
     sequences: int
     tokens: int  # KV tokens held (planned chunks included)
-    expected_tokens: int  # tokens its sequences are expected to reach (the length estimate)
+    expected_tokens: int | None  # tokens its sequences are expected to reach (None: not computed)
     reserved_tokens: int  # KV blocks allocated on the shard, in tokens (whole blocks)
-    committed_tokens: int  # what admission counts against it: blocks plus running sequences' headroom
+    # what admission counts against it: blocks plus running sequences' headroom (None: not computed)
+    committed_tokens: int | None
     capacity_tokens: int
     block_size: int
     speed: float

@@ -85,14 +85,23 @@ def position_from_proto(p: dense_pb2.PositionLogprob) -> TokenLogprob:
 # ---- scheduler <-> gpu_dense -----------------------------------------------------------------------
 def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
     plan = dense_pb2.StepPlan(step=step.step, pipeline=pipeline, ended=step.ended)
+    # Sequences mostly share a few sampling settings (greedy, a client's defaults): each distinct
+    # one is converted once a step, not once a sequence.
+    samplings: dict[SamplingParams, dense_pb2.SamplingParams] = {}
     for p in step.seqs:
+        try:
+            sp = samplings.get(p.sampling)
+            if sp is None:
+                sp = samplings[p.sampling] = sampling_to_proto(p.sampling)
+        except TypeError:  # settings built with a list somewhere (unhashable): converted as they are
+            sp = sampling_to_proto(p.sampling)
         q = plan.sequences.add(
             seq_id=p.seq_id,
             shard=p.shard,
             mini_batch=p.mini_batch,
             token_ids=p.token_ids,
             start_pos=p.start_pos,
-            sampling=sampling_to_proto(p.sampling),
+            sampling=sp,
             sample=p.sample,
             sample_index=p.sample_index,
         )
@@ -189,14 +198,15 @@ def step_result(
 
 def step_outcome_from_proto(result: dense_pb2.StepResult) -> StepOutcome:
     """The scheduler's side of a StepResult."""
+    # (one item per sequence every step: the optional parts are read only where they are set)
     items = [
         ItemResult(
             r.seq_id,
             r.token_id,
             r.logprob,
-            error_from_item(r.error) if r.error.code else None,
-            top_from_proto(r.top),
-            [position_from_proto(p) for p in r.prompt_logprobs],
+            error_from_item(r.error) if r.HasField("error") and r.error.code else None,
+            top_from_proto(r.top) if r.HasField("top") else (),
+            [position_from_proto(p) for p in r.prompt_logprobs] if r.prompt_logprobs else [],
         )
         for r in result.results
     ]

@@ -23,7 +23,7 @@ def request_from_submit(seq_id: str, r: scheduler_pb2.SubmitRequest) -> Request:
 
 
 def token_event_to_proto(ev: TokenEvent) -> scheduler_pb2.TokenEvent:
-    return scheduler_pb2.TokenEvent(
+    out = scheduler_pb2.TokenEvent(
         token_ids=ev.token_ids,
         logprobs=ev.logprobs,
         finish_reason=ev.finish_reason or "",
@@ -32,9 +32,13 @@ def token_event_to_proto(ev: TokenEvent) -> scheduler_pb2.TokenEvent:
         step=ev.step,
         shard=ev.shard,
         cached_tokens=ev.cached_tokens,
-        top=[top_to_proto(t) for t in ev.top],
-        prompt_logprobs=[position_to_proto(p) for p in ev.prompt_logprobs],
     )
+    # one event per request every step: the repeated parts only when asked (empty lists cost ~1/3)
+    if ev.top:
+        out.top.extend(top_to_proto(t) for t in ev.top)
+    if ev.prompt_logprobs:
+        out.prompt_logprobs.extend(position_to_proto(p) for p in ev.prompt_logprobs)
+    return out
 
 
 def scheduler_stats_to_proto(driver: SchedulerDriver) -> scheduler_pb2.SchedulerStats:

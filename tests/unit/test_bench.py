@@ -114,3 +114,15 @@ def test_dense_step_gap_is_the_wall_per_step_beyond_gpu_dense_steps() -> None:
     assert r["fleet_dense_step_ms"] == pytest.approx(225.0)
     assert r["fleet_between_steps_ms"] == pytest.approx(25.0)
     assert dense_step_gap((10.0, 3.0, 100.0, 2.0), (11.0, 3.0, 100.0, 2.0)) == {}
+
+
+def test_cli_bench_scheduler_step_json() -> None:
+    """The scheduler-step bench at a tiny size: every sequence decodes through the timed steps and
+    the parts add up to the total."""
+    res = CliRunner().invoke(main, ["bench", "scheduler-step", "-B", "8", "-P", "2", "-n", "5", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert out["batch"] == 8 and out["shards"] == 2 and out["steps"] == 5
+    for key in ("plan_ms", "exchange_ms", "apply_ms", "streams_ms", "without_streams_ms"):
+        assert out[key] >= 0
+    assert out["scheduler_cpu_ms_per_step"] > 0

@@ -151,3 +151,27 @@ def test_sequences_whose_dense_side_needs_the_whole_prompt_neither_read_nor_publ
         (p,) = [p for p in step.seqs if p.seq_id == "whole"]
         assert p.start_pos == 0 and p.token_ids == PREFIX + [30]
         assert core.decisions.get("deferred_prefix", 0) == 0
+
+
+def test_block_names_grow_with_the_tokens_as_a_whole_chain_names_them() -> None:
+    """Names are extended a block at a time as tokens are appended (not rehashed every step): the
+    same names as a chain over the whole history, and a prefix claimed at placement is marked ready
+    once its prefill is in, whatever the sequence generated meanwhile."""
+    from fastdecode.contract import chain_hashes
+    from fastdecode.scheduling.tables import NAME_SEED
+
+    core = _core(shards=1)
+    core.submit(Request("a", PREFIX + [20, 21], 40))
+    step = core.next_step()
+    assert step is not None
+    seq = core._running["a"]
+    assert seq.claimed == 3  # its 3 full prompt blocks are being computed by it
+    for tok in range(100, 113):  # 13 generated tokens: crosses block boundaries
+        core.apply(step, {"a": (tok, 0.0)})
+        assert core._names(seq, BS) == chain_hashes(NAME_SEED, seq.tokens, BS)
+        step = core.next_step()
+        assert step is not None
+    assert seq.claimed == 0  # its prefill is in: nothing it computes is pending any more
+    names = core._names(seq, BS)
+    assert all(core._shards[0].prefixes[h] is None for h in names[:3])
+    assert core._names(seq, 2) == chain_hashes(NAME_SEED, seq.tokens, 2)  # another block size: rehashed

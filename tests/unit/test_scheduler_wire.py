@@ -1,0 +1,69 @@
+"""The scheduler's step messages through the wire and back: a plan whose sequences share sampling
+settings (converted once a step), the result's optional parts (error, top, prompt logprobs) read
+only where set, and a token event's repeated parts only when present."""
+
+from __future__ import annotations
+
+from fastdecode.contract import PlannedSeq, SamplingParams, TokenLogprob
+from fastdecode.dense.runner import Outcome
+from fastdecode.runtime.errors import ResourceExhausted, Status
+from fastdecode.scheduling.types import Step, TokenEvent
+from fastdecode.v1 import dense_pb2, scheduler_pb2
+from fastdecode.wire.dense import planned_seqs_from_proto, step_outcome_from_proto, step_plan, step_result
+from fastdecode.wire.scheduler import token_event_to_proto
+
+
+def test_a_plan_comes_back_the_same_with_shared_and_distinct_sampling_settings() -> None:
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.5, top_k=5, suppress_ids=(3,))
+    odd = SamplingParams(temperature=0.25, suppress_ids=[1, 2])  # type: ignore[arg-type] - unhashable
+    seqs = [
+        PlannedSeq("a", 0, 0, [1, 2, 3], 0, hot, False, 0),
+        PlannedSeq("b", 1, 1, [4], 9, greedy, True, 2),
+        PlannedSeq("c", 1, 0, [5], 7, hot, True, 1, next_token=6),
+        PlannedSeq("d", 0, 1, [6], 3, odd, True, 0),
+        PlannedSeq("e", 0, 0, [7], 4, greedy, True, 5),
+    ]
+    wire = dense_pb2.StepPlan.FromString(
+        step_plan(Step(4, seqs, [], [], ended=["z"]), True).SerializeToString()
+    )
+    assert wire.step == 4 and wire.pipeline and list(wire.ended) == ["z"]
+    back = planned_seqs_from_proto(wire)
+    expect = [
+        *seqs[:3],
+        PlannedSeq("d", 0, 1, [6], 3, SamplingParams(0.25, suppress_ids=(1, 2)), True, 0),
+        seqs[4],
+    ]
+    assert back == expect  # every field, sampling settings and next_token included
+
+
+def test_a_result_keeps_errors_top_and_prompt_logprobs_and_leaves_them_empty_elsewhere() -> None:
+    lp = [TokenLogprob(8, -0.25, ((8, -0.25), (9, -2.0)))]
+    outcomes = {
+        "plain": Outcome(5, -0.5),
+        "top": Outcome(6, -0.5, top=((6, -0.5), (7, -3.0))),
+        "scored": Outcome(-1, 0.0, prompt=lp),
+        "full": Outcome(-1, 0.0, error=ResourceExhausted("no free block")),
+    }
+    result = dense_pb2.StepResult.FromString(step_result(3, outcomes, None).SerializeToString())
+    items = {r.seq_id: r for r in step_outcome_from_proto(result).items}
+    assert (items["plain"].token_id, items["plain"].error, items["plain"].top) == (5, None, ())
+    assert items["plain"].prompt_logprobs == []
+    assert items["top"].top == ((6, -0.5), (7, -3.0))
+    assert [(p.token_id, p.top) for p in items["scored"].prompt_logprobs] == [(8, ((8, -0.25), (9, -2.0)))]
+    err = items["full"].error
+    assert err is not None and err.status is Status.RESOURCE_EXHAUSTED and "no free block" in err.message
+
+
+def test_a_token_event_sets_top_and_prompt_logprobs_only_when_present() -> None:
+    plain = TokenEvent("s", [5], [-0.5], None, 32, 7, 100, 2)
+    p = scheduler_pb2.TokenEvent.FromString(token_event_to_proto(plain).SerializeToString())
+    assert (list(p.token_ids), p.finish_reason, p.completion_tokens, p.step, p.shard) == ([5], "", 7, 100, 2)
+    assert len(p.top) == 0 and len(p.prompt_logprobs) == 0
+    rich = TokenEvent(
+        "s", [5], [-0.5], "stop", 32, 7, 100, 2, cached_tokens=16,
+        top=[((5, -0.5), (6, -1.0))], prompt_logprobs=[TokenLogprob(3, -0.1, ((3, -0.1),))],
+    )  # fmt: skip
+    p = scheduler_pb2.TokenEvent.FromString(token_event_to_proto(rich).SerializeToString())
+    assert p.finish_reason == "stop" and p.cached_tokens == 16
+    assert [list(t.token_ids) for t in p.top] == [[5, 6]]
+    assert [(q.token_id, list(q.top.token_ids)) for q in p.prompt_logprobs] == [(3, [3])]

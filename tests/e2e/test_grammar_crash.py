@@ -20,26 +20,13 @@ from typing import Any
 
 import pytest
 
+from fastdecode.benchmarks.chaos_attacks import lark_chain, ref_chain  # the crash inputs bench chaos sends
 from fastdecode.client import Client, InvalidRequestError
 from fastdecode.tools.fleet import Fleet
 from tests.support import pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[0, 17, 300, 45], [0, 99, 5, 1200, 77], [0, 600], [0, 7, 250, 1800]]
-
-
-def ref_chain(n: int = 1000) -> dict[str, Any]:
-    defs: dict[str, Any] = {
-        f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)
-    }
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def lark_chain(n: int = 3000) -> str:
-    return "\n".join(
-        ["start: rule_0", *(f'rule_{i}: rule_{i + 1} "a" | "b"' for i in range(n)), f'rule_{n}: "c"']
-    )
 
 
 @pytest.fixture(scope="module")

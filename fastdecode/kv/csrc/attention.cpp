@@ -62,7 +62,9 @@ constexpr int kTile = 32;    // keys scored together before one softmax update (
 // The vector path's tile per storage type: half types walk 16 keys a tile (0.88x bf16's and 0.81x
 // fp16's time against 32 on Zen 4, A/B medians of 4-5), float32 and int8 32 (16 was slower).
 constexpr int tile_of(int kind) { return kind == kF16 || kind == kBF16 ? 16 : kTile; }
-constexpr int kPrefetchTiles = 1;  // tiles ahead whose K and V rows are prefetched (2: slower)
+// Tiles ahead whose K and V rows are prefetched (2-6 measured no faster on the Xeon of 2026-12-03,
+// nor 2 on Zen 4).
+constexpr int kPrefetchTiles = 1;
 constexpr int kQChunk = 16;  // query tokens of one sequence handled by one job (prefill chunks)
 
 struct Job {
@@ -121,7 +123,7 @@ inline float load1(const void* base, int64_t i) {
 }
 
 template <int K>
-bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/, float* buf) {
+int job_scalar(const Args& a, const Job& jb, const Job* /*next*/, int /*warm*/, float* buf) {
   const int64_t D = a.D, G = a.G;
   const int rows = (jb.t1 - jb.t0) * static_cast<int>(G);
   float* acc = buf;
@@ -174,25 +176,58 @@ bool job_scalar(const Args& a, const Job& jb, const Job* /*next*/, bool /*warm*/
     const float inv = 1.f / l[r];
     for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
   }
-  return false;
+  return 0;
 }
 
 constexpr int64_t kItemSize[kKinds] = {4, 2, 2, 1, 1};
 
 std::atomic<bool> g_prefetch{true};
 
-// Offsets of keys [p0, p0 + tile) of one job (as many as it has), padded to a multiple of 8 with
-// the first row (padding lanes read a valid row, then are masked); returns how many keys.
-inline int tile_offsets(const Args& a, const Job& jb, int64_t p0, int tile, int64_t* off, int64_t* slot) {
-  const int64_t nkeys = a.start[jb.seq] + jb.t1, hbase = jb.kvh * a.S;
-  const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(tile, nkeys - p0)));
-  if (n == 0) return 0;
-  slots_of(a, a.table + a.table_off[jb.seq], p0, n, slot);
-  for (int j = 0; j < n; ++j) off[j] = (hbase + slot[j]) * a.D;
-  const int n8 = (n + 7) & ~7;
-  for (int j = n; j < n8; ++j) off[j] = off[0];
-  return n;
-}
+// Walks one job's keys in order through its block table, a tile at a time: the element offset of
+// each key's row in a pool ((hbase + slot) * D) and its row index (hbase + slot, the scales'
+// index), with no division per key (one when the walk starts) and one table read per block
+// (tile_offsets, before: a 64-bit division per tile and 64-bit vector multiplies per key, 16% of
+// bf16's time with the rows in L2), padded to a multiple of 8 with the tile's first row (padding lanes read a valid row,
+// then are masked). The table is read only for blocks holding keys the walk gives out, so never
+// past the last one.
+struct KeyWalk {
+  const int32_t* tab = nullptr;
+  int64_t pos = 0, end = 0;  // next key, one past the last
+  int64_t b = 0, o = 0;      // its block index and offset in the block
+  int64_t row = -1;          // hbase + slot of the block's first key (-1: not read yet)
+  int64_t hbase = 0;
+
+  void start(const Args& a, const Job& jb, int64_t p0) {
+    tab = a.table + a.table_off[jb.seq];
+    pos = p0;
+    end = a.start[jb.seq] + jb.t1;
+    b = p0 / a.bs;
+    o = p0 % a.bs;
+    row = -1;
+    hbase = jb.kvh * a.S;
+  }
+
+  // The next min(tile, keys left) keys' offsets and rows; returns how many.
+  int take(const Args& a, int tile, int64_t* off, int64_t* rows) {
+    const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(tile, end - pos)));
+    if (n == 0) return 0;
+    const int64_t bs = a.bs, D = a.D;
+    if (row < 0) row = hbase + static_cast<int64_t>(tab[b]) * bs;
+    for (int j = 0; j < n; ++j) {
+      if (o == bs) {  // the next block (a key follows, so the table holds it)
+        o = 0;
+        row = hbase + static_cast<int64_t>(tab[++b]) * bs;
+      }
+      rows[j] = row + o;
+      off[j] = (row + o) * D;
+      ++o;
+    }
+    pos += n;
+    const int n8 = (n + 7) & ~7;
+    for (int j = n; j < n8; ++j) off[j] = off[0], rows[j] = rows[0];
+    return n;
+  }
+};
 
 // ---- AVX2 + FMA + F16C path (v2) ----------------------------------------------------------------
 #ifdef FD_X86
@@ -873,7 +908,7 @@ std::string path(const std::string& dtype, int64_t head_dim) {
   TORCH_CHECK(false, "unknown KV dtype '", dtype, "'");
 }
 
-using JobFn = bool (*)(const Args&, const Job&, const Job*, bool, float*);
+using JobFn = int (*)(const Args&, const Job&, const Job*, int, float*);
 
 template <int K>
 JobFn job_fn(int level) {
@@ -1081,7 +1116,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t w = w0; w < w1; ++w) {
       // Each worker claims its next job before running the current one, so the current job can
       // prefetch the next one's first tile.
-      bool warm = false;
+      int warm = 0;
       for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < njobs;) {
         const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
         warm = fn(a, jobs[i], j < njobs ? &jobs[j] : nullptr, warm, buf.data());

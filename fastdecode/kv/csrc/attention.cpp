@@ -213,14 +213,17 @@ struct KeyWalk {
     if (n == 0) return 0;
     const int64_t bs = a.bs, D = a.D;
     if (row < 0) row = hbase + static_cast<int64_t>(tab[b]) * bs;
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0; j < n;) {
       if (o == bs) {  // the next block (a key follows, so the table holds it)
         o = 0;
         row = hbase + static_cast<int64_t>(tab[++b]) * bs;
       }
-      rows[j] = row + o;
-      off[j] = (row + o) * D;
-      ++o;
+      const int seg = static_cast<int>(std::min<int64_t>(n - j, bs - o));  // keys left in this block
+      const int64_t r0 = row + o;
+      int64_t of = r0 * D;
+      for (int i = 0; i < seg; ++i, of += D) rows[j + i] = r0 + i, off[j + i] = of;
+      j += seg;
+      o += seg;
     }
     pos += n;
     const int n8 = (n + 7) & ~7;

@@ -157,5 +157,8 @@ def chosen_logprobs(
         lse = torch.empty_like(m)
         for i in range(0, logits.shape[0], _LSE_ROWS):
             mi = m[i : i + _LSE_ROWS]
-            lse[i : i + _LSE_ROWS] = (logits[i : i + _LSE_ROWS] - mi[:, None]).exp_().sum(dim=-1).log_() + mi
+            # below e^-80 a term is < 2e-35 of the max's: clamped, so exp never makes a subnormal
+            # (each one a microcode assist: masked or -1e4 logits made exp 14x slower)
+            shifted = (logits[i : i + _LSE_ROWS] - mi[:, None]).clamp_(min=-80.0)
+            lse[i : i + _LSE_ROWS] = shifted.exp_().sum(dim=-1).log_() + mi
     return logits.gather(1, tokens[:, None]).squeeze(1) - lse

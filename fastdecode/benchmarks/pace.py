@@ -99,6 +99,7 @@ def run_point(
     gen_len: int,
     model: Path,
     echo_repeats: int = 200,
+    loop: str = "uvloop",
 ) -> dict[str, Any]:
     import torch
 
@@ -125,6 +126,7 @@ def run_point(
         dense_args=["--dtype", "bfloat16", "--geometry", geometry, "--exchange-workers", str(workers)],
         scheduler_args=["--max-running", str(batch)],
         workdir=Path(tempfile.mkdtemp(prefix="fastdecode-bench-pace-")),
+        env={"FASTDECODE_EVENT_LOOP": loop},
     )
     fleet.start()
     try:
@@ -168,6 +170,7 @@ def run_point(
         "batch": batch,
         "shards": shards,
         "workers": workers,
+        "event_loop": loop,
         "context": prompt_len + gen_len,
         "steps_measured": steps,
         "gpu_step_ms": gpu_ms,
@@ -199,12 +202,14 @@ def run_pace(
     gen_len: int = 48,
     model: Path | None = None,
     echo_repeats: int = 200,
+    loops: tuple[str, ...] = ("uvloop",),
 ) -> dict[str, Any]:
     path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
     points = [
-        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats)
+        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop)
         for b in batches
         for k in workers
+        for loop in loops
     ]
     return {"points": points, "cores": os.cpu_count(), "load_average_end": os.getloadavg()[0]}
 
@@ -228,7 +233,11 @@ def pace_figure(result: dict[str, Any]) -> Any:
     )
     ax.scatter(x, [p["wall_step_ms"] for p in points], marker="x", color="black", label="wall step")
     ax.set_xticks(
-        x, [f"{p['gpu']} {p['geometry']}\nB={p['batch']} P={p['shards']} K={p['workers']}" for p in points]
+        x,
+        [
+            f"{p['gpu']} {p['geometry']}\nB={p['batch']} P={p['shards']} K={p['workers']} {p['event_loop']}"
+            for p in points
+        ],
     )
     ax.set_ylabel("ms per decode step (CPU per part, stacked)")
     ax.set_title("bench pace: host CPU per step at an emulated GPU's pace")

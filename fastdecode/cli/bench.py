@@ -504,6 +504,15 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
 )
 @click.option("--echo-repeats", type=int, default=200, show_default=True)
 @click.option(
+    "--event-loop",
+    "loops",
+    type=click.Choice(["uvloop", "asyncio"]),
+    multiple=True,
+    default=("uvloop",),
+    show_default=True,
+    help="The services' event loop (FASTDECODE_EVENT_LOOP); repeat for an A/B in one run.",
+)
+@click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Stacked-bar PNG."
 )
 def pace_cmd(
@@ -512,6 +521,7 @@ def pace_cmd(
     plot: Path | None,
     batches: tuple[int, ...],
     workers: tuple[int, ...],
+    loops: tuple[str, ...],
     **kw: Any,
 ) -> None:
     """A real fleet on an emulated GPU: the host CPU each decode step costs, per part.
@@ -526,7 +536,9 @@ def pace_cmd(
     if plot is not None and not plot.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
     result = run_bench(
-        lambda: run_pace(batches=batches, workers=workers, model=Path(model) if model else None, **kw)
+        lambda: run_pace(
+            batches=batches, workers=workers, loops=loops, model=Path(model) if model else None, **kw
+        )
     )
     if plot is not None:
         click.echo(f"plot written to {plot_pace(result, plot)}", err=True)

@@ -3,7 +3,6 @@ services' settings classes (fastdecode.runtime.settings), and running a service 
 
 from __future__ import annotations
 
-import asyncio
 import types
 import typing
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import click
 from pydantic_settings import BaseSettings
 
 from fastdecode.cli.errors import ErrorReportingGroup
+from fastdecode.runtime.loop import run_loop
 
 
 def settings_kwargs(**flags: Any) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def run_service(serve: Callable[[Any], Any], settings_cls: type, flags: dict[str
         settings = settings_cls(**settings_kwargs(**flags))
     except ValidationError as e:
         raise click.UsageError(str(e)) from None
-    asyncio.run(serve(settings))
+    run_loop(serve(settings))
 
 
 @click.group(

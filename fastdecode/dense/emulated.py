@@ -291,6 +291,9 @@ class EmulatedModel:
         self.dtype = dtype
         self.device = torch.device("meta")  # hidden states: shapes, no storage
         self.label = f"{PREFIX}{profile.name}"
+        # q, k, v are the same synthetic rows every layer and their copy off the device is charged on
+        # the clock: the step runner stages them once per arena (fastdecode/dense/runner.py)
+        self.synthetic = True
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.roofline = Roofline(profile, geometry_of(config, geometry), itemsize)
         check_fits(self.roofline)

@@ -11,11 +11,14 @@ which the worker attaches to when it first sees it).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import mmap
 import os
 import pickle
+import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -25,6 +28,7 @@ import torch
 
 from fastdecode.runtime.errors import InvalidInput
 
+log = logging.getLogger("fastdecode.gpu_dense.exchange")
 ALIGN = 64  # cache-line aligned slices: the copies run at memcpy speed
 _LEN = struct.Struct("<I")
 MAX_FRAME = 64 << 20  # descriptors are small; anything bigger is a bug in the peer
@@ -57,6 +61,17 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, dst a contiguous host tensor of src's shape and dtype."""
+    if src.device.type == "cpu":
+        # numpy's copy is one memcpy on this thread; torch's copy_ wakes its OpenMP team, which
+        # costs 5-10x the CPU of the copy on a loaded host (measured: 4.5 vs 0.4 ms for 3 MB)
+        s = src.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), s)
+    else:
+        dst.copy_(src)  # device -> host memory straight, one DMA
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
@@ -69,6 +84,7 @@ class Arena:
 
     def __init__(self, size: int = 0, name: str | None = None) -> None:
         self.owner = name is None
+        self._address: int | None = None
         self.shm: shared_memory.SharedMemory | None = None
         self._map: mmap.mmap | None = None
         if self.owner:
@@ -104,18 +120,27 @@ class Arena:
             raise InvalidInput(f"{n} bytes at {offset} do not fit the {self.size}-byte arena")
         return np.frombuffer(self.buf, dtype=np.uint8, count=n, offset=offset)
 
+    @property
+    def address(self) -> int:
+        """Where the arena starts in this process's memory (tensors in it are found by pointer)."""
+        if self._address is None:
+            self._address = torch.frombuffer(self.buf, dtype=torch.uint8, count=1).data_ptr()
+        return self._address
+
+    def slice_of(self, t: torch.Tensor) -> Slice | None:
+        """Where t lies when it is a contiguous tensor inside this arena (None: it is elsewhere)."""
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in _NAMES:
+            return None
+        offset = t.data_ptr() - self.address
+        if offset < 0 or offset + t.nbytes > self.size:
+            return None
+        return Slice(offset, tuple(t.shape), _NAMES[t.dtype])
+
     def put(self, offset: int, t: torch.Tensor) -> Slice:
         """Copy t into the arena at offset (the one copy on the way in)."""
         s = Slice(offset, tuple(t.shape), dtype_name(t.dtype))
-        if not s.nbytes:
-            return s
-        if t.device.type == "cpu":
-            # numpy's copy is one memcpy on this thread; torch's copy_ wakes its OpenMP team, which
-            # costs 5-10x the CPU of the copy on a loaded host (measured: 4.5 vs 0.4 ms for 3 MB)
-            src = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            np.copyto(self._bytes(offset, s.nbytes), src)
-        else:
-            self.view(s).copy_(t)  # device -> shared memory straight, one DMA
+        if s.nbytes:
+            copy_into(self.view(s), t)
         return s
 
     def take(self, s: Slice) -> torch.Tensor:
@@ -140,6 +165,51 @@ class Arena:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+@dataclass(frozen=True)
+class Staging:
+    """One mini-batch's q, k, v and o in one arena, rows in the step's order: the dense side copies
+    q, k and v in once per layer (from a GPU: a DMA straight into shared memory), each item is a row
+    range of them, and each item's o comes back into its rows of `o`, which is then the layer's
+    whole attention output, already in order."""
+
+    arena: Arena
+    q: torch.Tensor  # [T, heads, head_dim]
+    k: torch.Tensor  # [T, kv_heads, head_dim]
+    v: torch.Tensor
+    o: torch.Tensor  # [T, heads * head_dim], q's dtype
+
+    @staticmethod
+    def layout(rows: int, q_tail: tuple[int, ...], kv_tail: tuple[int, ...], itemsize: int) -> list[int]:
+        """Byte offsets of q, k, v, o and the end, for `rows` rows."""
+        q_bytes = rows * math.prod(q_tail) * itemsize
+        kv_bytes = rows * math.prod(kv_tail) * itemsize
+        offs = [0]
+        for n in (q_bytes, kv_bytes, kv_bytes, q_bytes):
+            offs.append(offs[-1] + aligned(n))
+        return offs
+
+    @classmethod
+    def in_arena(
+        cls, arena: Arena, rows: int, q_tail: tuple[int, ...], kv_tail: tuple[int, ...], dtype: torch.dtype
+    ) -> Staging:
+        name = dtype_name(dtype)
+        offs = cls.layout(rows, q_tail, kv_tail, dtype.itemsize)
+        shapes = ((rows, *q_tail), (rows, *kv_tail), (rows, *kv_tail), (rows, math.prod(q_tail)))
+        q, k, v, o = (arena.view(Slice(off, shape, name)) for off, shape in zip(offs, shapes, strict=False))
+        return cls(arena, q, k, v, o)
+
+    def rows(self, n: int) -> Staging:
+        """The first n rows (views; the same arena)."""
+        return Staging(self.arena, self.q[:n], self.k[:n], self.v[:n], self.o[:n])
+
+    def o_room(self, q: Slice) -> tuple[int, int]:
+        """(offset, bytes) of o's rows for an item whose q lies at `q` in this staging."""
+        row_bytes = self.q[0].nbytes if len(self.q) else 1
+        first = (q.offset - (self.q.data_ptr() - self.arena.address)) // row_bytes
+        o_row = self.o[0].nbytes if len(self.o) else 0
+        return self.o.data_ptr() - self.arena.address + first * o_row, q.shape[0] * o_row
 
 
 class ArenaPool:
@@ -191,13 +261,57 @@ def frame(message: tuple[Any, ...]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
-    """The next control message, or None at the end of the stream."""
-    try:
-        head = await reader.readexactly(_LEN.size)
-        (n,) = _LEN.unpack(head)
-        if n > MAX_FRAME:
-            raise InvalidInput(f"control frame of {n} bytes")
-        return pickle.loads(await reader.readexactly(n))  # noqa: S301 - our own child process
-    except asyncio.IncompleteReadError:
-        return None
+class Channel(asyncio.Protocol):
+    """A control socket's frames, each handed to `on_message` right from the loop's read callback: no
+    reader task and no coroutine hop per message (a layer's answer wakes only the layer's waiter).
+    `closed` resolves when the peer goes, or when a frame is garbled (the channel is then closed)."""
+
+    def __init__(self, on_message: Callable[[tuple[Any, ...]], None]) -> None:
+        self.on_message = on_message
+        self.transport: asyncio.Transport | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos = 0
+        try:
+            while len(buf) - pos >= _LEN.size:
+                (n,) = _LEN.unpack_from(buf, pos)
+                if n > MAX_FRAME:
+                    raise InvalidInput(f"control frame of {n} bytes")
+                if len(buf) - pos - _LEN.size < n:
+                    break
+                start = pos + _LEN.size
+                pos = start + n
+                self.on_message(pickle.loads(bytes(buf[start:pos])))  # noqa: S301 - our own process
+        except Exception:  # a garbled channel is a dead peer
+            log.exception("bad control message: closing the channel")
+            self.close()
+            return
+        del buf[:pos]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+async def open_channel(sock: socket.socket, on_message: Callable[[tuple[Any, ...]], None]) -> Channel:
+    """A Channel on a connected Unix socket."""
+    loop = asyncio.get_running_loop()
+    _, channel = await loop.create_unix_connection(lambda: Channel(on_message), sock=sock)
+    return channel

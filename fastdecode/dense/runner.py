@@ -24,6 +24,7 @@ import torch
 from fastdecode.contract import PlannedSeq, TokenLogprob
 from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
+from fastdecode.dense.handoff import Staging, copy_into
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.sampling import penalize, sample, top_logprobs
 from fastdecode.dense.structured import GrammarBank
@@ -139,6 +140,8 @@ class StepRunner:
         self._prompt: dict[str, list[TokenLogprob]] = {}  # this step's prompt logprobs, per sequence
         self.mask_seconds = 0.0  # the last step's grammar mask time (on a worker thread)
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
+        # per slot, the staging arena a synthetic (emulated) device's q, k, v were copied into, and rows
+        self._staged: dict[int, tuple[object, int]] = {}
 
     @property
     def num_shards(self) -> int:
@@ -152,7 +155,7 @@ class StepRunner:
             self._busy += time.perf_counter() - t0
             self._busy_cpu += time.thread_time() - c0
 
-    def validate(self, s: PlannedSeq) -> None:
+    def validate(self, s: PlannedSeq, checked: set[int] | None = None) -> None:
         c = self.model.config
         if not s.seq_id:
             raise InvalidInput("empty sequence id")
@@ -168,12 +171,16 @@ class StepRunner:
             raise InvalidInput(f"positions outside [0, {c.max_position_embeddings})")
         if s.next_token is not None and not 0 <= s.next_token < c.vocab_size:
             raise InvalidInput(f"next_token_id outside the vocabulary [0, {c.vocab_size})")
+        if checked is not None and id(s.sampling) in checked:
+            return  # a step's sequences share their SamplingParams (wire/dense.py): checked once
         s.sampling.validate()
         named = s.sampling.token_ids()
         if named and (min(named) < 0 or max(named) >= c.vocab_size):
             raise InvalidInput(
                 f"a sampling parameter names a token outside the vocabulary [0, {c.vocab_size})"
             )
+        if checked is not None:
+            checked.add(id(s.sampling))
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         """These sequences ended: drop what the runner kept for them."""
@@ -244,6 +251,36 @@ class StepRunner:
         tops = top_logprobs(lp, s.sampling.top_logprobs)
         return [TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops, strict=True)]
 
+    def _to_staging(self, slot: int, st: Staging, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q, k, v into the plane's staging. An emulated device's are the same synthetic rows every
+        layer and its device-to-host copy is charged on its clock: they are copied once per arena,
+        as a GPU's DMA would cost the host no CPU."""
+        rows = q.shape[0]
+        if getattr(self.model, "synthetic", False):
+            done = self._staged.get(slot)
+            if done is not None and done[0] is st.arena and done[1] >= rows:
+                return
+            self._staged[slot] = (st.arena, rows)
+        for dst, src in ((st.q, q), (st.k, k), (st.v, v)):
+            copy_into(dst, src)
+
+    @staticmethod
+    def _in_order(st: Staging, parts: list[tuple[slice, torch.Tensor]], groups: int) -> bool:
+        """Whether every group answered, each o lying in its own rows of the staging's o."""
+        if len(parts) != groups:
+            return False
+        o = st.o
+        row_bytes = o[0].nbytes if len(o) else 0
+        for rows, part in parts:
+            at = o.data_ptr() + rows.start * row_bytes
+            if (
+                part.dtype != o.dtype
+                or part.nbytes != (rows.stop - rows.start) * row_bytes
+                or part.data_ptr() != at
+            ):
+                return False
+        return True
+
     @staticmethod
     def _groups(seqs: list[PlannedSeq]) -> list[_Group]:
         groups: list[_Group] = []
@@ -275,12 +312,39 @@ class StepRunner:
 
         hidden, q, k, v = self._compute(first)
         await model.settle()  # an emulated device's time: waited for, the other mini-batch runs
+        # A plane that offers staging (exchange workers) takes q, k, v in shared memory: the items
+        # are built once per step as row ranges of it, and each layer is one copy in (a DMA from a
+        # GPU) and o back in order, with no per-item copy or message.
+        stage = getattr(self.shards, "staging", None)
+        st: Staging | None = None
+        items: list[AttendItem] = []
+        live: list[_Group] = []
+        verified: list[torch.Tensor] = []  # the last answers found in order in the staging's o
         for layer in range(num_layers):
-            live = [g for g in groups if g.error is None]
-            items = [
-                AttendItem(g.shard, g.seq_ids, g.num_tokens, g.start_pos, q[g.rows], k[g.rows], v[g.rows])
-                for g in live
-            ]
+            if stage is not None:
+                if st is None:
+                    st = stage(slot, q.shape[0], tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype)
+                self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(slot, st, q, k, v))
+            if st is None:  # items of this layer's tensors
+                live = [g for g in groups if g.error is None]
+                items = [
+                    AttendItem(g.shard, g.seq_ids, g.num_tokens, g.start_pos, q[g.rows], k[g.rows], v[g.rows])
+                    for g in live
+                ]
+            elif not items or any(g.error is not None for g in live):  # the step's, in the staging
+                live = [g for g in groups if g.error is None]
+                items = [
+                    AttendItem(
+                        g.shard,
+                        g.seq_ids,
+                        g.num_tokens,
+                        g.start_pos,
+                        st.q[g.rows],
+                        st.k[g.rows],
+                        st.v[g.rows],
+                    )
+                    for g in live
+                ]
             t_wait = time.perf_counter()
             outs = await self.shards.attend_layer(slot, layer, items) if items else []
             self._attend_wait += time.perf_counter() - t_wait
@@ -290,11 +354,26 @@ class StepRunner:
                     g.error = o
                 else:
                     parts.append((g.rows, o))
+            whole = None
+            if st is not None and len(parts) == len(groups):
+                answers = [o for _, o in parts]
+                # a plane answers a step's layers into the same views: checked once, then by identity
+                if len(verified) == len(answers) and all(
+                    a is b for a, b in zip(answers, verified, strict=True)
+                ):
+                    whole = st.o
+                elif self._in_order(st, parts, len(groups)):
+                    whole, verified = st.o, answers
 
             def post(
-                h: torch.Tensor = hidden, lyr: int = layer, parts: list = parts
+                h: torch.Tensor = hidden,
+                lyr: int = layer,
+                parts: list = parts,
+                whole: torch.Tensor | None = whole,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-                if len(parts) == 1 and parts[0][0] == slice(0, h.shape[0]):
+                if whole is not None:  # every item answered into its rows of the staging's o
+                    attn = whole.to(device=h.device, dtype=h.dtype)
+                elif len(parts) == 1 and parts[0][0] == slice(0, h.shape[0]):
                     attn = parts[0][1].to(device=h.device, dtype=h.dtype)  # one shard answered all
                 else:
                     attn = torch.zeros(h.shape[0], model.q_size, dtype=h.dtype, device=h.device)
@@ -337,11 +416,12 @@ class StepRunner:
         head_cpu = 0.0
         valid: list[PlannedSeq] = []
         history: dict[str, list[int] | None] = {}
+        checked: set[int] = set()  # ids of the SamplingParams found valid (alive: seqs holds them)
         for s in seqs:
             try:
                 if s.seq_id in outcomes:
                     raise InvalidInput(f"sequence {s.seq_id!r} appears twice in one step")
-                self.validate(s)
+                self.validate(s, checked)
                 history[s.seq_id] = self._track(s)
                 valid.append(s)
                 outcomes[s.seq_id] = Outcome()

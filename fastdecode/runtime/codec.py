@@ -113,14 +113,16 @@ def _varint(n: int) -> bytes:
 _DATA_TAG = b"\x1a"  # Tensor.data: field 3, length-delimited
 
 
-def serialize_with(msg: Message, **tensors: torch.Tensor) -> bytes:
+def serialize_with(msg: Message, prefix: bytes = b"", **tensors: torch.Tensor) -> bytes:
     """`msg`'s wire bytes plus each named Tensor field (left unset in msg) encoded from a tensor.
 
     What `encode` into msg + `msg.SerializeToString()` give, as the receiver parses it, with one
     copy of each tensor's data instead of three: protobuf fields may come in any order, so each
     Tensor field is appended to msg's own bytes, its data straight from the tensor's memory.
+    `prefix`: wire bytes of more fields of the same message type, serialized once by the caller
+    (fields that stay the same over many messages).
     """
-    parts: list[bytes | memoryview] = [msg.SerializeToString()]
+    parts: list[bytes | memoryview] = [msg.SerializeToString(), prefix]
     fields = msg.DESCRIPTOR.fields_by_name
     for name, t in tensors.items():
         data = memoryview(_host_bytes(t).reshape(-1).view(np.uint8))

@@ -111,17 +111,27 @@ def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
 
 
 def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
+    # A step's sequences share a few distinct SamplingParams: each is converted once (by its bytes).
+    params: dict[bytes, SamplingParams] = {}
+
+    def sampling(sp: dense_pb2.SamplingParams) -> SamplingParams:
+        key = sp.SerializeToString(deterministic=True)
+        got = params.get(key)
+        if got is None:
+            got = params[key] = sampling_from_proto(sp)
+        return got
+
     return [
         PlannedSeq(
-            seq_id=p.seq_id,
-            shard=p.shard,
-            mini_batch=p.mini_batch,
-            token_ids=list(p.token_ids),
-            start_pos=p.start_pos,
-            sampling=sampling_from_proto(p.sampling),
-            sample=p.sample,
-            sample_index=p.sample_index,
-            next_token=p.next_token_id if p.HasField("next_token_id") else None,
+            p.seq_id,
+            p.shard,
+            p.mini_batch,
+            list(p.token_ids),
+            p.start_pos,
+            sampling(p.sampling),
+            p.sample,
+            p.sample_index,
+            p.next_token_id if p.HasField("next_token_id") else None,
         )
         for p in plan.sequences
     ]

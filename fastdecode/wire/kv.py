@@ -28,16 +28,19 @@ if TYPE_CHECKING:  # annotations only
     from fastdecode.dense import AttendItem
 
 
-def attend_request(layer: int, item: AttendItem, request_id: int) -> bytes:
-    """One item's AttendRequest as wire bytes, q, k and v encoded straight into them (one copy)."""
-    head = kv_pb.AttendRequest(
-        request_id=request_id,
-        layer=layer,
-        seq_ids=item.seq_ids,
-        num_tokens=item.num_tokens,
-        start_pos=item.start_pos,
-    )
-    return codec.serialize_with(head, q=item.q, k=item.k, v=item.v)
+def item_fields(item: AttendItem) -> bytes:
+    """The AttendRequest fields an item keeps over a step's layers (its sequences), as wire bytes."""
+    return kv_pb.AttendRequest(
+        seq_ids=item.seq_ids, num_tokens=item.num_tokens, start_pos=item.start_pos
+    ).SerializeToString()
+
+
+def attend_request(layer: int, item: AttendItem, request_id: int, fields: bytes | None = None) -> bytes:
+    """One item's AttendRequest as wire bytes, q, k and v encoded straight into them (one copy).
+    `fields`: item_fields(item), when the caller keeps them for the item's next layers."""
+    head = kv_pb.AttendRequest(request_id=request_id, layer=layer)
+    prefix = item_fields(item) if fields is None else fields
+    return codec.serialize_with(head, prefix, q=item.q, k=item.k, v=item.v)
 
 
 def parse_response(data: bytes) -> tuple[kv_pb.AttendResponse, torch.Tensor | None]:

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, ArenaPool, Slice, aligned
+from fastdecode.dense.handoff import Arena, ArenaPool, Slice, Staging, aligned
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import Status, Unavailable
 from fastdecode.runtime.settings import TLSFiles
@@ -38,7 +38,7 @@ from services.gpu_dense.exchange_messages import (
     RemoveShard,
     RestoreShard,
 )
-from services.gpu_dense.exchange_process import WorkerProcess
+from services.gpu_dense.exchange_process import Sent, WorkerProcess
 from services.gpu_dense.plane import ShardAddress
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
@@ -76,6 +76,7 @@ class ExchangePlane:
         self.links: list[ShardAddress] = []
         self.workers = [WorkerProcess(i, timeout, tls) for i in range(workers)]
         self.arenas = ArenaPool()
+        self._staging: dict[int, Staging] = {}  # per slot, at its full capacity
         self._rids = 0
         self._lock = asyncio.Lock()
         for a in addresses:
@@ -129,6 +130,27 @@ class ExchangePlane:
                 await worker.stop(grace=1.0)
                 await worker.start()
 
+    def staging(
+        self, slot: int, rows: int, q_tail: tuple[int, ...], kv_tail: tuple[int, ...], dtype: torch.dtype
+    ) -> Staging:
+        """Where the step runner puts the slot's q, k and v (rows in step order) so that items cut
+        from them cross to the workers without a copy; each item's o comes back into its rows of o.
+        The same arena while the rows fit, so a worker keeps its mapping and the runner its copy."""
+        st = self._staging.get(slot)
+        if (
+            st is None
+            or len(st.q) < rows
+            or tuple(st.q.shape[1:]) != tuple(q_tail)
+            or tuple(st.k.shape[1:]) != tuple(kv_tail)
+            or st.q.dtype != dtype
+        ):
+            cap = max(rows + rows // 2, 16)
+            arena = self.arenas.get(
+                ("staging", slot), Staging.layout(cap, q_tail, kv_tail, dtype.itemsize)[-1]
+            )
+            st = self._staging[slot] = Staging.in_arena(arena, cap, tuple(q_tail), tuple(kv_tail), dtype)
+        return st.rows(rows)
+
     async def attend_layer(
         self,
         slot: int,
@@ -144,26 +166,29 @@ class ExchangePlane:
                 out[i] = Unavailable(f"{self.links[item.shard].name} was removed")
                 continue
             by_worker.setdefault(item.shard % len(self.workers), []).append(i)
-        waits: list[tuple[WorkerProcess, int, Arena, list[int], asyncio.Future[list[Ok | Err]]]] = []
+        waits: list[
+            tuple[WorkerProcess, int, Arena, list[int], asyncio.Future[list[Ok | Err]], Sent | None]
+        ] = []
         try:
             for w, idx in by_worker.items():
                 worker = self.workers[w]
                 try:
                     await self._ensure(worker)
-                    arena, message = self._pack(w, slot, layer, [items[i] for i in idx])
+                    arena, message, sent = self._pack(worker, slot, [items[i] for i in idx])
                     self._rids += 1
                     fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
                     worker.pending[self._rids] = fut
                     worker.send(Attend(self._rids, slot, layer, arena.name, message))
-                    waits.append((worker, self._rids, arena, idx, fut))
+                    waits.append((worker, self._rids, arena, idx, fut, sent))
                 except errors.ServiceError as e:
                     for i in idx:
                         out[i] = e
             if between is not None:
                 between()
-            for worker, _rid, arena, idx, fut in waits:
+            for worker, _rid, arena, idx, fut, sent in waits:
                 try:
-                    results = await asyncio.wait_for(fut, self.timeout + WORKER_GRACE_S)
+                    async with asyncio.timeout(self.timeout + WORKER_GRACE_S):  # no task, unlike wait_for
+                        results = await fut
                 except TimeoutError:
                     log.warning("exchange worker %d did not answer: restarting it", worker.index)
                     await worker.stop(grace=0.5)
@@ -176,8 +201,13 @@ class ExchangePlane:
                     for i in idx:
                         out[i] = Unavailable(f"exchange worker {worker.index} did not answer")
                     continue
-                for i, r in zip(idx, results, strict=True):
-                    out[i] = self._unpack(arena, r)
+                if len(results) != len(idx):  # a worker without the step's items: resend them next layer
+                    worker.sent.clear()
+                    for i in idx:
+                        out[i] = Unavailable(f"exchange worker {worker.index} lost the step's items")
+                    continue
+                for j, (i, r) in enumerate(zip(idx, results, strict=True)):
+                    out[i] = self._unpack(arena, r) if sent is None else sent.o(j, r, self._unpack)
         except asyncio.CancelledError:
             for worker, rid, *_ in waits:  # the worker abandons those items (their streams reopen)
                 if worker.pending.pop(rid, None) is not None and worker.writer is not None:
@@ -186,11 +216,49 @@ class ExchangePlane:
         return out
 
     def _pack(
-        self, w: int, slot: int, layer: int, items: Sequence[AttendItem]
+        self, worker: WorkerProcess, slot: int, items: Sequence[AttendItem]
+    ) -> tuple[Arena, list[ItemSlices] | None, Sent | None]:
+        """The worker's items as arena slices: where they already lie when they are rows of the slot's
+        staging (no copy), else q, k, v copied into the worker's arena with o's room after them.
+        None for the slices when they are the very items this worker had last time on this slot (a
+        step's layers): the worker reuses what it has, and the message is a few bytes."""
+        st = self._staging.get(slot)
+        if st is None:
+            return (*self._copy_in(worker, slot, items), None)
+        last = worker.sent.get(slot)
+        if last is not None and last.arena is st.arena and len(last.items) == len(items):
+            if all(a is b for a, b in zip(last.items, items, strict=True)):
+                return st.arena, None, last
+        arena = st.arena
+        staged = [[arena.slice_of(t) for t in (it.q, it.k, it.v)] for it in items]
+        if not all(x is not None for row in staged for x in row):
+            return (*self._copy_in(worker, slot, items), None)
+        message = []
+        for it, (q, k, v) in zip(items, staged, strict=True):
+            assert q is not None and k is not None and v is not None
+            o_off, room = st.o_room(q)
+            message.append(
+                ItemSlices(
+                    it.shard,
+                    it.seq_ids,
+                    it.num_tokens,
+                    it.start_pos,
+                    q.astuple(),
+                    k.astuple(),
+                    v.astuple(),
+                    o_off,
+                    room,
+                )
+            )
+        sent = worker.sent[slot] = Sent(arena, tuple(items), [None] * len(items))
+        return arena, message, sent
+
+    def _copy_in(
+        self, worker: WorkerProcess, slot: int, items: Sequence[AttendItem]
     ) -> tuple[Arena, list[ItemSlices]]:
-        """q, k, v of the worker's items into its arena (one copy each), o's room after them."""
+        worker.sent.pop(slot, None)
         need = sum(aligned(t.nbytes) for it in items for t in (it.q, it.k, it.v, it.q))
-        arena = self.arenas.get((w, slot), need)
+        arena = self.arenas.get((worker.index, slot), need)
         off = 0
         message = []
         for it in items:

@@ -37,7 +37,7 @@ class Attend(NamedTuple):
     slot: int
     layer: int
     arena: str  # the shared-memory arena's name
-    items: list[ItemSlices]
+    items: list[ItemSlices] | None  # None: the same items as this slot's last Attend (a step's layers)
 
 
 class Cancel(NamedTuple):

@@ -11,8 +11,14 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from fastdecode.dense.handoff import frame, read_frame
+import torch
+
+from fastdecode.dense import AttendItem
+from fastdecode.dense.handoff import Arena, Channel, frame, open_channel
 from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.exchange_messages import (
@@ -33,6 +39,27 @@ log = logging.getLogger("fastdecode.gpu_dense.exchange")
 START_TIMEOUT_S = 120.0  # a worker imports torch and grpc: seconds on a loaded host
 
 
+@dataclass
+class Sent:
+    """What a worker last had in full on a slot (staged items), and each item's o as a view, made
+    once per step: every layer of the step answers into the same rows."""
+
+    arena: Arena
+    items: tuple[AttendItem, ...]
+    views: list[tuple[tuple[Any, ...], torch.Tensor] | None]
+
+    def o(
+        self, j: int, r: Ok | Err, unpack: Callable[[Arena, Ok | Err], torch.Tensor | BaseException]
+    ) -> torch.Tensor | BaseException:
+        seen = self.views[j]
+        if isinstance(r, Ok) and seen is not None and seen[0] == r.o:
+            return seen[1]
+        o = unpack(self.arena, r)
+        if isinstance(r, Ok) and isinstance(o, torch.Tensor):
+            self.views[j] = (r.o, o)
+        return o
+
+
 class WorkerProcess:
     """The dense side's handle on one worker process."""
 
@@ -42,15 +69,19 @@ class WorkerProcess:
         self.tls = tls
         self.shards: dict[int, str] = {}
         self.proc: subprocess.Popen[bytes] | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
+        self.writer: Channel | None = None
+        self._hello: asyncio.Future[Ready] | None = None
         self.pending: dict[int, asyncio.Future[list[Ok | Err]]] = {}
+        # per slot, the arena and items the worker last had in full (ExchangePlane._pack): a layer
+        # with the very same items sends none; a restarted worker has none, so this starts empty
+        self.sent: dict[int, Sent] = {}
 
     @property
     def alive(self) -> bool:
         return self.writer is not None and self.proc is not None and self.proc.poll() is None
 
     async def start(self) -> None:
+        self.sent.clear()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [
             sys.executable,
@@ -82,32 +113,35 @@ class WorkerProcess:
             raise Unavailable(f"exchange worker {self.index} could not start: {e}") from None
         finally:
             child.close()
-        reader, self.writer = await asyncio.open_unix_connection(sock=parent)
+        self._hello = asyncio.get_running_loop().create_future()
+        channel = self.writer = await open_channel(parent, self._on_message)
+        channel.closed.add_done_callback(lambda _: self._lost(channel))
         # The fleet secret goes over the socket, never argv or the environment: the worker's links
         # carry it on every Attend call (shards refuse internal calls without it).
-        self.writer.write(frame(Secret(self.tls.secret if self.tls is not None else None)))
+        channel.write(frame(Secret(self.tls.secret if self.tls is not None else None)))
         try:
-            hello = await asyncio.wait_for(read_frame(reader), START_TIMEOUT_S)
-        except TimeoutError:
-            hello = None
-        if not isinstance(hello, Ready):
+            await asyncio.wait_for(asyncio.shield(self._hello), START_TIMEOUT_S)
+        except (TimeoutError, Unavailable):
             await self.stop()
-            raise Unavailable(f"exchange worker {self.index} did not start")
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+            raise Unavailable(f"exchange worker {self.index} did not start") from None
         log.info("exchange worker %d (pid %d) owns shards %s", self.index, self.proc.pid, sorted(self.shards))
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while (msg := await read_frame(reader)) is not None:
-                if isinstance(msg, Done):
-                    fut = self.pending.pop(msg.rid, None)
-                    if fut is not None and not fut.done():  # None: a cancelled layer's late answer
-                        fut.set_result(msg.results)
-        except Exception:  # noqa: BLE001 - a garbled channel is a dead worker
-            log.exception("exchange worker %d: bad control message", self.index)
+    def _on_message(self, msg: tuple[Any, ...]) -> None:
+        if isinstance(msg, Done):
+            fut = self.pending.pop(msg.rid, None)
+            if fut is not None and not fut.done():  # None: a cancelled layer's late answer
+                fut.set_result(msg.results)
+        elif isinstance(msg, Ready) and self._hello is not None and not self._hello.done():
+            self._hello.set_result(msg)
+
+    def _lost(self, channel: Channel) -> None:
+        """The worker's end of the control socket closed (it exited), or a frame was garbled."""
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_exception(Unavailable(f"exchange worker {self.index} exited"))
+            self._hello.exception()  # retrieved: start() reports it in its own words
         self._fail_pending(f"exchange worker {self.index} exited")
-        if self.writer is not None:
-            self.writer.close()
+        if self.writer is channel:
+            channel.close()
             self.writer = None
 
     def _fail_pending(self, reason: str) -> None:
@@ -125,10 +159,6 @@ class WorkerProcess:
         if self.writer is not None:
             self.writer.close()  # the worker sees the end of its control socket and exits
             self.writer = None
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            await asyncio.gather(self._reader_task, return_exceptions=True)
-            self._reader_task = None
         self._fail_pending(f"exchange worker {self.index} stopped")
         proc, self.proc = self.proc, None
         if proc is not None:

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, Attached, Slice, frame, read_frame
+from fastdecode.dense.handoff import Arena, Attached, Channel, Slice, frame, open_channel
 from fastdecode.runtime.errors import Status
+from fastdecode.runtime.loop import run_loop
 from fastdecode.runtime.rpc import status_of
 from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.exchange_messages import (
@@ -32,6 +33,7 @@ from services.gpu_dense.exchange_messages import (
     Cancel,
     Done,
     Err,
+    ItemSlices,
     Ok,
     Ready,
     RemoveShard,
@@ -51,7 +53,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _WorkerLoop:
-    def __init__(self, links: Any, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, links: Any, writer: Channel) -> None:
         self.links: ShardLinks = links
         self.local: dict[int, int] = {link.index: i for i, link in enumerate(links.links)}
         self.writer = writer
@@ -59,6 +61,8 @@ class _WorkerLoop:
         self.slot_arena: dict[int, str] = {}
         self.slot_lock: dict[int, asyncio.Lock] = {}
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        # per slot, the last Attend's arena, slices and items: reused by a message with no items
+        self.last: dict[int, tuple[Arena, list[ItemSlices], list[AttendItem]]] = {}
 
     def add(self, index: int, address: str, timeout: float, tls: TLSFiles | None) -> None:
         if index not in self.local:
@@ -75,23 +79,28 @@ class _WorkerLoop:
     async def attend(self, msg: Attend) -> None:
         lock = self.slot_lock.setdefault(msg.slot, asyncio.Lock())
         async with lock:  # a cancelled layer of this slot has unwound before the next one starts
+            slices = msg.items
             try:
-                arena = self.arena(msg.slot, msg.arena)
-                items = [
-                    AttendItem(
-                        self.local[it.shard],
-                        it.seq_ids,
-                        it.num_tokens,
-                        it.start_pos,
-                        arena.view(Slice(*it.q)),
-                        arena.view(Slice(*it.k)),
-                        arena.view(Slice(*it.v)),
-                    )
-                    for it in msg.items
-                ]
+                if slices is None:  # the items this slot had last: views of the same arena
+                    arena, slices, items = self.last[msg.slot]
+                else:
+                    arena = self.arena(msg.slot, msg.arena)
+                    items = [
+                        AttendItem(
+                            self.local[it.shard],
+                            it.seq_ids,
+                            it.num_tokens,
+                            it.start_pos,
+                            arena.view(Slice(*it.q)),
+                            arena.view(Slice(*it.k)),
+                            arena.view(Slice(*it.v)),
+                        )
+                        for it in slices
+                    ]
+                    self.last[msg.slot] = (arena, slices, items)
                 outs = await self.links.attend_layer(msg.slot, msg.layer, items)
                 results: list[Ok | Err] = []
-                for it, o in zip(msg.items, outs, strict=True):
+                for it, o in zip(slices, outs, strict=True):
                     if isinstance(o, BaseException):
                         status, text = status_of(o)
                         results.append(Err(status.value, text))
@@ -103,26 +112,29 @@ class _WorkerLoop:
                         results.append(Ok(arena.put(it.o_offset, o).astuple()))
             except Exception as e:  # noqa: BLE001 - every item of the layer fails in-band
                 status, text = status_of(e)
-                results = [Err(status.value, text)] * len(msg.items)
+                results = [Err(status.value, text)] * (len(slices) if slices is not None else 0)
             self.writer.write(frame(Done(msg.rid, results)))
         self.tasks.pop(msg.rid, None)
 
-    async def run(self, reader: asyncio.StreamReader, timeout: float, tls: TLSFiles | None) -> None:
+    def on_message(self, msg: tuple[Any, ...], timeout: float, tls: TLSFiles | None) -> None:
         loop = asyncio.get_running_loop()
-        while (msg := await read_frame(reader)) is not None:
-            match msg:
-                case Attend():
-                    self.tasks[msg.rid] = loop.create_task(self.attend(msg))
-                case Cancel():
-                    task = self.tasks.pop(msg.rid, None)
-                    if task is not None:
-                        task.cancel()
-                case AddShard():
-                    self.add(msg.index, msg.address, timeout, tls)
-                case RemoveShard() if msg.index in self.local:
-                    await self.links.remove(self.local[msg.index])
-                case RestoreShard() if msg.index in self.local:
-                    self.links.restore(self.local[msg.index])
+        match msg:
+            case Attend():
+                self.tasks[msg.rid] = loop.create_task(self.attend(msg))
+            case Cancel():
+                task = self.tasks.pop(msg.rid, None)
+                if task is not None:
+                    task.cancel()
+            case AddShard():
+                self.add(msg.index, msg.address, timeout, tls)
+            case RemoveShard() if msg.index in self.local:
+                task = loop.create_task(self.links.remove(self.local[msg.index]))
+                self.tasks[-id(task)] = task
+                task.add_done_callback(lambda t: self.tasks.pop(-id(t), None))
+            case RestoreShard() if msg.index in self.local:
+                self.links.restore(self.local[msg.index])
+
+    async def close(self) -> None:
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -132,9 +144,25 @@ class _WorkerLoop:
 
 async def _worker_main(args: argparse.Namespace) -> None:
     sock = socket.socket(fileno=args.fd)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    first = await read_frame(reader)  # the parent's fleet secret (or None), before anything else
-    secret = first.secret if isinstance(first, Secret) else None
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[tuple[Any, ...]] = loop.create_future()
+    state: dict[str, _WorkerLoop] = {}
+    early: list[tuple[Any, ...]] = []  # what came before this loop was set up: handled right after
+
+    def on_message(msg: tuple[Any, ...]) -> None:
+        if not first.done():  # the parent's fleet secret (or None), before anything else
+            first.set_result(msg)
+        elif "loop" in state:
+            state["loop"].on_message(msg, args.timeout, tls)
+        else:
+            early.append(msg)
+
+    channel = await open_channel(sock, on_message)
+    done, _ = await asyncio.wait([first, channel.closed], return_when=asyncio.FIRST_COMPLETED)
+    if first not in done:
+        return
+    msg = first.result()
+    secret = msg.secret if isinstance(msg, Secret) else None
     tls = None
     if args.tls_cert or args.tls_ca or secret is not None:
         tls = TLSFiles(
@@ -147,10 +175,13 @@ async def _worker_main(args: argparse.Namespace) -> None:
     for part in filter(None, args.shards.split(",")):
         index, address = part.split("=", 1)
         links.add(AttendLink(int(index), address, tls, args.timeout))
-    loop = _WorkerLoop(links, writer)
-    writer.write(frame(Ready(os.getpid())))
-    await loop.run(reader, args.timeout, tls)
-    writer.close()
+    state["loop"] = worker = _WorkerLoop(links, channel)
+    for msg in early:
+        worker.on_message(msg, args.timeout, tls)
+    channel.write(frame(Ready(os.getpid())))
+    await channel.closed
+    await worker.close()
+    channel.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s exchange[{args.index}] %(levelname)s %(message)s",
     )
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_worker_main(args))
+        run_loop(_worker_main(args))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from fastdecode.runtime.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.runtime.rpc import error_from_status as from_status
 from fastdecode.runtime.settings import DenseSettings
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
-from fastdecode.wire.kv import attend_request, parse_response
+from fastdecode.wire.kv import attend_request, item_fields, parse_response
 from services.gpu_dense.exchange import ExchangePlane, auto_workers
 
 log = logging.getLogger("fastdecode.gpu_dense.shards")
@@ -62,6 +62,7 @@ class AttendLink:
             ATTEND_METHOD, request_serializer=None, response_deserializer=None
         )
         self._streams: dict[int, _Stream] = {}
+        self._fields: dict[int, tuple[AttendItem, bytes]] = {}  # per slot: the last item's fields
         self.removed = False  # RemoveShard: an item for it fails UNAVAILABLE, nothing is dialled
 
     @property
@@ -95,7 +96,10 @@ class AttendLink:
         if stream is None:
             stream = self._streams[slot] = _Stream(self._attend())
         request_id = next(_ids)
-        data = attend_request(layer, item, request_id)
+        kept = self._fields.get(slot)
+        if kept is None or kept[0] is not item:  # a step's layers send the same item objects
+            kept = self._fields[slot] = (item, item_fields(item))
+        data = attend_request(layer, item, request_id, kept[1])
         stream.since = time.monotonic()
         try:
             await stream.call.write(data)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from fastdecode.dense.handoff import ALIGN, Arena, ArenaPool, Attached, Slice, aligned, frame, read_frame
+from fastdecode.dense.handoff import ALIGN, Arena, ArenaPool, Attached, Channel, Slice, aligned, frame
 from fastdecode.runtime.errors import InvalidInput
 
 
@@ -42,7 +42,7 @@ def test_empty_tensors_and_bad_slices() -> None:
     try:
         s = arena.put(0, torch.empty(0, 3, 4))
         assert arena.take(s).shape == (0, 3, 4)
-        with pytest.raises(InvalidInput, match="do not fit"):
+        with pytest.raises(InvalidInput, match="outside"):
             arena.put(200, torch.zeros(32))
         with pytest.raises(InvalidInput, match="outside"):
             arena.view(Slice(128, (64,), "float32"))
@@ -75,16 +75,30 @@ def test_pool_replaces_a_small_arena_and_the_peer_follows_by_name() -> None:
         pool.close()
 
 
-def test_frames_round_trip_and_end_cleanly() -> None:
+def test_frames_round_trip_split_anywhere_and_end_cleanly() -> None:
     async def run() -> None:
-        reader = asyncio.StreamReader()
+        got: list[tuple] = []
+        channel = Channel(got.append)
         msgs = [("attend", 1, 0, 3, "psm_x", [(0, ["a"], [1], [7], (0, (1, 2), "bfloat16"))]), ("ready",)]
-        for m in msgs:
-            reader.feed_data(frame(m))
-        reader.feed_data(frame(("done", 2, []))[:5])  # cut short: the peer died mid-frame
-        reader.feed_eof()
-        assert await read_frame(reader) == msgs[0]
-        assert await read_frame(reader) == msgs[1]
-        assert await read_frame(reader) is None
+        data = b"".join(frame(m) for m in msgs) + frame(("done", 2, []))[:5]  # the peer died mid-frame
+        for i in range(0, len(data), 7):  # the bytes arrive in arbitrary pieces
+            channel.data_received(data[i : i + 7])
+        channel.connection_lost(None)
+        assert got == msgs
+        assert channel.closed.done()
+
+    asyncio.run(run())
+
+
+def test_a_garbled_frame_closes_the_channel() -> None:
+    async def run() -> None:
+        got: list[tuple] = []
+        channel = Channel(got.append)
+        channel.data_received(frame(("ready",)) + (2**31).to_bytes(4, "little") + b"xx")
+        assert got == [("ready",)]
+        assert channel.closed.done()
+        bad = Channel(got.append)
+        bad.data_received((3).to_bytes(4, "little") + b"abc")  # not a pickle
+        assert bad.closed.done()
 
     asyncio.run(run())

@@ -153,3 +153,16 @@ def test_min_p_drops_the_unlikely_tail() -> None:
 def test_invalid_processor_params(params: SamplingParams) -> None:
     with pytest.raises(InvalidInput):
         params.validate()
+
+
+def test_chosen_logprobs_equal_log_softmax_with_masked_and_tiny_logits() -> None:
+    from fastdecode.dense.sampling import chosen_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 5000, generator=g) * 3
+    x[:, 100:300] = -1e4  # an emulated device's out-of-vocabulary ids
+    x[3, 7:50] = float("-inf")  # a mask
+    for tokens in (x.argmax(-1), torch.randint(0, 100, (40,), generator=g)):
+        ref = torch.log_softmax(x.double(), -1).gather(1, tokens[:, None]).squeeze(1)
+        got = chosen_logprobs(x, tokens)
+        assert torch.allclose(got.double(), ref, atol=1e-5, rtol=0), (got.double() - ref).abs().max()

@@ -1,0 +1,48 @@
+"""The event loop every service and exchange worker runs on.
+
+uvloop (libuv) where it is installed: gpu_dense's step wakes its loop several times per layer and
+mini-batch (the device clock, the exchange workers' answers, the shards' streams), and at a GPU's
+pace those wake-ups are a large share of the dense process's CPU. `FASTDECODE_EVENT_LOOP=asyncio`
+runs asyncio's own loop instead (the A/B of `bench pace`); `uvloop` requires it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from fastdecode.runtime.errors import InvalidInput
+
+T = TypeVar("T")
+LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def loop_kind() -> str:
+    """The loop FASTDECODE_EVENT_LOOP names, `auto` resolved: uvloop when it is installed."""
+    kind = os.environ.get("FASTDECODE_EVENT_LOOP", "auto").strip().lower() or "auto"
+    if kind not in LOOPS:
+        raise InvalidInput(f"FASTDECODE_EVENT_LOOP={kind!r}: expected one of {', '.join(LOOPS)}")
+    have = importlib.util.find_spec("uvloop") is not None
+    if kind == "uvloop" and not have:
+        raise InvalidInput("FASTDECODE_EVENT_LOOP=uvloop but uvloop is not installed")
+    if kind == "auto":
+        kind = "uvloop" if have else "asyncio"
+    return kind
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(main) on the configured loop."""
+    try:
+        kind = loop_kind()
+    except InvalidInput:
+        main.close()
+        raise
+    if kind == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)

@@ -13,9 +13,9 @@ metrics. Per point:
 - cpu_ms_per_step: scheduler, dense_main (gpu_dense's process, all its threads, less the host's
   stand-in for on-device sampling: `dense_stand_in_ms`), exchange_workers, shards_outside_attention
   (the shards' CPU less their attention time), gateway.
-- round_trips_per_step (Attend items the shards answered), payload_mb_per_step (q, k, v out and o
-  back), dense_host_cpu_ms_per_mb and dense_cpu_us_per_round_trip (main process and exchange
-  workers), next to a bare grpc.aio echo of one item's bytes in the same run (echo_*).
+- round_trips_per_step (Attend items gpu_dense sent, counted at step ends), payload_mb_per_step
+  (q, k, v out and o back), dense_host_cpu_ms_per_mb and dense_cpu_us_per_round_trip (main process
+  and exchange workers), next to a bare grpc.aio echo of one item's bytes in the same run (echo_*).
 - dense_host_cores_needed = dense host CPU per step / gpu_step_ms; exposed_host_ms = wall - GPU
   step - one shard's attention per step (the most the shards can keep on the critical path) - the
   stand-in's sampling time (which a GPU spends inside gpu_step_ms).
@@ -60,12 +60,13 @@ class _Mark:
         d = scrape(fleet.dense.metrics)
         self.steps = metric_total(d, "fastdecode_dense_steps_total")
         self.head_cpu = metric_total(d, "fastdecode_dense_head_cpu_seconds_total")
+        # counted with steps_total at each step's end: a mark taken mid-step counts neither
+        self.items = metric_total(d, "fastdecode_dense_attend_items_total")
         self.device = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="compute")
         self.copy = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="copy")
         shards = [scrape(s.metrics) for s in fleet.kv]
         # CPU, not wall: on a busy host an item's wall time counts the other processes' turns too
         self.attention = sum(metric_total(m, "fastdecode_kv_attention_cpu_seconds_total") for m in shards)
-        self.items = sum(metric_total(m, "fastdecode_kv_attention_seconds_count") for m in shards)
 
 
 async def _drive(target: str, prompts: list[list[int]], gen_len: int, fleet: Any) -> list[_Mark]:

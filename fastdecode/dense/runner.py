@@ -90,6 +90,7 @@ class Timings:
     # CPU of the LM head and sampling, all of the process's threads while it runs (on an emulated
     # device, the host's stand-in for sampling a GPU does on the device: fastdecode/dense/emulated.py)
     head_cpu_seconds: float = 0.0
+    round_trips: int = 0  # Attend items sent: one shard's share of one layer of one mini-batch
 
     @property
     def overlap_ratio(self) -> float:
@@ -133,6 +134,7 @@ class StepRunner:
         self._busy = 0.0
         self._busy_cpu = 0.0
         self._attend_wait = 0.0
+        self._trips = 0
         self._failures: dict[str, BaseException] = {}
         # prompt + generated tokens of each penalized sequence, rebuilt from the chunks it is fed: a
         # re-prefill (start_pos 0: recovery, preemption) starts it again, a re-run step truncates it
@@ -346,6 +348,7 @@ class StepRunner:
                     for g in live
                 ]
             t_wait = time.perf_counter()
+            self._trips += len(items)
             outs = await self.shards.attend_layer(slot, layer, items) if items else []
             self._attend_wait += time.perf_counter() - t_wait
             parts: list[tuple[slice, torch.Tensor]] = []
@@ -410,6 +413,7 @@ class StepRunner:
         self._busy = 0.0
         self._busy_cpu = 0.0
         self._attend_wait = 0.0
+        self._trips = 0
         self._failures = {}
         self._prompt = {}
         outcomes: dict[str, Outcome] = {}
@@ -498,5 +502,12 @@ class StepRunner:
                     off * 1e3,
                 )
         return outcomes, Timings(
-            self._busy, self._busy_cpu, max(0.0, step - self._busy), step, self._attend_wait, piped, head_cpu
+            self._busy,
+            self._busy_cpu,
+            max(0.0, step - self._busy),
+            step,
+            self._attend_wait,
+            piped,
+            head_cpu,
+            self._trips,
         )

@@ -34,6 +34,11 @@ HEAD_CPU_SECONDS = Counter(
     "CPU seconds of the process while the LM head and sampling ran (on an emulated device: the host "
     "standing in for the device's sampling)",
 )
+ROUND_TRIPS = Counter(
+    "fastdecode_dense_attend_items",
+    "Attend items (one shard's share of one layer of one mini-batch) the steps sent, counted at "
+    "each step's end with its steps_total",
+)
 DEVICE_SECONDS = Gauge(
     "fastdecode_dense_emulated_device_seconds",
     "An emulated device's busy seconds so far, by engine (compute, copy)",
@@ -56,6 +61,7 @@ def step_done(t: Timings, ok: int, failed: int) -> None:
     S_PART_SECONDS.observe(t.s_part_seconds)
     SHARD_WAIT_SECONDS.observe(t.shard_wait_seconds)
     HEAD_CPU_SECONDS.inc(t.head_cpu_seconds)
+    ROUND_TRIPS.inc(t.round_trips)
     OVERLAP_RATIO.observe(t.overlap_ratio)  # 0 with the pipeline off: nothing overlaps
 
 

@@ -76,7 +76,7 @@ def run_service(serve: Callable[[Any], Any], settings_cls: type, flags: dict[str
         settings = settings_cls(**settings_kwargs(**flags))
     except ValidationError as e:
         raise click.UsageError(str(e)) from None
-    run_loop(serve(settings))
+    run_loop(serve(settings), fast=settings_cls.__name__ == "DenseSettings")
 
 
 @click.group(

@@ -43,8 +43,11 @@ class GrammarCompiler:
             started = time.perf_counter()
             try:
                 assert worker.stdin is not None and worker.stdout is not None
-                worker.stdin.write((json.dumps({"kind": s.kind, "spec": s.spec}) + "\n").encode())
-                await worker.stdin.drain()
+                try:
+                    worker.stdin.write((json.dumps({"kind": s.kind, "spec": s.spec}) + "\n").encode())
+                    await worker.stdin.drain()
+                except RuntimeError:  # uvloop: the pipe's transport is closed (asyncio: ConnectionError)
+                    raise BrokenPipeError from None
                 line = await asyncio.wait_for(worker.stdout.readline(), self.timeout)
             except TimeoutError:
                 await self._lose(worker, f"ran past {self.timeout:g} s", s)
@@ -72,8 +75,11 @@ class GrammarCompiler:
     async def _worker(self) -> asyncio.subprocess.Process:
         while self._idle:
             worker = self._idle.pop()
-            if worker.returncode is None:
+            # alive, and its stdin still open: a worker that died idle may not be reaped yet
+            if worker.returncode is None and worker.stdin is not None and not worker.stdin.is_closing():
                 return worker
+            if worker.returncode is None:
+                worker.kill()
             await worker.wait()  # one that died idle (killed from outside) is replaced, unseen
         return await self._spawn()
 

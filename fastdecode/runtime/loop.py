@@ -1,9 +1,11 @@
 """The event loop every service and exchange worker runs on.
 
-uvloop (libuv) where it is installed: gpu_dense's step wakes its loop several times per layer and
-mini-batch (the device clock, the exchange workers' answers, the shards' streams), and at a GPU's
-pace those wake-ups are a large share of the dense process's CPU. `FASTDECODE_EVENT_LOOP=asyncio`
-runs asyncio's own loop instead (the A/B of `bench pace`); `uvloop` requires it.
+gpu_dense and its exchange workers run on uvloop (libuv) where it is installed: the step wakes its
+loop several times per layer and mini-batch (the device clock, the workers' answers, the shards'
+streams), and at a GPU's pace those wake-ups are a large share of the dense process's CPU. The
+other services keep asyncio's loop: the gateway's grammar workers, spawned from a uvloop loop,
+were seen to crash (SIGSEGV) on plain grammars, which they never did from asyncio's.
+`FASTDECODE_EVENT_LOOP=uvloop|asyncio` sets every service's loop (the A/B of `bench pace`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ T = TypeVar("T")
 LOOPS = ("auto", "uvloop", "asyncio")
 
 
-def loop_kind() -> str:
-    """The loop FASTDECODE_EVENT_LOOP names, `auto` resolved: uvloop when it is installed."""
+def loop_kind(fast: bool = True) -> str:
+    """The loop FASTDECODE_EVENT_LOOP names, `auto` resolved: for a `fast` service (gpu_dense and
+    its exchange workers) uvloop when it is installed, else asyncio's."""
     kind = os.environ.get("FASTDECODE_EVENT_LOOP", "auto").strip().lower() or "auto"
     if kind not in LOOPS:
         raise InvalidInput(f"FASTDECODE_EVENT_LOOP={kind!r}: expected one of {', '.join(LOOPS)}")
@@ -29,14 +32,14 @@ def loop_kind() -> str:
     if kind == "uvloop" and not have:
         raise InvalidInput("FASTDECODE_EVENT_LOOP=uvloop but uvloop is not installed")
     if kind == "auto":
-        kind = "uvloop" if have else "asyncio"
+        kind = "uvloop" if have and fast else "asyncio"
     return kind
 
 
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
+def run_loop(main: Coroutine[Any, Any, T], fast: bool = True) -> T:
     """asyncio.run(main) on the configured loop."""
     try:
-        kind = loop_kind()
+        kind = loop_kind(fast)
     except InvalidInput:
         main.close()
         raise

@@ -16,8 +16,11 @@ async def _loop_module() -> str:
 
 def test_uvloop_by_default_and_asyncio_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTDECODE_EVENT_LOOP", raising=False)
-    assert loop_kind() == "uvloop"  # pinned in the server extra
+    assert loop_kind() == "uvloop"  # pinned in the server extra: gpu_dense and its workers
     assert run_loop(_loop_module()).startswith("uvloop")
+    assert loop_kind(fast=False) == "asyncio"  # the other services
+    monkeypatch.setenv("FASTDECODE_EVENT_LOOP", "uvloop")
+    assert run_loop(_loop_module(), fast=False).startswith("uvloop")
     monkeypatch.setenv("FASTDECODE_EVENT_LOOP", "asyncio")
     assert run_loop(_loop_module()).startswith("asyncio")
 

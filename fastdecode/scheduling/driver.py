@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastdecode.contract import TokenLogprob
 from fastdecode.runtime.errors import (
@@ -60,11 +61,20 @@ DENSE_RETRY_FIRST_S = 0.1
 DENSE_RETRY_MAX_S = 2.0
 
 
+class Mailbox(Protocol):
+    """Where the step loop delivers a request's events, and its terminal error."""
+
+    def put(self, item: TokenEvent | ServiceError) -> None: ...
+
+
 @dataclass
 class _Mailbox:
-    """A request's events from the step loop, or a terminal error."""
+    """One caller's queue (`generate`): its task wakes once per event."""
 
     queue: asyncio.Queue[TokenEvent | ServiceError] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: TokenEvent | ServiceError) -> None:
+        self.queue.put_nowait(item)
 
 
 class SchedulerDriver(Migrations, ShardHealth):
@@ -83,7 +93,7 @@ class SchedulerDriver(Migrations, ShardHealth):
         self.metrics = metrics or SchedulerMetrics()
         self.info: DenseInfo | None = None
         self.core: SchedulerCore | None = None
-        self.streams: dict[str, _Mailbox] = {}
+        self.streams: dict[str, Mailbox] = {}  # running requests: Submit calls and session requests
         self.wake = asyncio.Event()
         self.draining = False
         self._ids = itertools.count()
@@ -194,9 +204,8 @@ class SchedulerDriver(Migrations, ShardHealth):
     def new_id(self) -> str:
         return f"seq-{next(self._ids)}"
 
-    async def generate(self, req: Request) -> AsyncIterator[TokenEvent]:
-        """Queue `req` and yield its token events until it finishes; its failure is raised as a
-        ServiceError. Closing early (a cancelled caller) frees the sequence's KV now."""
+    def open_stream(self, req: Request, mailbox: Mailbox) -> None:
+        """Queue `req`; its events go to `mailbox` until it finishes. Refusals raise a ServiceError."""
         core = self.core
         if core is None or self.draining:
             raise Unavailable("scheduler is draining" if self.draining else "scheduler not ready")
@@ -207,10 +216,33 @@ class SchedulerDriver(Migrations, ShardHealth):
         if self.shards_dead is not None:  # and while every shard stays down
             raise self.shards_dead
         core.submit(req)
-        stream = self.streams[req.seq_id] = _Mailbox()
-        log.info("queued: %d prompt tokens, max_tokens %d", len(req.prompt), req.max_tokens)
+        self.streams[req.seq_id] = mailbox
+        log.info(
+            "queued: %d prompt tokens, max_tokens %d",
+            len(req.prompt),
+            req.max_tokens,
+            extra={"request_id": req.seq_id},
+        )
         self.wake.set()
         self._report()
+
+    def close_stream(self, seq_id: str, finished: bool) -> None:
+        """The request's stream is over. Not `finished` (the caller cancelled, its deadline passed,
+        its session ended): the sequence is cancelled and its KV freed with the next step."""
+        self.streams.pop(seq_id, None)
+        if not finished and self.core is not None:
+            try:
+                self.core.cancel(seq_id)
+                self.wake.set()
+            except ServiceError:  # it may have just finished
+                pass
+        self._report()
+
+    async def generate(self, req: Request) -> AsyncIterator[TokenEvent]:
+        """Queue `req` and yield its token events until it finishes; its failure is raised as a
+        ServiceError. Closing early (a cancelled caller) frees the sequence's KV now."""
+        stream = _Mailbox()
+        self.open_stream(req, stream)
         finished = False
         try:
             while True:
@@ -226,14 +258,7 @@ class SchedulerDriver(Migrations, ShardHealth):
                     finished = True
                     return
         finally:
-            self.streams.pop(req.seq_id, None)
-            if not finished:  # the client cancelled or its deadline passed: free the KV now
-                try:
-                    core.cancel(req.seq_id)
-                    self.wake.set()
-                except ServiceError:  # it may have just finished
-                    pass
-            self._report()
+            self.close_stream(req.seq_id, finished)
 
     async def add_shard(self, address: str, make_link: Callable[[str], ShardLink]) -> int:
         """Register a shard at gpu_dense, then take it into placement. `make_link(address)` builds
@@ -258,7 +283,7 @@ class SchedulerDriver(Migrations, ShardHealth):
         """The drain's grace period is over: every request still running ends with UNAVAILABLE (the
         gateway resubmits it to the next scheduler from the tokens it already has)."""
         for stream in list(self.streams.values()):
-            stream.queue.put_nowait(Unavailable("scheduler is draining: retry the request"))
+            stream.put(Unavailable("scheduler is draining: retry the request"))
 
     async def drain(self) -> None:
         """Stop admitting; let running sequences finish."""
@@ -381,7 +406,7 @@ class SchedulerDriver(Migrations, ShardHealth):
     def _fail_all(self, error: DependencyDown) -> None:
         assert self.core is not None
         for sid, stream in list(self.streams.items()):
-            stream.queue.put_nowait(error)
+            stream.put(error)
             try:
                 self.core.cancel(sid)  # its KV is freed with the next step
             except ServiceError:
@@ -478,7 +503,7 @@ class SchedulerDriver(Migrations, ShardHealth):
                 )
             stream = self.streams.get(ev.seq_id)
             if stream is not None:
-                stream.queue.put_nowait(ev)
+                stream.put(ev)
 
     def _log_preempted(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:

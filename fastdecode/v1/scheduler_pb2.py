@@ -23,29 +23,38 @@ _sym_db = _symbol_database.Default()
 
 
 from fastdecode.v1 import dense_pb2 as fastdecode_dot_v1_dot_dense__pb2
+from fastdecode.v1 import tensor_pb2 as fastdecode_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x61stdecode/v1/scheduler.proto\x12\rfastdecode.v1\x1a\x19\x66\x61stdecode/v1/dense.proto\"M\n\x12RemoveShardRequest\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"\x7f\n\x13RemoveShardResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x1a\n\x12migrated_sequences\x18\x02 \x01(\x05\x12\x1d\n\x15reprefilled_sequences\x18\x03 \x01(\x05\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\xdf\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.fastdecode.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1b\n\x13sample_index_offset\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18< \x01(\t\"\x90\x02\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05shard\x18\x07 \x01(\x05\x12\'\n\x03top\x18( \x03(\x0b\x32\x1a.fastdecode.v1.TopLogprobs\x12\x37\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x1e.fastdecode.v1.PositionLogprob\x12\x15\n\rcached_tokens\x18\x32 \x01(\x05\"\x17\n\x15SchedulerStatsRequest\"\xcf\x01\n\tShardLoad\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tsequences\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x65xpected_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x03\x12\x14\n\x0c\x62lock_tokens\x18\x08 \x01(\x03\x12\r\n\x05state\x18< \x01(\t\x12\x17\n\x0fwaiting_to_move\x18= \x01(\x05\"\xde\x02\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x10\n\x08\x66inished\x18\x04 \x01(\x04\x12\x12\n\nrecoveries\x18\x05 \x01(\x04\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.fastdecode.v1.ShardLoad\x12\x16\n\x0ekv_load_tokens\x18\x07 \x01(\x01\x12\x0f\n\x07w_limit\x18\x08 \x01(\x01\x12\x11\n\tadmission\x18\t \x01(\t\x12\x18\n\x10not_ready_reason\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x12\n\nmigrations\x18< \x01(\x04\x12\x16\n\x0emigrated_bytes\x18= \x01(\x04\x12\x19\n\x11migration_seconds\x18> \x01(\x01\x12\x19\n\x11migrations_failed\x18? \x01(\x04\x32\x8a\x03\n\tScheduler\x12\x43\n\x06Submit\x12\x1c.fastdecode.v1.SubmitRequest\x1a\x19.fastdecode.v1.TokenEvent0\x01\x12\x44\n\x0cGetModelInfo\x12\x1a.fastdecode.v1.InfoRequest\x1a\x18.fastdecode.v1.ModelInfo\x12O\n\x08GetStats\x12$.fastdecode.v1.SchedulerStatsRequest\x1a\x1d.fastdecode.v1.SchedulerStats\x12K\n\x08\x41\x64\x64Shard\x12\x1e.fastdecode.v1.AddShardRequest\x1a\x1f.fastdecode.v1.AddShardResponse\x12T\n\x0bRemoveShard\x12!.fastdecode.v1.RemoveShardRequest\x1a\".fastdecode.v1.RemoveShardResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x61stdecode/v1/scheduler.proto\x12\rfastdecode.v1\x1a\x19\x66\x61stdecode/v1/dense.proto\x1a\x1a\x66\x61stdecode/v1/tensor.proto\"M\n\x12RemoveShardRequest\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"\x7f\n\x13RemoveShardResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x1a\n\x12migrated_sequences\x18\x02 \x01(\x05\x12\x1d\n\x15reprefilled_sequences\x18\x03 \x01(\x05\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\xdf\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.fastdecode.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1b\n\x13sample_index_offset\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18< \x01(\t\"x\n\x0eSessionRequest\x12.\n\x06submit\x18\x01 \x01(\x0b\x32\x1c.fastdecode.v1.SubmitRequestH\x00\x12.\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1c.fastdecode.v1.CancelRequestH\x00\x42\x06\n\x04kind\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"<\n\rSessionEvents\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.fastdecode.v1.SessionEvent\"\x9a\x01\n\x0cSessionEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05token\x18\x02 \x01(\x0b\x32\x19.fastdecode.v1.TokenEventH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.fastdecode.v1.ItemErrorH\x00\x12\x17\n\x0f\x64\x65pendency_down\x18\x04 \x01(\x08\x42\x06\n\x04kind\"\x90\x02\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\r\n\x05shard\x18\x07 \x01(\x05\x12\'\n\x03top\x18( \x03(\x0b\x32\x1a.fastdecode.v1.TopLogprobs\x12\x37\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x1e.fastdecode.v1.PositionLogprob\x12\x15\n\rcached_tokens\x18\x32 \x01(\x05\"\x17\n\x15SchedulerStatsRequest\"\xcf\x01\n\tShardLoad\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tsequences\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x65xpected_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x03\x12\x14\n\x0c\x62lock_tokens\x18\x08 \x01(\x03\x12\r\n\x05state\x18< \x01(\t\x12\x17\n\x0fwaiting_to_move\x18= \x01(\x05\"\xde\x02\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x10\n\x08\x66inished\x18\x04 \x01(\x04\x12\x12\n\nrecoveries\x18\x05 \x01(\x04\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.fastdecode.v1.ShardLoad\x12\x16\n\x0ekv_load_tokens\x18\x07 \x01(\x01\x12\x0f\n\x07w_limit\x18\x08 \x01(\x01\x12\x11\n\tadmission\x18\t \x01(\t\x12\x18\n\x10not_ready_reason\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x12\n\nmigrations\x18< \x01(\x04\x12\x16\n\x0emigrated_bytes\x18= \x01(\x04\x12\x19\n\x11migration_seconds\x18> \x01(\x01\x12\x19\n\x11migrations_failed\x18? \x01(\x04\x32\xd6\x03\n\tScheduler\x12\x43\n\x06Submit\x12\x1c.fastdecode.v1.SubmitRequest\x1a\x19.fastdecode.v1.TokenEvent0\x01\x12J\n\x07Session\x12\x1d.fastdecode.v1.SessionRequest\x1a\x1c.fastdecode.v1.SessionEvents(\x01\x30\x01\x12\x44\n\x0cGetModelInfo\x12\x1a.fastdecode.v1.InfoRequest\x1a\x18.fastdecode.v1.ModelInfo\x12O\n\x08GetStats\x12$.fastdecode.v1.SchedulerStatsRequest\x1a\x1d.fastdecode.v1.SchedulerStats\x12K\n\x08\x41\x64\x64Shard\x12\x1e.fastdecode.v1.AddShardRequest\x1a\x1f.fastdecode.v1.AddShardResponse\x12T\n\x0bRemoveShard\x12!.fastdecode.v1.RemoveShardRequest\x1a\".fastdecode.v1.RemoveShardResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fastdecode.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REMOVESHARDREQUEST']._serialized_start=75
-  _globals['_REMOVESHARDREQUEST']._serialized_end=152
-  _globals['_REMOVESHARDRESPONSE']._serialized_start=154
-  _globals['_REMOVESHARDRESPONSE']._serialized_end=281
-  _globals['_SUBMITREQUEST']._serialized_start=284
-  _globals['_SUBMITREQUEST']._serialized_end=507
-  _globals['_TOKENEVENT']._serialized_start=510
-  _globals['_TOKENEVENT']._serialized_end=782
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=784
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=807
-  _globals['_SHARDLOAD']._serialized_start=810
-  _globals['_SHARDLOAD']._serialized_end=1017
-  _globals['_SCHEDULERSTATS']._serialized_start=1020
-  _globals['_SCHEDULERSTATS']._serialized_end=1370
-  _globals['_SCHEDULER']._serialized_start=1373
-  _globals['_SCHEDULER']._serialized_end=1767
+  _globals['_REMOVESHARDREQUEST']._serialized_start=103
+  _globals['_REMOVESHARDREQUEST']._serialized_end=180
+  _globals['_REMOVESHARDRESPONSE']._serialized_start=182
+  _globals['_REMOVESHARDRESPONSE']._serialized_end=309
+  _globals['_SUBMITREQUEST']._serialized_start=312
+  _globals['_SUBMITREQUEST']._serialized_end=535
+  _globals['_SESSIONREQUEST']._serialized_start=537
+  _globals['_SESSIONREQUEST']._serialized_end=657
+  _globals['_CANCELREQUEST']._serialized_start=659
+  _globals['_CANCELREQUEST']._serialized_end=694
+  _globals['_SESSIONEVENTS']._serialized_start=696
+  _globals['_SESSIONEVENTS']._serialized_end=756
+  _globals['_SESSIONEVENT']._serialized_start=759
+  _globals['_SESSIONEVENT']._serialized_end=913
+  _globals['_TOKENEVENT']._serialized_start=916
+  _globals['_TOKENEVENT']._serialized_end=1188
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=1190
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=1213
+  _globals['_SHARDLOAD']._serialized_start=1216
+  _globals['_SHARDLOAD']._serialized_end=1423
+  _globals['_SCHEDULERSTATS']._serialized_start=1426
+  _globals['_SCHEDULERSTATS']._serialized_end=1776
+  _globals['_SCHEDULER']._serialized_start=1779
+  _globals['_SCHEDULER']._serialized_end=2249
 # @@protoc_insertion_point(module_scope)

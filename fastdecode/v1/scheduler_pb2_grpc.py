@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=fastdecode_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/fastdecode.v1.Scheduler/Session',
+                request_serializer=fastdecode_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.SessionEvents.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/fastdecode.v1.Scheduler/GetModelInfo',
                 request_serializer=fastdecode_dot_v1_dot_dense__pb2.InfoRequest.SerializeToString,
@@ -70,6 +75,16 @@ class SchedulerServicer:
     def Submit(self, request, context):
         """Submit one sequence; token events stream back until it finishes.
         Cancelling the call cancels the sequence and frees its KV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many sequences on one stream (the gateway's link): submits and cancels keyed by request id one
+        way; the other way, one SessionEvents per step with that step's events for every request of the
+        session. A request's failure comes in-band and ends only that request; the session ending
+        (or breaking) cancels every sequence still running on it and frees their KV.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +125,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=fastdecode_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=fastdecode_dot_v1_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_scheduler__pb2.SessionEvents.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -160,6 +180,33 @@ class Scheduler:
             '/fastdecode.v1.Scheduler/Submit',
             fastdecode_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             fastdecode_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fastdecode.v1.Scheduler/Session',
+            fastdecode_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            fastdecode_dot_v1_dot_scheduler__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,

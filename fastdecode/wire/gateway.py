@@ -5,11 +5,12 @@ model info (dense.proto's ModelInfo, relayed by the scheduler). Loads no torch: 
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from fastdecode.contract import TokenLogprob
 from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams, ValidRequest
-from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.errors import InvalidInput, Status
 from fastdecode.runtime.grammar import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
@@ -109,12 +110,41 @@ def submit_request(request_id: str, v: ValidRequest, sample_offset: int = 0) -> 
     )
 
 
+def session_submit(request_id: str, v: ValidRequest, sample_offset: int = 0) -> scheduler_pb2.SessionRequest:
+    return scheduler_pb2.SessionRequest(submit=submit_request(request_id, v, sample_offset))
+
+
+def session_cancel(request_id: str) -> scheduler_pb2.SessionRequest:
+    return scheduler_pb2.SessionRequest(cancel=scheduler_pb2.CancelRequest(request_id=request_id))
+
+
+class UpstreamFailure(NamedTuple):
+    """A request's in-band end on a session: the status Submit's call would have ended with."""
+
+    status: Status
+    message: str
+    dependency_down: bool
+
+
+def session_events_from_proto(
+    msg: scheduler_pb2.SessionEvents,
+) -> list[tuple[str, UpstreamEvent | UpstreamFailure]]:
+    out: list[tuple[str, UpstreamEvent | UpstreamFailure]] = []
+    for e in msg.events:
+        if e.HasField("error"):
+            failure = UpstreamFailure(Status.from_value(e.error.code), e.error.message, e.dependency_down)
+            out.append((e.request_id, failure))
+        else:
+            out.append((e.request_id, upstream_event_from_proto(e.token)))
+    return out
+
+
 def upstream_event_from_proto(ev: scheduler_pb2.TokenEvent) -> UpstreamEvent:
     return UpstreamEvent(
         list(ev.token_ids),
         ev.finish_reason,
         list(ev.logprobs),
-        [top_from_proto(t) for t in ev.top],
-        [position_from_proto(p) for p in ev.prompt_logprobs],
+        [top_from_proto(t) for t in ev.top] if ev.top else [],
+        [position_from_proto(p) for p in ev.prompt_logprobs] if ev.prompt_logprobs else [],
         cached_tokens=ev.cached_tokens,
     )

@@ -1,12 +1,17 @@
-"""scheduler.proto: the gateway's Submit to the scheduler's Request, its token events back; the
-scheduler's stats and RemoveShard answer for operators."""
+"""scheduler.proto: the gateway's Submit to the scheduler's Request, its token events back (a
+Submit's one by one, a Session's a step's at a time); the scheduler's stats and RemoveShard answer
+for operators."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from fastdecode.runtime.errors import DependencyDown, ServiceError
 from fastdecode.scheduling.driver import SchedulerDriver
 from fastdecode.scheduling.types import RemoveResult, Request, TokenEvent
 from fastdecode.v1 import scheduler_pb2
 from fastdecode.wire.dense import position_to_proto, sampling_from_proto, top_to_proto
+from fastdecode.wire.errors import item_error
 
 
 def request_from_submit(seq_id: str, r: scheduler_pb2.SubmitRequest) -> Request:
@@ -23,21 +28,45 @@ def request_from_submit(seq_id: str, r: scheduler_pb2.SubmitRequest) -> Request:
 
 
 def token_event_to_proto(ev: TokenEvent) -> scheduler_pb2.TokenEvent:
-    out = scheduler_pb2.TokenEvent(
-        token_ids=ev.token_ids,
-        logprobs=ev.logprobs,
-        finish_reason=ev.finish_reason or "",
-        prompt_tokens=ev.prompt_tokens,
-        completion_tokens=ev.completion_tokens,
-        step=ev.step,
-        shard=ev.shard,
-        cached_tokens=ev.cached_tokens,
-    )
+    out = scheduler_pb2.TokenEvent()
+    _fill_token_event(out, ev)
+    return out
+
+
+def _fill_token_event(out: scheduler_pb2.TokenEvent, ev: TokenEvent) -> None:
+    out.token_ids.extend(ev.token_ids)
+    out.logprobs.extend(ev.logprobs)
+    if ev.finish_reason:
+        out.finish_reason = ev.finish_reason
+    out.prompt_tokens = ev.prompt_tokens
+    out.completion_tokens = ev.completion_tokens
+    out.step = ev.step
+    out.shard = ev.shard
+    if ev.cached_tokens:
+        out.cached_tokens = ev.cached_tokens
     # one event per request every step: the repeated parts only when asked (empty lists cost ~1/3)
     if ev.top:
         out.top.extend(top_to_proto(t) for t in ev.top)
     if ev.prompt_logprobs:
         out.prompt_logprobs.extend(position_to_proto(p) for p in ev.prompt_logprobs)
+
+
+def session_events_to_proto(
+    batch: Sequence[tuple[str, TokenEvent | ServiceError]],
+) -> scheduler_pb2.SessionEvents:
+    """A step's events for a session's requests, as one message. A failure (a ServiceError, or an
+    event carrying one) is that request's in-band error, with Submit's dependency-down meaning."""
+    out = scheduler_pb2.SessionEvents()
+    add = out.events.add
+    for seq_id, item in batch:
+        error = item if isinstance(item, ServiceError) else item.error
+        e = add(request_id=seq_id)
+        if error is not None:
+            e.error.CopyFrom(item_error(error))
+            e.dependency_down = isinstance(error, DependencyDown)
+        else:
+            assert isinstance(item, TokenEvent)
+            _fill_token_event(e.token, item)
     return out
 
 

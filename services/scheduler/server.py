@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
-from fastdecode.runtime.errors import InvalidInput, Unavailable
+from fastdecode.runtime.errors import InvalidInput, ServiceError, Unavailable
 from fastdecode.runtime.logs import bind_request_id
 from fastdecode.runtime.rpc import Server, handles_errors, request_id_of
 from fastdecode.runtime.settings import SchedulerSettings, split_addresses
 from fastdecode.scheduling.driver import SchedulerDriver
+from fastdecode.scheduling.session import RequestSession
 from fastdecode.v1 import dense_pb2
 from fastdecode.v1 import scheduler_pb2 as pb
 from fastdecode.v1 import scheduler_pb2_grpc as pb_grpc
@@ -44,6 +45,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         bind_request_id(sid)  # this call's task logs with the request id from here on
         async for ev in self.driver.generate(wire.request_from_submit(sid, request)):
             yield wire.token_event_to_proto(ev)
+
+    @handles_errors(trailers=SCHEDULER_ERROR_TRAILER)
+    async def Session(
+        self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionEvents]:
+        session = RequestSession(self.driver)
+        reader = asyncio.create_task(_read_session(session, requests))
+        try:
+            while (batch := await session.next_batch()) is not None:
+                yield wire.session_events_to_proto(batch)
+            await reader  # what broke the input, if anything, ends the call with its status
+        finally:
+            reader.cancel()
+            session.close()  # a broken or cancelled session: what still runs on it is cancelled
 
     @handles_errors
     async def GetModelInfo(
@@ -77,6 +92,27 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             request.shard, request.address.strip(), max(0.0, request.timeout_seconds)
         )
         return wire.remove_result_to_proto(r)
+
+
+async def _read_session(session: RequestSession, requests: AsyncIterator[pb.SessionRequest]) -> None:
+    broken = True
+    try:
+        async for m in requests:
+            kind = m.WhichOneof("kind")
+            if kind == "submit":
+                try:
+                    req = wire.request_from_submit(m.submit.request_id, m.submit)
+                except ServiceError as e:  # e.g. sampling settings out of range: that request's error
+                    session.refuse(m.submit.request_id, e)
+                    continue
+                session.submit(req)
+            elif kind == "cancel":
+                session.cancel(m.cancel.request_id)
+            else:
+                session.refuse("", InvalidInput("a session message must be a submit or a cancel"))
+        broken = False
+    finally:
+        session.end_input(broken)
 
 
 async def _readiness(server: Server, driver: SchedulerDriver, interval: float) -> None:

@@ -1,0 +1,312 @@
+"""The scheduler's Session RPC and the gateway's link over it, on loopback: the real servicer, driver
+and core (gpu_dense and the shards are in-process fakes behind the driver's ports), the real
+GrpcSchedulerLink and GatewayCore. Many requests share one call, a step's events come as one
+message, a request's failure stays its own, a cancel or deadline frees the KV, a restarted
+scheduler is a SchedulerLost the gateway resubmits from, and the fleet secret guards the call."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fastdecode.gateway.core import GatewayCore, SchedulerLost
+from fastdecode.gateway.text import GenerateParams, ValidRequest
+from fastdecode.model import ModelConfig
+from fastdecode.runtime.errors import DeadlineExceeded, InternalError, InvalidInput, Status
+from fastdecode.runtime.fleet_secret import FleetSecret
+from fastdecode.runtime.rpc import Server
+from fastdecode.runtime.settings import GatewaySettings, SchedulerSettings, TLSFiles
+from fastdecode.runtime.tokenizer import Tokenizer
+from fastdecode.scheduling import Step
+from fastdecode.scheduling.driver import SchedulerDriver
+from fastdecode.scheduling.ports import StepOutcome
+from fastdecode.v1 import scheduler_pb2 as pb
+from fastdecode.v1 import scheduler_pb2_grpc as pb_grpc
+from services.gateway.scheduler_link import GrpcSchedulerLink
+from services.scheduler.server import SchedulerServicer
+from tests.support.fakes import FakeDense, FakeShard
+
+SECRET = FleetSecret.parse("s" * 40, "test")
+
+
+class PacedDense(FakeDense):
+    """Each step takes a millisecond, as a real one takes time (the loop yields between steps)."""
+
+    async def run(self, step: Step, pipeline: bool) -> StepOutcome:
+        await asyncio.sleep(0.001)
+        return await super().run(step, pipeline)
+
+
+class Scheduler:
+    """A scheduler service on 127.0.0.1: its gRPC server, servicer and step loop."""
+
+    def __init__(self, port: int = 0, tls: TLSFiles | None = None) -> None:
+        self.settings = SchedulerSettings(
+            dense="fake:1", shards="fake:2,fake:3", host="127.0.0.1", port=port, health_interval=0.01
+        )
+        self.shards = [FakeShard("fake:2"), FakeShard("fake:3")]
+        self.shards[0].peers, self.shards[1].peers = {"fake:3": self.shards[1]}, {"fake:2": self.shards[0]}
+        self.tls = tls
+
+    async def __aenter__(self) -> Scheduler:
+        self.service = SchedulerServicer(self.settings)
+        self.service.driver = SchedulerDriver(self.settings, PacedDense(), self.shards)
+        self.server = Server(["fastdecode.v1.Scheduler"], "127.0.0.1", self.settings.port, self.tls, 1.0)
+        pb_grpc.add_SchedulerServicer_to_server(self.service, self.server.server)
+        await self.server.start()
+        await self.service.driver.connect()
+        self.loop = asyncio.create_task(self.service.driver.step_loop())
+        self.address = f"127.0.0.1:{self.server.port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()
+
+    async def kill(self) -> None:
+        """Gone at once, as a process killed with -9 (no drain, no status for what runs)."""
+        self.loop.cancel()
+        await self.server.server.stop(0)
+
+    def held(self) -> dict[str, int]:
+        return {sid: n for s in self.shards for sid, n in s.held.items()}
+
+    async def until_no_kv(self, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while self.held():
+                await asyncio.sleep(0.01)
+
+
+def _request(prompt: list[int], n: int, temperature: float = 0.0) -> ValidRequest:
+    return ValidRequest(prompt, n, temperature, 1.0, 0, None, (), (), True)
+
+
+async def _tokens(events: AsyncIterator) -> list[int]:
+    return [t async for ev in events for t in ev.token_ids]
+
+
+def test_many_requests_share_one_call_and_a_step_is_one_message() -> None:
+    async def main() -> None:
+        async with Scheduler() as s:
+            link = GrpcSchedulerLink(s.address, None)
+            runs = [link.submit(f"r{i}", _request([1, 2, 3 + i], 8 + 4 * i), 30) for i in range(4)]
+            got = await asyncio.gather(*(_tokens(r) for r in runs))
+            assert got == [list(range(1, 9 + 4 * i)) for i in range(4)]  # FakeDense: 1 + sample index
+            assert link.session is not None and link.session.lost is None  # one call, still open
+            await link.close()
+
+            # The same, read off the wire: one message per step, at most one event per request.
+            async with grpc.aio.insecure_channel(s.address) as ch:
+                out: asyncio.Queue = asyncio.Queue()
+                for i in range(3):
+                    out.put_nowait(
+                        pb.SessionRequest(
+                            submit=pb.SubmitRequest(
+                                request_id=f"w{i}", prompt_token_ids=[1, 2], max_tokens=10
+                            )
+                        )
+                    )
+
+                async def requests() -> AsyncIterator[pb.SessionRequest]:
+                    while (m := await out.get()) is not None:
+                        yield m
+
+                call = pb_grpc.SchedulerStub(ch).Session(requests())
+                done: set[str] = set()
+                steps: list[int] = []
+                widest = 0
+                async for msg in call:
+                    ids = [e.request_id for e in msg.events]
+                    assert len(ids) == len(set(ids))
+                    assert len({e.token.step for e in msg.events}) == 1
+                    steps.append(msg.events[0].token.step)
+                    widest = max(widest, len(ids))
+                    done |= {e.request_id for e in msg.events if e.token.finish_reason}
+                    if done == {"w0", "w1", "w2"}:
+                        out.put_nowait(None)  # half-close: the call ends once its requests have
+                assert steps == sorted(set(steps)) and widest == 3
+                assert await call.code() == grpc.StatusCode.OK
+            assert s.held() == {} and not s.service.driver.streams
+
+    asyncio.run(main())
+
+
+def test_a_requests_failure_is_its_own_and_bad_input_gets_a_clear_in_band_error() -> None:
+    async def main() -> None:
+        async with Scheduler() as s:
+            link = GrpcSchedulerLink(s.address, None)
+            good = asyncio.create_task(_tokens(link.submit("good", _request([1, 2], 30), 30)))
+            with pytest.raises(InvalidInput, match="temperature"):
+                await _tokens(link.submit("bad", _request([1, 2], 5, temperature=float("nan")), 30))
+            with pytest.raises(InvalidInput, match="prompt"):
+                await _tokens(link.submit("too-long", _request([1] * 600, 5), 30))
+            assert await good == list(range(1, 31))
+            await link.close()
+
+            async with grpc.aio.insecure_channel(s.address) as ch:
+                sub = pb.SubmitRequest(request_id="dup", prompt_token_ids=[1, 2], max_tokens=50)
+                messages = [
+                    pb.SessionRequest(submit=sub),
+                    pb.SessionRequest(submit=sub),  # the same id again while it runs
+                    pb.SessionRequest(submit=pb.SubmitRequest(prompt_token_ids=[1], max_tokens=2)),  # no id
+                    pb.SessionRequest(submit=pb.SubmitRequest(request_id="empty", max_tokens=2)),
+                    pb.SessionRequest(cancel=pb.CancelRequest(request_id="nobody")),
+                    pb.SessionRequest(),  # neither kind
+                ]
+                call = pb_grpc.SchedulerStub(ch).Session(iter(messages))
+                errors: dict[str, tuple[int, str]] = {}
+                finished = False
+                async for msg in call:
+                    for e in msg.events:
+                        if e.HasField("error"):
+                            errors.setdefault(e.request_id, (e.error.code, e.error.message))
+                        finished |= e.request_id == "dup" and bool(e.token.finish_reason)
+                assert await call.code() == grpc.StatusCode.OK and finished  # "dup" ran to its end
+                assert (
+                    errors["dup"][0] == Status.INVALID_ARGUMENT.value
+                    and "already running" in errors["dup"][1]
+                )
+                assert errors[""][0] == Status.INVALID_ARGUMENT.value
+                assert errors["empty"][0] == Status.INVALID_ARGUMENT.value
+                assert errors["nobody"] == (
+                    Status.NOT_FOUND.value,
+                    "request id 'nobody' is not running in this session",
+                )
+
+                # Bytes that are no SessionRequest: the peer speaks another protocol; the call ends.
+                raw = ch.stream_stream("/fastdecode.v1.Scheduler/Session")(iter([b"\xff\xff\xff"]))
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    async for _ in raw:
+                        pass
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert s.held() == {}
+            # ...and the server goes on serving sessions.
+            link = GrpcSchedulerLink(s.address, None)
+            assert await _tokens(link.submit("after", _request([1, 2], 3), 30)) == [1, 2, 3]
+            await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_a_deadline_or_a_gone_gateway_frees_the_kv() -> None:
+    async def main() -> None:
+        async with Scheduler() as s:
+            link = GrpcSchedulerLink(s.address, None)
+            stays = link.submit("stays", _request([1, 2], 200), 30)
+            first = await anext(stays)
+            async with contextlib.aclosing(link.submit("closed", _request([1, 2], 400), 30)) as events:
+                await anext(events)
+                await anext(events)
+                assert "closed" in s.held()
+            # the early close cancelled it upstream
+            async with asyncio.timeout(5):
+                while "closed" in s.held():
+                    await asyncio.sleep(0.01)
+
+            with pytest.raises(DeadlineExceeded):
+                await _tokens(link.submit("late", _request([1, 2], 400), 0.05))
+            async with asyncio.timeout(5):
+                while "late" in s.held():
+                    await asyncio.sleep(0.01)
+            # the session and the other request were untouched
+            assert first.token_ids == [1]
+            assert await _tokens(stays) == list(range(2, 201))
+            # The gateway goes away with requests running: the scheduler cancels them all.
+            runs = [link.submit(f"g{i}", _request([1, 2], 400), 30) for i in range(3)]
+            for r in runs:
+                await anext(r)
+            assert {"g0", "g1", "g2"} <= set(s.held())
+            await link.close()
+            await s.until_no_kv()
+            assert not s.service.driver.streams
+
+    asyncio.run(main())
+
+
+def test_a_restarted_scheduler_is_lost_then_resubmitted_to(llama_dir: Path) -> None:
+    async def main() -> None:
+        first = Scheduler()
+        await first.__aenter__()
+        link = GrpcSchedulerLink(first.address, None)
+        port = int(first.address.rsplit(":", 1)[1])
+        # At the link: a broken session is SchedulerLost for every request on it.
+        a, b = link.submit("a", _request([1, 2], 400), 30), link.submit("b", _request([1, 2], 400), 30)
+        await anext(a), await anext(b)
+        await first.kill()
+        for events in (a, b):
+            with pytest.raises(SchedulerLost):
+                await _tokens(events)
+
+        # Through the gateway core: lost mid-request, resubmitted to the scheduler that comes back.
+        second = Scheduler(port)
+        await second.__aenter__()
+        core = GatewayCore(
+            GatewaySettings(scheduler=second.address, model=llama_dir, scheduler_recovery_timeout=20),
+            Tokenizer.from_pretrained(llama_dir),
+            ModelConfig.from_pretrained(llama_dir),
+            link,
+        )
+        params = GenerateParams(token_ids=[1, 2], max_tokens=300, ignore_eos=True)
+        got: list[int] = []
+        restarted = asyncio.Event()
+
+        async def restart() -> None:
+            await second.kill()
+            await asyncio.sleep(0.3)
+            third = Scheduler(port)
+            await third.__aenter__()
+            restarted.set()
+            await asyncio.sleep(30)  # served until the test ends (cancelled there)
+            await third.kill()
+
+        restarter: asyncio.Task | None = None
+        async with contextlib.aclosing(core.generate(params, "c", None, "grpc")) as chunks:
+            async for chunk in chunks:
+                got += chunk.token_ids
+                if len(got) >= 20 and restarter is None:
+                    restarter = asyncio.create_task(restart())
+        assert restarted.is_set()
+        # FakeDense samples 1 + the sample index; the resubmission continued the index: no gap, no repeat
+        assert got == list(range(1, 301))
+        assert restarter is not None
+        restarter.cancel()
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_the_fleet_secret_guards_the_session() -> None:
+    async def main() -> None:
+        async with Scheduler(tls=TLSFiles(secret=SECRET)) as s:
+            without = GrpcSchedulerLink(s.address, None)
+            with pytest.raises(InternalError, match="UNAUTHENTICATED"):
+                await _tokens(without.submit("x", _request([1, 2], 3), 30))
+            await without.close()
+            assert s.held() == {} and not s.service.driver.streams
+            with_secret = GrpcSchedulerLink(s.address, TLSFiles(secret=SECRET))
+            assert await _tokens(with_secret.submit("y", _request([1, 2], 3), 30)) == [1, 2, 3]
+            await with_secret.close()
+
+    asyncio.run(main())
+
+
+def test_submit_and_the_session_run_side_by_side() -> None:
+    async def main() -> None:
+        async with Scheduler() as s:
+            link = GrpcSchedulerLink(s.address, None)
+            session = asyncio.create_task(_tokens(link.submit("s", _request([1, 2], 40), 30)))
+            async with grpc.aio.insecure_channel(s.address) as ch:
+                call = pb_grpc.SchedulerStub(ch).Submit(
+                    pb.SubmitRequest(request_id="u", prompt_token_ids=[1, 2], max_tokens=40), timeout=30
+                )
+                unary = [t async for ev in call for t in ev.token_ids]
+                info = pb_grpc.SchedulerStub(ch).GetStats(pb.SchedulerStatsRequest(), timeout=5)
+                assert (await info).steps > 0
+            assert unary == await session == list(range(1, 41))
+            await link.close()
+
+    asyncio.run(main())

@@ -3,15 +3,17 @@ fleet's noise.
 
 The real SchedulerDriver and SchedulerCore run B sequences on P shards, with the scheduler's wire
 code on both ends of a step: the StepPlan is built and serialized as GrpcDenseLink sends it, the
-StepResult parsed and converted as it receives it, and every token event converted and serialized
-as the Submit stream writes it. Only the peers are in process and answer at once: gpu_dense's side
+StepResult parsed and converted as it receives it, and the token events converted and serialized
+as the gateway's Session writes them (one message per step), then, in the same run, as a Submit
+stream per request writes them. Only the peers are in process and answer at once: gpu_dense's side
 (parse the plan, answer a token per sampled sequence) is timed apart and left out, and the shards
 hold their reservations in a dict. No gRPC transport is counted (`bench pace` measures it with the
 whole fleet); what is left is the scheduler's Python per step.
 
 Per step the CPU is split into `plan` (moves, admission, placement, next_step), `exchange` (the plan
 out and the result back: the scheduler's codec), `apply` (apply, token events to each request's
-mailbox, metrics), and `streams` (each request's task waking to convert and serialize its event).
+mailbox, metrics), and `streams` (the Session's writer converting and serializing the step's
+events as one message; with Submit streams, each request's task waking to do so for its event).
 Medians over the timed steps, after every sequence is admitted and decoding.
 """
 
@@ -27,6 +29,7 @@ from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling.driver import SchedulerDriver
 from fastdecode.scheduling.ports import DenseInfo, MigrationResult, ShardState, StepOutcome
+from fastdecode.scheduling.session import RequestSession
 from fastdecode.scheduling.types import Request, Reservation, Step
 from fastdecode.v1 import dense_pb2
 from fastdecode.wire import dense as dense_wire
@@ -104,7 +107,9 @@ class _InstantShard:
         return None
 
 
-async def _run(batch: int, shards: int, steps: int, prompt_len: int, prefix_sharing: bool) -> dict[str, Any]:
+async def _run(
+    batch: int, shards: int, steps: int, prompt_len: int, prefix_sharing: bool, transport: str
+) -> dict[str, Any]:
     settings = SchedulerSettings(
         dense="bench:dense",
         shards=",".join(f"bench:{i}" for i in range(shards)),
@@ -122,16 +127,30 @@ async def _run(batch: int, shards: int, steps: int, prompt_len: int, prefix_shar
     assert core is not None
     events = 0
 
-    async def stream(i: int) -> None:
-        nonlocal events
+    def request(i: int) -> Request:
         # distinct prompts (nothing shared), long enough to decode through the timed steps
         prompt = [(7 * i + j) % (VOCAB - 1) + 1 for j in range(prompt_len)]
-        req = Request(f"bench-{i}", prompt, max_tokens=min(CONTEXT - prompt_len, steps + 64))
-        async for ev in driver.generate(req):
+        return Request(f"bench-{i}", prompt, max_tokens=min(CONTEXT - prompt_len, steps + 64))
+
+    async def stream(i: int) -> None:
+        nonlocal events
+        async for ev in driver.generate(request(i)):
             scheduler_wire.token_event_to_proto(ev).SerializeToString()  # as the Submit stream writes it
             events += 1
 
-    tasks = [asyncio.create_task(stream(i)) for i in range(batch)]
+    async def session_writer(session: RequestSession) -> None:
+        nonlocal events
+        while (batch := await session.next_batch()) is not None:  # as the Session call writes a step
+            scheduler_wire.session_events_to_proto(batch).SerializeToString()
+            events += len(batch)
+
+    if transport == "session":
+        session = RequestSession(driver)
+        for i in range(batch):
+            session.submit(request(i))
+        tasks = [asyncio.create_task(session_writer(session))]
+    else:
+        tasks = [asyncio.create_task(stream(i)) for i in range(batch)]
     await asyncio.sleep(0)
 
     async def one_step() -> tuple[float, float, float, float]:
@@ -144,7 +163,7 @@ async def _run(batch: int, shards: int, steps: int, prompt_len: int, prefix_shar
         if step is not None:
             await driver.run_step(step)
         t2 = time.process_time()
-        for _ in range(3):  # every request's task takes its event
+        for _ in range(3):  # every request's task (or the session's writer) takes its events
             await asyncio.sleep(0)
         t3 = time.process_time()
         exchange = dense.exchange_cpu_s - ex0
@@ -176,6 +195,7 @@ async def _run(batch: int, shards: int, steps: int, prompt_len: int, prefix_shar
         "steps": steps,
         "prompt_len": prompt_len,
         "prefix_sharing": prefix_sharing,
+        "events": transport,
         "scheduler_cpu_ms_per_step": round(median(totals), 3),
         **{f"{k}_ms": round(median(v), 3) for k, v in parts.items()},
         "without_streams_ms": round(median(without), 3),
@@ -186,4 +206,12 @@ async def _run(batch: int, shards: int, steps: int, prompt_len: int, prefix_shar
 def run_scheduler_step_bench(
     batch: int = 256, shards: int = 4, steps: int = 200, prompt_len: int = 32, prefix_sharing: bool = True
 ) -> dict[str, Any]:
-    return asyncio.run(_run(batch, shards, steps, prompt_len, prefix_sharing))
+    """Both ways of delivering the token events, in one run: the gateway's Session (one message
+    per step) and a Submit stream per request. The Session's figures lead; `submit` holds the other's
+    and `streams_ratio` the Session's streams time over Submit's."""
+    session, submit = (
+        asyncio.run(_run(batch, shards, steps, prompt_len, prefix_sharing, transport))
+        for transport in ("session", "submit")
+    )
+    ratio = session["streams_ms"] / submit["streams_ms"] if submit["streams_ms"] > 0 else None
+    return {**session, "submit": submit, "streams_ratio": round(ratio, 3) if ratio is not None else None}

@@ -462,7 +462,8 @@ def migrate_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
 @click.option("--prefix-sharing/--no-prefix-sharing", default=True, show_default=True)
 def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     """The scheduler's own CPU per decode step (real driver, core and wire code; in-process peers
-    that answer at once, no transport): medians of plan, exchange, apply and per-request streams."""
+    that answer at once, no transport): medians of plan, exchange, apply and the event streams
+    (the gateway's Session against a Submit stream per request, same run)."""
     from fastdecode.benchmarks.scheduler_step import run_scheduler_step_bench
 
     result = run_bench(lambda: run_scheduler_step_bench(**kw))

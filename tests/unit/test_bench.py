@@ -123,6 +123,9 @@ def test_cli_bench_scheduler_step_json() -> None:
     assert res.exit_code == 0, res.output
     out = json.loads(res.output.strip().splitlines()[-1])
     assert out["batch"] == 8 and out["shards"] == 2 and out["steps"] == 5
-    for key in ("plan_ms", "exchange_ms", "apply_ms", "streams_ms", "without_streams_ms"):
-        assert out[key] >= 0
-    assert out["scheduler_cpu_ms_per_step"] > 0
+    for run in (out, out["submit"]):  # the Session's events (one message a step), then Submit's
+        for key in ("plan_ms", "exchange_ms", "apply_ms", "streams_ms", "without_streams_ms"):
+            assert run[key] >= 0
+        assert run["scheduler_cpu_ms_per_step"] > 0
+    assert (out["events"], out["submit"]["events"]) == ("session", "submit")
+    assert out["streams_ratio"] > 0

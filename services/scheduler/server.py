@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from fastdecode.protocol import SCHEDULER_ERROR_TRAILER
-from fastdecode.runtime.errors import InvalidInput, ServiceError, Unavailable
+from fastdecode.runtime.errors import InvalidInput, Unavailable, as_service_error
 from fastdecode.runtime.logs import bind_request_id
 from fastdecode.runtime.rpc import Server, handles_errors, request_id_of
 from fastdecode.runtime.settings import SchedulerSettings, split_addresses
@@ -102,8 +102,8 @@ async def _read_session(session: RequestSession, requests: AsyncIterator[pb.Sess
             if kind == "submit":
                 try:
                     req = wire.request_from_submit(m.submit.request_id, m.submit)
-                except ServiceError as e:  # e.g. sampling settings out of range: that request's error
-                    session.refuse(m.submit.request_id, e)
+                except Exception as e:  # noqa: BLE001 - that request's in-band error, not the session's end
+                    session.refuse(m.submit.request_id, as_service_error(e))
                     continue
                 session.submit(req)
             elif kind == "cancel":

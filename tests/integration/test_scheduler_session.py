@@ -1,6 +1,6 @@
 """The scheduler's Session RPC and the gateway's link over it, on loopback: the real servicer, driver
 and core (gpu_dense and the shards are in-process fakes behind the driver's ports), the real
-GrpcSchedulerLink and GatewayCore. Many requests share one call, a step's events come as one
+GrpcSchedulerLink and GatewayCore. Many requests share one call, a step's events come in one
 message, a request's failure stays its own, a cancel or deadline frees the KV, a restarted
 scheduler is a SchedulerLost the gateway resubmits from, and the fleet secret guards the call."""
 
@@ -117,18 +117,18 @@ def test_many_requests_share_one_call_and_a_step_is_one_message() -> None:
 
                 call = pb_grpc.SchedulerStub(ch).Session(requests())
                 done: set[str] = set()
-                steps: list[int] = []
-                widest = 0
+                steps: list[int] = []  # of every event, in arrival order
+                messages = widest = 0
                 async for msg in call:
-                    ids = [e.request_id for e in msg.events]
-                    assert len(ids) == len(set(ids))
-                    assert len({e.token.step for e in msg.events}) == 1
-                    steps.append(msg.events[0].token.step)
-                    widest = max(widest, len(ids))
+                    messages += 1
+                    steps += [e.token.step for e in msg.events]
+                    widest = max(widest, len({e.request_id for e in msg.events}))
                     done |= {e.request_id for e in msg.events if e.token.finish_reason}
                     if done == {"w0", "w1", "w2"}:
                         out.put_nowait(None)  # half-close: the call ends once its requests have
-                assert steps == sorted(set(steps)) and widest == 3
+                assert steps == sorted(steps)  # in step order
+                # one message per loop turn: a step (or, planned ahead, two finished back to back)
+                assert messages <= len(set(steps)) and widest == 3
                 assert await call.code() == grpc.StatusCode.OK
             assert s.held() == {} and not s.service.driver.streams
 

@@ -82,8 +82,8 @@ class SchedulerServicer:
 
     def Session(self, request_iterator, context):
         """Many sequences on one stream (the gateway's link): submits and cancels keyed by request id one
-        way; the other way, one SessionEvents per step with that step's events for every request of the
-        session. A request's failure comes in-band and ends only that request; the session ending
+        way; the other way, one SessionEvents per scheduler loop turn with that step's events for every
+        request of the session (a step's events are never split; planning ahead, a turn may apply two). A request's failure comes in-band and ends only that request; the session ending
         (or breaking) cancels every sequence still running on it and frees their KV.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

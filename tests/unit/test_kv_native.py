@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastdecode.kv import KV_DTYPES, AttendBatch, KVStore, native
-from fastdecode.kv.memory import kv_bytes_per_element
+from fastdecode.kv.memory import kv_bytes_per_element, quantize_float8
 from fastdecode.runtime.errors import FailedPrecondition
 
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
@@ -419,9 +419,8 @@ def test_float8_codes_have_no_subnormals_and_both_stores_agree() -> None:
             bits = pool[0][:, slots].view(torch.uint8) & 0x7F
             assert not ((bits > 0) & (bits < 0x08)).any()  # exponent field 0 only for zero
             assert (bits == 0x08).any()  # the flush's +-2^-6 is there, and so are zeros
-    from fastdecode.kv.memory import quantize_float8
-
-    codes, scale = quantize_float8(torch.tensor([[448.0, 2**-6, 0.75 * 2**-6, 2**-7, 0.4 * 2**-6, -0.6 * 2**-6]]))
+    row = [448.0, 2**-6, 0.75 * 2**-6, 2**-7, 0.4 * 2**-6, -0.6 * 2**-6]
+    codes, scale = quantize_float8(torch.tensor([row]))
     assert scale.item() == 1.0
     assert codes.float().tolist() == [[448.0, 2**-6, 2**-6, 0.0, 0.0, -(2**-6)]]
 

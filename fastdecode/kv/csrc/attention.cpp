@@ -859,8 +859,9 @@ const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni",
 // (three vdpbf16ps per 32 elements cost more than the shift, mask and two FMAs they replace); int8
 // avx512 1.02x, avx512_vnni 0.98x; at load ~1.5 (21 repeats) bf16 avx512 0.97x, int8 avx512_vnni
 // 0.97x: within the noise (avx2 against itself read 0.995-1.06x). float8 avx512 0.96x and 0.93x
-// (its codes widened 32 at a time): kept.
-constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx512};
+// while its codes went through float16 and vcvtph2ps (a conversion 32 at a time instead of 16);
+// widened by a shift and a mask (f8_to_f32_bits), avx512 0.986x and 0.995x: back to avx2.
+constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx2};
 
 bool cpu_has(int level) {
 #ifdef FD_X86

@@ -125,6 +125,12 @@ class PlannedSeq:
     sample: bool = True  # False: a prefill chunk before the prompt's last (nothing to sample yet)
     sample_index: int = 0
     next_token: int | None = None  # the prompt token after a chunk whose prompt logprobs are asked
+    # Planned one step ahead (while the step before ran): token_ids is [LAST_SAMPLE], to be replaced
+    # by the token gpu_dense sampled for the sequence in the step it ran just before this one.
+    use_last_sample: bool = False
+
+
+LAST_SAMPLE = -1  # the token of a step planned ahead: not known to the scheduler yet
 
 
 # ---- prefix blocks ---------------------------------------------------------------------------------

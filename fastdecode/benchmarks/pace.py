@@ -101,6 +101,7 @@ def run_point(
     model: Path,
     echo_repeats: int = 200,
     loop: str = "uvloop",
+    plan_ahead: str = "on",
 ) -> dict[str, Any]:
     import torch
 
@@ -125,7 +126,7 @@ def run_point(
         kv_dtype="bfloat16",
         pipeline=True,
         dense_args=["--dtype", "bfloat16", "--geometry", geometry, "--exchange-workers", str(workers)],
-        scheduler_args=["--max-running", str(batch)],
+        scheduler_args=["--max-running", str(batch), "--plan-ahead", plan_ahead],
         workdir=Path(tempfile.mkdtemp(prefix="fastdecode-bench-pace-")),
         env={"FASTDECODE_EVENT_LOOP": loop},
     )
@@ -172,6 +173,7 @@ def run_point(
         "shards": shards,
         "workers": workers,
         "event_loop": loop,
+        "plan_ahead": plan_ahead,
         "context": prompt_len + gen_len,
         "steps_measured": steps,
         "gpu_step_ms": gpu_ms,
@@ -204,13 +206,15 @@ def run_pace(
     model: Path | None = None,
     echo_repeats: int = 200,
     loops: tuple[str, ...] = ("uvloop",),
+    plan_ahead: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
     path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
     points = [
-        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop)
+        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead)
         for b in batches
         for k in workers
         for loop in loops
+        for ahead in plan_ahead
     ]
     return {"points": points, "cores": os.cpu_count(), "load_average_end": os.getloadavg()[0]}
 
@@ -236,7 +240,8 @@ def pace_figure(result: dict[str, Any]) -> Any:
     ax.set_xticks(
         x,
         [
-            f"{p['gpu']} {p['geometry']}\nB={p['batch']} P={p['shards']} K={p['workers']} {p['event_loop']}"
+            f"{p['gpu']} {p['geometry']}\nB={p['batch']} P={p['shards']} K={p['workers']}\n"
+            f"{p['event_loop']}, ahead {p['plan_ahead']}"
             for p in points
         ],
     )

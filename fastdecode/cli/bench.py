@@ -513,6 +513,15 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     help="The services' event loop (FASTDECODE_EVENT_LOOP); repeat for an A/B in one run.",
 )
 @click.option(
+    "--plan-ahead",
+    "plan_ahead",
+    type=click.Choice(["on", "off"]),
+    multiple=True,
+    default=("on",),
+    show_default=True,
+    help="The scheduler plans step n+1 while step n runs; repeat for an A/B in one run.",
+)
+@click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Stacked-bar PNG."
 )
 def pace_cmd(
@@ -522,6 +531,7 @@ def pace_cmd(
     batches: tuple[int, ...],
     workers: tuple[int, ...],
     loops: tuple[str, ...],
+    plan_ahead: tuple[str, ...],
     **kw: Any,
 ) -> None:
     """A real fleet on an emulated GPU: the host CPU each decode step costs, per part.
@@ -537,7 +547,12 @@ def pace_cmd(
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
     result = run_bench(
         lambda: run_pace(
-            batches=batches, workers=workers, loops=loops, model=Path(model) if model else None, **kw
+            batches=batches,
+            workers=workers,
+            loops=loops,
+            plan_ahead=plan_ahead,
+            model=Path(model) if model else None,
+            **kw,
         )
     )
     if plot is not None:

@@ -64,6 +64,7 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             ),
             _setting(SchedulerSettings, "admission"),
             _setting(SchedulerSettings, "prefix_sharing"),
+            _setting(SchedulerSettings, "plan_ahead"),
             click.option(
                 "--host-shard",
                 is_flag=True,
@@ -146,6 +147,7 @@ def _make_fleet(
     prefix_sharing: str = "on",
     host_shard: bool = False,
     geometry: str | None = None,
+    plan_ahead: str = "on",
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.dense.emulated import is_emulated, load_emulated
@@ -178,7 +180,14 @@ def _make_fleet(
         http_port=http_port,
         pipeline={"auto": None, "on": True, "off": False}[pipeline],
         host_shard=host_shard,
-        scheduler_args=["--admission", admission, "--prefix-sharing", prefix_sharing],
+        scheduler_args=[
+            "--admission",
+            admission,
+            "--prefix-sharing",
+            prefix_sharing,
+            "--plan-ahead",
+            plan_ahead,
+        ],
         dense_args=dense_args,
         env=dict(env or {}),
     )
@@ -231,6 +240,7 @@ def up(
     kv_dtype: str,
     admission: str,
     prefix_sharing: str,
+    plan_ahead: str,
     host_shard: bool,
     pipeline: str,
     port: int,
@@ -270,6 +280,7 @@ def up(
         prefix_sharing=prefix_sharing,
         host_shard=host_shard,
         geometry=geometry,
+        plan_ahead=plan_ahead,
     )
     fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:

@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from fastdecode.contract import PlannedSeq, TokenLogprob
+from fastdecode.contract import LAST_SAMPLE, PlannedSeq, TokenLogprob
 from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.handoff import Staging, copy_into
@@ -144,6 +144,8 @@ class StepRunner:
         self._lock = asyncio.Lock()  # one step at a time: timings and failures are per step
         # per slot, the staging arena a synthetic (emulated) device's q, k, v were copied into, and rows
         self._staged: dict[int, tuple[object, int]] = {}
+        # the tokens sampled in the last step run: a sequence planned one step ahead feeds its own
+        self._last: dict[str, int] = {}
 
     @property
     def num_shards(self) -> int:
@@ -156,6 +158,18 @@ class StepRunner:
         finally:
             self._busy += time.perf_counter() - t0
             self._busy_cpu += time.thread_time() - c0
+
+    @staticmethod
+    def _fill_last_sample(s: PlannedSeq, last: dict[str, int]) -> None:
+        """A sequence planned one step ahead: its token is the one sampled for it in the step before."""
+        if not (s.sample and s.token_ids == [LAST_SAMPLE]):
+            raise InvalidInput("use_last_sample needs sample and no token ids of its own")
+        tok = last.get(s.seq_id)
+        if tok is None:
+            raise FailedPrecondition(
+                f"sequence {s.seq_id!r} was planned ahead, but the step before sampled nothing for it"
+            )
+        s.token_ids = [tok]
 
     def validate(self, s: PlannedSeq, checked: set[int] | None = None) -> None:
         c = self.model.config
@@ -416,6 +430,7 @@ class StepRunner:
         self._trips = 0
         self._failures = {}
         self._prompt = {}
+        last, self._last = self._last, {}  # (a step that fails leaves none: nothing follows on from it)
         outcomes: dict[str, Outcome] = {}
         head_cpu = 0.0
         valid: list[PlannedSeq] = []
@@ -425,6 +440,8 @@ class StepRunner:
             try:
                 if s.seq_id in outcomes:
                     raise InvalidInput(f"sequence {s.seq_id!r} appears twice in one step")
+                if s.use_last_sample:
+                    self._fill_last_sample(s, last)
                 self.validate(s, checked)
                 history[s.seq_id] = self._track(s)
                 valid.append(s)
@@ -483,11 +500,13 @@ class StepRunner:
             await self.model.settle()
             for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
                 outcomes[ordered[i].seq_id] = Outcome(tok, lp, top=tops.get(j, ()))
+
         for sid, scored in self._prompt.items():
             if sid in outcomes and sid not in self._failures:
                 outcomes[sid].prompt = scored
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
+        self._last = {sid: o.token_id for sid, o in outcomes.items() if o.error is None and o.token_id >= 0}
         step = time.perf_counter() - t0
         if pipeline and all(split) and self.chooser is not None and valid:
             decided = self.chooser.choice is not None

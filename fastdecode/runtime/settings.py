@@ -200,6 +200,11 @@ class SchedulerSettings(ServiceSettings):
     max_waiting: int = Field(1024, ge=0, description="Waiting queue bound; full = RESOURCE_EXHAUSTED.")
     prefill_token_budget: int = Field(2048, ge=1, description="Prefill tokens per step (chunked prefill).")
     pipeline: bool = Field(True, description="Two-mini-batch pipeline.")
+    plan_ahead: Literal["on", "off"] = Field(
+        "on",
+        description="on: plan step n+1 while gpu_dense runs step n, its decoding sequences fed the "
+        "tokens gpu_dense sampled (the scheduler leaves the critical path); off: one step at a time.",
+    )
     health_interval: float = Field(1.0, gt=0, description="Seconds between shard health probes.")
     step_timeout: float = Field(120.0, gt=0, description="Seconds one step may take at gpu_dense.")
     startup_timeout: float = Field(300.0, gt=0, description="Seconds to wait for gpu_dense at start.")

@@ -3,10 +3,14 @@
 Pure Python, no gRPC. A driver (the scheduler service, or the simulator) loops:
     step = core.next_step(); send step.release, step.reserve to the shards; run step.seqs on the dense
     side; events = core.apply(step, results); stream events.
-One step is outstanding at a time in practice; sequences of an un-applied step are skipped by
-next_step, so a second outstanding step is allowed but never plans the same sequence twice. Every step
-with sequences must be applied (with typed errors when the dense side failed), or its sequences stay
-in flight.
+Every step with sequences must be applied, in order (with typed errors when the dense side failed),
+or aborted, newest first, or its sequences stay in flight. With `plan_ahead`, the driver plans step
+n+1 while step n runs (at most these two out): a sequence whose chunk in step n samples its last
+token goes on in step n+1 with that token, which only gpu_dense knows yet (`use_last_sample`); every
+other sequence of step n waits for its results. A sequence at its max_tokens, scoring its prompt or
+wanted at a step boundary (a move, `_parked`) is not planned ahead; one that stops at step n wastes
+its step n+1 row. Its KV release waits until the latest step carrying it is applied
+(`_held_releases`): a shard fails a whole item that names a sequence it no longer holds.
 
 Placement: a new sequence goes to the healthy shard with room for what it commits, whose load over
 the sequence's expected life is least, weighted by speed and capacity (placement.choose_shard). The
@@ -43,7 +47,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from fastdecode.contract import TokenLogprob
+from fastdecode.contract import LAST_SAMPLE, TokenLogprob
 from fastdecode.runtime.errors import (
     InternalError,
     InvalidInput,
@@ -101,6 +105,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         prefix_sharing: bool = False,
         prefix_affinity: float = 0.5,
         kv_geometry: KVGeometry | None = None,
+        plan_ahead: bool = False,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
@@ -131,6 +136,9 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         self._waiting: OrderedDict[str, SeqEntry] = OrderedDict()
         self._running: OrderedDict[str, SeqEntry] = OrderedDict()  # admission order
         self._releases: list[tuple[str, int]] = []
+        self._held_releases: dict[int, list[tuple[str, int]]] = {}
+        self._parked: set[str] = set()
+        self._ahead = plan_ahead
         self._ended: list[str] = []  # left for good since the last step (Step.ended)
         self._inflight: dict[int, dict[str, Inflight]] = {}
         self._step = 0
@@ -199,8 +207,8 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         pending = [r for r in reserve or [] if r.seq_id == sid]
         if pending:  # admitted in the step being planned: drop the reservation, nothing to release
             reserve.remove(pending[0])  # type: ignore[union-attr]
-        elif seq.reserved_on is not None and self._shards[seq.reserved_on].healthy:
-            self._releases.append((sid, seq.reserved_on))
+        else:
+            self._release(seq)
         seq.reserved_on = None
         self._unplace(seq)
         del self._running[sid]
@@ -292,11 +300,42 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         budget = self._budget
         # The per-sequence loop runs every step over every running sequence: attributes are read
         # once into locals, and a decode (one token, nothing to score) skips the general path.
+        ahead, parked = self._ahead, self._parked
         for sid, seq in self._running.items():
-            if seq.shard is None or seq.inflight is not None or seq.moving is not None:
+            if seq.shard is None or seq.moving is not None:
                 continue
             tokens, kv, req = seq.tokens, seq.kv, seq.req
             ntok = len(tokens)
+            if seq.inflight is not None:
+                # Planned ahead: its chunk in flight samples its last token (kv == ntok), after which
+                # it is not at max_tokens, and nothing wants it at a step boundary.
+                generated = ntok - len(req.prompt) + 1  # with the token in flight
+                if (
+                    not ahead
+                    or kv != ntok
+                    or generated >= req.max_tokens
+                    or req.sampling.prompt_logprobs
+                    or sid in parked
+                ):
+                    continue
+                planned.append(
+                    PlannedSeq(
+                        sid,
+                        seq.shard,
+                        0,
+                        [LAST_SAMPLE],
+                        kv,
+                        req.sampling,
+                        True,
+                        req.sample_offset + generated,
+                        None,
+                        True,
+                    )
+                )
+                marks[sid] = Inflight(seq.epoch, True, kv, seq.blocks)
+                seq.kv = kv + 1
+                seq.inflight = step_no
+                continue
             pending = ntok - kv
             if pending <= 0:
                 continue
@@ -405,6 +444,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         its sequences are planned again from the same positions. Shards write KV at the position they
         are given, so the re-run overwrites whatever layers the lost run had already appended."""
         marks = self._inflight.pop(step.step, None)
+        self._unhold(step.step)
         if marks is None:
             return
         for p in step.seqs:
@@ -424,6 +464,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
         """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events.
         `prompt_logprobs`: the positions start_pos+1.. each chunk scored, for the requests that asked."""
         marks = self._inflight.pop(step.step, None)
+        self._unhold(step.step)
         if marks is None:
             if not step.seqs:
                 return []
@@ -434,7 +475,8 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
             seq = running.get(sid)
             if seq is None or seq.epoch != mark.epoch:
                 continue  # cancelled, or moved off a lost shard: its history is re-prefilled instead
-            seq.inflight = None
+            if seq.inflight == step.step:  # (not when it is in the step planned ahead of this one)
+                seq.inflight = None
             if seq.claimed:
                 self._prefix_ready(seq)
             res = results.get(sid)
@@ -525,11 +567,30 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement):
             sh.blocks -= seq.blocks - seq.shared
             sh.blocked_until = 0  # it has room again
             self._forget_pending(seq, sh)
-        if seq.reserved_on is not None and self._shards[seq.reserved_on].healthy:
-            self._releases.append((sid, seq.reserved_on))
+        self._release(seq)
+        self._parked.discard(sid)
         seq.shard, seq.reserved_on, seq.blocks, seq.shared = None, None, 0, 0
         self._finished += finished
         self._admission.finished(self._step, sid)
+
+    def _release(self, seq: SeqEntry) -> None:
+        """Free the sequence's reservation with the next step, or, while a step carrying it is still
+        out (planned ahead), once that step is applied."""
+        if seq.reserved_on is None or not self._shards[seq.reserved_on].healthy:
+            return
+        sid = seq.req.seq_id
+        # the latest step out that carries it (at most two are out: planned ahead)
+        carrying = max((n for n, marks in self._inflight.items() if sid in marks), default=None)
+        if carrying is None:
+            self._releases.append((sid, seq.reserved_on))
+        else:
+            self._held_releases.setdefault(carrying, []).append((sid, seq.reserved_on))
+
+    def _unhold(self, step_no: int) -> None:
+        """Step `step_no` is done with: the releases that waited for it go with the next step."""
+        for sid, shard in self._held_releases.pop(step_no, ()):
+            if self._shards[shard].healthy:  # (a lost or removed shard has nothing left to free)
+                self._releases.append((sid, shard))
 
     # ---------------------------------------------------------------- introspection
     @property

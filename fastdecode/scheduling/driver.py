@@ -4,11 +4,15 @@
 shard health and speed (health), drains and rebalancing moves (moves). Imports no gRPC.
 
 One loop runs the steps: core.next_step() -> release/reserve on the shards -> the plan to gpu_dense
--> core.apply(results) -> token events to each request's stream. Shard loss (an item failing with
-UNAVAILABLE, a failed reservation or health check) hands the shard's sequences back to the core,
-which re-prefills them on the survivors. gpu_dense holds no state between steps (the KV is on the
-shards, the tokens are here), so losing it only pauses the loop: the unfinished step is aborted,
-the driver reconnects with backoff and plans it again; requests see a pause, not an error.
+-> core.apply(results) -> token events to each request's stream. With plan_ahead, step n+1 is
+planned and sent before step n's results are awaited (gpu_dense starts it the moment step n ends, its
+decoding sequences fed the tokens step n sampled): the scheduler's planning, applying and event
+fan-out run while gpu_dense computes, off the critical path. At most two steps are out.
+Shard loss (an item failing with UNAVAILABLE, a failed reservation or health check) hands the
+shard's sequences back to the core, which re-prefills them on the survivors. gpu_dense holds no
+state between steps (the KV is on the shards, the tokens are here), so losing it only pauses the
+loop: the unfinished step is aborted, the driver reconnects with backoff and plans it again;
+requests see a pause, not an error.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from fastdecode.scheduling.ports import (
     DenseLink,
     SchedulerMetrics,
     ShardLink,
+    StepOutcome,
     capacity_tokens,
 )
 from fastdecode.scheduling.tables import SHARD_REMOVED
@@ -58,6 +63,15 @@ log = logging.getLogger("fastdecode.scheduler")
 # Reconnecting to a lost gpu_dense: first wait, doubled after each failed try, up to the cap.
 DENSE_RETRY_FIRST_S = 0.1
 DENSE_RETRY_MAX_S = 2.0
+
+
+@dataclass
+class _Sent:
+    """A step at gpu_dense: its result to come."""
+
+    step: Step
+    result: asyncio.Future[StepOutcome]
+    t0: float
 
 
 @dataclass
@@ -151,6 +165,7 @@ class SchedulerDriver(Migrations, ShardHealth):
             prefix_sharing=s.prefix_sharing == "on",
             prefix_affinity=s.prefix_affinity,
             kv_geometry=self.info.geometry,
+            plan_ahead=s.plan_ahead == "on",
         )
         for i in removed:
             self.core.remove_shard(i)
@@ -270,16 +285,28 @@ class SchedulerDriver(Migrations, ShardHealth):
     async def step_loop(self) -> None:
         core = self.core
         assert core is not None
+        ahead = self.s.plan_ahead == "on"
+        out: list[_Sent] = []  # steps at gpu_dense, oldest first
         while True:
             self._start_moves()
             step = core.next_step()
-            if step is None:
+            if step is None and not out:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            await self.run_step(step)
+            if step is not None and (sent := await self._send(step)) is not None:
+                out.append(sent)
+            if out and (len(out) > 1 or not ahead or step is None):
+                await self._finish(out)
 
     async def run_step(self, step: Step) -> None:
+        """One step, sent and applied (no step planned ahead of it)."""
+        sent = await self._send(step)
+        if sent is not None:
+            await self._finish([sent])
+
+    async def _send(self, step: Step) -> _Sent | None:
+        """Release and reserve on the shards, then the plan to gpu_dense (None: it had no sequences)."""
         core = self.core
         assert core is not None
         t0 = time.perf_counter()
@@ -290,13 +317,26 @@ class SchedulerDriver(Migrations, ShardHealth):
             step = await self._reserve(step)
         if not step.seqs:
             core.apply(step, {})
-            return
+            return None
+        return _Sent(step, asyncio.ensure_future(self.dense.run(step, self.s.pipeline)), t0)
+
+    async def _finish(self, out: list[_Sent]) -> None:
+        """Await the oldest step out and apply it. gpu_dense lost: every step out is aborted, newest
+        first (nothing of them is applied; planned again once gpu_dense is back)."""
+        core = self.core
+        assert core is not None
+        step, t0 = out[0].step, out[0].t0
         try:
-            outcome = await self.dense.run(step, self.s.pipeline)
+            outcome = await out[0].result
         except Unavailable as e:
-            core.abort(step)  # nothing of it is applied; planned again once gpu_dense is back
+            for sent in reversed(out):
+                sent.result.cancel()
+                await asyncio.gather(sent.result, return_exceptions=True)
+                core.abort(sent.step)
+            out.clear()
             await self._reconnect_dense(e)
             return
+        out.pop(0)
         results: dict[str, Sampled | ServiceError] = {}
         scored: dict[str, list[TokenLogprob]] = {}
         lost: set[int] = set()

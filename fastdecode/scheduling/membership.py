@@ -104,6 +104,7 @@ class Membership(CoreTables):
 
     def _unplace(self, seq: SeqEntry) -> None:
         self._cancel_move(seq)
+        self._parked.discard(seq.req.seq_id)
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(seq.req.seq_id)

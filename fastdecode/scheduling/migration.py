@@ -47,6 +47,7 @@ class MigrationPlanning(CoreTables):
         if seq.shard == target or not self._serving(sh):
             raise FailedPrecondition(f"shard {target} cannot take sequence {seq_id!r}")
         seq.moving = target
+        self._parked.discard(seq_id)
         seq.incoming = self._held_blocks(seq.kv, seq.kv, sh.spec.block_size)  # a window: only its blocks
         sh.blocks += seq.incoming
         return Move(seq_id, seq.shard, target, seq.kv, seq.epoch)
@@ -146,6 +147,7 @@ class MigrationPlanning(CoreTables):
                 if seq.moving is not None:
                     continue
                 if seq.inflight is not None or seq.kv < 1:
+                    self._park(seq)
                     continue  # in a step now, or nothing to copy yet: next boundary
                 target = self._target_for(seq, self._step, i) if len(moves) < limit else None
                 if target is None:
@@ -177,11 +179,7 @@ class MigrationPlanning(CoreTables):
         cands = []
         for sid in self._shards[hot].seqs:
             seq = self._running[sid]
-            if (
-                seq.inflight is not None
-                or seq.kv < 1
-                or self._step - seq.moved_step < REBALANCE_COOLDOWN_STEPS
-            ):
+            if seq.kv < 1 or self._step - seq.moved_step < REBALANCE_COOLDOWN_STEPS:
                 continue
             after = max((kv[hot] - seq.kv) / weight[hot], (kv[cool] + seq.kv) / weight[cool])
             if after < kv[hot] / weight[hot]:
@@ -192,5 +190,14 @@ class MigrationPlanning(CoreTables):
             seq = self._running[sid]
             load = self._loads(self._step, 1.0)[cool]
             if load.reserved + need(seq, self._shards[cool].spec.block_size) <= load.capacity:
+                if seq.inflight is not None:  # in a step: it moves at a later step boundary
+                    self._park(seq)
+                    return None
                 return self.begin_move(sid, cool)
         return None
+
+    def _park(self, seq: SeqEntry) -> None:
+        """A move wants this sequence at a step boundary: it is not planned ahead until it moves
+        (planned ahead step after step, a sequence would never be out of a step)."""
+        if seq.inflight is not None:
+            self._parked.add(seq.req.seq_id)

@@ -37,7 +37,7 @@ class SeqEntry:
     kv: int = 0  # tokens sent to the shard's KV (planned chunks count at planning time)
     reserved_on: int | None = None  # shard holding a reservation we must release
     epoch: int = 0  # bumped when the seq loses its shard: results of older steps are ignored
-    inflight: int | None = None  # step it is planned in, until applied
+    inflight: int | None = None  # latest step it is planned in, until that step is applied
     blocks: int = 0  # KV blocks its shard holds for it (mirrors the shard's allocation)
     started: int = -1  # order of first admission: the highest is the youngest (preempted first)
     cached: int = 0  # prompt tokens its shard found cached at its latest reservation
@@ -83,6 +83,10 @@ class CoreTables:
     _running: OrderedDict[str, SeqEntry]  # admission order
     _inflight: dict[int, dict[str, Inflight]]  # per planned step
     _releases: list[tuple[str, int]]
+    # releases held until a step still carrying the sequence is applied (a shard fails a whole item
+    # naming a sequence it no longer holds): by that step
+    _held_releases: dict[int, list[tuple[str, int]]]
+    _parked: set[str]  # in a step, wanted at a step boundary (a move): not planned ahead meanwhile
     _admission: AdmissionPolicy
     _step: int
     _ratio: float

@@ -97,7 +97,7 @@ class PositionLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class PlannedSequence(_message.Message):
-    __slots__ = ("seq_id", "shard", "mini_batch", "token_ids", "start_pos", "sampling", "sample", "sample_index", "next_token_id")
+    __slots__ = ("seq_id", "shard", "mini_batch", "token_ids", "start_pos", "sampling", "sample", "sample_index", "use_last_sample", "next_token_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MINI_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class PlannedSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    USE_LAST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     shard: int
@@ -115,8 +116,9 @@ class PlannedSequence(_message.Message):
     sampling: SamplingParams
     sample: bool
     sample_index: int
+    use_last_sample: bool
     next_token_id: int
-    def __init__(self, seq_id: _Optional[str] = ..., shard: _Optional[int] = ..., mini_batch: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., sample_index: _Optional[int] = ..., next_token_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., shard: _Optional[int] = ..., mini_batch: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., sample_index: _Optional[int] = ..., use_last_sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step", "sequences", "pipeline", "ended")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from fastdecode.contract import PlannedSeq, SamplingParams, TokenLogprob
+from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.ports import DenseInfo, ItemResult, StepOutcome
 from fastdecode.scheduling.types import Step
@@ -99,11 +99,12 @@ def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
             seq_id=p.seq_id,
             shard=p.shard,
             mini_batch=p.mini_batch,
-            token_ids=p.token_ids,
+            token_ids=() if p.use_last_sample else p.token_ids,
             start_pos=p.start_pos,
             sampling=sp,
             sample=p.sample,
             sample_index=p.sample_index,
+            use_last_sample=p.use_last_sample,
         )
         if p.next_token is not None:
             q.next_token_id = p.next_token
@@ -126,12 +127,13 @@ def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
             p.seq_id,
             p.shard,
             p.mini_batch,
-            list(p.token_ids),
+            [LAST_SAMPLE] if p.use_last_sample else list(p.token_ids),
             p.start_pos,
             sampling(p.sampling),
             p.sample,
             p.sample_index,
             p.next_token_id if p.HasField("next_token_id") else None,
+            p.use_last_sample,
         )
         for p in plan.sequences
     ]

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from fastdecode.contract import PlannedSeq
 from fastdecode.dense import PipelineChooser, StepRunner
 from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
 from fastdecode.dense.structured import GrammarBank
@@ -101,10 +102,14 @@ class DenseService(pb_grpc.DenseServicer):
         await self.links.remove(request.shard)
         return pb.DenseRemoveShardResponse()
 
-    async def step(self, runner: StepRunner, plan: pb.StepPlan) -> pb.StepResult:
+    async def step(
+        self, runner: StepRunner, plan: pb.StepPlan, seqs: list[PlannedSeq] | Exception
+    ) -> pb.StepResult:
         runner.forget(plan.ended)
         try:
-            outcomes, t = await runner.run(wire.planned_seqs_from_proto(plan), plan.pipeline)
+            if isinstance(seqs, Exception):
+                raise seqs
+            outcomes, t = await runner.run(seqs, plan.pipeline)
         except Exception as e:  # noqa: BLE001 - a failed step is reported in-band
             return wire.step_result(plan.step, {}, None, e)
         for sid, o in outcomes.items():
@@ -123,19 +128,39 @@ class DenseService(pb_grpc.DenseServicer):
         self, request_iterator: AsyncIterator[pb.StepPlan], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StepResult]:
         _, runner = self._ready()
-        async for plan in request_iterator:
-            for p in plan.sequences:
-                # The step stream is shared by every request, so its gRPC metadata cannot name one:
-                # each item's seq_id is the request id the gateway gave it.
-                if p.start_pos == 0:
-                    log.info(
-                        "prefill step %d: %d tokens, shard %d",
-                        plan.step,
-                        len(p.token_ids),
-                        p.shard,
-                        extra={"request_id": p.seq_id},
-                    )
-            yield await self.step(runner, plan)
+        # Plans are read and converted as they come, so one the scheduler planned ahead is ready the
+        # moment the step before it ends; they run in order.
+        ready: asyncio.Queue[tuple[pb.StepPlan, list[PlannedSeq] | Exception] | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for plan in request_iterator:
+                    try:
+                        ready.put_nowait((plan, wire.planned_seqs_from_proto(plan)))
+                    except Exception as e:  # noqa: BLE001 - reported in-band, as a failed step
+                        ready.put_nowait((plan, e))
+            finally:
+                ready.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await ready.get()) is not None:
+                plan, seqs = item
+                for p in plan.sequences:
+                    # The step stream is shared by every request, so its gRPC metadata cannot name
+                    # one: each item's seq_id is the request id the gateway gave it.
+                    if p.start_pos == 0:
+                        log.info(
+                            "prefill step %d: %d tokens, shard %d",
+                            plan.step,
+                            len(p.token_ids),
+                            p.shard,
+                            extra={"request_id": p.seq_id},
+                        )
+                yield await self.step(runner, plan, seqs)
+            await reader  # what ended the stream, if it failed
+        finally:
+            reader.cancel()
 
 
 async def serve(settings: Settings) -> None:

@@ -30,6 +30,8 @@ class GrpcDenseLink:
         self.model_info: dense_pb2.ModelInfo | None = None  # as gpu_dense said it (GetModelInfo relays it)
         self._queue: asyncio.Queue[dense_pb2.StepPlan | None] | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._stream = 0  # which stream the plans go on: a reset starts the next
+        self._reading = asyncio.Lock()  # results come in plan order: one reader at a time, FIFO
 
     @maps_rpc_errors(prefix=lambda self, *_: f"gpu_dense at {self.address}: ")
     async def info(self, timeout: float) -> DenseInfo:
@@ -38,7 +40,9 @@ class GrpcDenseLink:
         return dense_wire.dense_info_from_proto(i)
 
     async def run(self, step: Step, pipeline: bool) -> StepOutcome:
-        """One plan over the persistent Run stream (reopened after a failure)."""
+        """One plan over the persistent Run stream (reopened after a failure). Calls may overlap (a
+        step planned ahead): plans go out in call order and each call reads its own result in turn;
+        a call whose stream failed under an earlier one fails too."""
         if self._queue is None:
             queue: asyncio.Queue[dense_pb2.StepPlan | None] = asyncio.Queue()
 
@@ -49,15 +53,19 @@ class GrpcDenseLink:
             self._call = self.stub.Run(plans())
             self._queue = queue
         self._queue.put_nowait(dense_wire.step_plan(step, pipeline))
-        try:
-            result = await self._read()
-        except (ServiceError, TimeoutError) as e:
-            self._reset()
-            detail = e.message if isinstance(e, ServiceError) else "step timed out"
-            raise Unavailable(f"gpu_dense at {self.address} unavailable: {detail}") from None
-        if result is grpc.aio.EOF:
-            self._reset()
-            raise Unavailable(f"gpu_dense at {self.address} closed the step stream")
+        stream = self._stream
+        async with self._reading:
+            if stream != self._stream:
+                raise Unavailable(f"gpu_dense at {self.address} unavailable: the step stream failed")
+            try:
+                result = await self._read()
+            except (ServiceError, TimeoutError) as e:
+                self._reset()
+                detail = e.message if isinstance(e, ServiceError) else "step timed out"
+                raise Unavailable(f"gpu_dense at {self.address} unavailable: {detail}") from None
+            if result is grpc.aio.EOF:
+                self._reset()
+                raise Unavailable(f"gpu_dense at {self.address} closed the step stream")
         return dense_wire.step_outcome_from_proto(result)
 
     @maps_rpc_errors
@@ -73,6 +81,7 @@ class GrpcDenseLink:
         if self._call is not None:
             self._call.cancel()
         self._call, self._queue = None, None
+        self._stream += 1
 
     @maps_rpc_errors
     async def add_shard(self, address: str, timeout: float) -> int:

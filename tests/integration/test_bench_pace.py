@@ -23,6 +23,7 @@ POINT_KEYS = {
     "shards",
     "workers",
     "event_loop",
+    "plan_ahead",
     "gpu_step_ms",
     "wall_step_ms",
     "cpu_ms_per_step",
@@ -61,6 +62,7 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     assert POINT_KEYS <= p.keys() and set(p["cpu_ms_per_step"]) == PARTS
     assert (p["gpu"], p["geometry"], p["batch"], p["shards"], p["workers"]) == ("h100", "llama-3-8b", 4, 1, 1)
     assert p["event_loop"] == "uvloop"  # the services' default loop
+    assert p["plan_ahead"] == "on"  # the scheduler's default
     roof = Roofline(PROFILES["h100"], GEOMETRIES["llama-3-8b"], 2).step_seconds(4)
     assert p["gpu_step_ms"] == pytest.approx(roof["gpu_step_s"] * 1e3)
     # the device clock charged exactly the roofline for each step it ran
@@ -69,7 +71,8 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     # 32 layers x 2 mini-batches x 1 shard, every step
     assert p["round_trips_per_step"] == pytest.approx(64, rel=0.05)
     assert p["payload_mb_per_step"] == pytest.approx(32 * 4 * (2 * 32 + 2 * 8) * 128 * 2 / 1e6)
-    for k in POINT_KEYS - {"gpu", "geometry", "event_loop", "cpu_ms_per_step", "exposed_host_ms"}:
+    names = {"gpu", "geometry", "event_loop", "plan_ahead"}
+    for k in POINT_KEYS - names - {"cpu_ms_per_step", "exposed_host_ms"}:
         assert isinstance(p[k], int | float) and math.isfinite(p[k]) and p[k] > 0, (k, p[k])
     assert p["dense_host_cores_needed"] == pytest.approx(
         (p["cpu_ms_per_step"]["dense_main"] + p["cpu_ms_per_step"]["exchange_workers"]) / p["gpu_step_ms"]

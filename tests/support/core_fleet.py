@@ -3,10 +3,13 @@ and a deterministic 'model' whose tokens change if a position is wrong, duplicat
 
 from __future__ import annotations
 
-from fastdecode.runtime.errors import ResourceExhausted
+from collections.abc import Callable
+
+from fastdecode.runtime.errors import FailedPrecondition, ResourceExhausted, ServiceError
 from fastdecode.scheduling import PlannedSeq, SchedulerCore, ShardSpec, Step, TokenEvent
 
 EOS = 0
+Results = dict[str, tuple[int, float] | ServiceError]  # per sequence: (token, logprob) or its error
 
 
 def model(kv: list[int], sample_index: int) -> int:
@@ -47,6 +50,7 @@ class Fleet:
             self.cap[j] = n
         self.peak = [0] * nshards
         self.refused: list[str] = []
+        self.last: dict[str, int] = {}  # the tokens sampled in the step run last
 
     def add_shard(self) -> None:
         self.kv.append({})
@@ -63,7 +67,13 @@ class Fleet:
     def _blocks(self, shard: int) -> int:
         return sum(self.reserved[shard].values())
 
-    def execute(self, step: Step, skip_shard: int | None = None) -> dict[str, tuple[int, float] | str]:
+    def execute(self, step: Step, skip_shard: int | None = None) -> Results:
+        self.send(step)
+        return self.attend(step, skip_shard)
+
+    def send(self, step: Step) -> None:
+        """The step's releases and reservations reach the shards (at once, as the driver sends
+        them, even while an earlier step still runs)."""
         for sid, sh in step.release:
             assert sid in self.reserved[sh], f"release of {sid} not reserved on {sh}"
             del self.reserved[sh][sid]
@@ -73,11 +83,19 @@ class Fleet:
             self.reserved[r.shard][r.seq_id] = -(-r.max_tokens // self.bs[r.shard])
             self.kv[r.shard][r.seq_id] = []
             assert self._blocks(r.shard) <= self.cap[r.shard], "reservation over capacity"
-        results: dict[str, tuple[int, float] | str] = {}
+
+    def attend(self, step: Step, skip_shard: int | None = None) -> Results:
+        """The step runs: a sequence planned ahead is fed the token this fleet sampled for it in the
+        step it ran just before (as gpu_dense does); a released sequence fails (KeyError)."""
+        last, self.last = self.last, {}
+        results: Results = {}
         self.refused = []
         for p in step.seqs:
             if p.shard == skip_shard:
                 results[p.seq_id] = (12345, 0.0)  # garbage from a shard that is going away
+                continue
+            if p.use_last_sample and p.seq_id not in last:  # its chunk before failed: not sent on
+                results[p.seq_id] = FailedPrecondition("planned ahead of a step that sampled nothing")
                 continue
             kv = self.kv[p.shard][p.seq_id]  # KeyError = planned without a reservation
             if self.overwrite:  # a real shard writes at start_pos: a re-run step overwrites
@@ -92,11 +110,12 @@ class Fleet:
                 continue
             self.reserved[p.shard][p.seq_id] += grow
             self.peak[p.shard] = max(self.peak[p.shard], self._blocks(p.shard))
-            kv.extend(p.token_ids)
+            kv.extend([last[p.seq_id]] if p.use_last_sample else p.token_ids)
             if p.sample:
                 n = p.sample_index + 1
                 tok = EOS if self.eos_at.get(p.seq_id) == n else model(kv, p.sample_index)
                 results[p.seq_id] = (tok, -0.25)
+                self.last[p.seq_id] = tok
         for j in range(len(self.kv)):
             assert self._blocks(j) <= self.cap[j], f"shard {j} over capacity"
         return results
@@ -113,16 +132,42 @@ class Fleet:
         if st is None:
             return None
         self.plans.append(st)
-        results = self.execute(st)
+        self.send(st)
+        self.complete(st)
+        return st
+
+    def complete(self, st: Step) -> None:
+        """Run a sent step and apply its results."""
+        results = self.attend(st)
         if self.refused:
             self.core.kv_exhausted(st, self.refused)
         self.record(self.core.apply(st, results))
-        return st
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
             if self.step() is None:
                 return
+        raise AssertionError("did not finish")
+
+    def run_ahead(self, max_steps: int = 10_000, each: Callable[[], None] | None = None) -> None:
+        """The driver's loop with plan_ahead: step n+1 is planned and sent (its releases and
+        reservations done) before step n runs and is applied. `each`: called once per turn."""
+        out: list[Step] = []
+        for _ in range(max_steps):
+            if each is not None:
+                each()
+            st = self.core.next_step()
+            if st is None and not out:
+                return
+            if st is not None:
+                self.plans.append(st)
+                self.send(st)
+                if st.seqs:
+                    out.append(st)
+                else:
+                    self.record(self.core.apply(st, {}))
+            if out and (len(out) > 1 or st is None):
+                self.complete(out.pop(0))
         raise AssertionError("did not finish")
 
 

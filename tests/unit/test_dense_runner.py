@@ -257,3 +257,55 @@ def test_bad_words_follow_the_generated_tokens_and_foreign_ids_fail_only_their_s
     got, error = asyncio.run(run())
     assert got[: k + 1] == plain[: k + 1] and got[k + 1] != plain[k + 1]
     assert isinstance(error, InvalidInput) and "vocabulary" in str(error)
+
+
+def test_a_sequence_planned_ahead_is_fed_the_token_sampled_for_it_in_the_step_before(
+    model_factory: Callable,
+) -> None:
+    """use_last_sample: the scheduler planned the step before that step's results came back; the
+    runner feeds each such sequence the token it sampled for it last step (tokens equal LocalEngine's
+    greedy run). A sequence whose last step failed, or that the last step did not sample, fails alone."""
+    from fastdecode.contract import LAST_SAMPLE
+    from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+
+    path = model_factory("llama")
+    want = {
+        f"s{i}": g.token_ids
+        for i, g in enumerate(LocalEngine.from_pretrained(path).generate(PROMPTS, 4, ignore_eos=True))
+    }
+    model = DenseModel.from_pretrained(path, "cpu", torch.float32)
+    shards = InProcessShards(model, 2)
+    for i, _ in enumerate(PROMPTS):
+        shards.stores[i % 2].reserve(f"s{i}", 64)
+    runner = StepRunner(model, shards)
+
+    def ahead(i: int, pos: int, index: int) -> PlannedSeq:
+        return PlannedSeq(f"s{i}", i % 2, i % 2, [LAST_SAMPLE], pos, sample_index=index, use_last_sample=True)
+
+    async def run() -> tuple[dict[str, list[int]], dict[str, BaseException | None]]:
+        got: dict[str, list[int]] = {f"s{i}": [] for i in range(len(PROMPTS))}
+        seqs = [PlannedSeq(f"s{i}", i % 2, i % 2, p, 0) for i, p in enumerate(PROMPTS)]
+        for step in range(4):
+            out, _ = await runner.run(seqs)
+            for sid, o in out.items():
+                assert o.error is None, o.error
+                got[sid].append(o.token_id)
+            seqs = [ahead(i, len(p) + step, step + 1) for i, p in enumerate(PROMPTS)]
+        # s0's next chunk is not sampled this step; s1 is fed a token of its own: neither is
+        # carried on; s2 planned ahead twice in a row is fed what this step sampled for it
+        mixed = [
+            PlannedSeq("s0", 0, 0, [5], len(PROMPTS[0]) + 3, sample=False),
+            PlannedSeq("s1", 1, 1, [LAST_SAMPLE], len(PROMPTS[1]) + 3, sample=False, use_last_sample=True),
+            ahead(2, len(PROMPTS[2]) + 3, 4),
+        ]
+        out, _ = await runner.run(mixed)
+        errors = {sid: o.error for sid, o in out.items()}
+        out, _ = await runner.run([ahead(0, len(PROMPTS[0]) + 4, 5), ahead(2, len(PROMPTS[2]) + 4, 5)])
+        errors.update({f"{sid} next": o.error for sid, o in out.items()})
+        return got, errors
+
+    got, errors = asyncio.run(run())
+    assert got == want
+    assert errors["s0"] is None and errors["s2"] is None and errors["s2 next"] is None
+    assert isinstance(errors["s1"], InvalidInput)
+    assert isinstance(errors["s0 next"], FailedPrecondition)  # the step before sampled nothing for it

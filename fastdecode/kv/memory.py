@@ -84,14 +84,22 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
 
 
+_F8_MIN_NORMAL = 2.0**-6  # e4m3's smallest normal
+
+
 def quantize_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float8 e4m3 per row of the last dim, scale = absmax / 448 (e4m3's largest finite value):
-    x ~= code * scale, the codes rounded to nearest even by torch's cast, as the native kernel does."""
+    x ~= code * scale, the codes rounded to nearest even by torch's cast, as the native kernel does.
+    No subnormal codes: below 2^-6 a value rounds to 0 or +-2^-6 (at most 2^-7 * scale off, under
+    4e-5 of the row's absmax), because the kernel widens codes to fp32 by bit shifts and flushes
+    denormals, which would read a subnormal code as 0."""
     x = x.float()
     top = SCALED_DTYPES[torch.float8_e4m3fn]
     scale = x.abs().amax(-1) / top
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.where(scale[..., None] > 0, x / safe[..., None], torch.zeros_like(x)).clamp_(-top, top)
+    small = q.abs() < _F8_MIN_NORMAL
+    q = torch.where(small, torch.where(q.abs() > _F8_MIN_NORMAL / 2, q.sign() * _F8_MIN_NORMAL, 0.0), q)
     return q.to(torch.float8_e4m3fn), scale
 
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastdecode.kv import KV_DTYPES, AttendBatch, KVStore, native
-from fastdecode.kv.memory import kv_bytes_per_element
+from fastdecode.kv.memory import kv_bytes_per_element, quantize_float8
 from fastdecode.runtime.errors import FailedPrecondition
 
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
@@ -388,3 +388,63 @@ def test_isa_environment_override(monkeypatch: pytest.MonkeyPatch, level: str, o
             assert msg.startswith(f"{native.ISA_ENV}={level}: isa must be one of") and "\n" not in msg
     finally:
         kernel.set_isa(before)
+
+
+def _wide_range_rows(n: int, kvh: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows whose elements span 2^-24 .. 1 of the row's largest (random signs): a third of each row
+    falls below e4m3's smallest normal once scaled (x / scale < 2^-6, i.e. below ~3.5e-5 of absmax)."""
+    mags = torch.exp2(-24 * torch.rand(n, kvh, dim, generator=gen))
+    signs = torch.where(torch.rand(n, kvh, dim, generator=gen) < 0.5, -1.0, 1.0)
+    return mags * signs * 3.0
+
+
+def test_float8_codes_have_no_subnormals_and_both_stores_agree() -> None:
+    """float8 codes below e4m3's smallest normal (2^-6 of the scale) round to 0 or +-2^-6 (the
+    vector paths widen codes by bit shifts and flush denormals), the same in the native kernel's
+    append and the torch reference's quantizer, bit for bit."""
+    gen = torch.Generator().manual_seed(23)
+    stores = [make("float8_e4m3", 2, 64, 256, backend=b) for b in ("native", "torch")]
+    k, v = (_wide_range_rows(60, 2, 64, gen) for _ in range(2))
+    q = torch.randn(60, 4, 64, generator=gen)
+    for s in stores:
+        s.reserve("a", 80)
+        s.attend(0, AttendBatch(["a"], [60], [0], q, k, v))  # appended by each backend itself
+    for x, y in zip(stored(stores[0], 0, "a", 60), stored(stores[1], 0, "a", 60), strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+    for store in stores:
+        blocks = torch.tensor(store.seqs["a"].blocks)
+        pos = torch.arange(60)
+        slots = blocks[pos // store.block_size] * store.block_size + pos % store.block_size
+        for pool in (store.k, store.v):
+            bits = pool[0][:, slots].view(torch.uint8) & 0x7F
+            assert not ((bits > 0) & (bits < 0x08)).any()  # exponent field 0 only for zero
+            assert (bits == 0x08).any()  # the flush's +-2^-6 is there, and so are zeros
+    row = [448.0, 2**-6, 0.75 * 2**-6, 2**-7, 0.4 * 2**-6, -0.6 * 2**-6]
+    codes, scale = quantize_float8(torch.tensor([row]))
+    assert scale.item() == 1.0
+    assert codes.float().tolist() == [[448.0, 2**-6, 2**-6, 0.0, 0.0, -(2**-6)]]
+
+
+@pytest.mark.parametrize("isa_level", VECTOR_ISAS, indirect=True)
+@pytest.mark.parametrize("q_scale", [1e-6, 1.0, 1e6])
+def test_float8_wide_ranges_every_level(isa_level: str, q_scale: float) -> None:
+    """float8 rows spanning 24 binades and q from 1e-6 to 1e6 (the vector paths scale q by a power
+    of two and carry e4m3's exponent bias on q's factor and the scales): every level matches fp64
+    over the stored values and the scalar path."""
+    gen = torch.Generator().manual_seed(29)
+    store = make("float8_e4m3", 2, 64, 700)
+    hist = {"a": (_wide_range_rows(600, 2, 64, gen), _wide_range_rows(600, 2, 64, gen) * 1e-3)}
+    store.reserve("a", 600)
+    store.write(0, "a", 0, hist["a"][0][:499], hist["a"][1][:499])
+    q = torch.randn(1, 8, 64, generator=gen) * q_scale
+    k, v = hist["a"][0][499:500], hist["a"][1][499:500]
+    outs = []
+    for level in (isa_level, "scalar"):
+        native.set_isa(level)
+        outs.append(store.attend(0, AttendBatch(["a"], [1], [499], q, k, v)).double())
+    native.set_isa(isa_level)
+    sk, sv = stored(store, 0, "a", 500)
+    exact = reference(q, sk, sv, 499)
+    tol = KERNEL_TOL["float8_e4m3"] * 1e-3  # the values are 1e-3 of unit size
+    for got in outs:
+        torch.testing.assert_close(got, exact, atol=tol, rtol=KERNEL_TOL["float8_e4m3"])

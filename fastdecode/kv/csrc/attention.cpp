@@ -57,6 +57,11 @@ constexpr int kKinds = 5;
 // int8 and float8 rows carry one fp32 scale per (token, KV head): x ~= code * scale.
 constexpr bool scaled(int kind) { return kind == kI8 || kind == kF8; }
 constexpr float kF8Max = 448.f;  // e4m3's largest finite value: scale = absmax / 448
+// e4m3's smallest normal. Codes are stored without subnormals (below it a value rounds to 0 or
+// +-2^-6, at most 2^-7 * scale off, as fastdecode/kv/memory.py's quantize_float8): the vector paths
+// widen a code to fp32 bits by shifts, where a subnormal code becomes an fp32 denormal, which the
+// kernel's denormals-are-zero mode reads as 0 (and without that mode each costs a ~30x assist).
+constexpr float kF8MinNormal = 0x1p-6f;
 
 constexpr int kTile = 32;    // keys scored together before one softmax update (at most)
 // The vector path's tile per storage type: half types walk 16 keys a tile (0.88x bf16's and 0.81x
@@ -238,13 +243,15 @@ namespace v2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// float8 e4m3 -> the float16 with the same bits shifted (value * 2^-8, exact, subnormals included):
-// sign-extended to 16 bits, shifted left 7, the sign's copy in bit 14 cleared. F16C widens it to
-// fp32 exactly, subnormals too (a direct fp32 placement would make e4m3's subnormals fp32
-// subnormals, which the kernel's denormals-are-zero mode would read as 0). The 2^8 goes into the
-// row's scale (kF8Unit).
-inline __m128i f8_to_f16_bits(__m128i sext16) {
-  return _mm_and_si128(_mm_slli_epi16(sext16, 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+// float8 e4m3 codes sign-extended to 32 bits -> the fp32 bits of value * 2^-120: shifted left 20,
+// the 7 magnitude bits land in the exponent's low 4 bits and the mantissa's top 3 and a copy of the
+// sign in bit 31; the mask clears the other copies. Two integer operations and no conversion
+// (before: to float16 bits and vcvtph2ps, 1.13x the time with the rows in cache). e4m3's normals
+// become fp32 normals (its smallest, 2^-6, lands on fp32's, 2^-126); its subnormals would become
+// fp32 denormals, which the kernel's denormals-are-zero mode reads as 0, so the store keeps none
+// (kF8MinNormal). The 2^120 rides on q's factor and the scales (scale_q_f8, kF8UnitV, kF8Out).
+inline __m256i f8_to_f32_bits(__m256i sext32) {
+  return _mm256_and_si256(_mm256_slli_epi32(sext32, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
 }
 
 template <int K>
@@ -261,9 +268,10 @@ inline __m256 ld8(const void* base, int64_t i) {
   if constexpr (K == kI8)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
-  if constexpr (K == kF8)
-    return _mm256_cvtph_ps(f8_to_f16_bits(_mm_cvtepi8_epi16(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i)))));
+  if constexpr (K == kF8) {
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i));
+    return _mm256_castsi256_ps(f8_to_f32_bits(_mm256_cvtepi8_epi32(c)));
+  }
 }
 
 // bfloat16 is the top half of a float32, so 16 of them load as 8 lanes of two: a shift gives the
@@ -350,6 +358,25 @@ inline float quantize_q16(const float* q, int16_t* qi, int64_t D) {
   return amax / 32767.f;
 }
 
+// float8 keys widened by f8_to_f32_bits carry 2^-120: q is scaled by a power of two (exact) so
+// its largest element is ~2^64, which keeps every product q_d * k_d and their sums normal in fp32
+// (the kernel flushes denormals); the returned factor undoes both.
+inline float scale_q_f8(const float* q, float* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  // at least -7: the returned 2^(120 - e) must stay finite (|q| up to fp32's largest)
+  const int e = amax > 0.f && std::isfinite(amax) ? std::max(-7, 64 - std::ilogb(amax)) : 0;
+  for (int64_t d = 0; d < D; ++d) dst[d] = std::ldexp(q[d], e);
+  return std::ldexp(1.f, 120 - e);
+}
+
+// The 2^120 that float8 rows widened by f8_to_f32_bits lack: the keys' goes into q's factor
+// (scale_q_f8, so the K scale is taken as is), the values' is split between their weights (2^64,
+// which keeps the accumulator far from fp32's denormals) and the output (2^56).
+constexpr float kF8UnitK = 1.f;
+constexpr float kF8UnitV = 0x1p64f;
+constexpr float kF8Out = 0x1p56f;
+
 // ---- this path's tile scoring: prep_q once per query row, score8 per 8 keys ----
 constexpr int kSplitChunk = 16;
 
@@ -358,6 +385,7 @@ constexpr int kSplitChunk = 16;
 template <int K>
 inline float prep_q(const float* q, float* dst, int64_t D) {
   if constexpr (K == kI8) return quantize_q16(q, reinterpret_cast<int16_t*>(dst), D);
+  if constexpr (K == kF8) return scale_q_f8(q, dst, D);
   if constexpr (K == kBF16)
     split_order<kSplitChunk>(q, dst, D, false);
   else
@@ -512,6 +540,10 @@ using v2::hsum;
 using v2::softcap8;
 using v2::prefetch_rows;
 using v2::quantize_q16;
+using v2::scale_q_f8;
+using v2::kF8UnitK;
+using v2::kF8UnitV;
+using v2::kF8Out;
 using v2::split_order;
 using v2::tree8;
 using v2::tree8i;
@@ -525,13 +557,7 @@ inline __m512 ld16(const void* base, int64_t i) {
   if constexpr (K == kI8)
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i))));
-  if constexpr (K == kF8 || K == kBF16) {  // float8 as v2::f8_to_f16_bits, 16 at a time (bf16: ld32_bf16)
-    static_assert(K == kF8, "bfloat16 loads go through ld32_bf16");
-    const __m256i h = _mm256_cvtepi8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i)));
-    return _mm512_cvtph_ps(
-        _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
-  }
+  static_assert(K != kBF16 && K != kF8, "bfloat16 and float8 loads go through ld32_bf16 and ld32_f8");
 }
 
 // 32 bfloat16 as 16 lanes of two: even elements by a shift, odd ones by a mask (as v2::ld16_bf16).
@@ -541,16 +567,14 @@ inline void ld32_bf16(const void* base, int64_t i, __m512& even, __m512& odd) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// 32 float8 codes as two 16-lane fp32 vectors (the float16 bits of v2::f8_to_f16_bits made on one
-// 512-bit register: three integer operations per 32 codes instead of per 16).
+// 32 float8 codes as two 16-lane fp32 vectors (v2::f8_to_f32_bits on 512-bit registers).
 inline void ld32_f8(const void* base, int64_t i, __m512& lo, __m512& hi) {
-  const __m512i h = _mm512_and_si512(
-      _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                            reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(base) + i))),
-                        7),
-      _mm512_set1_epi16(static_cast<short>(0xBFFF)));
-  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  const int8_t* c = static_cast<const int8_t*>(base) + i;
+  const __m512i m = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+  lo = _mm512_castsi512_ps(_mm512_and_si512(
+      _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))), 20), m));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(
+      _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))), 20), m));
 }
 
 inline __m256 half_sum(__m512 x) {
@@ -575,6 +599,7 @@ constexpr int kSplitChunk = 32;
 template <int K>
 inline float prep_q(const float* q, float* dst, int64_t D) {
   if constexpr (K == kI8) return quantize_q16(q, reinterpret_cast<int16_t*>(dst), D);
+  if constexpr (K == kF8) return scale_q_f8(q, dst, D);
   if constexpr (K == kBF16)
     split_order<kSplitChunk>(q, dst, D, false);
   else
@@ -702,6 +727,9 @@ inline void vacc_all(float* acc, const float* w, const void* vb, const int64_t* 
 namespace v5n {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+using v2::kF8UnitK;
+using v2::kF8UnitV;
+using v2::kF8Out;
 using v2::exp8;
 using v2::hmax;
 using v2::hsum;
@@ -746,6 +774,9 @@ inline __m256 score8(const float* q, const void* kb, const int64_t* off, int64_t
 namespace v5b {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")
+using v2::kF8UnitK;
+using v2::kF8UnitV;
+using v2::kF8Out;
 using v2::exp8;
 using v2::hmax;
 using v2::hsum;
@@ -828,8 +859,9 @@ const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni",
 // (three vdpbf16ps per 32 elements cost more than the shift, mask and two FMAs they replace); int8
 // avx512 1.02x, avx512_vnni 0.98x; at load ~1.5 (21 repeats) bf16 avx512 0.97x, int8 avx512_vnni
 // 0.97x: within the noise (avx2 against itself read 0.995-1.06x). float8 avx512 0.96x and 0.93x
-// (its codes widened 32 at a time): kept.
-constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx512};
+// while its codes went through float16 and vcvtph2ps (a conversion 32 at a time instead of 16);
+// widened by a shift and a mask (f8_to_f32_bits), avx512 0.986x and 0.995x: back to avx2.
+constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx2};
 
 bool cpu_has(int level) {
 #ifdef FD_X86
@@ -984,8 +1016,12 @@ void append_rows(const Args& a, Kind kind, const float* src, void* pool, float* 
           for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
           const float sc = amax / kF8Max;
           auto* p = static_cast<c10::Float8_e4m3fn*>(pool) + dst;
-          for (int64_t d = 0; d < D; ++d)
-            p[d] = c10::Float8_e4m3fn(sc > 0.f ? std::min(kF8Max, std::max(-kF8Max, x[d] / sc)) : 0.f);
+          for (int64_t d = 0; d < D; ++d) {
+            float y = sc > 0.f ? std::min(kF8Max, std::max(-kF8Max, x[d] / sc)) : 0.f;
+            if (std::fabs(y) < kF8MinNormal)  // no subnormal codes (kF8MinNormal)
+              y = std::fabs(y) > 0.5f * kF8MinNormal ? std::copysign(kF8MinNormal, y) : 0.f;
+            p[d] = c10::Float8_e4m3fn(y);
+          }
           scales[h * a.S + slot] = sc;
           break;
         }

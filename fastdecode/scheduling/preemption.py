@@ -1,0 +1,113 @@
+"""SchedulerCore's preemption and KV releases (a mixin over the core's tables): when a step's growth
+does not fit a shard, or a shard refuses a block, the youngest sequences there give their KV back
+and queue again at the head; a sequence that leaves has its reservation released with the next
+step, or, while a step planned ahead still carries it, once that step is applied."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastdecode.scheduling.tables import RESERVATION_BACKOFF_STEPS, CoreTables, Inflight, SeqEntry
+from fastdecode.scheduling.types import PlannedSeq, Reservation, Step
+
+
+class Preemption(CoreTables):
+    def _preempt(self, seq: SeqEntry, reserve: list[Reservation] | None = None) -> None:
+        """Free a running sequence's KV and queue it at the head of the waiting queue; re-admitted, it
+        re-prefills its token history (its generated tokens are kept)."""
+        sid = seq.req.seq_id
+        pending = [r for r in reserve or [] if r.seq_id == sid]
+        if pending:  # admitted in the step being planned: drop the reservation, nothing to release
+            reserve.remove(pending[0])  # type: ignore[union-attr]
+        else:
+            self._release(seq)
+        seq.reserved_on = None
+        self._unplace(seq)
+        del self._running[sid]
+        self._admission.finished(self._step, sid)
+        self._waiting[sid] = seq
+        self._waiting.move_to_end(sid, last=False)
+        self.preemptions += 1
+        self._preempted.append(sid)
+
+    def _youngest_on(self, shard: int) -> SeqEntry | None:
+        on = [self._running[sid] for sid in self._shards[shard].seqs]
+        return max(on, key=lambda s: s.started, default=None)
+
+    def kv_exhausted(self, step: Step, seq_ids: Sequence[str]) -> list[str]:
+        """A shard had no free block for these sequences of `step` (its Attend answered
+        RESOURCE_EXHAUSTED): nothing of their chunk was kept, so they retry it next step, and the
+        youngest sequence on each such shard is preempted to make room. Call before apply(); their
+        results in this step are ignored. Returns the preempted sequence ids."""
+        marks = self._inflight.get(step.step, {})
+        shards: set[int] = set()
+        for sid in seq_ids:
+            seq, mark = self._running.get(sid), marks.get(sid)
+            if seq is None or mark is None or seq.epoch != mark.epoch or seq.shard is None:
+                continue
+            sh = self._shards[seq.shard]
+            sh.blocks -= seq.blocks - mark.blocks
+            seq.blocks, seq.kv, seq.inflight = mark.blocks, mark.start_pos, None
+            seq.epoch += 1  # apply() skips it; the chunk is planned again
+            shards.add(seq.shard)
+        before = len(self._preempted)
+        for shard in sorted(shards):
+            victim = self._youngest_on(shard)
+            if victim is not None:
+                self._shards[shard].blocked_until = self._step + RESERVATION_BACKOFF_STEPS
+                self._preempt(victim)
+        return self._preempted[before:]
+
+    def _fit_growth(
+        self, planned: list[PlannedSeq], marks: dict[str, Inflight], reserve: list[Reservation]
+    ) -> None:
+        """Grow the blocks of this step's sequences; where a shard lacks blocks, preempt its youngest
+        sequences (those planned in this step are taken out of it) until the growth fits."""
+        bs = [sh.spec.block_size for sh in self._shards]
+        grow: dict[str, int] = {}
+        need = [0] * len(self._shards)
+        running, windowed = self._running, self._geometry is not None
+        for p in planned:
+            seq = running[p.seq_id]
+            # the shard keeps the blocks it reserved for the prompt (history) until a window passes them
+            end = max(p.start_pos + len(p.token_ids), len(seq.tokens))
+            # (-(-end // block) is _held_blocks without windows, inlined: this runs for every sequence)
+            after = self._held_blocks(end, p.start_pos, bs[p.shard]) if windowed else -(-end // bs[p.shard])
+            # (a windowed model's sequence can hold fewer blocks after the chunk than before it)
+            if after > seq.blocks or (after < seq.blocks and windowed):
+                grow[p.seq_id] = after - seq.blocks
+                need[p.shard] += after - seq.blocks
+        for i, sh in enumerate(self._shards):
+            cap = sh.spec.capacity_tokens // sh.spec.block_size
+            while sh.blocks + need[i] > cap:
+                victim = self._youngest_on(i)
+                if victim is None:
+                    break
+                need[i] -= grow.pop(victim.req.seq_id, 0)
+                marks.pop(victim.req.seq_id, None)
+                self._preempt(victim, reserve)
+        if len(planned) != len(marks):
+            planned[:] = [p for p in planned if p.seq_id in marks]
+        for sid, g in grow.items():  # (only sequences still planned: a preempted one left `grow`)
+            running[sid].blocks += g
+        for i, g in enumerate(need):
+            self._shards[i].blocks += g
+
+    def _release(self, seq: SeqEntry) -> None:
+        """Free the sequence's reservation with the next step, or, while a step carrying it is still
+        out (planned ahead), once that step is applied."""
+        if seq.reserved_on is None or not self._shards[seq.reserved_on].healthy:
+            return
+        sid = seq.req.seq_id
+        # the latest step out that carries it (at most two are out: planned ahead)
+        carrying = max((n for n, marks in self._inflight.items() if sid in marks), default=None)
+        if carrying is None:
+            self._releases.append((sid, seq.reserved_on))
+        else:
+            self._held_releases.setdefault(carrying, []).append((sid, seq.reserved_on))
+
+    def _unhold(self, step_no: int) -> None:
+        """Step `step_no` is done with: the releases that waited for it go with the next step."""
+        for sid, shard in self._held_releases.pop(step_no, ()):
+            if self._shards[shard].healthy:  # (a lost or removed shard has nothing left to free)
+                self._releases.append((sid, shard))

@@ -62,6 +62,7 @@ class _Mark:
         self.head_cpu = metric_total(d, "fastdecode_dense_head_cpu_seconds_total")
         # counted with steps_total at each step's end: a mark taken mid-step counts neither
         self.items = metric_total(d, "fastdecode_dense_attend_items_total")
+        self.in_step = metric_total(d, "fastdecode_dense_step_seconds_sum")  # each step's wall, summed
         self.device = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="compute")
         self.copy = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="copy")
         shards = [scrape(s.metrics) for s in fleet.kv]
@@ -191,6 +192,9 @@ def run_point(
         "echo_cpu_ms_per_mb": echo_cpu * 1e3 / ((out_b + back_b) / 1e6),
         "dense_host_cores_needed": dense_host / gpu_ms,
         "exposed_host_ms": wall - gpu_ms - attention / shards - stand_in,
+        # the wall time gpu_dense had no step to run: what reaches the device between its steps
+        # (the scheduler's turn, the step's messages); a step planned ahead is already there
+        "dense_idle_ms": wall - per_step(a.in_step, b.in_step),
         "load_average": load,
     }
 

@@ -63,6 +63,7 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     assert (p["gpu"], p["geometry"], p["batch"], p["shards"], p["workers"]) == ("h100", "llama-3-8b", 4, 1, 1)
     assert p["event_loop"] == "uvloop"  # the services' default loop
     assert p["plan_ahead"] == "on"  # the scheduler's default
+    assert math.isfinite(p["dense_idle_ms"]) and p["dense_idle_ms"] < p["wall_step_ms"]
     roof = Roofline(PROFILES["h100"], GEOMETRIES["llama-3-8b"], 2).step_seconds(4)
     assert p["gpu_step_ms"] == pytest.approx(roof["gpu_step_s"] * 1e3)
     # the device clock charged exactly the roofline for each step it ran

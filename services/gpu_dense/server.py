@@ -13,6 +13,7 @@ import torch
 from fastdecode.contract import PlannedSeq
 from fastdecode.dense import PipelineChooser, StepRunner
 from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
+from fastdecode.dense.runner import Outcome, Timings
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime import codec
@@ -29,6 +30,8 @@ from services.gpu_dense.plane import ShardPlaneService
 from services.gpu_dense.shards import make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
+
+Ran = tuple[dict[str, Outcome], Timings] | Exception  # a step's outcomes and timings, or why it failed
 
 Settings = DenseSettings  # the one settings class: fastdecode.runtime.settings
 
@@ -102,16 +105,21 @@ class DenseService(pb_grpc.DenseServicer):
         await self.links.remove(request.shard)
         return pb.DenseRemoveShardResponse()
 
-    async def step(
+    async def _execute(
         self, runner: StepRunner, plan: pb.StepPlan, seqs: list[PlannedSeq] | Exception
-    ) -> pb.StepResult:
+    ) -> Ran:
         runner.forget(plan.ended)
         try:
             if isinstance(seqs, Exception):
                 raise seqs
-            outcomes, t = await runner.run(seqs, plan.pipeline)
+            return await runner.run(seqs, plan.pipeline)
         except Exception as e:  # noqa: BLE001 - a failed step is reported in-band
-            return wire.step_result(plan.step, {}, None, e)
+            return e
+
+    def _result(self, plan: pb.StepPlan, ran: Ran) -> pb.StepResult:
+        if isinstance(ran, Exception):
+            return wire.step_result(plan.step, {}, None, ran)
+        outcomes, t = ran
         for sid, o in outcomes.items():
             if o.error is not None:
                 log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})
@@ -143,24 +151,49 @@ class DenseService(pb_grpc.DenseServicer):
                 ready.put_nowait(None)
 
         reader = asyncio.create_task(read())
+
+        def start(
+            plan: pb.StepPlan, seqs: list[PlannedSeq] | Exception
+        ) -> tuple[pb.StepPlan, asyncio.Future[Ran]]:
+            for p in plan.sequences:
+                # The step stream is shared by every request, so its gRPC metadata cannot name one:
+                # each item's seq_id is the request id the gateway gave it.
+                if p.start_pos == 0:
+                    log.info(
+                        "prefill step %d: %d tokens, shard %d",
+                        plan.step,
+                        len(p.token_ids),
+                        p.shard,
+                        extra={"request_id": p.seq_id},
+                    )
+            return plan, asyncio.ensure_future(self._execute(runner, plan, seqs))
+
+        running: list[tuple[pb.StepPlan, asyncio.Future[Ran]]] = []
+        more = True
         try:
-            while (item := await ready.get()) is not None:
-                plan, seqs = item
-                for p in plan.sequences:
-                    # The step stream is shared by every request, so its gRPC metadata cannot name
-                    # one: each item's seq_id is the request id the gateway gave it.
-                    if p.start_pos == 0:
-                        log.info(
-                            "prefill step %d: %d tokens, shard %d",
-                            plan.step,
-                            len(p.token_ids),
-                            p.shard,
-                            extra={"request_id": p.seq_id},
-                        )
-                yield await self.step(runner, plan, seqs)
+            while True:
+                if not running:
+                    item = await ready.get() if more else None
+                    if item is None:
+                        break
+                    running.append(start(*item))
+                plan, task = running[0]
+                ran = await task
+                running.pop(0)
+                # A plan already here (planned ahead) starts now: its device time covers this step's
+                # result being built and sent, as a GPU computes while its host serializes.
+                if more and not ready.empty():
+                    item = ready.get_nowait()
+                    if item is None:
+                        more = False
+                    else:
+                        running.append(start(*item))
+                yield self._result(plan, ran)
             await reader  # what ended the stream, if it failed
         finally:
             reader.cancel()
+            for _, task in running:
+                task.cancel()
 
 
 async def serve(settings: Settings) -> None:

@@ -83,6 +83,10 @@ class GrpcDenseLink:
         self._call, self._queue = None, None
         self._stream += 1
 
+    async def close(self) -> None:
+        self._reset()
+        await self.channel.close()
+
     @maps_rpc_errors
     async def add_shard(self, address: str, timeout: float) -> int:
         resp = await self.stub.AddShard(dense_pb2.AddShardRequest(address=address), timeout=timeout)
@@ -96,9 +100,12 @@ class GrpcDenseLink:
 class GrpcShardLink:
     def __init__(self, address: str, tls: TLSFiles | None) -> None:
         self.address = address
-        channel = aio_channel(address, tls)
-        self.stub = kv_attention_pb2_grpc.KVAttentionStub(channel)
-        self.health = health_pb2_grpc.HealthStub(channel)
+        self.channel = aio_channel(address, tls)
+        self.stub = kv_attention_pb2_grpc.KVAttentionStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
 
     async def healthy(self, timeout: float) -> bool:
         try:

@@ -29,6 +29,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.settings = settings
         self.dense = GrpcDenseLink(settings.dense, settings.tls, settings.step_timeout)
         shards = [GrpcShardLink(a, settings.tls) for a in split_addresses(settings.shards)]
+        self._links: list[GrpcDenseLink | GrpcShardLink] = [self.dense, *shards]
         self.driver = SchedulerDriver(
             settings,
             self.dense,
@@ -36,6 +37,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             PrometheusSchedulerMetrics(),
             make_shard_link=lambda address: GrpcShardLink(address, settings.tls),
         )
+
+    async def close(self) -> None:
+        """Close the links it made (gpu_dense and the shards it was started with)."""
+        for link in self._links:
+            await link.close()
 
     @handles_errors(trailers=SCHEDULER_ERROR_TRAILER)
     async def Submit(

@@ -71,6 +71,9 @@ class Scheduler:
         """Gone at once, as a process killed with -9 (no drain, no status for what runs)."""
         self.loop.cancel()
         await self.server.server.stop(0)
+        # the servicer's own links (replaced by fakes): an aio channel left to the garbage collector
+        # shuts grpc's aio poller down from there, and that join hung the next test
+        await self.service.close()
 
     def held(self) -> dict[str, int]:
         return {sid: n for s in self.shards for sid, n in s.held.items()}
@@ -260,8 +263,10 @@ def test_a_restarted_scheduler_is_lost_then_resubmitted_to(llama_dir: Path) -> N
             third = Scheduler(port)
             await third.__aenter__()
             restarted.set()
-            await asyncio.sleep(30)  # served until the test ends (cancelled there)
-            await third.kill()
+            try:
+                await asyncio.sleep(30)  # served until the test ends (cancelled there)
+            finally:
+                await third.kill()
 
         restarter: asyncio.Task | None = None
         async with contextlib.aclosing(core.generate(params, "c", None, "grpc")) as chunks:
@@ -274,6 +279,7 @@ def test_a_restarted_scheduler_is_lost_then_resubmitted_to(llama_dir: Path) -> N
         assert got == list(range(1, 301))
         assert restarter is not None
         restarter.cancel()
+        await asyncio.gather(restarter, return_exceptions=True)
         await link.close()
 
     asyncio.run(main())

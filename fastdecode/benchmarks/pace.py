@@ -19,6 +19,12 @@ metrics. Per point:
 - dense_host_cores_needed = dense host CPU per step / gpu_step_ms; exposed_host_ms = wall - GPU
   step - one shard's attention per step (the most the shards can keep on the critical path) - the
   stand-in's sampling time (which a GPU spends inside gpu_step_ms).
+- background_cpu_ms_per_s: each part's CPU per second with the fleet warm and idle, read in the same
+  run just before the load (health probes, readiness polls, timers, gRPC's poller). That CPU accrues
+  per second, not per step: on this host a step lasts the shards' attention (hundreds of ms), so it
+  lands in cpu_ms_per_step many times over what it costs at a GPU's pace.
+  cpu_ms_per_step_at_gpu_pace moves it to the GPU's step: cpu_ms_per_step - background x (wall -
+  gpu_step_ms), a projection, labelled as one.
 """
 
 from __future__ import annotations
@@ -70,7 +76,10 @@ class _Mark:
         self.attention = sum(metric_total(m, "fastdecode_kv_attention_cpu_seconds_total") for m in shards)
 
 
-async def _drive(target: str, prompts: list[list[int]], gen_len: int, fleet: Any) -> list[_Mark]:
+async def _drive(
+    target: str, prompts: list[list[int]], gen_len: int, fleet: Any, idle_s: float
+) -> tuple[list[_Mark], list[_Mark]]:
+    """(the idle window's two marks, the decode window's two marks)."""
     from fastdecode.client import AsyncClient
 
     marks: list[_Mark] = []
@@ -78,6 +87,9 @@ async def _drive(target: str, prompts: list[list[int]], gen_len: int, fleet: Any
     tokens = 0
     async with AsyncClient(target) as client:
         await client.generate(token_ids=prompts[0][:4], max_tokens=2)  # warm the path
+        idle = [await asyncio.to_thread(_Mark, fleet)]
+        await asyncio.sleep(idle_s)
+        idle.append(await asyncio.to_thread(_Mark, fleet))
 
         async def one(p: list[int]) -> None:
             nonlocal tokens
@@ -88,7 +100,18 @@ async def _drive(target: str, prompts: list[list[int]], gen_len: int, fleet: Any
                     marks.append(await asyncio.to_thread(_Mark, fleet))
 
         await asyncio.gather(*(one(p) for p in prompts))
-    return marks
+    return idle, marks
+
+
+def _parts(a: _Mark, b: _Mark, stand_in_s: float = 0.0) -> dict[str, float]:
+    """CPU seconds each part spent between two marks (dense_main less the stand-in's sampling)."""
+    return {
+        "scheduler": b.cpu["scheduler"] - a.cpu["scheduler"],
+        "dense_main": b.cpu["dense_main"] - a.cpu["dense_main"] - stand_in_s,
+        "exchange_workers": b.cpu["exchange_workers"] - a.cpu["exchange_workers"],
+        "shards_outside_attention": b.cpu["shards"] - a.cpu["shards"] - (b.attention - a.attention),
+        "gateway": b.cpu["gateway"] - a.cpu["gateway"],
+    }
 
 
 def run_point(
@@ -103,6 +126,7 @@ def run_point(
     echo_repeats: int = 200,
     loop: str = "uvloop",
     plan_ahead: str = "on",
+    idle_s: float = 5.0,
 ) -> dict[str, Any]:
     import torch
 
@@ -133,7 +157,7 @@ def run_point(
     )
     fleet.start()
     try:
-        marks = run_async(_drive(fleet.gateway.address, prompts, gen_len, fleet))
+        idle, marks = run_async(_drive(fleet.gateway.address, prompts, gen_len, fleet, idle_s))
         # the bare echo of one item's bytes, in this process, while the fleet sits idle
         rows = max(1, batch // 2 // shards)
         out_b = rows * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2 + 64
@@ -153,15 +177,13 @@ def run_point(
 
     stand_in = per_step(a.head_cpu, b.head_cpu)
     attention = per_step(a.attention, b.attention)
-    cpu = {
-        "scheduler": per_step(a.cpu["scheduler"], b.cpu["scheduler"]),
-        "dense_main": per_step(a.cpu["dense_main"], b.cpu["dense_main"]) - stand_in,
-        "exchange_workers": per_step(a.cpu["exchange_workers"], b.cpu["exchange_workers"]),
-        "shards_outside_attention": per_step(a.cpu["shards"], b.cpu["shards"]) - attention,
-        "gateway": per_step(a.cpu["gateway"], b.cpu["gateway"]),
-    }
+    cpu = {k: v * 1e3 / steps for k, v in _parts(a, b, b.head_cpu - a.head_cpu).items()}
+    i0, i1 = idle
+    background = {k: v * 1e3 / (i1.wall - i0.wall) for k, v in _parts(i0, i1).items()}
     gpu_ms = roof["gpu_step_s"] * 1e3
     wall = (b.wall - a.wall) * 1e3 / steps
+    # the background accrues over the wall step; at the GPU's pace it would accrue over gpu_ms
+    at_pace = {k: cpu[k] - background[k] * max(0.0, wall - gpu_ms) / 1e3 for k in cpu}
     trips = (b.items - a.items) / steps
     payload_mb = c.num_hidden_layers * batch * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     payload_mb = payload_mb * c.head_dim * 2 / 1e6
@@ -182,6 +204,8 @@ def run_point(
         "pcie_copy_ms": per_step(a.copy, b.copy),
         "wall_step_ms": wall,
         "cpu_ms_per_step": cpu,
+        "background_cpu_ms_per_s": background,
+        "cpu_ms_per_step_at_gpu_pace": at_pace,
         "dense_stand_in_ms": stand_in,
         "shard_attention_ms": attention,
         "round_trips_per_step": trips,
@@ -211,10 +235,11 @@ def run_pace(
     echo_repeats: int = 200,
     loops: tuple[str, ...] = ("uvloop",),
     plan_ahead: tuple[str, ...] = ("on",),
+    idle_s: float = 5.0,
 ) -> dict[str, Any]:
     path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
     points = [
-        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead)
+        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s)
         for b in batches
         for k in workers
         for loop in loops

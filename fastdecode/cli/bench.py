@@ -505,6 +505,14 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
 )
 @click.option("--echo-repeats", type=int, default=200, show_default=True)
 @click.option(
+    "--idle-seconds",
+    "idle_s",
+    type=click.FloatRange(0.2, 60),
+    default=5.0,
+    show_default=True,
+    help="The warm, idle window before the load that measures each part's background CPU per second.",
+)
+@click.option(
     "--event-loop",
     "loops",
     type=click.Choice(["uvloop", "asyncio"]),
@@ -564,7 +572,11 @@ def pace_cmd(
     from fastdecode.benchmarks.common import format_table
 
     rows = [
-        {**{k: v for k, v in p.items() if k != "cpu_ms_per_step"}, **p["cpu_ms_per_step"]}
+        {
+            **{k: v for k, v in p.items() if not isinstance(v, dict)},
+            **p["cpu_ms_per_step"],
+            **{f"{k}_at_gpu_pace": v for k, v in p["cpu_ms_per_step_at_gpu_pace"].items()},
+        }
         for p in result["points"]
     ]
     click.echo(format_table(rows))

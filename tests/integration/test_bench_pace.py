@@ -54,7 +54,8 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
         "-K",
         "1",
     ]
-    args += ["--prompt-len", "4", "--gen-len", "8", "--echo-repeats", "20", "--plot", str(png)]
+    args += ["--prompt-len", "4", "--gen-len", "8", "--echo-repeats", "20", "--idle-seconds", "2"]
+    args += ["--plot", str(png)]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout.strip().splitlines()[-1])
@@ -78,6 +79,14 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     assert p["dense_host_cores_needed"] == pytest.approx(
         (p["cpu_ms_per_step"]["dense_main"] + p["cpu_ms_per_step"]["exchange_workers"]) / p["gpu_step_ms"]
     )
+    # the background is CPU per second of the idle fleet, moved from the wall step to the GPU's
+    assert set(p["background_cpu_ms_per_s"]) == set(p["cpu_ms_per_step_at_gpu_pace"]) == PARTS
+    # (CPU times are in clock ticks: a short idle window may read 0)
+    assert all(math.isfinite(v) and v >= 0 for v in p["background_cpu_ms_per_s"].values())
+    extra_s = (p["wall_step_ms"] - p["gpu_step_ms"]) / 1e3
+    for part in PARTS:
+        moved = p["background_cpu_ms_per_s"][part] * extra_s
+        assert p["cpu_ms_per_step_at_gpu_pace"][part] == pytest.approx(p["cpu_ms_per_step"][part] - moved)
     assert imread(png).size > 0
 
 

@@ -114,7 +114,7 @@ class SamplingParams:
 class PlannedSeq:
     """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`. The one
     type on both sides of the step boundary: the scheduler core plans it, gpu_dense's StepRunner runs
-    it (fastdecode.wire.dense carries it over the wire as a dense.proto PlannedSequence)."""
+    it (fastdecode.wire.dense carries it over the wire as a row of dense.proto's StepPlan)."""
 
     seq_id: str
     shard: int

@@ -66,8 +66,10 @@ class _InstantDense:
         t1 = time.process_time()
         plan = dense_pb2.StepPlan.FromString(sent)  # gpu_dense's side from here ...
         result = dense_pb2.StepResult(step=plan.step)
-        for p in plan.sequences:
-            result.results.add(seq_id=p.seq_id, token_id=1 + p.sample_index if p.sample else -1, logprob=-0.5)
+        result.seq_ids.extend(plan.seq_ids)
+        sampled = zip(plan.sample_index, plan.sample, strict=True)
+        result.token_ids.extend([1 + i if s else -1 for i, s in sampled])
+        result.logprobs.extend([-0.5] * len(plan.seq_ids))
         answer = result.SerializeToString()  # ... to here
         t2 = time.process_time()
         outcome = dense_wire.step_outcome_from_proto(dense_pb2.StepResult.FromString(answer))

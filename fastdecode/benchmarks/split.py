@@ -61,7 +61,7 @@ from fastdecode.model import ModelConfig
 from fastdecode.model.dense import resolve_device
 from fastdecode.planning.planner import SplitParts, best_host_share, split_ideal_ratio, split_step_s
 from fastdecode.runtime import codec
-from fastdecode.runtime.errors import InvalidInput, ServiceError
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.rpc import aio_channel
 from fastdecode.tools.fleet import (
     ServiceProcess,
@@ -71,6 +71,7 @@ from fastdecode.tools.fleet import (
 from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from fastdecode.wire import dense as dense_wire
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 PIPELINE_MODES = ("auto", "on", "off")
@@ -238,13 +239,7 @@ async def _point(
             await call.write(plan)
             res = await call.read()
             dt = time.perf_counter() - t
-            if res.error.code:
-                raise ServiceError(f"context {context}, step {step}: {res.error.message}")
-            bad = [r for r in res.results if r.error.code]
-            if bad:
-                raise ServiceError(f"context {context}, step {step}, {bad[0].seq_id}: {bad[0].error.message}")
-            by_id = {r.seq_id: r.token_id for r in res.results}
-            tokens = [by_id[x] for x in ids]
+            tokens = dense_wire.step_tokens(res, ids, f"context {context}, step {step}")
             fleet_pos += 1
             return dt, res.timings
 

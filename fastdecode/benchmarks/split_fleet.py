@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.benchmarks.hosts import HostLayout, Isolation, pin_command, thread_env
+from fastdecode.contract import PlannedSeq
 from fastdecode.model import ModelConfig
 from fastdecode.tools.fleet import ServiceProcess, spawn_service, start_service, wait_ready
-from fastdecode.v1 import dense_pb2
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from fastdecode.wire import dense as dense_wire
 
 
 @dataclass
@@ -49,18 +50,11 @@ def shard_rows(batch: int, shards: int) -> list[range]:
 def step_plan(
     step: int, ids: list[str], owner: list[int], tokens: list[int], pos: int, pipeline: bool
 ) -> Any:
-    plan = dense_pb2.StepPlan(step=step, pipeline=pipeline)
-    for i, (sid, tok) in enumerate(zip(ids, tokens, strict=True)):
-        plan.sequences.add(
-            seq_id=sid,
-            shard=owner[i],
-            mini_batch=i % 2 if pipeline else 0,
-            token_ids=[tok],
-            start_pos=pos,
-            sample=True,
-            sample_index=step,
-        )
-    return plan
+    seqs = [
+        PlannedSeq(sid, owner[i], i % 2 if pipeline else 0, [tok], pos, sample_index=step)
+        for i, (sid, tok) in enumerate(zip(ids, tokens, strict=True))
+    ]
+    return dense_wire.plan_to_proto(step, seqs, pipeline)
 
 
 def start_shards(s: Setup, capacity: int) -> list[ServiceProcess]:

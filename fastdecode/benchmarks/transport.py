@@ -21,6 +21,7 @@ import torch
 
 from fastdecode.benchmarks.attention import torch_threads
 from fastdecode.benchmarks.common import median, run_async
+from fastdecode.contract import PlannedSeq
 from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.kv import AttendBatch
 from fastdecode.model import ModelConfig
@@ -33,6 +34,7 @@ from fastdecode.tools.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from fastdecode.wire import dense as dense_wire
 
 _SETTLE_S = 0.02
 # libgomp's workers spin ~300k iterations after each parallel region before sleeping; two
@@ -100,18 +102,11 @@ def _fill_local(engine: LocalEngine, ids: list[str], context: int, gen: torch.Ge
 
 
 def _plan(step: int, ids: list[str], tokens: list[int], pos: int, pipeline: bool) -> dense_pb2.StepPlan:
-    plan = dense_pb2.StepPlan(step=step, pipeline=pipeline)
-    for i, (sid, tok) in enumerate(zip(ids, tokens, strict=True)):
-        plan.sequences.add(
-            seq_id=sid,
-            shard=0,
-            mini_batch=i % 2 if pipeline else 0,
-            token_ids=[tok],
-            start_pos=pos,
-            sample=True,
-            sample_index=step,
-        )
-    return plan
+    seqs = [
+        PlannedSeq(sid, 0, i % 2 if pipeline else 0, [tok], pos, sample_index=step)
+        for i, (sid, tok) in enumerate(zip(ids, tokens, strict=True))
+    ]
+    return dense_wire.plan_to_proto(step, seqs, pipeline)
 
 
 async def _run(
@@ -196,13 +191,7 @@ async def _run(
             res = await call.read()
             dt = time.perf_counter() - t0
             cpu1 = sum(process_cpu_seconds(p.pid) for p in procs)
-            if res.error.code:
-                raise ServiceError(f"step {step} failed: {res.error.message}")
-            for r in res.results:
-                if r.error.code:
-                    raise ServiceError(f"step {step}, {r.seq_id}: {r.error.message}")
-            by_id = {r.seq_id: r.token_id for r in res.results}
-            tokens = [by_id[s] for s in ids]
+            tokens = dense_wire.step_tokens(res, ids, f"step {step}")
             if engine is not None:
                 # A pause (not timed) between the fleet's and the local step: OpenMP workers spin
                 # for a while after a parallel region, and must not steal the other side's cores.

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fastdecode.v1 import tensor_pb2 as fastdecode_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x61stdecode/v1/dense.proto\x12\rfastdecode.v1\x1a\x1a\x66\x61stdecode/v1/tensor.proto\"(\n\x17\x44\x65nseRemoveShardRequest\x12\r\n\x05shard\x18\x01 \x01(\x05\"\x1a\n\x18\x44\x65nseRemoveShardResponse\"\"\n\x0f\x41\x64\x64ShardRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"!\n\x10\x41\x64\x64ShardResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\"\x8b\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18( \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18) \x01(\x08\x12\x18\n\x10presence_penalty\x18* \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18+ \x01(\x02\x12\x1f\n\x12repetition_penalty\x18, \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18- \x01(\x05\x12\x1a\n\x12suppress_token_ids\x18. \x03(\x03\x12\x0f\n\x07grammar\x18/ \x01(\t\x12@\n\nlogit_bias\x18\x30 \x03(\x0b\x32,.fastdecode.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x31 \x01(\x02\x12\x19\n\x11\x61llowed_token_ids\x18\x32 \x03(\x03\x12/\n\tbad_words\x18\x33 \x03(\x0b\x32\x1c.fastdecode.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"]\n\x0fPositionLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x01(\x0b\x32\x1a.fastdecode.v1.TopLogprobs\"\x88\x02\n\x0fPlannedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nmini_batch\x18\x03 \x01(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x11\n\tstart_pos\x18\x05 \x01(\x03\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.fastdecode.v1.SamplingParams\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x14\n\x0csample_index\x18\x08 \x01(\x03\x12\x17\n\x0fuse_last_sample\x18\t \x01(\x08\x12\x1a\n\rnext_token_id\x18( \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_next_token_id\"l\n\x08StepPlan\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x31\n\tsequences\x18\x02 \x03(\x0b\x32\x1e.fastdecode.v1.PlannedSequence\x12\x10\n\x08pipeline\x18\x03 \x01(\x08\x12\r\n\x05\x65nded\x18( \x03(\t\"\xce\x01\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.fastdecode.v1.ItemError\x12\'\n\x03top\x18( \x01(\x0b\x32\x1a.fastdecode.v1.TopLogprobs\x12\x37\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x1e.fastdecode.v1.PositionLogprob\"\xb5\x01\n\x0bStepTimings\x12\x16\n\x0es_part_seconds\x18\x01 \x01(\x01\x12\x1a\n\x12shard_wait_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x61ttend_seconds\x18\x04 \x01(\x01\x12\x15\n\roverlap_ratio\x18\x05 \x01(\x01\x12\x11\n\tpipelined\x18P \x01(\x08\x12\x1a\n\x12s_part_cpu_seconds\x18Q \x01(\x01\"\xa0\x01\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.fastdecode.v1.SequenceResult\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.fastdecode.v1.StepTimings\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.fastdecode.v1.ItemError\"\r\n\x0bInfoRequest\"\x9d\x03\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\x03\x12\x15\n\reos_token_ids\x18\n \x03(\x03\x12\x19\n\x0c\x62os_token_id\x18\x0b \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\x12\n\nnum_shards\x18\x0e \x01(\x05\x12\x0e\n\x06shards\x18\x0f \x03(\t\x12\x16\n\x0eremoved_shards\x18< \x03(\x05\x12\x15\n\rlayer_windows\x18= \x03(\x05\x12\x1a\n\x12\x61ttn_logit_softcap\x18> \x01(\x02\x42\x0f\n\r_bos_token_id2\xb1\x02\n\x05\x44\x65nse\x12=\n\x03Run\x12\x17.fastdecode.v1.StepPlan\x1a\x19.fastdecode.v1.StepResult(\x01\x30\x01\x12<\n\x04Info\x12\x1a.fastdecode.v1.InfoRequest\x1a\x18.fastdecode.v1.ModelInfo\x12K\n\x08\x41\x64\x64Shard\x12\x1e.fastdecode.v1.AddShardRequest\x1a\x1f.fastdecode.v1.AddShardResponse\x12^\n\x0bRemoveShard\x12&.fastdecode.v1.DenseRemoveShardRequest\x1a\'.fastdecode.v1.DenseRemoveShardResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x61stdecode/v1/dense.proto\x12\rfastdecode.v1\x1a\x1a\x66\x61stdecode/v1/tensor.proto\"(\n\x17\x44\x65nseRemoveShardRequest\x12\r\n\x05shard\x18\x01 \x01(\x05\"\x1a\n\x18\x44\x65nseRemoveShardResponse\"\"\n\x0f\x41\x64\x64ShardRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"!\n\x10\x41\x64\x64ShardResponse\x12\r\n\x05shard\x18\x01 \x01(\x05\"\x8b\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18( \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18) \x01(\x08\x12\x18\n\x10presence_penalty\x18* \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18+ \x01(\x02\x12\x1f\n\x12repetition_penalty\x18, \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18- \x01(\x05\x12\x1a\n\x12suppress_token_ids\x18. \x03(\x03\x12\x0f\n\x07grammar\x18/ \x01(\t\x12@\n\nlogit_bias\x18\x30 \x03(\x0b\x32,.fastdecode.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x31 \x01(\x02\x12\x19\n\x11\x61llowed_token_ids\x18\x32 \x03(\x03\x12/\n\tbad_words\x18\x33 \x03(\x0b\x32\x1c.fastdecode.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"]\n\x0fPositionLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x01(\x0b\x32\x1a.fastdecode.v1.TopLogprobs\"\xb3\x03\n\x08StepPlan\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08pipeline\x18\x03 \x01(\x08\x12\r\n\x05\x65nded\x18( \x03(\t\x12\x0f\n\x07seq_ids\x18\x04 \x03(\t\x12\x0e\n\x06shards\x18\x05 \x03(\x05\x12\x14\n\x0cmini_batches\x18\x06 \x03(\x05\x12\x11\n\tstart_pos\x18\x07 \x03(\x03\x12\x14\n\x0ctoken_counts\x18\x08 \x03(\x05\x12\x11\n\ttoken_ids\x18\t \x03(\x03\x12\x0e\n\x06sample\x18\n \x03(\x08\x12\x14\n\x0csample_index\x18\x0b \x03(\x03\x12\x17\n\x0fuse_last_sample\x18\x0c \x03(\x08\x12\x30\n\tsamplings\x18\r \x03(\x0b\x32\x1d.fastdecode.v1.SamplingParams\x12\x16\n\x0esampling_index\x18\x0e \x03(\x05\x12\x41\n\x0enext_token_ids\x18\x0f \x03(\x0b\x32).fastdecode.v1.StepPlan.NextTokenIdsEntry\x1a\x33\n\x11NextTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01J\x04\x08\x02\x10\x03\"C\n\x0ePromptLogprobs\x12\x31\n\tpositions\x18\x01 \x03(\x0b\x32\x1e.fastdecode.v1.PositionLogprob\"\xb5\x01\n\x0bStepTimings\x12\x16\n\x0es_part_seconds\x18\x01 \x01(\x01\x12\x1a\n\x12shard_wait_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x61ttend_seconds\x18\x04 \x01(\x01\x12\x15\n\roverlap_ratio\x18\x05 \x01(\x01\x12\x11\n\tpipelined\x18P \x01(\x08\x12\x1a\n\x12s_part_cpu_seconds\x18Q \x01(\x01\"\xc3\x04\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\x07timings\x18\x03 \x01(\x0b\x32\x1a.fastdecode.v1.StepTimings\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.fastdecode.v1.ItemError\x12\x0f\n\x07seq_ids\x18\x05 \x03(\t\x12\x11\n\ttoken_ids\x18\x06 \x03(\x03\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x35\n\x06\x65rrors\x18\x08 \x03(\x0b\x32%.fastdecode.v1.StepResult.ErrorsEntry\x12/\n\x03top\x18\t \x03(\x0b\x32\".fastdecode.v1.StepResult.TopEntry\x12\x46\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32-.fastdecode.v1.StepResult.PromptLogprobsEntry\x1aG\n\x0b\x45rrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.fastdecode.v1.ItemError:\x02\x38\x01\x1a\x46\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.fastdecode.v1.TopLogprobs:\x02\x38\x01\x1aT\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.fastdecode.v1.PromptLogprobs:\x02\x38\x01J\x04\x08\x02\x10\x03\"\r\n\x0bInfoRequest\"\x9d\x03\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x03\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\x03\x12\x15\n\reos_token_ids\x18\n \x03(\x03\x12\x19\n\x0c\x62os_token_id\x18\x0b \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\x12\x12\n\nnum_shards\x18\x0e \x01(\x05\x12\x0e\n\x06shards\x18\x0f \x03(\t\x12\x16\n\x0eremoved_shards\x18< \x03(\x05\x12\x15\n\rlayer_windows\x18= \x03(\x05\x12\x1a\n\x12\x61ttn_logit_softcap\x18> \x01(\x02\x42\x0f\n\r_bos_token_id2\xb1\x02\n\x05\x44\x65nse\x12=\n\x03Run\x12\x17.fastdecode.v1.StepPlan\x1a\x19.fastdecode.v1.StepResult(\x01\x30\x01\x12<\n\x04Info\x12\x1a.fastdecode.v1.InfoRequest\x1a\x18.fastdecode.v1.ModelInfo\x12K\n\x08\x41\x64\x64Shard\x12\x1e.fastdecode.v1.AddShardRequest\x1a\x1f.fastdecode.v1.AddShardResponse\x12^\n\x0bRemoveShard\x12&.fastdecode.v1.DenseRemoveShardRequest\x1a\'.fastdecode.v1.DenseRemoveShardResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_STEPPLAN_NEXTTOKENIDSENTRY']._loaded_options = None
+  _globals['_STEPPLAN_NEXTTOKENIDSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPRESULT_ERRORSENTRY']._loaded_options = None
+  _globals['_STEPRESULT_ERRORSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPRESULT_TOPENTRY']._loaded_options = None
+  _globals['_STEPRESULT_TOPENTRY']._serialized_options = b'8\001'
+  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._loaded_options = None
+  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_DENSEREMOVESHARDREQUEST']._serialized_start=72
   _globals['_DENSEREMOVESHARDREQUEST']._serialized_end=112
   _globals['_DENSEREMOVESHARDRESPONSE']._serialized_start=114
@@ -52,20 +60,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROBS']._serialized_end=825
   _globals['_POSITIONLOGPROB']._serialized_start=827
   _globals['_POSITIONLOGPROB']._serialized_end=920
-  _globals['_PLANNEDSEQUENCE']._serialized_start=923
-  _globals['_PLANNEDSEQUENCE']._serialized_end=1187
-  _globals['_STEPPLAN']._serialized_start=1189
-  _globals['_STEPPLAN']._serialized_end=1297
-  _globals['_SEQUENCERESULT']._serialized_start=1300
-  _globals['_SEQUENCERESULT']._serialized_end=1506
-  _globals['_STEPTIMINGS']._serialized_start=1509
-  _globals['_STEPTIMINGS']._serialized_end=1690
-  _globals['_STEPRESULT']._serialized_start=1693
-  _globals['_STEPRESULT']._serialized_end=1853
-  _globals['_INFOREQUEST']._serialized_start=1855
-  _globals['_INFOREQUEST']._serialized_end=1868
-  _globals['_MODELINFO']._serialized_start=1871
-  _globals['_MODELINFO']._serialized_end=2284
-  _globals['_DENSE']._serialized_start=2287
-  _globals['_DENSE']._serialized_end=2592
+  _globals['_STEPPLAN']._serialized_start=923
+  _globals['_STEPPLAN']._serialized_end=1358
+  _globals['_STEPPLAN_NEXTTOKENIDSENTRY']._serialized_start=1301
+  _globals['_STEPPLAN_NEXTTOKENIDSENTRY']._serialized_end=1352
+  _globals['_PROMPTLOGPROBS']._serialized_start=1360
+  _globals['_PROMPTLOGPROBS']._serialized_end=1427
+  _globals['_STEPTIMINGS']._serialized_start=1430
+  _globals['_STEPTIMINGS']._serialized_end=1611
+  _globals['_STEPRESULT']._serialized_start=1614
+  _globals['_STEPRESULT']._serialized_end=2193
+  _globals['_STEPRESULT_ERRORSENTRY']._serialized_start=1958
+  _globals['_STEPRESULT_ERRORSENTRY']._serialized_end=2029
+  _globals['_STEPRESULT_TOPENTRY']._serialized_start=2031
+  _globals['_STEPRESULT_TOPENTRY']._serialized_end=2101
+  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._serialized_start=2103
+  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._serialized_end=2187
+  _globals['_INFOREQUEST']._serialized_start=2195
+  _globals['_INFOREQUEST']._serialized_end=2208
+  _globals['_MODELINFO']._serialized_start=2211
+  _globals['_MODELINFO']._serialized_end=2624
+  _globals['_DENSE']._serialized_start=2627
+  _globals['_DENSE']._serialized_end=2932
 # @@protoc_insertion_point(module_scope)

@@ -96,57 +96,52 @@ class PositionLogprob(_message.Message):
     top: TopLogprobs
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
-class PlannedSequence(_message.Message):
-    __slots__ = ("seq_id", "shard", "mini_batch", "token_ids", "start_pos", "sampling", "sample", "sample_index", "use_last_sample", "next_token_id")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    SHARD_FIELD_NUMBER: _ClassVar[int]
-    MINI_BATCH_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+class StepPlan(_message.Message):
+    __slots__ = ("step", "pipeline", "ended", "seq_ids", "shards", "mini_batches", "start_pos", "token_counts", "token_ids", "sample", "sample_index", "use_last_sample", "samplings", "sampling_index", "next_token_ids")
+    class NextTokenIdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MINI_BATCHES_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     USE_LAST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    shard: int
-    mini_batch: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    start_pos: int
-    sampling: SamplingParams
-    sample: bool
-    sample_index: int
-    use_last_sample: bool
-    next_token_id: int
-    def __init__(self, seq_id: _Optional[str] = ..., shard: _Optional[int] = ..., mini_batch: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., sample_index: _Optional[int] = ..., use_last_sample: _Optional[bool] = ..., next_token_id: _Optional[int] = ...) -> None: ...
-
-class StepPlan(_message.Message):
-    __slots__ = ("step", "sequences", "pipeline", "ended")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    PIPELINE_FIELD_NUMBER: _ClassVar[int]
-    ENDED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLINGS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
-    sequences: _containers.RepeatedCompositeFieldContainer[PlannedSequence]
     pipeline: bool
     ended: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[PlannedSequence, _Mapping]]] = ..., pipeline: _Optional[bool] = ..., ended: _Optional[_Iterable[str]] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    mini_batches: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample: _containers.RepeatedScalarFieldContainer[bool]
+    sample_index: _containers.RepeatedScalarFieldContainer[int]
+    use_last_sample: _containers.RepeatedScalarFieldContainer[bool]
+    samplings: _containers.RepeatedCompositeFieldContainer[SamplingParams]
+    sampling_index: _containers.RepeatedScalarFieldContainer[int]
+    next_token_ids: _containers.ScalarMap[int, int]
+    def __init__(self, step: _Optional[int] = ..., pipeline: _Optional[bool] = ..., ended: _Optional[_Iterable[str]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[int]] = ..., mini_batches: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sample_index: _Optional[_Iterable[int]] = ..., use_last_sample: _Optional[_Iterable[bool]] = ..., samplings: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., sampling_index: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
-class SequenceResult(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "error", "top", "prompt_logprobs")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    TOP_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    token_id: int
-    logprob: float
-    error: _tensor_pb2.ItemError
-    top: TopLogprobs
-    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., top: _Optional[_Union[TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprob, _Mapping]]] = ...) -> None: ...
+class PromptLogprobs(_message.Message):
+    __slots__ = ("positions",)
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    positions: _containers.RepeatedCompositeFieldContainer[PositionLogprob]
+    def __init__(self, positions: _Optional[_Iterable[_Union[PositionLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("s_part_seconds", "shard_wait_seconds", "step_seconds", "attend_seconds", "overlap_ratio", "pipelined", "s_part_cpu_seconds")
@@ -167,16 +162,47 @@ class StepTimings(_message.Message):
     def __init__(self, s_part_seconds: _Optional[float] = ..., shard_wait_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., attend_seconds: _Optional[float] = ..., overlap_ratio: _Optional[float] = ..., pipelined: _Optional[bool] = ..., s_part_cpu_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "results", "timings", "error")
+    __slots__ = ("step", "timings", "error", "seq_ids", "token_ids", "logprobs", "errors", "top", "prompt_logprobs")
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: _tensor_pb2.ItemError
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ...) -> None: ...
+    class TopEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: TopLogprobs
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
+    class PromptLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: PromptLogprobs
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
-    results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     timings: StepTimings
     error: _tensor_pb2.ItemError
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    errors: _containers.MessageMap[int, _tensor_pb2.ItemError]
+    top: _containers.MessageMap[int, TopLogprobs]
+    prompt_logprobs: _containers.MessageMap[int, PromptLogprobs]
+    def __init__(self, step: _Optional[int] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., errors: _Optional[_Mapping[int, _tensor_pb2.ItemError]] = ..., top: _Optional[_Mapping[int, TopLogprobs]] = ..., prompt_logprobs: _Optional[_Mapping[int, PromptLogprobs]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

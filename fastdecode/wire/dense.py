@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
+from fastdecode.runtime.errors import InternalError, InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.ports import DenseInfo, ItemResult, StepOutcome
 from fastdecode.scheduling.types import Step
@@ -84,59 +85,108 @@ def position_from_proto(p: dense_pb2.PositionLogprob) -> TokenLogprob:
 
 # ---- scheduler <-> gpu_dense -----------------------------------------------------------------------
 def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
-    plan = dense_pb2.StepPlan(step=step.step, pipeline=pipeline, ended=step.ended)
+    return plan_to_proto(step.step, step.seqs, pipeline, step.ended)
+
+
+def plan_to_proto(
+    step: int, seqs: Sequence[PlannedSeq], pipeline: bool, ended: Sequence[str] = ()
+) -> dense_pb2.StepPlan:
+    """A step's PlannedSeqs as StepPlan's columns."""
     # Sequences mostly share a few sampling settings (greedy, a client's defaults): each distinct
-    # one is converted once a step, not once a sequence.
-    samplings: dict[SamplingParams, dense_pb2.SamplingParams] = {}
-    for p in step.seqs:
-        try:
-            sp = samplings.get(p.sampling)
-            if sp is None:
-                sp = samplings[p.sampling] = sampling_to_proto(p.sampling)
-        except TypeError:  # settings built with a list somewhere (unhashable): converted as they are
-            sp = sampling_to_proto(p.sampling)
-        q = plan.sequences.add(
-            seq_id=p.seq_id,
-            shard=p.shard,
-            mini_batch=p.mini_batch,
-            token_ids=() if p.use_last_sample else p.token_ids,
-            start_pos=p.start_pos,
-            sampling=sp,
-            sample=p.sample,
-            sample_index=p.sample_index,
-            use_last_sample=p.use_last_sample,
-        )
+    # one is converted once a step, and rows point at it. Settings are frozen dataclasses; one
+    # object is usually shared by many rows, so it is looked up by identity before by value.
+    by_id: dict[int, int] = {}
+    by_value: dict[SamplingParams, int] = {}
+    table: list[dense_pb2.SamplingParams] = []
+    index: list[int] = []
+    tokens: list[int] = []
+    counts: list[int] = []
+    next_tokens: dict[int, int] = {}
+    for row, p in enumerate(seqs):
+        i = by_id.get(id(p.sampling))
+        if i is None:
+            try:
+                i = by_value.get(p.sampling)
+                if i is None:
+                    i = by_value[p.sampling] = len(table)
+                    table.append(sampling_to_proto(p.sampling))
+            except TypeError:  # settings built with a list somewhere (unhashable): one entry each
+                i = len(table)
+                table.append(sampling_to_proto(p.sampling))
+            by_id[id(p.sampling)] = i
+        index.append(i)
+        if p.use_last_sample:
+            counts.append(0)
+        else:
+            counts.append(len(p.token_ids))
+            tokens += p.token_ids
         if p.next_token is not None:
-            q.next_token_id = p.next_token
-    return plan
+            next_tokens[row] = p.next_token
+    return dense_pb2.StepPlan(
+        step=step,
+        pipeline=pipeline,
+        ended=ended,
+        seq_ids=[p.seq_id for p in seqs],
+        shards=[p.shard for p in seqs],
+        mini_batches=[p.mini_batch for p in seqs],
+        start_pos=[p.start_pos for p in seqs],
+        token_counts=counts,
+        token_ids=tokens,
+        sample=[p.sample for p in seqs],
+        sample_index=[p.sample_index for p in seqs],
+        use_last_sample=[p.use_last_sample for p in seqs],
+        samplings=table,
+        sampling_index=index,
+        next_token_ids=next_tokens,
+    )
 
 
 def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
-    # A step's sequences share a few distinct SamplingParams: each is converted once (by its bytes).
-    params: dict[bytes, SamplingParams] = {}
-
-    def sampling(sp: dense_pb2.SamplingParams) -> SamplingParams:
-        key = sp.SerializeToString(deterministic=True)
-        got = params.get(key)
-        if got is None:
-            got = params[key] = sampling_from_proto(sp)
-        return got
-
-    return [
-        PlannedSeq(
-            p.seq_id,
-            p.shard,
-            p.mini_batch,
-            [LAST_SAMPLE] if p.use_last_sample else list(p.token_ids),
-            p.start_pos,
-            sampling(p.sampling),
-            p.sample,
-            p.sample_index,
-            p.next_token_id if p.HasField("next_token_id") else None,
-            p.use_last_sample,
-        )
-        for p in plan.sequences
-    ]
+    """StepPlan's columns as PlannedSeqs; a plan whose columns disagree is InvalidInput."""
+    ids = list(plan.seq_ids)
+    n = len(ids)
+    cols = (
+        plan.shards,
+        plan.mini_batches,
+        plan.start_pos,
+        plan.token_counts,
+        plan.sample,
+        plan.sample_index,
+        plan.use_last_sample,
+        plan.sampling_index,
+    )
+    if any(len(c) != n for c in cols):
+        raise InvalidInput(f"step plan {plan.step}: its columns have different lengths")
+    counts = list(plan.token_counts)
+    flat = list(plan.token_ids)
+    if sum(counts) != len(flat) or min(counts, default=0) < 0:
+        raise InvalidInput(f"step plan {plan.step}: token_counts do not add up to its token_ids")
+    table = [sampling_from_proto(sp) for sp in plan.samplings]
+    index = list(plan.sampling_index)
+    if index and not 0 <= min(index) <= max(index) < len(table):
+        raise InvalidInput(f"step plan {plan.step}: a sampling_index outside its samplings")
+    next_tokens = dict(plan.next_token_ids)
+    last = list(plan.use_last_sample)
+    out = []
+    pos = 0
+    rows = zip(
+        ids,
+        plan.shards,
+        plan.mini_batches,
+        plan.start_pos,
+        counts,
+        plan.sample,
+        plan.sample_index,
+        last,
+        index,
+        strict=True,
+    )
+    for row, (sid, shard, mb, start, count, sample, s_index, ahead, si) in enumerate(rows):
+        toks = [LAST_SAMPLE] if ahead else flat[pos : pos + count]
+        pos += count
+        nxt = next_tokens.get(row)
+        out.append(PlannedSeq(sid, shard, mb, toks, start, table[si], sample, s_index, nxt, ahead))
+    return out
 
 
 def timings_to_proto(t: Timings) -> dense_pb2.StepTimings:
@@ -193,16 +243,16 @@ def step_result(
     if error is not None:
         result.error.CopyFrom(item_error(error))
         return result
-    for sid, o in outcomes.items():
-        r = result.results.add(
-            seq_id=sid,
-            token_id=o.token_id,
-            logprob=o.logprob,
-            top=top_to_proto(o.top),
-            prompt_logprobs=[position_to_proto(p) for p in o.prompt],
-        )
+    result.seq_ids.extend(outcomes)
+    result.token_ids.extend([o.token_id for o in outcomes.values()])
+    result.logprobs.extend([o.logprob for o in outcomes.values()])
+    for row, o in enumerate(outcomes.values()):  # the sparse parts: most rows have none
         if o.error is not None:
-            r.error.CopyFrom(item_error(o.error))
+            result.errors[row].CopyFrom(item_error(o.error))
+        if o.top:
+            result.top[row].CopyFrom(top_to_proto(o.top))
+        if o.prompt:
+            result.prompt_logprobs[row].positions.extend(position_to_proto(p) for p in o.prompt)
     if timings is not None:
         result.timings.CopyFrom(timings_to_proto(timings))
     return result
@@ -210,19 +260,35 @@ def step_result(
 
 def step_outcome_from_proto(result: dense_pb2.StepResult) -> StepOutcome:
     """The scheduler's side of a StepResult."""
-    # (one item per sequence every step: the optional parts are read only where they are set)
+    if result.error.code:
+        return StepOutcome([], error_from_item(result.error))
+    ids, toks, lps = list(result.seq_ids), list(result.token_ids), list(result.logprobs)
+    if not len(ids) == len(toks) == len(lps):
+        return StepOutcome([], InternalError(f"step {result.step}: its result's columns differ in length"))
+    if not (result.errors or result.top or result.prompt_logprobs):  # a decode step, most often
+        return StepOutcome([ItemResult(sid, tok, lp) for sid, tok, lp in zip(ids, toks, lps, strict=True)])
+    errors = {row: error_from_item(e) for row, e in result.errors.items() if e.code}
+    top = {row: top_from_proto(t) for row, t in result.top.items()}
+    prompt = {r: [position_from_proto(p) for p in pl.positions] for r, pl in result.prompt_logprobs.items()}
     items = [
-        ItemResult(
-            r.seq_id,
-            r.token_id,
-            r.logprob,
-            error_from_item(r.error) if r.HasField("error") and r.error.code else None,
-            top_from_proto(r.top) if r.HasField("top") else (),
-            [position_from_proto(p) for p in r.prompt_logprobs] if r.prompt_logprobs else [],
-        )
-        for r in result.results
+        ItemResult(sid, tok, lp, errors.get(row), top.get(row, ()), prompt.get(row, []))
+        for row, (sid, tok, lp) in enumerate(zip(ids, toks, lps, strict=True))
     ]
-    return StepOutcome(items, error_from_item(result.error) if result.error.code else None)
+    return StepOutcome(items)
+
+
+def step_tokens(result: dense_pb2.StepResult, ids: Sequence[str], what: str) -> list[int]:
+    """The token each of `ids` sampled in a StepResult (benchmarks that drive gpu_dense's Run
+    themselves); a failed step or sequence raises its error, prefixed with `what`."""
+    outcome = step_outcome_from_proto(result)
+    if outcome.error is not None:
+        raise type(outcome.error)(f"{what}: {outcome.error.message}")
+    by_id = {}
+    for r in outcome.items:
+        if r.error is not None:
+            raise type(r.error)(f"{what}, {r.seq_id}: {r.error.message}")
+        by_id[r.seq_id] = r.token_id
+    return [by_id[s] for s in ids]
 
 
 def dense_info_from_proto(i: dense_pb2.ModelInfo) -> DenseInfo:

@@ -155,7 +155,7 @@ class DenseService(pb_grpc.DenseServicer):
         def start(
             plan: pb.StepPlan, seqs: list[PlannedSeq] | Exception
         ) -> tuple[pb.StepPlan, asyncio.Future[Ran]]:
-            for p in plan.sequences:
+            for p in seqs if isinstance(seqs, list) else ():
                 # The step stream is shared by every request, so its gRPC metadata cannot name one:
                 # each item's seq_id is the request id the gateway gave it.
                 if p.start_pos == 0:

@@ -13,12 +13,15 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fastdecode.contract import PlannedSeq, SamplingParams
 from fastdecode.dense.engine import LocalEngine
 from fastdecode.model import ModelConfig
 from fastdecode.runtime import codec
+from fastdecode.runtime.errors import InvalidInput, Unavailable
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import ServiceProcess, start_service, stop_processes
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc, tensor_pb2
+from fastdecode.wire import dense as dense_wire
 from tests.support import PROMPTS, metric_total, scrape
 
 MAX_NEW = 24
@@ -94,7 +97,7 @@ class DataPlane:
         def plans() -> Iterator[dense_pb2.StepPlan]:
             step = 0
             while True:
-                plan = dense_pb2.StepPlan(step=step, pipeline=pipeline)
+                seqs = []
                 for i, (sid, p) in enumerate(zip(ids, prompts, strict=True)):
                     if len(out[i]) >= max_new:
                         continue
@@ -103,25 +106,20 @@ class DataPlane:
                         done[i] += len(toks)
                     else:
                         toks, start = [out[i][-1]], len(p) + len(out[i]) - 1
-                    plan.sequences.add(
-                        seq_id=sid,
-                        shard=i % 2,
-                        mini_batch=i % 2 if pipeline else 0,
-                        token_ids=toks,
-                        start_pos=start,
-                        sample=done[i] == len(p),
-                        sample_index=len(out[i]),
-                    )
-                if not plan.sequences:
+                    mb, last = i % 2 if pipeline else 0, done[i] == len(p)
+                    n = len(out[i])
+                    seqs.append(PlannedSeq(sid, i % 2, mb, toks, start, sample=last, sample_index=n))
+                if not seqs:
                     return
-                yield plan
+                yield dense_wire.plan_to_proto(step, seqs, pipeline)
                 step += 1
                 result = results.get()
                 if on_step:
                     on_step(result)
-                assert not result.error.code, result.error.message
-                for r in result.results:
-                    assert not r.error.code, r.error.message
+                outcome = dense_wire.step_outcome_from_proto(result)
+                assert outcome.error is None, outcome.error
+                for r in outcome.items:
+                    assert r.error is None, r.error
                     if r.token_id >= 0:
                         out[ids.index(r.seq_id)].append(r.token_id)
 
@@ -256,23 +254,21 @@ def test_malformed_attend_items_get_in_band_errors(plane: DataPlane) -> None:
 
 def test_bad_plan_items_fail_alone(plane: DataPlane) -> None:
     plane.reserve(0, "ok", 8)
-    plan = dense_pb2.StepPlan(step=0, pipeline=True)
-    plan.sequences.add(seq_id="ok", shard=0, token_ids=[1, 2], start_pos=0, sample=True)
-    plan.sequences.add(seq_id="v", shard=0, token_ids=[10**9], start_pos=0, sample=True)
-    plan.sequences.add(seq_id="s", shard=7, token_ids=[1], start_pos=0, sample=True)
-    plan.sequences.add(
-        seq_id="t",
-        shard=0,
-        token_ids=[1],
-        start_pos=0,
-        sample=True,
-        sampling=dense_pb2.SamplingParams(temperature=-1),
+    plan = dense_wire.plan_to_proto(
+        0,
+        [
+            PlannedSeq("ok", 0, 0, [1, 2], 0),
+            PlannedSeq("v", 0, 0, [10**9], 0),
+            PlannedSeq("s", 7, 0, [1], 0),
+            PlannedSeq("t", 0, 0, [1], 0, SamplingParams(temperature=-1)),
+        ],
+        pipeline=True,
     )
     (result,) = list(plane.dense.Run(iter([plan]), timeout=30))
-    by_id = {r.seq_id: r for r in result.results}
-    assert by_id["ok"].token_id >= 0 and not by_id["ok"].error.code
+    by_id = {r.seq_id: r for r in dense_wire.step_outcome_from_proto(result).items}
+    assert by_id["ok"].token_id >= 0 and by_id["ok"].error is None
     for sid in ("v", "s", "t"):
-        assert by_id[sid].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], sid
+        assert isinstance(by_id[sid].error, InvalidInput), sid
     plane.shards[0].Release(kv_attention_pb2.ReleaseRequest(seq_ids=["ok"]), timeout=5)
 
 
@@ -284,13 +280,11 @@ def test_dead_shard_fails_only_its_sequences(model_factory: Callable, tmp_path: 
         dp.reserve(1, "b", 8)
         os.kill(dp.procs[1].pid, signal.SIGKILL)
         dp.procs[1].proc.wait(timeout=10)
-        plan = dense_pb2.StepPlan(step=0, pipeline=True)
-        plan.sequences.add(seq_id="a", shard=0, mini_batch=0, token_ids=[1, 5], start_pos=0, sample=True)
-        plan.sequences.add(seq_id="b", shard=1, mini_batch=1, token_ids=[1, 5], start_pos=0, sample=True)
-        (result,) = list(dp.dense.Run(iter([plan]), timeout=60))
-        by_id = {r.seq_id: r for r in result.results}
-        assert by_id["a"].token_id >= 0 and not by_id["a"].error.code
-        assert by_id["b"].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        seqs = [PlannedSeq("a", 0, 0, [1, 5], 0), PlannedSeq("b", 1, 1, [1, 5], 0)]
+        (result,) = list(dp.dense.Run(iter([dense_wire.plan_to_proto(0, seqs, pipeline=True)]), timeout=60))
+        by_id = {r.seq_id: r for r in dense_wire.step_outcome_from_proto(result).items}
+        assert by_id["a"].token_id >= 0 and by_id["a"].error is None
+        assert isinstance(by_id["b"].error, Unavailable)
         assert f"shard 1 ({dp.shard_addrs[1]})" in by_id["b"].error.message
     finally:
         dp.close()

@@ -1,12 +1,17 @@
-"""The scheduler's step messages through the wire and back: a plan whose sequences share sampling
-settings (converted once a step), the result's optional parts (error, top, prompt logprobs) read
-only where set, and a token event's repeated parts only when present."""
+"""The scheduler's step messages through the wire and back: a plan's columns whose rows share
+sampling settings (converted once a step), a plan or result whose columns disagree refused, the
+result's sparse parts (error, top, prompt logprobs) only where set, and a token event's repeated
+parts only when present."""
 
 from __future__ import annotations
 
-from fastdecode.contract import PlannedSeq, SamplingParams, TokenLogprob
+from collections.abc import Callable
+
+import pytest
+
+from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
 from fastdecode.dense.runner import Outcome
-from fastdecode.runtime.errors import ResourceExhausted, Status
+from fastdecode.runtime.errors import InternalError, InvalidInput, ResourceExhausted, Status
 from fastdecode.scheduling.types import Step, TokenEvent
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.wire.dense import planned_seqs_from_proto, step_outcome_from_proto, step_plan, step_result
@@ -22,6 +27,7 @@ def test_a_plan_comes_back_the_same_with_shared_and_distinct_sampling_settings()
         PlannedSeq("c", 1, 0, [5], 7, hot, True, 1, next_token=6),
         PlannedSeq("d", 0, 1, [6], 3, odd, True, 0),
         PlannedSeq("e", 0, 0, [7], 4, greedy, True, 5),
+        PlannedSeq("f", 1, 1, [LAST_SAMPLE], 11, greedy, True, 3, use_last_sample=True),
     ]
     wire = dense_pb2.StepPlan.FromString(
         step_plan(Step(4, seqs, [], [], ended=["z"]), True).SerializeToString()
@@ -31,9 +37,34 @@ def test_a_plan_comes_back_the_same_with_shared_and_distinct_sampling_settings()
     expect = [
         *seqs[:3],
         PlannedSeq("d", 0, 1, [6], 3, SamplingParams(0.25, suppress_ids=(1, 2)), True, 0),
-        seqs[4],
+        *seqs[4:],
     ]
     assert back == expect  # every field, sampling settings and next_token included
+    assert len(wire.samplings) == 3  # greedy and hot once each, the unhashable one apart
+    assert list(wire.token_counts) == [3, 1, 1, 1, 1, 0]  # a row planned ahead carries no token
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (lambda w: w.shards.pop(), "columns have different lengths"),
+        (lambda w: w.token_ids.append(9), "token_counts do not add up"),
+        (lambda w: w.sampling_index.__setitem__(0, 7), "sampling_index outside"),
+    ],
+)
+def test_a_plan_whose_columns_disagree_is_invalid_input(spoil: Callable, message: str) -> None:
+    seqs = [PlannedSeq("a", 0, 0, [1, 2], 0), PlannedSeq("b", 0, 1, [3], 5)]
+    wire = step_plan(Step(1, seqs, [], []), True)
+    spoil(wire)
+    with pytest.raises(InvalidInput, match=message):
+        planned_seqs_from_proto(wire)
+
+
+def test_a_result_whose_columns_disagree_fails_the_step() -> None:
+    result = step_result(2, {"a": Outcome(5, -0.5), "b": Outcome(6, -0.5)}, None)
+    result.logprobs.pop()
+    outcome = step_outcome_from_proto(result)
+    assert outcome.items == [] and isinstance(outcome.error, InternalError)
 
 
 def test_a_result_keeps_errors_top_and_prompt_logprobs_and_leaves_them_empty_elsewhere() -> None:

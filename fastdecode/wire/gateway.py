@@ -10,7 +10,7 @@ from typing import NamedTuple
 from fastdecode.contract import TokenLogprob
 from fastdecode.gateway.core import BackendInfo, GenerationChunk, ModelCard, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams, ValidRequest
-from fastdecode.runtime.errors import InvalidInput, Status
+from fastdecode.runtime.errors import InternalError, InvalidInput, Status
 from fastdecode.runtime.grammar import Structured
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.v1 import gateway_pb2 as gw_pb
@@ -129,6 +129,8 @@ class UpstreamFailure(NamedTuple):
 def session_events_from_proto(
     msg: scheduler_pb2.SessionEvents,
 ) -> list[tuple[str, UpstreamEvent | UpstreamFailure]]:
+    """Each request's events of one SessionEvents, in order (a request is either in the message's
+    events or in its plain columns, never both)."""
     out: list[tuple[str, UpstreamEvent | UpstreamFailure]] = []
     for e in msg.events:
         if e.HasField("error"):
@@ -136,6 +138,15 @@ def session_events_from_proto(
             out.append((e.request_id, failure))
         else:
             out.append((e.request_id, upstream_event_from_proto(e.token)))
+    ids = list(msg.plain_request_ids)
+    if ids:
+        toks, lps, cached = list(msg.plain_token_ids), list(msg.plain_logprobs), list(msg.plain_cached_tokens)
+        if not len(ids) == len(toks) == len(lps) == len(cached):
+            raise InternalError("a SessionEvents message whose plain columns differ in length")
+        out += [
+            (sid, UpstreamEvent([tok], "", [lp], cached_tokens=c))
+            for sid, tok, lp, c in zip(ids, toks, lps, cached, strict=True)
+        ]
     return out
 
 

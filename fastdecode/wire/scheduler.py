@@ -51,14 +51,36 @@ def _fill_token_event(out: scheduler_pb2.TokenEvent, ev: TokenEvent) -> None:
         out.prompt_logprobs.extend(position_to_proto(p) for p in ev.prompt_logprobs)
 
 
+def _plain(item: TokenEvent | ServiceError) -> bool:
+    """A token event SessionEvents carries as a row of its plain columns."""
+    return (
+        isinstance(item, TokenEvent)
+        and item.error is None
+        and not item.finish_reason
+        and len(item.token_ids) == 1
+        and not item.top
+        and not item.prompt_logprobs
+    )
+
+
 def session_events_to_proto(
     batch: Sequence[tuple[str, TokenEvent | ServiceError]],
 ) -> scheduler_pb2.SessionEvents:
-    """A step's events for a session's requests, as one message. A failure (a ServiceError, or an
-    event carrying one) is that request's in-band error, with Submit's dependency-down meaning."""
+    """A step's events for a session's requests, as one message: the plain ones as columns, the
+    rest (and every event of a request that has one of the rest) as SessionEvent messages. A
+    failure (a ServiceError, or an event carrying one) is that request's in-band error, with
+    Submit's dependency-down meaning."""
     out = scheduler_pb2.SessionEvents()
+    rich = {seq_id for seq_id, item in batch if not _plain(item)}
+    ids: list[str] = []
+    plain: list[TokenEvent] = []
     add = out.events.add
     for seq_id, item in batch:
+        if seq_id not in rich:
+            assert isinstance(item, TokenEvent)
+            ids.append(seq_id)
+            plain.append(item)
+            continue
         error = item if isinstance(item, ServiceError) else item.error
         e = add(request_id=seq_id)
         if error is not None:
@@ -67,6 +89,12 @@ def session_events_to_proto(
         else:
             assert isinstance(item, TokenEvent)
             _fill_token_event(e.token, item)
+    if plain:
+        out.plain_request_ids.extend(ids)
+        out.plain_token_ids.extend([ev.token_ids[0] for ev in plain])
+        out.plain_logprobs.extend([ev.logprobs[0] if ev.logprobs else 0.0 for ev in plain])
+        out.plain_steps.extend([ev.step for ev in plain])
+        out.plain_cached_tokens.extend([ev.cached_tokens for ev in plain])
     return out
 
 

@@ -124,9 +124,12 @@ def test_many_requests_share_one_call_and_a_step_is_one_message() -> None:
                 messages = widest = 0
                 async for msg in call:
                     messages += 1
-                    steps += [e.token.step for e in msg.events]
-                    widest = max(widest, len({e.request_id for e in msg.events}))
+                    steps += sorted([e.token.step for e in msg.events] + list(msg.plain_steps))
+                    ids = {e.request_id for e in msg.events} | set(msg.plain_request_ids)
+                    widest = max(widest, len(ids))
                     done |= {e.request_id for e in msg.events if e.token.finish_reason}
+                    # a request is in the plain columns or in the events, never both
+                    assert not {e.request_id for e in msg.events} & set(msg.plain_request_ids)
                     if done == {"w0", "w1", "w2"}:
                         out.put_nowait(None)  # half-close: the call ends once its requests have
                 assert steps == sorted(steps)  # in step order

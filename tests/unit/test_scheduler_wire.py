@@ -11,11 +11,13 @@ import pytest
 
 from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
 from fastdecode.dense.runner import Outcome
-from fastdecode.runtime.errors import InternalError, InvalidInput, ResourceExhausted, Status
+from fastdecode.gateway.core import UpstreamEvent
+from fastdecode.runtime.errors import InternalError, InvalidInput, ResourceExhausted, Status, Unavailable
 from fastdecode.scheduling.types import Step, TokenEvent
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.wire.dense import planned_seqs_from_proto, step_outcome_from_proto, step_plan, step_result
-from fastdecode.wire.scheduler import token_event_to_proto
+from fastdecode.wire.gateway import UpstreamFailure, session_events_from_proto
+from fastdecode.wire.scheduler import session_events_to_proto, token_event_to_proto
 
 
 def test_a_plan_comes_back_the_same_with_shared_and_distinct_sampling_settings() -> None:
@@ -98,3 +100,36 @@ def test_a_token_event_sets_top_and_prompt_logprobs_only_when_present() -> None:
     assert p.finish_reason == "stop" and p.cached_tokens == 16
     assert [list(t.token_ids) for t in p.top] == [[5, 6]]
     assert [(q.token_id, list(q.top.token_ids)) for q in p.prompt_logprobs] == [(3, [3])]
+
+
+def test_session_events_carry_plain_events_as_columns_and_keep_each_requests_order() -> None:
+    def ev(sid: str, tok: int, step: int, **kw: object) -> TokenEvent:
+        return TokenEvent(sid, [tok], [-0.5], kw.pop("finish", None), 4, 1, step, 0, **kw)  # type: ignore[arg-type]
+
+    batch = [
+        ("a", ev("a", 5, 10, cached_tokens=16)),  # plain: a column row
+        ("b", ev("b", 6, 10, top=[((6, -0.5),)])),  # asks for top logprobs: a message
+        ("c", ev("c", 7, 10)),  # plain in step 10, finished in step 11 (planned ahead): both messages
+        ("a", ev("a", 8, 11, cached_tokens=16)),
+        ("c", ev("c", 9, 11, finish="stop")),
+        ("d", Unavailable("shard lost")),
+    ]
+    msg = scheduler_pb2.SessionEvents.FromString(session_events_to_proto(batch).SerializeToString())
+    assert list(msg.plain_request_ids) == ["a", "a"] and list(msg.plain_token_ids) == [5, 8]
+    assert list(msg.plain_steps) == [10, 11] and list(msg.plain_cached_tokens) == [16, 16]
+    assert [e.request_id for e in msg.events] == ["b", "c", "c", "d"]
+    got = session_events_from_proto(msg)
+    for sid in "abc":  # every request's events arrive in the order they were made
+        toks = [t for s, item in got if s == sid and isinstance(item, UpstreamEvent) for t in item.token_ids]
+        assert toks == [t for s, e in batch if s == sid and isinstance(e, TokenEvent) for t in e.token_ids]
+    (plain,) = [item for s, item in got if s == "a"][:1]
+    assert isinstance(plain, UpstreamEvent) and plain.cached_tokens == 16 and plain.logprobs == [-0.5]
+    (failure,) = [item for s, item in got if s == "d"]
+    assert isinstance(failure, UpstreamFailure) and failure.status is Status.UNAVAILABLE
+
+
+def test_session_events_whose_plain_columns_disagree_are_refused() -> None:
+    msg = session_events_to_proto([("a", TokenEvent("a", [5], [-0.5], None, 4, 1, 3, 0))])
+    msg.plain_logprobs.append(0.0)
+    with pytest.raises(InternalError, match="plain columns"):
+        session_events_from_proto(msg)

@@ -298,6 +298,7 @@ class EmulatedModel:
         self.roofline = Roofline(profile, geometry_of(config, geometry), itemsize)
         check_fits(self.roofline)
         self.clock = DeviceClock()
+        self._layer_times: dict[int, tuple[float, float, float, float]] = {}
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
         # Sampled ids stay inside the tokenizer's vocabulary (a named geometry's may be larger).
@@ -330,8 +331,9 @@ class EmulatedModel:
         """Charges norm, QKV, RoPE and the copy of q, k, v to the host; returns host tensors
         (views of one synthetic pool: a copy off a GPU lands in fresh host memory, this costs none)."""
         c, t = self.config, hidden.shape[0]
-        self.clock.compute(self.roofline.pre_seconds(t))
-        self.clock.copy(self.roofline.qkv_copy_seconds(t))
+        pre, qkv_copy, _, _ = self._times(t)
+        self.clock.compute(pre)
+        self.clock.copy(qkv_copy)
         if self._q.shape[0] < t:  # three pools, so every row slice is contiguous
             self._q = self._pool(self._q, t, self.q_size, self.dtype, 0.5)
             self._k = self._pool(self._k, t, self.kv_size, self.dtype, 0.5)
@@ -343,10 +345,26 @@ class EmulatedModel:
         )
 
     def post_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
-        self.clock.copy(self.roofline.o_copy_seconds(t))
-        self.clock.compute(self.roofline.post_seconds(t))
+        _, _, o_copy, post = self._times(hidden.shape[0])
+        self.clock.copy(o_copy)
+        self.clock.compute(post)
         return hidden
+
+    def _times(self, tokens: int) -> tuple[float, float, float, float]:
+        """(pre, q/k/v copy, o copy, post) seconds of a layer at `tokens` rows, worked out once per
+        row count: a step asks for them at every layer of both mini-batches."""
+        times = self._layer_times.get(tokens)
+        if times is None:
+            if len(self._layer_times) > 4096:  # prefill chunks of every size: keep it bounded
+                self._layer_times.clear()
+            r = self.roofline
+            times = self._layer_times[tokens] = (
+                r.pre_seconds(tokens),
+                r.qkv_copy_seconds(tokens),
+                r.o_copy_seconds(tokens),
+                r.post_seconds(tokens),
+            )
+        return times
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Synthetic fp32 logits [N, vocab]: the pool's first N rows (greedy draws repeat, so runs

@@ -11,6 +11,7 @@ goes from the tensor's memory into the bytes once (encode + SerializeToString co
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -126,11 +127,17 @@ def serialize_with(msg: Message, prefix: bytes = b"", **tensors: torch.Tensor) -
     fields = msg.DESCRIPTOR.fields_by_name
     for name, t in tensors.items():
         data = memoryview(_host_bytes(t).reshape(-1).view(np.uint8))
-        head = tensor_pb2.Tensor(dtype=wire_dtype(t.dtype), shape=t.shape).SerializeToString()
-        head += _DATA_TAG + _varint(data.nbytes) if data.nbytes else b""  # proto3 omits empty bytes
-        tag = (fields[name].number << 3) | 2
-        parts += [_varint(tag) + _varint(len(head) + data.nbytes) + head, data]
+        parts += [_field_head(fields[name].number, t.dtype, tuple(t.shape), data.nbytes), data]
     return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _field_head(number: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """A Tensor field's bytes up to its data: the field's tag and length, dtype, shape and data's tag
+    and length. The same few shapes go out at every layer, so each is built once."""
+    head = tensor_pb2.Tensor(dtype=wire_dtype(dtype), shape=shape).SerializeToString()
+    head += _DATA_TAG + _varint(nbytes) if nbytes else b""  # proto3 omits empty bytes
+    return _varint((number << 3) | 2) + _varint(len(head) + nbytes) + head
 
 
 def decode(msg: tensor_pb2.Tensor, *, copy: bool = False) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -46,6 +47,10 @@ log = logging.getLogger("fastdecode.gpu_dense.exchange")
 # Beyond the shard timeout (the worker's own watchdog fails a silent shard's item), how long the
 # dense side waits on a worker before it takes the worker for dead.
 WORKER_GRACE_S = 10.0
+
+
+class WorkerStalled(Exception):
+    """A worker kept a layer past the shard timeout plus WORKER_GRACE_S (set by the plane's watchdog)."""
 
 
 def auto_workers(num_shards: int, dense_threads: int | None, device: str = "cpu") -> int:
@@ -79,6 +84,7 @@ class ExchangePlane:
         self._staging: dict[int, Staging] = {}  # per slot, at its full capacity
         self._rids = 0
         self._lock = asyncio.Lock()
+        self._watchdog: asyncio.Task[None] | None = None
         for a in addresses:
             self._assign(a)
 
@@ -159,6 +165,8 @@ class ExchangePlane:
         between: Callable[[], None] | None = None,
     ) -> list[torch.Tensor | BaseException]:
         """`between`: as ShardLinks.attend_layer's, once every worker has its items."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
         by_worker: dict[int, list[int]] = {}
         for i, item in enumerate(items):
@@ -177,7 +185,7 @@ class ExchangePlane:
                     arena, message, sent = self._pack(worker, slot, [items[i] for i in idx])
                     self._rids += 1
                     fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
-                    worker.pending[self._rids] = fut
+                    worker.pending[self._rids] = (fut, time.monotonic())
                     worker.send(Attend(self._rids, slot, layer, arena.name, message))
                     waits.append((worker, self._rids, arena, idx, fut, sent))
                 except errors.ServiceError as e:
@@ -187,9 +195,8 @@ class ExchangePlane:
                 between()
             for worker, _rid, arena, idx, fut, sent in waits:
                 try:
-                    async with asyncio.timeout(self.timeout + WORKER_GRACE_S):  # no task, unlike wait_for
-                        results = await fut
-                except TimeoutError:
+                    results = await fut  # the plane's watchdog fails it when the worker stalls
+                except WorkerStalled:
                     log.warning("exchange worker %d did not answer: restarting it", worker.index)
                     await worker.stop(grace=0.5)
                     results = None
@@ -284,6 +291,22 @@ class ExchangePlane:
             return arena.view(s) if self.views else arena.take(s)
         return errors.error_for(Status.from_value(r.status), r.text)
 
+    async def _watch(self) -> None:
+        """One timer for every layer in flight (an `asyncio.timeout` per layer was a timer handle made
+        and cancelled 64 times a step): a request older than the shard timeout plus the grace fails
+        with WorkerStalled, and its layer restarts the worker."""
+        limit = self.timeout + WORKER_GRACE_S
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for worker in self.workers:
+                for fut, since in list(worker.pending.values()):
+                    if now - since > limit and not fut.done():
+                        fut.set_exception(WorkerStalled(f"exchange worker {worker.index} did not answer"))
+
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         await asyncio.gather(*(w.stop() for w in self.workers))
         self.arenas.close()

@@ -71,14 +71,17 @@ class WorkerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.writer: Channel | None = None
         self._hello: asyncio.Future[Ready] | None = None
-        self.pending: dict[int, asyncio.Future[list[Ok | Err]]] = {}
+        # per request id: its future and when it went out (the plane's watchdog ages them)
+        self.pending: dict[int, tuple[asyncio.Future[list[Ok | Err]], float]] = {}
         # per slot, the arena and items the worker last had in full (ExchangePlane._pack): a layer
         # with the very same items sends none; a restarted worker has none, so this starts empty
         self.sent: dict[int, Sent] = {}
 
     @property
     def alive(self) -> bool:
-        return self.writer is not None and self.proc is not None and self.proc.poll() is None
+        """Whether its control socket is open: a worker's exit closes it, and the loop's read of that
+        end (`_lost`) drops the writer. No waitpid here: this is asked on every layer."""
+        return self.writer is not None and self.proc is not None
 
     async def start(self) -> None:
         self.sent.clear()
@@ -128,9 +131,9 @@ class WorkerProcess:
 
     def _on_message(self, msg: tuple[Any, ...]) -> None:
         if isinstance(msg, Done):
-            fut = self.pending.pop(msg.rid, None)
-            if fut is not None and not fut.done():  # None: a cancelled layer's late answer
-                fut.set_result(msg.results)
+            waiting = self.pending.pop(msg.rid, None)
+            if waiting is not None and not waiting[0].done():  # None: a cancelled layer's late answer
+                waiting[0].set_result(msg.results)
         elif isinstance(msg, Ready) and self._hello is not None and not self._hello.done():
             self._hello.set_result(msg)
 
@@ -145,7 +148,7 @@ class WorkerProcess:
             self.writer = None
 
     def _fail_pending(self, reason: str) -> None:
-        for fut in self.pending.values():
+        for fut, _ in self.pending.values():
             if not fut.done():
                 fut.set_exception(Unavailable(reason))
         self.pending.clear()

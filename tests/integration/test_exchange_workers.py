@@ -14,6 +14,7 @@ import sys
 import time
 
 import grpc
+import pytest
 import torch
 
 from fastdecode.runtime.errors import Unavailable
@@ -77,6 +78,38 @@ def test_a_dead_worker_fails_its_items_and_is_replaced() -> None:
         assert not any(_alive(p) for p in pids)  # close() leaves no worker behind
 
     asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def test_a_stalled_worker_fails_its_items_and_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that stops answering (SIGSTOP: alive, its socket open) is caught by the plane's
+    watchdog after the shard timeout plus the grace: its items fail UNAVAILABLE, and the next layer
+    runs on a new worker."""
+    monkeypatch.setattr("services.gpu_dense.exchange.WORKER_GRACE_S", 0.3)
+
+    async def run() -> None:
+        servers, addresses = await _echo_servers(1)
+        plane = ExchangePlane(addresses, 1, timeout=0.5)
+        await plane.start()
+        victim = plane.workers[0].proc
+        assert victim is not None
+        try:
+            out = await plane.attend_layer(0, 0, [_item(0, 1.0)])
+            assert torch.equal(out[0], torch.full((2, 12), 2.0))
+            os.kill(victim.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            out = await plane.attend_layer(0, 1, [_item(0, 1.0)])
+            assert isinstance(out[0], Unavailable) and "did not answer" in str(out[0])
+            assert time.monotonic() - t0 < 5.0
+            out = await plane.attend_layer(0, 2, [_item(0, 3.0)])
+            assert torch.equal(out[0], torch.full((2, 12), 6.0))
+            assert plane.workers[0].proc is not None and plane.workers[0].proc.pid != victim.pid
+        finally:
+            await plane.close()
+            for server in servers:
+                await server.stop(None)
+        assert victim.poll() is not None  # the stalled worker was killed, not left behind
+
+    asyncio.run(asyncio.wait_for(run(), 60))
 
 
 _PARENT = """

@@ -88,7 +88,7 @@ class Step:
         )
 
 
-@dataclass
+@dataclass(slots=True)  # one per running sequence per step: a slotted init is the cheaper one
 class TokenEvent:
     """What one sequence produced in one step; a finished sequence's last event has finish_reason set.
 

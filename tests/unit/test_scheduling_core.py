@@ -596,3 +596,30 @@ def test_prompt_logprobs_go_out_once_per_position_across_chunks_and_a_lost_shard
     assert [(e.token_id, e.logprob) for e in scored] == [(prompt[i], -float(i)) for i in range(1, 10)]
     assert [e.token_ids for e in events] == [[1], [2], [3]]
     assert all(len(e.top) == 1 for e in events)  # one alternatives entry per token (top_logprobs asked)
+
+
+def test_equal_sampling_settings_share_one_object_and_are_forgotten_with_their_requests() -> None:
+    """submit() interns settings: a step's plan finds each row's by identity (plan_to_proto). An
+    entry lives only while a request holds its settings."""
+    import gc
+
+    core = core_with()
+    fleet = Fleet(core, 1)
+
+    def serve() -> None:  # (its own frame: nothing of it outlives the requests)
+        a = Request("a", [1, 2], max_tokens=2, sampling=Sampling(temperature=0.5, seed=7))
+        b = Request("b", [3, 4], max_tokens=2, sampling=Sampling(temperature=0.5, seed=7))
+        c = Request("c", [5], max_tokens=2, sampling=Sampling(temperature=0.5, seed=8))
+        for r in (a, b, c):
+            core.submit(r)
+        assert a.sampling is b.sampling and a.sampling is not c.sampling
+        assert b.sampling == Sampling(temperature=0.5, seed=7)  # the same settings, not others
+        step = fleet.step()
+        assert step is not None and planned(step, "a").sampling is planned(step, "b").sampling
+        assert len(core._samplings) == 2  # noqa: SLF001
+        fleet.run()
+
+    serve()
+    fleet.plans.clear()
+    gc.collect()
+    assert len(core._samplings) == 0  # noqa: SLF001 - nothing keeps settings no request holds

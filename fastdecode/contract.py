@@ -110,7 +110,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass
+@dataclass(slots=True)  # one per planned sequence every step: a slotted init is the cheaper one
 class PlannedSeq:
     """One sequence's share of a step: feed `token_ids` at positions start_pos.. on `shard`. The one
     type on both sides of the step boundary: the scheduler core plans it, gpu_dense's StepRunner runs

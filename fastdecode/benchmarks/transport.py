@@ -13,6 +13,7 @@ import asyncio
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +50,17 @@ def ensure_model(arch: str = "llama", preset: str = "small", root: Path | None =
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process (all its threads); nan where /proc is missing."""
+    """CPU seconds a process has used (all its threads, ended ones too); nan once it is gone.
+
+    Read from the process's CPU-time clock, to the nanosecond (Linux: the clock id that
+    clock_getcpuclockid gives, MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)); /proc's user + system
+    ticks (10 ms) where that clock is refused. At 10 ms a tick, a part that spends ~8 ms a second
+    read 40 +- 10 ms over a 5 s window: +-25%."""
+    if sys.platform == "linux":
+        try:
+            return time.clock_gettime(((~pid) << 3) | 2)
+        except (OSError, OverflowError):
+            pass
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:

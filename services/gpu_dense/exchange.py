@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -39,28 +38,10 @@ from services.gpu_dense.exchange_messages import (
     RemoveShard,
     RestoreShard,
 )
-from services.gpu_dense.exchange_process import Sent, WorkerProcess
+from services.gpu_dense.exchange_process import WORKER_GRACE_S, Sent, WorkerProcess, WorkerStalled
 from services.gpu_dense.plane import ShardAddress
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
-
-# Beyond the shard timeout (the worker's own watchdog fails a silent shard's item), how long the
-# dense side waits on a worker before it takes the worker for dead.
-WORKER_GRACE_S = 10.0
-
-
-class WorkerStalled(Exception):
-    """A worker kept a layer past the shard timeout plus WORKER_GRACE_S (set by the plane's watchdog)."""
-
-
-def auto_workers(num_shards: int, dense_threads: int | None, device: str = "cpu") -> int:
-    """The cores beyond the dense side's own, capped by the shards. The dense side's own: its
-    --threads, else one (the event loop) when the S-part runs on a GPU, else torch's threads (all
-    cores: a CPU dense half left to torch's default leaves none, and keeps the in-process path)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    on_gpu = device.startswith(("cuda", "emulated:")) or (device == "auto" and torch.cuda.is_available())
-    own = dense_threads or (1 if on_gpu else torch.get_num_threads())
-    return max(0, min(num_shards, cores - own))
 
 
 class ExchangePlane:

@@ -29,7 +29,8 @@ from fastdecode.runtime.rpc import error_from_status as from_status
 from fastdecode.runtime.settings import DenseSettings
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.wire.kv import attend_request, item_fields, parse_response
-from services.gpu_dense.exchange import ExchangePlane, auto_workers
+from services.gpu_dense.exchange import ExchangePlane
+from services.gpu_dense.exchange_process import auto_workers
 
 log = logging.getLogger("fastdecode.gpu_dense.shards")
 

@@ -9,6 +9,7 @@ floor of the loopback wire. `python -m fastdecode.benchmarks.echo {grpc,tcp} OUT
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -160,8 +161,38 @@ def tcp_echo_s(out: int, back: int, repeats: int = 200) -> list[float]:
         return times[repeats // 10 :]
 
 
+async def grpc_echo_cpu_s_apart(
+    out: int, back: int, repeats: int = 200, timeout: float = 120.0
+) -> tuple[float, float]:
+    """grpc_echo_cpu_s in a process of its own (client and server), awaited from a running loop."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "fastdecode.benchmarks.echo",
+        "grpc-client",
+        str(out),
+        str(back),
+        str(repeats),
+        stdout=subprocess.PIPE,
+    )
+    try:
+        got, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the gRPC echo client exited with {proc.returncode}")
+    wall, cpu = json.loads(got)
+    return float(wall), float(cpu)
+
+
 if __name__ == "__main__":
-    kind, out_b, back_b, pf = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    kind, out_b, back_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if kind == "grpc-client":
+        print(json.dumps(grpc_echo_cpu_s(out_b, back_b, int(sys.argv[4]))))
+        sys.exit(0)
+    pf = Path(sys.argv[4])
     if kind == "grpc":
         asyncio.run(_grpc_server(back_b, pf))
     else:

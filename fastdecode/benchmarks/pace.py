@@ -15,7 +15,10 @@ metrics. Per point:
   (the shards' CPU less their attention time), gateway.
 - round_trips_per_step (Attend items gpu_dense sent, counted at step ends), payload_mb_per_step
   (q, k, v out and o back), dense_host_cpu_ms_per_mb and dense_cpu_us_per_round_trip (main process
-  and exchange workers), next to a bare grpc.aio echo of one item's bytes in the same run (echo_*).
+  and exchange workers), next to a bare grpc.aio echo of one item's bytes in the same run (echo_*),
+  measured twice: with the fleet idle, and again while the fleet decodes its last quarter
+  (echo_loaded_*: its client on the same shared cores as the exchange workers; a 2-core host running
+  eight busy processes costs every one of them more CPU per operation than an idle one does).
 - dense_host_cores_needed = dense host CPU per step / gpu_step_ms; exposed_host_ms = wall - GPU
   step - one shard's attention per step (the most the shards can keep on the critical path) - the
   stand-in's sampling time (which a GPU spends inside gpu_step_ms).
@@ -76,15 +79,40 @@ class _Mark:
         self.attention = sum(metric_total(m, "fastdecode_kv_attention_cpu_seconds_total") for m in shards)
 
 
+class _LoadedEcho:
+    """The bare echo run again while the fleet decodes (its client and server in processes of their
+    own, sharing the cores with the fleet as the exchange workers do): the same yardstick under the
+    same contention. `during_decode` says whether the fleet was still decoding when it ended."""
+
+    def __init__(self, out_b: int, back_b: int, repeats: int) -> None:
+        self.args = (out_b, back_b, repeats)
+        self.cpu_s = float("nan")
+        self.during_decode = False
+
+
 async def _drive(
-    target: str, prompts: list[list[int]], gen_len: int, fleet: Any, idle_s: float
+    target: str,
+    prompts: list[list[int]],
+    gen_len: int,
+    fleet: Any,
+    idle_s: float,
+    echo: _LoadedEcho | None = None,
 ) -> tuple[list[_Mark], list[_Mark]]:
-    """(the idle window's two marks, the decode window's two marks)."""
+    """(the idle window's two marks, the decode window's two marks). With `echo`, the echo runs
+    once the decode window closes, while the last quarter of the tokens decodes."""
+    from fastdecode.benchmarks.echo import grpc_echo_cpu_s_apart
     from fastdecode.client import AsyncClient
 
     marks: list[_Mark] = []
-    want = [len(prompts) * gen_len // 4, 3 * len(prompts) * gen_len // 4]
+    total = len(prompts) * gen_len
+    want = [total // 4, 3 * total // 4]
     tokens = 0
+    loaded: list[asyncio.Task[None]] = []
+
+    async def run_echo(e: _LoadedEcho) -> None:
+        _, e.cpu_s = await grpc_echo_cpu_s_apart(*e.args)
+        e.during_decode = tokens < total
+
     async with AsyncClient(target) as client:
         await client.generate(token_ids=prompts[0][:4], max_tokens=2)  # warm the path
         idle = [await asyncio.to_thread(_Mark, fleet)]
@@ -98,8 +126,11 @@ async def _drive(
                 while want and tokens >= want[0]:
                     want.pop(0)
                     marks.append(await asyncio.to_thread(_Mark, fleet))
+                    if not want and echo is not None:
+                        loaded.append(asyncio.create_task(run_echo(echo)))
 
         await asyncio.gather(*(one(p) for p in prompts))
+        await asyncio.gather(*loaded)
     return idle, marks
 
 
@@ -155,13 +186,15 @@ def run_point(
         workdir=Path(tempfile.mkdtemp(prefix="fastdecode-bench-pace-")),
         env={"FASTDECODE_EVENT_LOOP": loop},
     )
+    # one item's bytes: a mini-batch's rows on one shard
+    rows = max(1, batch // 2 // shards)
+    out_b = rows * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2 + 64
+    back_b = rows * c.num_attention_heads * c.head_dim * 2 + 32
+    loaded = _LoadedEcho(out_b, back_b, echo_repeats)
     fleet.start()
     try:
-        idle, marks = run_async(_drive(fleet.gateway.address, prompts, gen_len, fleet, idle_s))
-        # the bare echo of one item's bytes, in this process, while the fleet sits idle
-        rows = max(1, batch // 2 // shards)
-        out_b = rows * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2 + 64
-        back_b = rows * c.num_attention_heads * c.head_dim * 2 + 32
+        idle, marks = run_async(_drive(fleet.gateway.address, prompts, gen_len, fleet, idle_s, loaded))
+        # the bare echo, in this process, while the fleet sits idle (the yardstick the issue names)
         _, echo_cpu = grpc_echo_cpu_s(out_b, back_b, echo_repeats)
     finally:
         fleet.stop()
@@ -214,6 +247,9 @@ def run_point(
         "dense_cpu_us_per_round_trip": dense_host * 1e3 / trips if trips else float("nan"),
         "echo_cpu_us_per_round_trip": echo_cpu * 1e6,
         "echo_cpu_ms_per_mb": echo_cpu * 1e3 / ((out_b + back_b) / 1e6),
+        "echo_loaded_cpu_us_per_round_trip": loaded.cpu_s * 1e6,
+        "echo_loaded_cpu_ms_per_mb": loaded.cpu_s * 1e3 / ((out_b + back_b) / 1e6),
+        "echo_loaded_during_decode": loaded.during_decode,
         "dense_host_cores_needed": dense_host / gpu_ms,
         "exposed_host_ms": wall - gpu_ms - attention / shards - stand_in,
         # the wall time gpu_dense had no step to run: what reaches the device between its steps

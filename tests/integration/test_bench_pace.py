@@ -87,6 +87,15 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     for part in PARTS:
         moved = p["background_cpu_ms_per_s"][part] * extra_s
         assert p["cpu_ms_per_step_at_gpu_pace"][part] == pytest.approx(p["cpu_ms_per_step"][part] - moved)
+    # the echo again, in processes of its own, once the decode window closed (whether the fleet was
+    # still decoding when it ended depends on the timing: at this size it mostly was not)
+    assert (
+        math.isfinite(p["echo_loaded_cpu_us_per_round_trip"]) and p["echo_loaded_cpu_us_per_round_trip"] > 0
+    )
+    assert p["echo_loaded_cpu_ms_per_mb"] == pytest.approx(
+        p["echo_loaded_cpu_us_per_round_trip"] / p["echo_cpu_us_per_round_trip"] * p["echo_cpu_ms_per_mb"]
+    )
+    assert isinstance(p["echo_loaded_during_decode"], bool)
     assert imread(png).size > 0
 
 

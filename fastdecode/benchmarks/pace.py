@@ -17,8 +17,8 @@ metrics. Per point:
   (q, k, v out and o back), dense_host_cpu_ms_per_mb and dense_cpu_us_per_round_trip (main process
   and exchange workers), next to a bare grpc.aio echo of one item's bytes in the same run (echo_*),
   measured twice: with the fleet idle, and again while the fleet decodes its last quarter
-  (echo_loaded_*: its client on the same shared cores as the exchange workers; a 2-core host running
-  eight busy processes costs every one of them more CPU per operation than an idle one does).
+  (echo_loaded_*: its client on the same shared cores as the exchange workers), so the dense host's
+  figure can be read against the yardstick under the same contention as well as idle.
 - dense_host_cores_needed = dense host CPU per step / gpu_step_ms; exposed_host_ms = wall - GPU
   step - one shard's attention per step (the most the shards can keep on the critical path) - the
   stand-in's sampling time (which a GPU spends inside gpu_step_ms).
@@ -107,7 +107,7 @@ async def _drive(
     total = len(prompts) * gen_len
     want = [total // 4, 3 * total // 4]
     tokens = 0
-    loaded: list[asyncio.Task[None]] = []
+    echo_task: asyncio.Task[None] | None = None
 
     async def run_echo(e: _LoadedEcho) -> None:
         _, e.cpu_s = await grpc_echo_cpu_s_apart(*e.args)
@@ -120,17 +120,18 @@ async def _drive(
         idle.append(await asyncio.to_thread(_Mark, fleet))
 
         async def one(p: list[int]) -> None:
-            nonlocal tokens
+            nonlocal tokens, echo_task
             async for chunk in client.stream(token_ids=p, max_tokens=gen_len, ignore_eos=True):
                 tokens += len(chunk.token_ids)
                 while want and tokens >= want[0]:
                     want.pop(0)
                     marks.append(await asyncio.to_thread(_Mark, fleet))
                     if not want and echo is not None:
-                        loaded.append(asyncio.create_task(run_echo(echo)))
+                        echo_task = asyncio.create_task(run_echo(echo))
 
         await asyncio.gather(*(one(p) for p in prompts))
-        await asyncio.gather(*loaded)
+        if echo_task is not None:
+            await echo_task
     return idle, marks
 
 

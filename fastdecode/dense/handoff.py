@@ -2,10 +2,11 @@
 
 The dense process writes a layer's q, k, v into a shared-memory arena (one copy, straight from the
 tensors, which may live on a GPU), sends a small descriptor over a control socket, and copies each
-o out of the same arena when the worker says it is there (one copy). Tensors are never pickled:
-descriptors are (offset, shape, dtype name) and a frame is a length prefix plus a pickled tuple of
-plain values. Arenas are reused; one that is too small is replaced by a bigger one (a new name,
-which the worker attaches to when it first sees it).
+o out of the same arena when the worker says it is there (one copy). Tensors never cross the socket:
+descriptors are (offset, shape, dtype name) and a frame is a length prefix plus a protobuf message
+(exchange.proto, encoded by services/gpu_dense/exchange_messages.py, so a native worker reads it).
+Arenas are reused; one that is too small is replaced by a bigger one (a new name, which the worker
+attaches to when it first sees it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import logging
 import math
 import mmap
 import os
-import pickle
 import socket
 import struct
 from collections.abc import Callable
@@ -255,9 +255,9 @@ class Attached:
         self._by_name.clear()
 
 
-def frame(message: tuple[Any, ...]) -> bytes:
-    """One control message: length prefix + pickle of plain values (never tensors)."""
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def frame(body: bytes) -> bytes:
+    """One control message on the socket: a 4-byte little-endian length, then the message's bytes
+    (services/gpu_dense/exchange_messages.py encodes them; never tensors)."""
     return _LEN.pack(len(body)) + body
 
 
@@ -266,7 +266,7 @@ class Channel(asyncio.Protocol):
     reader task and no coroutine hop per message (a layer's answer wakes only the layer's waiter).
     `closed` resolves when the peer goes, or when a frame is garbled (the channel is then closed)."""
 
-    def __init__(self, on_message: Callable[[tuple[Any, ...]], None]) -> None:
+    def __init__(self, on_message: Callable[[bytes], None]) -> None:
         self.on_message = on_message
         self.transport: asyncio.Transport | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -288,7 +288,7 @@ class Channel(asyncio.Protocol):
                     break
                 start = pos + _LEN.size
                 pos = start + n
-                self.on_message(pickle.loads(bytes(buf[start:pos])))  # noqa: S301 - our own process
+                self.on_message(bytes(buf[start:pos]))
         except Exception:  # a garbled channel is a dead peer
             log.exception("bad control message: closing the channel")
             self.close()
@@ -310,7 +310,7 @@ class Channel(asyncio.Protocol):
             self.closed.set_result(None)
 
 
-async def open_channel(sock: socket.socket, on_message: Callable[[tuple[Any, ...]], None]) -> Channel:
+async def open_channel(sock: socket.socket, on_message: Callable[[bytes], None]) -> Channel:
     """A Channel on a connected Unix socket."""
     loop = asyncio.get_running_loop()
     _, channel = await loop.create_unix_connection(lambda: Channel(on_message), sock=sock)

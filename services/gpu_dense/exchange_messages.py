@@ -1,12 +1,19 @@
 """The control messages between gpu_dense and its exchange workers (over a Unix socket, framed by
 fastdecode.dense.handoff.frame). Tensors never travel here: q, k, v and o sit in shared-memory
-arenas, and a message names their slices (`Slice.astuple()`: offset, dtype, shape)."""
+arenas, and a message names their slices (`Slice.astuple()`: offset, shape, dtype).
+
+On the socket they are protobuf (protos/fastdecode/v1/exchange.proto), so that the native worker
+(services/gpu_dense/native/) speaks them too; here they are named tuples, and `pack`/`unpack` are the
+one place that converts."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from fastdecode.dense.handoff import frame
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.fleet_secret import FleetSecret
+from fastdecode.v1 import exchange_pb2 as pb
 
 SliceTuple = tuple[Any, ...]  # handoff.Slice.astuple()
 
@@ -76,3 +83,115 @@ class Err(NamedTuple):
 class Done(NamedTuple):
     rid: int
     results: list[Ok | Err]  # one per item, in order
+
+
+# ---- the wire (exchange.proto) ------------------------------------------------------------
+ToWorker = Secret | Attend | Cancel | AddShard | RemoveShard | RestoreShard
+ToDense = Ready | Done
+
+
+def _slice(s: SliceTuple) -> pb.ArenaSlice:
+    return pb.ArenaSlice(offset=s[0], shape=s[1], dtype=s[2])
+
+
+def _tuple(s: pb.ArenaSlice) -> SliceTuple:
+    return (s.offset, tuple(s.shape), s.dtype)
+
+
+def pack(msg: ToWorker | ToDense) -> bytes:
+    """One message, framed for the control socket."""
+    match msg:
+        case Attend():
+            items = [
+                pb.ExchangeItem(
+                    shard=it.shard,
+                    seq_ids=it.seq_ids,
+                    num_tokens=it.num_tokens,
+                    start_pos=it.start_pos,
+                    q=_slice(it.q),
+                    k=_slice(it.k),
+                    v=_slice(it.v),
+                    o_offset=it.o_offset,
+                    o_room=it.o_room,
+                )
+                for it in msg.items or ()
+            ]
+            attend = pb.ExchangeAttend(
+                rid=msg.rid,
+                slot=msg.slot,
+                layer=msg.layer,
+                arena=msg.arena,
+                has_items=msg.items is not None,
+                items=items,
+            )
+            out: Any = pb.ToWorker(attend=attend)
+        case Done():
+            results = [
+                pb.ExchangeResult(o=_slice(r.o))
+                if isinstance(r, Ok)
+                else pb.ExchangeResult(status=r.status, text=r.text)
+                for r in msg.results
+            ]
+            out = pb.ToDense(done=pb.ToDense.Done(rid=msg.rid, results=results))
+        case Secret():
+            out = pb.ToWorker(secret=pb.ToWorker.Secret(send=msg.secret.send if msg.secret else ""))
+        case Cancel():
+            out = pb.ToWorker(cancel=msg.rid)
+        case AddShard():
+            out = pb.ToWorker(add_shard=pb.ExchangeShard(index=msg.index, address=msg.address))
+        case RemoveShard():
+            out = pb.ToWorker(remove_shard=msg.index)
+        case RestoreShard():
+            out = pb.ToWorker(restore_shard=msg.index)
+        case Ready():
+            out = pb.ToDense(ready=msg.pid)
+    return frame(out.SerializeToString())
+
+
+def unpack_to_worker(body: bytes) -> ToWorker:
+    m = pb.ToWorker.FromString(body)
+    kind = m.WhichOneof("kind")
+    if kind == "attend":
+        a = m.attend
+        items = None
+        if a.has_items:
+            items = [
+                ItemSlices(
+                    it.shard,
+                    list(it.seq_ids),
+                    list(it.num_tokens),
+                    list(it.start_pos),
+                    _tuple(it.q),
+                    _tuple(it.k),
+                    _tuple(it.v),
+                    it.o_offset,
+                    it.o_room,
+                )
+                for it in a.items
+            ]
+        return Attend(a.rid, a.slot, a.layer, a.arena, items)
+    if kind == "secret":
+        send = m.secret.send
+        return Secret(FleetSecret(send, (send.encode(),)) if send else None)
+    if kind == "cancel":
+        return Cancel(m.cancel)
+    if kind == "add_shard":
+        return AddShard(m.add_shard.index, m.add_shard.address)
+    if kind == "remove_shard":
+        return RemoveShard(m.remove_shard)
+    if kind == "restore_shard":
+        return RestoreShard(m.restore_shard)
+    raise InvalidInput(f"unknown control message {kind}")
+
+
+def unpack_to_dense(body: bytes) -> ToDense:
+    m = pb.ToDense.FromString(body)
+    kind = m.WhichOneof("kind")
+    if kind == "done":
+        results: list[Ok | Err] = [
+            Err(r.status, r.text) if r.status else Ok(_tuple(r.o)) for r in m.done.results
+        ]
+        return Done(m.done.rid, results)
+    if kind == "ready":
+        return Ready(m.ready)
+    raise InvalidInput(f"unknown worker message {kind}")

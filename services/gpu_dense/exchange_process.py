@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, Channel, frame, open_channel
+from fastdecode.dense.handoff import Arena, Channel, open_channel
 from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.exchange_messages import (
@@ -32,6 +32,8 @@ from services.gpu_dense.exchange_messages import (
     RemoveShard,
     RestoreShard,
     Secret,
+    pack,
+    unpack_to_dense,
 )
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
@@ -139,7 +141,7 @@ class WorkerProcess:
         channel.closed.add_done_callback(lambda _: self._lost(channel))
         # The fleet secret goes over the socket, never argv or the environment: the worker's links
         # carry it on every Attend call (shards refuse internal calls without it).
-        channel.write(frame(Secret(self.tls.secret if self.tls is not None else None)))
+        channel.write(pack(Secret(self.tls.secret if self.tls is not None else None)))
         try:
             await asyncio.wait_for(asyncio.shield(self._hello), START_TIMEOUT_S)
         except (TimeoutError, Unavailable):
@@ -147,7 +149,8 @@ class WorkerProcess:
             raise Unavailable(f"exchange worker {self.index} did not start") from None
         log.info("exchange worker %d (pid %d) owns shards %s", self.index, self.proc.pid, sorted(self.shards))
 
-    def _on_message(self, msg: tuple[Any, ...]) -> None:
+    def _on_message(self, body: bytes) -> None:
+        msg = unpack_to_dense(body)
         if isinstance(msg, Done):
             waiting = self.pending.pop(msg.rid, None)
             if waiting is not None and not waiting[0].done():  # None: a cancelled layer's late answer
@@ -174,7 +177,7 @@ class WorkerProcess:
     def send(self, message: Attend | Cancel | AddShard | RemoveShard | RestoreShard) -> None:
         if self.writer is None:
             raise Unavailable(f"exchange worker {self.index} is not running")
-        self.writer.write(frame(message))
+        self.writer.write(pack(message))
 
     async def stop(self, grace: float = 5.0) -> None:
         if self.writer is not None:

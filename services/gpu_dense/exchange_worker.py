@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, Attached, Channel, Slice, frame, open_channel
+from fastdecode.dense.handoff import Arena, Attached, Channel, Slice, open_channel
 from fastdecode.runtime.errors import Status
 from fastdecode.runtime.loop import run_loop
 from fastdecode.runtime.rpc import status_of
@@ -39,6 +39,8 @@ from services.gpu_dense.exchange_messages import (
     RemoveShard,
     RestoreShard,
     Secret,
+    pack,
+    unpack_to_worker,
 )
 from services.gpu_dense.shards import AttendLink, ShardLinks
 
@@ -113,7 +115,7 @@ class _WorkerLoop:
             except Exception as e:  # noqa: BLE001 - every item of the layer fails in-band
                 status, text = status_of(e)
                 results = [Err(status.value, text)] * (len(slices) if slices is not None else 0)
-            self.writer.write(frame(Done(msg.rid, results)))
+            self.writer.write(pack(Done(msg.rid, results)))
         self.tasks.pop(msg.rid, None)
 
     def on_message(self, msg: tuple[Any, ...], timeout: float, tls: TLSFiles | None) -> None:
@@ -149,7 +151,8 @@ async def _worker_main(args: argparse.Namespace) -> None:
     state: dict[str, _WorkerLoop] = {}
     early: list[tuple[Any, ...]] = []  # what came before this loop was set up: handled right after
 
-    def on_message(msg: tuple[Any, ...]) -> None:
+    def on_message(body: bytes) -> None:
+        msg = unpack_to_worker(body)
         if not first.done():  # the parent's fleet secret (or None), before anything else
             first.set_result(msg)
         elif "loop" in state:
@@ -178,7 +181,7 @@ async def _worker_main(args: argparse.Namespace) -> None:
     state["loop"] = worker = _WorkerLoop(links, channel)
     for msg in early:
         worker.on_message(msg, args.timeout, tls)
-    channel.write(frame(Ready(os.getpid())))
+    channel.write(pack(Ready(os.getpid())))
     await channel.closed
     await worker.close()
     channel.close()

@@ -1,16 +1,16 @@
 """gpu_dense's three shard planes implement the one declared ShardPlaneService (services/gpu_dense/
-plane.py): every member, with the Protocol's parameters; the exchange-worker messages pickle as the
-named types they are (the control socket's frames)."""
+plane.py): every member, with the Protocol's parameters; the exchange-worker messages cross the
+control socket (exchange.proto) and come back as the named types they are."""
 
 from __future__ import annotations
 
 import inspect
-import pickle
 import re
 
 import pytest
 
-from fastdecode.dense.handoff import frame
+from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.fleet_secret import FleetSecret
 from services.gpu_dense import exchange_messages as m
 from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.host_shard import HostShardPlane
@@ -40,8 +40,42 @@ def test_every_plane_implements_the_protocol(plane: type) -> None:
 
 
 def test_messages_travel_as_named_types() -> None:
-    item = m.ItemSlices(0, ["a"], [1], [0], (0, 1, (2,)), (8, 1, (2,)), (16, 1, (2,)), 24, 8)
-    for msg in (m.Attend(7, 1, 3, "arena", [item]), m.Done(7, [m.Ok((24, 1, (2,))), m.Err(14, "gone")])):
-        back = pickle.loads(frame(msg)[4:])
+    item = m.ItemSlices(
+        2,
+        ["a", "b"],
+        [1, 3],
+        [0, 9],
+        (0, (2, 2), "bfloat16"),
+        (8, (2, 1), "bfloat16"),
+        (16, (2, 1), "bfloat16"),
+        24,
+        8,
+    )
+    to_worker = [
+        m.Attend(7, 1, 3, "arena", [item]),
+        m.Attend(8, 1, 4, "arena", None),  # the slot's last items again
+        m.Attend(9, 0, 0, "arena", []),
+        m.Cancel(7),
+        m.AddShard(3, "127.0.0.1:5"),
+        m.RemoveShard(3),
+        m.RestoreShard(3),
+        m.Secret(None),
+    ]
+    for msg in to_worker:
+        data = m.pack(msg)
+        assert int.from_bytes(data[:4], "little") == len(data) - 4
+        back = m.unpack_to_worker(data[4:])
+        assert type(back) is type(msg) and back == msg, msg
+    secret = m.unpack_to_worker(m.pack(m.Secret(FleetSecret.parse("s" * 20, "test")))[4:])
+    assert isinstance(secret, m.Secret) and secret.secret is not None and secret.secret.send == "s" * 20
+    for msg in (m.Done(7, [m.Ok((24, (2, 2), "bfloat16")), m.Err(14, "gone")]), m.Ready(123)):
+        back = m.unpack_to_dense(m.pack(msg)[4:])
         assert type(back) is type(msg) and back == msg
-    assert back.results[1].text == "gone" and isinstance(back.results[0], m.Ok)
+    assert isinstance(back, m.Ready)
+
+
+def test_an_unknown_message_is_refused() -> None:
+    with pytest.raises(InvalidInput):
+        m.unpack_to_worker(b"")
+    with pytest.raises(InvalidInput):
+        m.unpack_to_dense(b"")

@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The native exchange worker (services/gpu_dense/native): built where gRPC C++ is (or can be) installed.
+NATIVE := $(VENV)/.native-exchange
+NATIVE_SRC := $(wildcard services/gpu_dense/native/*) protos/fastdecode/v1/exchange.proto
 
 .PHONY: setup demo test lint protos bench gpu-check clean
 
@@ -16,16 +19,20 @@ $(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp fastdecode/kv
 	$(BIN)/python -c "from fastdecode.kv import native; print('attention kernel:', native.isa())"
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(NATIVE): $(STAMP) $(NATIVE_SRC)
+	sh services/gpu_dense/native/build.sh $(abspath $(VENV))
+	touch $@
 
-demo: $(STAMP)
+setup: $(STAMP) $(NATIVE)
+
+demo: $(STAMP) $(NATIVE)
 	$(BIN)/fastdecode demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: $(STAMP)
+test: $(STAMP) $(NATIVE)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra --durations=25
 
@@ -41,4 +48,4 @@ gpu-check: $(STAMP)
 	timeout 480 $(BIN)/fastdecode bench gpu --out gpu-check.json --plot gpu-check.png
 
 clean:
-	rm -rf $(VENV) .models .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build .models .pytest_cache .ruff_cache .hypothesis

@@ -41,6 +41,7 @@ from typing import Any
 
 from fastdecode.benchmarks.common import run_async
 from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds
+from fastdecode.dense.handoff import worker_kind
 from fastdecode.runtime.metrics import metric_total, scrape
 
 PARTS = ("scheduler", "dense_main", "exchange_workers", "shards_outside_attention", "gateway")
@@ -159,6 +160,7 @@ def run_point(
     loop: str = "uvloop",
     plan_ahead: str = "on",
     idle_s: float = 5.0,
+    worker_kind_setting: str = "auto",
 ) -> dict[str, Any]:
     import torch
 
@@ -170,6 +172,8 @@ def run_point(
 
     device = f"emulated:{gpu}"
     emulated = load_emulated(model, device, torch.bfloat16, geometry)  # errors before any process
+    # native or python: which one `auto` takes here (an unbuilt native one fails before any process)
+    kind = worker_kind(worker_kind_setting) if workers else "none"
     c = apply_geometry(ModelConfig.from_pretrained(model), geometry)
     roof = emulated.roofline.step_seconds(batch, pipelined=True)
     per_seq = (prompt_len + gen_len + 32) * c.kv_bytes_per_token(2)
@@ -182,7 +186,10 @@ def run_point(
         kv_capacity=kv_capacity,
         kv_dtype="bfloat16",
         pipeline=True,
-        dense_args=["--dtype", "bfloat16", "--geometry", geometry, "--exchange-workers", str(workers)],
+        dense_args=[
+            *("--dtype", "bfloat16", "--geometry", geometry),
+            *("--exchange-workers", str(workers), "--exchange-worker", kind if workers else "auto"),
+        ],
         scheduler_args=["--max-running", str(batch), "--plan-ahead", plan_ahead],
         workdir=Path(tempfile.mkdtemp(prefix="fastdecode-bench-pace-")),
         env={"FASTDECODE_EVENT_LOOP": loop},
@@ -229,6 +236,7 @@ def run_point(
         "batch": batch,
         "shards": shards,
         "workers": workers,
+        "exchange_worker": kind,
         "event_loop": loop,
         "plan_ahead": plan_ahead,
         "context": prompt_len + gen_len,
@@ -273,14 +281,18 @@ def run_pace(
     loops: tuple[str, ...] = ("uvloop",),
     plan_ahead: tuple[str, ...] = ("on",),
     idle_s: float = 5.0,
+    worker_kinds: tuple[str, ...] = ("auto",),
 ) -> dict[str, Any]:
     path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
     points = [
-        run_point(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s)
+        run_point(
+            gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s, kind
+        )
         for b in batches
         for k in workers
         for loop in loops
         for ahead in plan_ahead
+        for kind in (worker_kinds if k else ("auto",))
     ]
     return {"points": points, "cores": os.cpu_count(), "load_average_end": os.getloadavg()[0]}
 

@@ -531,6 +531,15 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     help="The scheduler plans step n+1 while step n runs; repeat for an A/B in one run.",
 )
 @click.option(
+    "--exchange-worker",
+    "worker_kinds",
+    type=click.Choice(["auto", "native", "python"]),
+    multiple=True,
+    default=("auto",),
+    show_default=True,
+    help="gpu_dense's exchange workers: native (C++), python, auto (native when built); repeat for an A/B.",
+)
+@click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Stacked-bar PNG."
 )
 def pace_cmd(
@@ -541,6 +550,7 @@ def pace_cmd(
     workers: tuple[int, ...],
     loops: tuple[str, ...],
     plan_ahead: tuple[str, ...],
+    worker_kinds: tuple[str, ...],
     **kw: Any,
 ) -> None:
     """A real fleet on an emulated GPU: the host CPU each decode step costs, per part.
@@ -560,6 +570,7 @@ def pace_cmd(
             workers=workers,
             loops=loops,
             plan_ahead=plan_ahead,
+            worker_kinds=worker_kinds,
             model=Path(model) if model else None,
             **kw,
         )

@@ -16,17 +16,20 @@ import logging
 import math
 import mmap
 import os
+import shutil
 import socket
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
 ALIGN = 64  # cache-line aligned slices: the copies run at memcpy speed
@@ -253,6 +256,36 @@ class Attached:
         for arena in self._by_name.values():
             arena.close()
         self._by_name.clear()
+
+
+# The native exchange worker (services/gpu_dense/native/exchange_worker.cpp), which `make setup`
+# builds into the environment's bin/ where gRPC C++ is installed.
+NATIVE_WORKER = "fastdecode-exchange-worker"
+
+
+def native_worker() -> Path | None:
+    """The native worker's binary: beside this Python (the venv's bin/), else on PATH; None if unbuilt."""
+    beside = Path(sys.executable).parent / NATIVE_WORKER
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(NATIVE_WORKER)
+    return Path(found) if found else None
+
+
+def worker_kind(kind: str = "auto") -> str:
+    """The exchange worker a setting means: `native`, `python`, or `auto` (native when built)."""
+    if kind not in ("auto", "native", "python"):
+        raise InvalidInput(f"unknown exchange worker {kind!r} (auto, native, python)")
+    if kind == "python":
+        return kind
+    if native_worker() is not None:
+        return "native"
+    if kind == "native":
+        raise FailedPrecondition(
+            f"the native exchange worker ({NATIVE_WORKER}) is not built: run `make setup` on a host with "
+            "gRPC C++ (Debian: libgrpc++-dev protobuf-compiler-grpc), or use --exchange-worker python"
+        )
+    return "python"
 
 
 def frame(body: bytes) -> bytes:

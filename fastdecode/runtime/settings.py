@@ -150,6 +150,11 @@ class DenseSettings(ServiceSettings):
         description="Processes that own the shards' Attend streams (shared-memory handoff); 0: in "
         "process; unset: the cores beyond --threads, capped by the shard count.",
     )
+    exchange_worker: Literal["auto", "native", "python"] = Field(
+        "auto",
+        description="Which exchange worker: native (C++, services/gpu_dense/native, built by make setup "
+        "where gRPC C++ is installed), python, or auto: native when built, else python.",
+    )
     host_shard: int | None = Field(
         None,
         ge=0,

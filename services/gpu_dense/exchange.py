@@ -1,16 +1,15 @@
 """Exchange workers: gpu_dense's Attend streams spread over worker processes.
 
-One Python process moves gRPC payload at ~2 GB/s per CPU-second; a GPU host's layer (Llama-3-8B,
-B=256, bf16: ~5 MB) would cost the dense process milliseconds of CPU per layer. With K workers,
-each owns the Attend streams (services/gpu_dense/shards.py, unchanged: same wire, request ids,
-in-band errors, shard loss, reconnection and timeouts) of the shards i with i % K == its index.
+With K workers, each owns the Attend streams of the shards i with i % K == its index (same wire,
+request ids, in-band errors, shard loss, reconnection and timeouts as services/gpu_dense/shards.py).
 The dense process copies q, k, v into a shared-memory arena per (worker, slot), sends a small
 descriptor over a Unix socket, and copies each o out when the worker answers
 (fastdecode/dense/handoff.py): its own CPU per layer is two copies and two tiny messages.
-
 A worker dies with its parent (PR_SET_PDEATHSIG, and the control socket's end); a worker that
 dies fails its items as UNAVAILABLE and is started again on the next layer.
-A worker is `python -m services.gpu_dense.exchange_worker` (services/gpu_dense/exchange_worker.py).
+A worker is the native one (services/gpu_dense/native/, C++: a thread per slot on blocking gRPC
+streams) when `make setup` built it, else `python -m services.gpu_dense.exchange_worker` (the
+fallback, shards.py's links on an event loop): `kind`, --exchange-worker.
 """
 
 from __future__ import annotations
@@ -38,7 +37,13 @@ from services.gpu_dense.exchange_messages import (
     RemoveShard,
     RestoreShard,
 )
-from services.gpu_dense.exchange_process import WORKER_GRACE_S, Sent, WorkerProcess, WorkerStalled
+from services.gpu_dense.exchange_process import (
+    WORKER_GRACE_S,
+    Sent,
+    WorkerProcess,
+    WorkerStalled,
+    worker_command,
+)
 from services.gpu_dense.plane import ShardAddress
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
@@ -54,13 +59,15 @@ class ExchangePlane:
         tls: TLSFiles | None = None,
         timeout: float = 60.0,
         views: bool = True,
+        kind: str = "auto",
     ) -> None:
         if workers < 1:
             raise errors.InvalidInput("an exchange plane needs at least one worker")
         self.timeout = timeout
         self.views = views  # o as views of the arena, valid until the slot's next attend_layer
         self.links: list[ShardAddress] = []
-        self.workers = [WorkerProcess(i, timeout, tls) for i in range(workers)]
+        command = worker_command(kind)  # native (C++) or python: the same messages either way
+        self.workers = [WorkerProcess(i, timeout, tls, command) for i in range(workers)]
         self.arenas = ArenaPool()
         self._staging: dict[int, Staging] = {}  # per slot, at its full capacity
         self._rids = 0

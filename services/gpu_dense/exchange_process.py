@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, Channel, open_channel
+from fastdecode.dense.handoff import Arena, Channel, native_worker, open_channel, worker_kind
 from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.exchange_messages import (
@@ -43,6 +43,14 @@ START_TIMEOUT_S = 120.0  # a worker imports torch and grpc: seconds on a loaded 
 # Beyond the shard timeout (the worker's own watchdog fails a silent shard's item), how long the
 # dense side waits on a worker before it takes the worker for dead.
 WORKER_GRACE_S = 10.0
+
+
+def worker_command(kind: str = "auto") -> list[str]:
+    """How to start a worker (`native`, `python`, or `auto`: handoff.worker_kind). Both take the same
+    arguments and speak the same control messages (exchange.proto)."""
+    if worker_kind(kind) == "native":
+        return [str(native_worker())]
+    return [sys.executable, "-m", "services.gpu_dense.exchange_worker"]
 
 
 class WorkerStalled(Exception):
@@ -83,8 +91,11 @@ class Sent:
 class WorkerProcess:
     """The dense side's handle on one worker process."""
 
-    def __init__(self, index: int, timeout: float, tls: TLSFiles | None) -> None:
+    def __init__(
+        self, index: int, timeout: float, tls: TLSFiles | None, command: list[str] | None = None
+    ) -> None:
         self.index = index
+        self.command = command or worker_command("python")
         self.timeout = timeout
         self.tls = tls
         self.shards: dict[int, str] = {}
@@ -98,6 +109,10 @@ class WorkerProcess:
         self.sent: dict[int, Sent] = {}
 
     @property
+    def kind(self) -> str:
+        return "python" if self.command[0] == sys.executable else "native"
+
+    @property
     def alive(self) -> bool:
         """Whether its control socket is open: a worker's exit closes it, and the loop's read of that
         end (`_lost`) drops the writer. No waitpid here: this is asked on every layer."""
@@ -107,9 +122,7 @@ class WorkerProcess:
         self.sent.clear()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [
-            sys.executable,
-            "-m",
-            "services.gpu_dense.exchange_worker",
+            *self.command,
             "--fd",
             str(child.fileno()),
             "--parent",

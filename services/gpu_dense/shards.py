@@ -264,13 +264,14 @@ def connect(
     timeout: float = 60.0,
     concurrent: bool = False,
     workers: int = 0,
+    worker_kind: str = "auto",
 ) -> ShardLinks | ExchangePlane:
     """gpu_dense's ShardPlane to these shards, shard i at addresses[i] (registered in pyproject.toml
     as the `grpc` shard plane, for the benchmarks in fastdecode): these links in process, or with
     `workers` > 0 an ExchangePlane whose worker processes own them (services/gpu_dense/exchange.py;
     started by its start(), or by its first layer)."""
     if workers:
-        return ExchangePlane(addresses, workers, tls, timeout)
+        return ExchangePlane(addresses, workers, tls, timeout, kind=worker_kind)
     links = [AttendLink(i, a, tls, timeout) for i, a in enumerate(addresses)]
     return ShardLinks(links, concurrent, tls, timeout)
 
@@ -285,7 +286,7 @@ async def make_plane(
         k = auto_workers(len(addresses) if remote is None else remote, settings.threads, settings.device)
     if k == 0:
         return connect(addresses, settings.tls, settings.shard_timeout)
-    plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout)
+    plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout, kind=settings.exchange_worker)
     await plane.start()
-    log.info("%d exchange workers for %d shards", k, len(addresses))
+    log.info("%d %s exchange workers for %d shards", k, plane.workers[0].kind, len(addresses))
     return plane

@@ -307,10 +307,13 @@ class PrivateDockerd:
 
 # ---- base image ---------------------------------------------------------------------------------
 def debootstrap_rootfs_tarball(timeout: float = 600, build: bool = False) -> Path:
-    """A minbase Debian with python3 + python3-venv as a tarball (cached); with `build`, also g++
-    and the Python headers (the image's build stage compiles the attention kernel)."""
-    packages = "python3,python3-venv" + (",python3-dev,g++" if build else "")
-    tarball = cache_dir() / f"rootfs-{DEBIAN_SUITE}-minbase-py311{'-build' if build else ''}.tar"
+    """A minbase Debian with python3 + python3-venv and gRPC C++'s runtime (the native exchange
+    worker's) as a tarball (cached); with `build`, also g++, the Python headers and gRPC C++'s
+    headers and protoc (the image's build stage compiles the attention kernel and the worker)."""
+    packages = "python3,python3-venv,libgrpc++1.51"
+    if build:
+        packages += ",python3-dev,g++,libgrpc++-dev,libprotobuf-dev,protobuf-compiler,pkg-config"
+    tarball = cache_dir() / f"rootfs-{DEBIAN_SUITE}-minbase-py311-grpc{'-build' if build else ''}.tar"
     if tarball.exists():
         log(f"using cached base rootfs {tarball}")
         return tarball

@@ -256,6 +256,21 @@ def test_image_has_the_attention_kernel_and_no_compiler(engine: Any, image: str)
     assert out.decode().strip() == "none"
 
 
+def test_image_runs_the_native_exchange_worker(engine: Any, image: str) -> None:
+    """The build stage compiled the native exchange worker, the final stage has its libraries: gpu_dense
+    in the image takes it (`--exchange-worker auto`)."""
+    probe = (
+        "from fastdecode.dense.handoff import worker_kind; print(worker_kind('auto')); "
+        "import subprocess; "
+        "print(subprocess.run(['fastdecode-exchange-worker'], capture_output=True).returncode)"
+    )
+    out = engine.client.containers.run(
+        image, entrypoint=["python", "-c", probe], remove=True, network_mode="none"
+    )
+    # native, and the binary loads (its usage line and exit 2, not a missing library's 127)
+    assert out.decode().split() == ["native", "2"]
+
+
 @pytest.mark.timeout(1200)
 def test_compose_cluster_generates_like_the_process_fleet(
     engine: Any,

@@ -21,6 +21,7 @@ from fastdecode.runtime.errors import Unavailable
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from services.gpu_dense.exchange import ExchangePlane
 from tests.integration.test_shard_links import EchoShard, _item
+from tests.support.native_exchange import require_native_worker
 
 
 async def _echo_servers(n: int) -> tuple[list[grpc.aio.Server], list[str]]:
@@ -46,10 +47,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_dead_worker_fails_its_items_and_is_replaced() -> None:
+KINDS = ["python", "native"]
+
+
+def _kind(kind: str) -> str:
+    if kind == "native":
+        require_native_worker()
+    return kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dead_worker_fails_its_items_and_is_replaced(kind: str) -> None:
     async def run() -> None:
         servers, addresses = await _echo_servers(2)
-        plane = ExchangePlane(addresses, 2, timeout=5.0)
+        plane = ExchangePlane(addresses, 2, timeout=5.0, kind=_kind(kind))
         await plane.start()
         try:
             out = await plane.attend_layer(0, 0, [_item(0, 1.0), _item(1, 2.0)])
@@ -80,7 +91,8 @@ def test_a_dead_worker_fails_its_items_and_is_replaced() -> None:
     asyncio.run(asyncio.wait_for(run(), 120))
 
 
-def test_a_stalled_worker_fails_its_items_and_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stalled_worker_fails_its_items_and_is_replaced(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """A worker that stops answering (SIGSTOP: alive, its socket open) is caught by the plane's
     watchdog after the shard timeout plus the grace: its items fail UNAVAILABLE, and the next layer
     runs on a new worker."""
@@ -88,7 +100,7 @@ def test_a_stalled_worker_fails_its_items_and_is_replaced(monkeypatch: pytest.Mo
 
     async def run() -> None:
         servers, addresses = await _echo_servers(1)
-        plane = ExchangePlane(addresses, 1, timeout=0.5)
+        plane = ExchangePlane(addresses, 1, timeout=0.5, kind=_kind(kind))
         await plane.start()
         victim = plane.workers[0].proc
         assert victim is not None
@@ -117,7 +129,7 @@ import asyncio, sys
 from services.gpu_dense.exchange import ExchangePlane
 
 async def main():
-    plane = ExchangePlane(["127.0.0.1:1", "127.0.0.1:2"], 2, timeout=5.0)
+    plane = ExchangePlane(["127.0.0.1:1", "127.0.0.1:2"], 2, timeout=5.0, kind=sys.argv[1])
     await plane.start()
     print(" ".join(str(w.proc.pid) for w in plane.workers), flush=True)
     await asyncio.sleep(3600)
@@ -126,8 +138,9 @@ asyncio.run(main())
 """
 
 
-def test_workers_die_with_a_killed_parent() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("kind", KINDS)
+def test_workers_die_with_a_killed_parent(kind: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _kind(kind)], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
         pids = [int(p) for p in parent.stdout.readline().split()]

@@ -20,6 +20,7 @@ from fastdecode.wire.errors import item_error
 from fastdecode.wire.kv import attend_request
 from services.gpu_dense.exchange import ExchangePlane
 from services.gpu_dense.shards import AttendLink, ShardLinks
+from tests.support.native_exchange import require_native_worker
 
 HANG_LAYER = 7
 BAD_LAYER = 9
@@ -55,12 +56,19 @@ def _item(shard: int, value: float) -> AttendItem:
     return AttendItem(shard, ["a", "b"], [1, 1], [0, 0], q, kv, kv)
 
 
-PLANES = ["in-order", "concurrent", "workers-1", "workers-2"]
+PLANES = ["in-order", "concurrent", "workers-1", "workers-2", "native-1", "native-2"]
 
 
 async def _plane(kind: str, addresses: list[str], timeout: float) -> ShardLinks | ExchangePlane:
-    if kind.startswith("workers-"):
-        plane = ExchangePlane(addresses, int(kind.split("-")[1]), timeout=timeout)
+    """in-order/concurrent: links in process; workers-K: K Python exchange workers; native-K: K native
+    ones (services/gpu_dense/native, required where FASTDECODE_REQUIRE_NATIVE_EXCHANGE=1, as in CI)."""
+    if kind.startswith(("workers-", "native-")):
+        worker, k = kind.split("-")
+        if worker == "native":
+            require_native_worker()
+        plane = ExchangePlane(
+            addresses, int(k), timeout=timeout, kind="python" if worker == "workers" else "native"
+        )
         await plane.start()
         return plane
     links = [AttendLink(i, a, timeout=timeout) for i, a in enumerate(addresses)]
@@ -123,7 +131,7 @@ def test_request_carries_the_item(layer: int) -> None:
     assert torch.equal(codec.decode(req.q), torch.full((2, 3, 4), 1.5))
 
 
-@pytest.mark.parametrize("kind", ["in-order", "workers-1"])
+@pytest.mark.parametrize("kind", ["in-order", "workers-1", "native-1"])
 def test_a_step_cancelled_mid_layer_leaves_no_stale_answer(kind: str) -> None:
     """A step cancelled after its items went out (its scheduler died) leaves their answers unread;
     the next layer on the same slot must get its own answers, not be failed by the stale ones."""

@@ -12,15 +12,20 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from fastdecode.runtime.errors import Unavailable
+from fastdecode.runtime.fleet_secret import FleetSecret
+from fastdecode.runtime.internal_auth import FleetAuthInterceptor
+from fastdecode.runtime.settings import TLSFiles
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from services.gpu_dense.exchange import ExchangePlane
 from tests.integration.test_shard_links import EchoShard, _item
+from tests.support import make_tls
 from tests.support.native_exchange import require_native_worker
 
 
@@ -120,6 +125,42 @@ def test_a_stalled_worker_fails_its_items_and_is_replaced(monkeypatch: pytest.Mo
             for server in servers:
                 await server.stop(None)
         assert victim.poll() is not None  # the stalled worker was killed, not left behind
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_workers_carry_tls_and_the_fleet_secret(kind: str, tmp_path: Path) -> None:
+    """A shard with mutual TLS that refuses calls without the fleet secret: a worker given the
+    certificates and the secret is served; one given a wrong secret gets its items failed as
+    UNAVAILABLE, naming the shard and the refusal."""
+    pki = make_tls(tmp_path / "pki")
+    secret = FleetSecret.parse("s" * 32, "test")
+    right = TLSFiles(pki["cert"], pki["key"], pki["ca"], secret)
+    wrong = TLSFiles(pki["cert"], pki["key"], pki["ca"], FleetSecret.parse("w" * 32, "test"))
+
+    async def run() -> None:
+        server = grpc.aio.server(interceptors=[FleetAuthInterceptor(secret)])
+        pb_grpc.add_KVAttentionServicer_to_server(EchoShard(), server)
+        port = server.add_secure_port("127.0.0.1:0", right.server_credentials())
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        try:
+            plane = ExchangePlane([address], 1, right, timeout=5.0, kind=_kind(kind))
+            try:
+                out = await plane.attend_layer(0, 0, [_item(0, 1.5)])
+                assert torch.equal(out[0], torch.full((2, 12), 3.0))
+            finally:
+                await plane.close()
+            plane = ExchangePlane([address], 1, wrong, timeout=5.0, kind=kind)
+            try:
+                out = await plane.attend_layer(0, 0, [_item(0, 1.5)])
+                assert isinstance(out[0], Unavailable), out[0]
+                assert "shard 0" in str(out[0]) and "UNAUTHENTICATED" in str(out[0])
+            finally:
+                await plane.close()
+        finally:
+            await server.stop(None)
 
     asyncio.run(asyncio.wait_for(run(), 60))
 

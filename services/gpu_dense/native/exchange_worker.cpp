@@ -324,16 +324,17 @@ struct Stream {
   std::atomic<bool> expired{false};
   bool finished = false;
 
-  // Ends the call and returns its status. Only the thread using the call (or the last owner)
-  // calls this; others only TryCancel.
-  grpc::Status finish() {
+  // Ends the call and returns its status: the shard's own after a failed Read or Write (the call is
+  // over), CANCELLED after `cancel` (a live call, dropped). Only the thread using the call (or the
+  // last owner) calls this; others only TryCancel.
+  grpc::Status finish(bool cancel) {
     if (finished) return grpc::Status(grpc::StatusCode::CANCELLED, "ended");
     finished = true;
-    ctx.TryCancel();
+    if (cancel) ctx.TryCancel();
     return call->Finish();
   }
   ~Stream() {
-    if (call) finish();
+    if (call) finish(true);
   }
 };
 
@@ -405,7 +406,7 @@ class Link {
       auto it = streams_.find(slot);
       if (it != streams_.end() && it->second == s) streams_.erase(it);
     }
-    grpc::Status st = s->finish();
+    grpc::Status st = s->finish(!what.empty());  // empty: a failed Read or Write ended the call
     if (what.empty())
       what = st.ok() ? "stream ended" : std::string(code_name(st.error_code())) + ": " + st.error_message();
     std::string reason;

@@ -18,12 +18,15 @@ import grpc
 import pytest
 import torch
 
-from fastdecode.runtime.errors import Unavailable
+from fastdecode.dense.handoff import Arena, Slice
+from fastdecode.runtime.errors import Status, Unavailable
 from fastdecode.runtime.fleet_secret import FleetSecret
 from fastdecode.runtime.internal_auth import FleetAuthInterceptor
 from fastdecode.runtime.settings import TLSFiles
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from services.gpu_dense.exchange import ExchangePlane
+from services.gpu_dense.exchange_messages import Attend, Err, ItemSlices, Ok
+from services.gpu_dense.exchange_process import WorkerProcess, worker_command
 from tests.integration.test_shard_links import EchoShard, _item
 from tests.support import make_tls
 from tests.support.native_exchange import require_native_worker
@@ -165,9 +168,51 @@ def test_workers_carry_tls_and_the_fleet_secret(kind: str, tmp_path: Path) -> No
     asyncio.run(asyncio.wait_for(run(), 60))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_descriptor_fails_in_band_and_the_worker_lives_on(kind: str) -> None:
+    """Slices outside the arena (q, k, v, or o's room) fail their layer as INVALID_ARGUMENT, never
+    read or write past the segment; the worker then serves a good layer."""
+
+    async def run() -> None:
+        servers, addresses = await _echo_servers(1)
+        worker = WorkerProcess(0, 5.0, None, worker_command(_kind(kind)))
+        worker.shards[0] = addresses[0]
+        arena = Arena(4096)
+        q = arena.put(0, torch.full((2, 3, 4), 1.5))
+        kv = arena.put(256, torch.zeros(2, 1, 4))
+
+        async def layer(rid: int, item: ItemSlices) -> list[Ok | Err]:
+            fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
+            worker.pending[rid] = (fut, time.monotonic())
+            worker.send(Attend(rid, 0, 0, arena.name, [item]))
+            return await asyncio.wait_for(fut, 10)
+
+        try:
+            await worker.start()
+            good = ItemSlices(
+                0, ["a", "b"], [1, 1], [0, 0], q.astuple(), kv.astuple(), kv.astuple(), 1024, 1024
+            )
+            beyond = (8192, (2, 3, 4), "float32")
+            for rid, bad in enumerate([good._replace(q=beyond), good._replace(o_offset=4090)], start=1):
+                (r,) = await layer(rid, bad)
+                assert isinstance(r, Err) and r.status == Status.INVALID_ARGUMENT.value, r
+            (r,) = await layer(9, good)
+            assert isinstance(r, Ok), r
+            assert torch.equal(arena.view(Slice(*r.o)), torch.full((2, 12), 3.0))
+        finally:
+            await worker.stop()
+            arena.close()
+            for server in servers:
+                await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
 _PARENT = """
 import asyncio, sys
 from services.gpu_dense.exchange import ExchangePlane
+from services.gpu_dense.exchange_messages import Attend, Err, ItemSlices, Ok
+from services.gpu_dense.exchange_process import WorkerProcess, worker_command
 
 async def main():
     plane = ExchangePlane(["127.0.0.1:1", "127.0.0.1:2"], 2, timeout=5.0, kind=sys.argv[1])

@@ -738,7 +738,10 @@ void Slot::attend(const pb::ExchangeAttend& msg) {
               expect = static_cast<size_t>(d->size);
               for (int64_t x : shape) expect *= static_cast<size_t>(x);
               if (len != expect) throw std::runtime_error("o's data does not match its shape");
-              if (len > it.o_room()) {
+              if (it.o_offset() > arena_->size || it.o_room() > arena_->size - it.o_offset()) {
+                r.copy(nullptr, len);
+                ok = fail(kInvalidArgument, "o's room lies outside the arena");
+              } else if (len > it.o_room()) {
                 r.copy(nullptr, len);
                 ok = fail(kInternal, "answer of " + std::to_string(len) + " bytes, room " + std::to_string(it.o_room()));
               } else {

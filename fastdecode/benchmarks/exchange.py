@@ -26,6 +26,7 @@ from fastdecode.benchmarks.common import median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.benchmarks.transport import DEFAULT_SERVICE_ENV, process_cpu_seconds
 from fastdecode.dense import AttendItem
+from fastdecode.dense.handoff import worker_kind
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, ServiceError
 from fastdecode.runtime.geometry import Geometry
@@ -107,14 +108,16 @@ def _fill(
         _stub_call(svc.address, reserve)
 
 
-def _plane(addresses: list[str], workers: int) -> Any:
-    """gpu_dense's registered shard plane: its own links in process, or K exchange workers."""
+def _plane(addresses: list[str], workers: int, kind: str = "auto") -> Any:
+    """gpu_dense's registered shard plane: its own links in process, or K exchange workers (native
+    or python)."""
     connect = registered(SHARD_PLANES, "grpc")
-    return connect(addresses, workers=workers)
+    return connect(addresses, workers=workers, worker_kind=kind) if workers else connect(addresses)
 
 
 def _round_trips(
     plane_workers: int,
+    kind: str,
     shards: Sequence[ServiceProcess],
     ids: list[list[str]],
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -129,7 +132,7 @@ def _round_trips(
     warm = max(2, repeats // 5)
 
     async def run() -> tuple[list[float], float, float, list[float]]:
-        plane = _plane([s.address for s in shards], plane_workers)
+        plane = _plane([s.address for s in shards], plane_workers, kind)
         if hasattr(plane, "start"):  # exchange workers: started before the timing
             await plane.start()
         pids = [w.proc.pid for w in getattr(plane, "workers", []) if w.proc is not None]
@@ -210,6 +213,7 @@ def run_exchange_bench(
     service_env: dict[str, str] | None = None,
     seed: int = 0,
     device: str = "cpu",
+    worker_kinds: Sequence[str] = ("auto",),
 ) -> dict[str, Any]:
     if dtype not in codec.DTYPE_NAMES:
         raise InvalidInput(f"dtype must be one of {sorted(codec.DTYPE_NAMES)}")
@@ -221,12 +225,15 @@ def run_exchange_bench(
         raise InvalidInput("batch, shards, context >= 1, workers >= 0, repeats >= 5")
     if max(shard_counts) > max(batches) or any(s > b for s in shard_counts for b in batches):
         raise InvalidInput("every shard needs at least one sequence: shards <= batch")
+    # each K>0 row once per worker kind (native, python: auto resolved, an unbuilt native refused here)
+    kinds = [worker_kind(x) for x in worker_kinds or ("auto",)]
+    plans = [(w, kind) for w in worker_counts for kind in (kinds if w else ["none"])]
     g = geometry_
     tdtype = codec.DTYPE_NAMES[dtype]
     itemsize = tdtype.itemsize
     env = DEFAULT_SERVICE_ENV if service_env is None else service_env
     warm = max(2, repeats // 5)
-    max_tokens = context + len(worker_counts) * (warm + repeats) + 8
+    max_tokens = context + len(plans) * (warm + repeats) + 8
     kv_per_token = 2 * g.kv_heads * g.head_dim * itemsize  # one layer
     # every shard process may hold the whole batch (the 1-shard rows); pages commit as tokens land
     capacity = int(max(batches) * max_tokens * kv_per_token * 1.1) + (16 << 20)
@@ -251,8 +258,8 @@ def run_exchange_bench(
                 tcp_s = median(tcp_echo_s(out_b, back_b, repeats + warm))
                 pos = context
                 base_cpu: float | None = None
-                for workers in worker_counts:
-                    r = _round_trips(workers, shards, ids, (q, k, v), pos, repeats)
+                for workers, kind in plans:
+                    r = _round_trips(workers, kind, shards, ids, (q, k, v), pos, repeats)
                     pos += warm + repeats
                     transport_s = max(r["rt_s"] - r["attend_s"], 1e-9)
                     mb = payload / MB
@@ -262,6 +269,7 @@ def run_exchange_bench(
                         "batch": batch,
                         "shards": n,
                         "workers": workers,
+                        "exchange_worker": kind,
                         "context": context,
                         "payload_mb": mb,
                         "rt_ms": r["rt_s"] * 1e3,
@@ -305,6 +313,7 @@ COLUMNS = [
     "batch",
     "shards",
     "workers",
+    "exchange_worker",
     "payload_mb",
     "rt_ms",
     "shard_attend_ms",

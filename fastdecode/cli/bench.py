@@ -383,8 +383,16 @@ def _int_list(value: str, name: str) -> list[int]:
 @click.option("--repeats", "-n", type=int, default=50, show_default=True, help="Timed round trips per row.")
 @click.option("--shard-threads", type=int, default=1, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="Where q, k, v live (cuda on a GPU host).")
+@click.option(
+    "--exchange-worker",
+    "worker_kinds",
+    default="auto",
+    show_default=True,
+    help="Which exchange worker for the K>0 rows: native, python, auto (native when built); "
+    "comma-separated for an A/B in one run.",
+)
 def exchange_cmd(
-    as_json: bool, geometry: str | None, batch: str, shards: str, workers: str, **kw: Any
+    as_json: bool, geometry: str | None, batch: str, shards: str, workers: str, worker_kinds: str, **kw: Any
 ) -> None:
     """One layer's Attend exchange at a model's shapes through gpu_dense's own shard plane, against a
     raw TCP echo and a bare gRPC echo of the same bytes (same run). Last line with --json: one object."""
@@ -400,6 +408,7 @@ def exchange_cmd(
             batches=_int_list(batch, "--batch"),
             shard_counts=_int_list(shards, "--shards"),
             worker_counts=_int_list(workers, "--workers"),
+            worker_kinds=tuple(filter(None, (x.strip() for x in worker_kinds.split(",")))),
             **kw,
         )
     )

@@ -292,11 +292,40 @@ def test_bench_exchange_prints_every_field_with_workers_off_and_on() -> None:
     assert rows[0]["worker_cpu_ms_per_mb"] == 0 and rows[1]["worker_cpu_ms_per_mb"] >= 0
 
 
+def test_bench_exchange_runs_both_workers_in_one_run() -> None:
+    """--exchange-worker native,python: each K>0 row once per worker, the kind named in the row."""
+    require_native_worker()
+    cmd = [sys.executable, "-m", "fastdecode.cli", "bench", "exchange", "--geometry", "small", "-B", "8"]
+    cmd += [
+        "-P",
+        "1",
+        "-K",
+        "0,1",
+        "-n",
+        "5",
+        "--context",
+        "8",
+        "--exchange-worker",
+        "native,python",
+        "--json",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+    assert [(r["workers"], r["exchange_worker"]) for r in rows] == [(0, "none"), (1, "native"), (1, "python")]
+    assert all(r["rt_ms"] > 0 for r in rows)
+
+
 def test_bench_exchange_rejects_bad_input_in_one_line() -> None:
     cmd = [sys.executable, "-m", "fastdecode.cli", "bench", "exchange", "-B", "2", "-P", "4"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "shards <= batch" in done.stderr
+    done = subprocess.run(
+        [*cmd[:-4], "--exchange-worker", "rust"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "unknown exchange worker 'rust'" in done.stderr
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0() -> None:

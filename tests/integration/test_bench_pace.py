@@ -14,6 +14,7 @@ from matplotlib.image import imread
 
 from fastdecode.cli import main
 from fastdecode.dense.emulated import PROFILES, Roofline
+from fastdecode.dense.handoff import worker_kind
 from fastdecode.runtime.geometry import GEOMETRIES
 
 POINT_KEYS = {
@@ -64,6 +65,7 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     assert (p["gpu"], p["geometry"], p["batch"], p["shards"], p["workers"]) == ("h100", "llama-3-8b", 4, 1, 1)
     assert p["event_loop"] == "uvloop"  # the services' default loop
     assert p["plan_ahead"] == "on"  # the scheduler's default
+    assert p["exchange_worker"] == worker_kind("auto")  # native where built (CI), else python
     assert math.isfinite(p["dense_idle_ms"]) and p["dense_idle_ms"] < p["wall_step_ms"]
     roof = Roofline(PROFILES["h100"], GEOMETRIES["llama-3-8b"], 2).step_seconds(4)
     assert p["gpu_step_ms"] == pytest.approx(roof["gpu_step_s"] * 1e3)

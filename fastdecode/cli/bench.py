@@ -573,17 +573,8 @@ def pace_cmd(
 
     if plot is not None and not plot.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
-    result = run_bench(
-        lambda: run_pace(
-            batches=batches,
-            workers=workers,
-            loops=loops,
-            plan_ahead=plan_ahead,
-            worker_kinds=worker_kinds,
-            model=Path(model) if model else None,
-            **kw,
-        )
-    )
+    kw.update(batches=batches, workers=workers, loops=loops, plan_ahead=plan_ahead, worker_kinds=worker_kinds)
+    result = run_bench(lambda: run_pace(model=Path(model) if model else None, **kw))
     if plot is not None:
         click.echo(f"plot written to {plot_pace(result, plot)}", err=True)
     if as_json:

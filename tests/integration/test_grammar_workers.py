@@ -54,7 +54,9 @@ def test_a_worker_that_dies_mid_compile_is_a_400_then_replaced() -> None:
             await asyncio.sleep(0.2)  # the request waits in the stopped worker's pipe
             os.kill(pid, signal.SIGSEGV)  # delivered on SIGCONT: as if llguidance crashed on it
             os.kill(pid, signal.SIGCONT)
-            with pytest.raises(InvalidInput, match=r"compiler failed on it \(signal SIGSEGV\)"):
+            # Mostly the signal kills it; about one run in six here the worker instead exits 255 (a
+            # handler in the native code it loaded takes the signal): a crash either way, a 400 either way.
+            with pytest.raises(InvalidInput, match=r"compiler failed on it \((signal SIGSEGV|exit 255)\)"):
                 await task
             assert c.crashed == 1
             assert json.loads(await c.compile(SMALL))

@@ -12,7 +12,8 @@ metrics. Per point:
   twice; plus the LM head); wall_step_ms: the measured wall time per step.
 - cpu_ms_per_step: scheduler, dense_main (gpu_dense's process, all its threads, less the host's
   stand-in for on-device sampling: `dense_stand_in_ms`), exchange_workers, shards_outside_attention
-  (the shards' CPU less their attention time), gateway.
+  (the shards' CPU less their attention time), gateway. dense_main_kernel_ms: the kernel's part of
+  dense_main (its sends, reads and waits on the control sockets and the network).
 - round_trips_per_step (Attend items gpu_dense sent, counted at step ends), payload_mb_per_step
   (q, k, v out and o back), dense_host_cpu_ms_per_mb and dense_cpu_us_per_round_trip (main process
   and exchange workers), next to a bare grpc.aio echo of one item's bytes in the same run (echo_*),
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.benchmarks.common import run_async
-from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds
+from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds, process_kernel_seconds
 from fastdecode.dense.handoff import worker_kind
 from fastdecode.runtime.metrics import metric_total, scrape
 
@@ -67,6 +68,7 @@ class _Mark:
             "exchange_workers": sum(process_cpu_seconds(p) for p in _children(fleet.dense.pid)),
             "shards": sum(process_cpu_seconds(s.pid) for s in fleet.kv),
         }
+        self.dense_kernel = process_kernel_seconds(fleet.dense.pid)
         d = scrape(fleet.dense.metrics)
         self.steps = metric_total(d, "fastdecode_dense_steps_total")
         self.head_cpu = metric_total(d, "fastdecode_dense_head_cpu_seconds_total")
@@ -249,6 +251,9 @@ def run_point(
         "background_cpu_ms_per_s": background,
         "cpu_ms_per_step_at_gpu_pace": at_pace,
         "dense_stand_in_ms": stand_in,
+        # of dense_main, the kernel's (its socket sends, reads and waits: on 2 shared cores, mostly
+        # the context switches of a process that blocks 64 times a step)
+        "dense_main_kernel_ms": per_step(a.dense_kernel, b.dense_kernel),
         "shard_attention_ms": attention,
         "round_trips_per_step": trips,
         "payload_mb_per_step": payload_mb,

@@ -68,6 +68,15 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_kernel_seconds(pid: int) -> float:
+    """The system (kernel) share of process_cpu_seconds: /proc's ticks (10 ms); nan once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
 def _geometry(c: ModelConfig) -> kv_pb.KVGeometry:
     return kv_pb.KVGeometry(
         num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim

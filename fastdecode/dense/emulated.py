@@ -239,7 +239,8 @@ def _host_available() -> int:
 class DeviceClock:
     """One compute engine and one copy engine, each serial. An operation starts when its engine is
     free and its inputs are ready; the caller's task remembers when its last result is ready
-    (a context variable: each mini-batch is its own task) and `settle` sleeps until then."""
+    (a context variable: each mini-batch is its own task) and `settle` sleeps until then. Times are
+    time.monotonic() (CLOCK_MONOTONIC): an exchange worker waits for `ready_at` itself."""
 
     def __init__(self) -> None:
         self._compute_free = 0.0
@@ -249,19 +250,23 @@ class DeviceClock:
         self._ready: contextvars.ContextVar[float] = contextvars.ContextVar("device_ready", default=0.0)
 
     def compute(self, seconds: float) -> None:
-        start = max(time.perf_counter(), self._ready.get(), self._compute_free)
+        start = max(time.monotonic(), self._ready.get(), self._compute_free)
         self._compute_free = start + seconds
         self.compute_seconds += seconds
         self._ready.set(self._compute_free)
 
     def copy(self, seconds: float) -> None:
-        start = max(time.perf_counter(), self._ready.get(), self._copy_free)
+        start = max(time.monotonic(), self._ready.get(), self._copy_free)
         self._copy_free = start + seconds
         self.copy_seconds += seconds
         self._ready.set(self._copy_free)
 
+    def ready_at(self) -> float:
+        """When the calling task's last device result is ready (time.monotonic())."""
+        return self._ready.get()
+
     async def settle(self) -> None:
-        wait = self._ready.get() - time.perf_counter()
+        wait = self._ready.get() - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
 
@@ -305,6 +310,7 @@ class EmulatedModel:
         self.token_limit = min(token_limit or config.vocab_size, config.vocab_size)
         self._gen = torch.Generator().manual_seed(0)
         self._q = self._k = self._v = torch.empty(0)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._logits = torch.empty(0)
         _warm_meta()
 
@@ -334,15 +340,22 @@ class EmulatedModel:
         pre, qkv_copy, _, _ = self._times(t)
         self.clock.compute(pre)
         self.clock.copy(qkv_copy)
-        if self._q.shape[0] < t:  # three pools, so every row slice is contiguous
-            self._q = self._pool(self._q, t, self.q_size, self.dtype, 0.5)
-            self._k = self._pool(self._k, t, self.kv_size, self.dtype, 0.5)
-            self._v = self._pool(self._v, t, self.kv_size, self.dtype, 0.5)
-        return (
-            self._q[:t].view(t, c.num_attention_heads, c.head_dim),
-            self._k[:t].view(t, c.num_key_value_heads, c.head_dim),
-            self._v[:t].view(t, c.num_key_value_heads, c.head_dim),
-        )
+        views = self._views.get(t)
+        if views is None:
+            if self._q.shape[0] < t:  # three pools, so every row slice is contiguous
+                self._q = self._pool(self._q, t, self.q_size, self.dtype, 0.5)
+                self._k = self._pool(self._k, t, self.kv_size, self.dtype, 0.5)
+                self._v = self._pool(self._v, t, self.kv_size, self.dtype, 0.5)
+                self._views.clear()
+            if len(self._views) > 4096:  # prefill chunks of every size: keep it bounded
+                self._views.clear()
+            # made once per row count: six tensor ops a layer were a tenth of the step loop's CPU
+            views = self._views[t] = (
+                self._q[:t].view(t, c.num_attention_heads, c.head_dim),
+                self._k[:t].view(t, c.num_key_value_heads, c.head_dim),
+                self._v[:t].view(t, c.num_key_value_heads, c.head_dim),
+            )
+        return views
 
     def post_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         _, _, o_copy, post = self._times(hidden.shape[0])
@@ -379,6 +392,10 @@ class EmulatedModel:
 
     async def settle(self) -> None:
         await self.clock.settle()
+
+    def ready_at(self) -> float:
+        """When this task's last S-part result (q, k, v in host memory) is ready: time.monotonic()."""
+        return self.clock.ready_at()
 
     @property
     def served_config(self) -> ModelConfig:

@@ -66,7 +66,9 @@ class ShardPlane(Protocol):
     async def attend_layer(
         self, slot: int, layer: int, items: Sequence[AttendItem]
     ) -> list[torch.Tensor | BaseException]:
-        """o for each item, or the error that item met (the others still answer)."""
+        """o for each item, or the error that item met (the others still answer). A plane with
+        `waits_for_device = True` also takes `not_before` (time.monotonic()): it sends none of the
+        layer's bytes before then, when an emulated device's q, k, v are ready."""
         ...
 
 
@@ -327,7 +329,15 @@ class StepRunner:
             return (h, *model.pre_attention(0, h, pos))
 
         hidden, q, k, v = self._compute(first)
-        await model.settle()  # an emulated device's time: waited for, the other mini-batch runs
+        # A plane that waits for the device itself (exchange workers hold a layer's bytes until the
+        # time an emulated device's q, k, v are ready) spares this loop a timer and a wake-up per
+        # layer: the layer goes out as soon as its device work is queued. Else the loop waits for the
+        # device (an emulated one's time; the other mini-batch runs meanwhile).
+        ready_at = getattr(model, "ready_at", None)
+        defer = ready_at is not None and getattr(self.shards, "waits_for_device", False)
+        synthetic = getattr(model, "synthetic", False)
+        if not defer:
+            await model.settle()
         # A plane that offers staging (exchange workers) takes q, k, v in shared memory: the items
         # are built once per step as row ranges of it, and each layer is one copy in (a DMA from a
         # GPU) and o back in order, with no per-item copy or message.
@@ -340,7 +350,8 @@ class StepRunner:
             if stage is not None:
                 if st is None:
                     st = stage(slot, q.shape[0], tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype)
-                self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(slot, st, q, k, v))
+                if not (synthetic and self._staged.get(slot) == (st.arena, q.shape[0])):
+                    self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(slot, st, q, k, v))
             if st is None:  # items of this layer's tensors
                 live = [g for g in groups if g.error is None]
                 items = [
@@ -363,7 +374,12 @@ class StepRunner:
                 ]
             t_wait = time.perf_counter()
             self._trips += len(items)
-            outs = await self.shards.attend_layer(slot, layer, items) if items else []
+            if not items:
+                outs = []
+            elif defer:
+                outs = await self.shards.attend_layer(slot, layer, items, not_before=ready_at())  # type: ignore[call-arg]
+            else:
+                outs = await self.shards.attend_layer(slot, layer, items)
             self._attend_wait += time.perf_counter() - t_wait
             parts: list[tuple[slice, torch.Tensor]] = []
             for g, o in zip(live, outs, strict=True):
@@ -389,7 +405,8 @@ class StepRunner:
                 whole: torch.Tensor | None = whole,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
                 if whole is not None:  # every item answered into its rows of the staging's o
-                    attn = whole.to(device=h.device, dtype=h.dtype)
+                    # (an emulated device charges o's copy itself and reads no values: no meta op)
+                    attn = whole if synthetic else whole.to(device=h.device, dtype=h.dtype)
                 elif len(parts) == 1 and parts[0][0] == slice(0, h.shape[0]):
                     attn = parts[0][1].to(device=h.device, dtype=h.dtype)  # one shard answered all
                 else:
@@ -402,7 +419,8 @@ class StepRunner:
                 return (h, *model.pre_attention(lyr + 1, h, pos))
 
             hidden, q, k, v = self._compute(post)  # type: ignore[assignment]
-            await model.settle()
+            if not defer or layer + 1 == num_layers:
+                await model.settle()
         self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
         row = 0
         for s in seqs:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x61stdecode/v1/exchange.proto\x12\rfastdecode.v1\":\n\nArenaSlice\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xe9\x01\n\x0c\x45xchangeItem\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\x05\x12\x11\n\tstart_pos\x18\x04 \x03(\x03\x12$\n\x01q\x18\x05 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12$\n\x01k\x18\x06 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12$\n\x01v\x18\x07 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12\x10\n\x08o_offset\x18\x08 \x01(\x04\x12\x0e\n\x06o_room\x18\t \x01(\x04\"\x88\x01\n\x0e\x45xchangeAttend\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\r\n\x05\x61rena\x18\x04 \x01(\t\x12\x11\n\thas_items\x18\x05 \x01(\x08\x12*\n\x05items\x18\x06 \x03(\x0b\x32\x1b.fastdecode.v1.ExchangeItem\"/\n\rExchangeShard\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x83\x02\n\x08ToWorker\x12\x30\n\x06secret\x18\x01 \x01(\x0b\x32\x1e.fastdecode.v1.ToWorker.SecretH\x00\x12/\n\x06\x61ttend\x18\x02 \x01(\x0b\x32\x1d.fastdecode.v1.ExchangeAttendH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x04H\x00\x12\x31\n\tadd_shard\x18\x04 \x01(\x0b\x32\x1c.fastdecode.v1.ExchangeShardH\x00\x12\x16\n\x0cremove_shard\x18\x05 \x01(\rH\x00\x12\x17\n\rrestore_shard\x18\x06 \x01(\rH\x00\x1a\x16\n\x06Secret\x12\x0c\n\x04send\x18\x01 \x01(\tB\x06\n\x04kind\"T\n\x0e\x45xchangeResult\x12$\n\x01o\x18\x01 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12\x0e\n\x06status\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x94\x01\n\x07ToDense\x12\x0f\n\x05ready\x18\x01 \x01(\rH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.fastdecode.v1.ToDense.DoneH\x00\x1a\x43\n\x04\x44one\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.fastdecode.v1.ExchangeResultB\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x61stdecode/v1/exchange.proto\x12\rfastdecode.v1\":\n\nArenaSlice\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xe9\x01\n\x0c\x45xchangeItem\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07seq_ids\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\x05\x12\x11\n\tstart_pos\x18\x04 \x03(\x03\x12$\n\x01q\x18\x05 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12$\n\x01k\x18\x06 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12$\n\x01v\x18\x07 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12\x10\n\x08o_offset\x18\x08 \x01(\x04\x12\x0e\n\x06o_room\x18\t \x01(\x04\"\x9f\x01\n\x0e\x45xchangeAttend\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\r\n\x05\x61rena\x18\x04 \x01(\t\x12\x11\n\thas_items\x18\x05 \x01(\x08\x12*\n\x05items\x18\x06 \x03(\x0b\x32\x1b.fastdecode.v1.ExchangeItem\x12\x15\n\rnot_before_ns\x18\x07 \x01(\x04\"/\n\rExchangeShard\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x83\x02\n\x08ToWorker\x12\x30\n\x06secret\x18\x01 \x01(\x0b\x32\x1e.fastdecode.v1.ToWorker.SecretH\x00\x12/\n\x06\x61ttend\x18\x02 \x01(\x0b\x32\x1d.fastdecode.v1.ExchangeAttendH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x04H\x00\x12\x31\n\tadd_shard\x18\x04 \x01(\x0b\x32\x1c.fastdecode.v1.ExchangeShardH\x00\x12\x16\n\x0cremove_shard\x18\x05 \x01(\rH\x00\x12\x17\n\rrestore_shard\x18\x06 \x01(\rH\x00\x1a\x16\n\x06Secret\x12\x0c\n\x04send\x18\x01 \x01(\tB\x06\n\x04kind\"T\n\x0e\x45xchangeResult\x12$\n\x01o\x18\x01 \x01(\x0b\x32\x19.fastdecode.v1.ArenaSlice\x12\x0e\n\x06status\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x94\x01\n\x07ToDense\x12\x0f\n\x05ready\x18\x01 \x01(\rH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.fastdecode.v1.ToDense.DoneH\x00\x1a\x43\n\x04\x44one\x12\x0b\n\x03rid\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.fastdecode.v1.ExchangeResultB\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXCHANGEITEM']._serialized_start=108
   _globals['_EXCHANGEITEM']._serialized_end=341
   _globals['_EXCHANGEATTEND']._serialized_start=344
-  _globals['_EXCHANGEATTEND']._serialized_end=480
-  _globals['_EXCHANGESHARD']._serialized_start=482
-  _globals['_EXCHANGESHARD']._serialized_end=529
-  _globals['_TOWORKER']._serialized_start=532
-  _globals['_TOWORKER']._serialized_end=791
-  _globals['_TOWORKER_SECRET']._serialized_start=761
-  _globals['_TOWORKER_SECRET']._serialized_end=783
-  _globals['_EXCHANGERESULT']._serialized_start=793
-  _globals['_EXCHANGERESULT']._serialized_end=877
-  _globals['_TODENSE']._serialized_start=880
-  _globals['_TODENSE']._serialized_end=1028
-  _globals['_TODENSE_DONE']._serialized_start=953
-  _globals['_TODENSE_DONE']._serialized_end=1020
+  _globals['_EXCHANGEATTEND']._serialized_end=503
+  _globals['_EXCHANGESHARD']._serialized_start=505
+  _globals['_EXCHANGESHARD']._serialized_end=552
+  _globals['_TOWORKER']._serialized_start=555
+  _globals['_TOWORKER']._serialized_end=814
+  _globals['_TOWORKER_SECRET']._serialized_start=784
+  _globals['_TOWORKER_SECRET']._serialized_end=806
+  _globals['_EXCHANGERESULT']._serialized_start=816
+  _globals['_EXCHANGERESULT']._serialized_end=900
+  _globals['_TODENSE']._serialized_start=903
+  _globals['_TODENSE']._serialized_end=1051
+  _globals['_TODENSE_DONE']._serialized_start=976
+  _globals['_TODENSE_DONE']._serialized_end=1043
 # @@protoc_insertion_point(module_scope)

@@ -39,20 +39,22 @@ class ExchangeItem(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[ArenaSlice, _Mapping]] = ..., k: _Optional[_Union[ArenaSlice, _Mapping]] = ..., v: _Optional[_Union[ArenaSlice, _Mapping]] = ..., o_offset: _Optional[int] = ..., o_room: _Optional[int] = ...) -> None: ...
 
 class ExchangeAttend(_message.Message):
-    __slots__ = ("rid", "slot", "layer", "arena", "has_items", "items")
+    __slots__ = ("rid", "slot", "layer", "arena", "has_items", "items", "not_before_ns")
     RID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     HAS_ITEMS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    NOT_BEFORE_NS_FIELD_NUMBER: _ClassVar[int]
     rid: int
     slot: int
     layer: int
     arena: str
     has_items: bool
     items: _containers.RepeatedCompositeFieldContainer[ExchangeItem]
-    def __init__(self, rid: _Optional[int] = ..., slot: _Optional[int] = ..., layer: _Optional[int] = ..., arena: _Optional[str] = ..., has_items: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[ExchangeItem, _Mapping]]] = ...) -> None: ...
+    not_before_ns: int
+    def __init__(self, rid: _Optional[int] = ..., slot: _Optional[int] = ..., layer: _Optional[int] = ..., arena: _Optional[str] = ..., has_items: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[ExchangeItem, _Mapping]]] = ..., not_before_ns: _Optional[int] = ...) -> None: ...
 
 class ExchangeShard(_message.Message):
     __slots__ = ("index", "address")

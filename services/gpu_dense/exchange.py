@@ -52,6 +52,8 @@ log = logging.getLogger("fastdecode.gpu_dense.exchange")
 class ExchangePlane:
     """A ShardPlane whose Attend streams live in K exchange worker processes."""
 
+    waits_for_device = True  # attend_layer takes not_before: the workers hold the bytes till then
+
     def __init__(
         self,
         addresses: Sequence[str],
@@ -70,6 +72,9 @@ class ExchangePlane:
         self.workers = [WorkerProcess(i, timeout, tls, command) for i in range(workers)]
         self.arenas = ArenaPool()
         self._staging: dict[int, Staging] = {}  # per slot, at its full capacity
+        # per slot, the last items list and its items' indices per worker: a step's layers pass the
+        # same list, so it is routed once per step (a removed shard resets it)
+        self._routes: dict[int, tuple[Sequence[AttendItem], dict[int, list[int]]]] = {}
         self._rids = 0
         self._lock = asyncio.Lock()
         self._watchdog: asyncio.Task[None] | None = None
@@ -100,6 +105,7 @@ class ExchangePlane:
             raise errors.NotFound(f"unknown shard {index}")
         if not self.links[index].removed:
             self.links[index] = replace(self.links[index], removed=True)
+            self._routes.clear()
             worker = self.workers[index % len(self.workers)]
             if worker.alive:
                 worker.send(RemoveShard(index))
@@ -109,6 +115,7 @@ class ExchangePlane:
         """AddShard of a removed shard's address (a restarted pod): it takes items again."""
         if self.links[index].removed:
             self.links[index] = replace(self.links[index], removed=False)
+            self._routes.clear()
             worker = self.workers[index % len(self.workers)]
             if worker.alive:
                 worker.send(RestoreShard(index))
@@ -151,17 +158,27 @@ class ExchangePlane:
         layer: int,
         items: Sequence[AttendItem],
         between: Callable[[], None] | None = None,
+        not_before: float = 0.0,
     ) -> list[torch.Tensor | BaseException]:
-        """`between`: as ShardLinks.attend_layer's, once every worker has its items."""
+        """`between`: as ShardLinks.attend_layer's, once every worker has its items. `not_before`
+        (time.monotonic()): the workers send none of the layer's bytes before then."""
+        loop = asyncio.get_running_loop()
         if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+            self._watchdog = loop.create_task(self._watch())
         out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
-        by_worker: dict[int, list[int]] = {}
-        for i, item in enumerate(items):
-            if self.links[item.shard].removed:
-                out[i] = Unavailable(f"{self.links[item.shard].name} was removed")
-                continue
-            by_worker.setdefault(item.shard % len(self.workers), []).append(i)
+        routed = self._routes.get(slot)
+        if routed is not None and routed[0] is items:  # a step's later layers: the same items
+            by_worker = routed[1]
+        else:
+            by_worker = {}
+            for i, item in enumerate(items):
+                if self.links[item.shard].removed:
+                    out[i] = Unavailable(f"{self.links[item.shard].name} was removed")
+                    continue
+                by_worker.setdefault(item.shard % len(self.workers), []).append(i)
+            if len(by_worker) and sum(map(len, by_worker.values())) == len(items):
+                self._routes[slot] = (items, by_worker)
+        deadline = int(not_before * 1e9) if not_before > 0 else 0
         waits: list[
             tuple[WorkerProcess, int, Arena, list[int], asyncio.Future[list[Ok | Err]], Sent | None]
         ] = []
@@ -169,12 +186,13 @@ class ExchangePlane:
             for w, idx in by_worker.items():
                 worker = self.workers[w]
                 try:
-                    await self._ensure(worker)
-                    arena, message, sent = self._pack(worker, slot, [items[i] for i in idx])
+                    if not worker.alive:
+                        await self._ensure(worker)
+                    arena, message, sent = self._pack(worker, slot, items, idx)
                     self._rids += 1
-                    fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
+                    fut: asyncio.Future[list[Ok | Err]] = loop.create_future()
                     worker.pending[self._rids] = (fut, time.monotonic())
-                    worker.send(Attend(self._rids, slot, layer, arena.name, message))
+                    worker.send(Attend(self._rids, slot, layer, arena.name, message, deadline))
                     waits.append((worker, self._rids, arena, idx, fut, sent))
                 except errors.ServiceError as e:
                     for i in idx:
@@ -211,18 +229,23 @@ class ExchangePlane:
         return out
 
     def _pack(
-        self, worker: WorkerProcess, slot: int, items: Sequence[AttendItem]
+        self, worker: WorkerProcess, slot: int, every: Sequence[AttendItem], idx: list[int]
     ) -> tuple[Arena, list[ItemSlices] | None, Sent | None]:
-        """The worker's items as arena slices: where they already lie when they are rows of the slot's
-        staging (no copy), else q, k, v copied into the worker's arena with o's room after them.
-        None for the slices when they are the very items this worker had last time on this slot (a
-        step's layers): the worker reuses what it has, and the message is a few bytes."""
+        """The worker's items (`every[i]` for i in idx) as arena slices: where they already lie when
+        they are rows of the slot's staging (no copy), else q, k, v copied into the worker's arena
+        with o's room after them. None for the slices when they are the very items this worker had
+        last time on this slot (a step's layers): the worker reuses what it has, and the message is
+        a few bytes."""
         st = self._staging.get(slot)
+        last = worker.sent.get(slot)
+        if st is not None and last is not None and last.arena is st.arena and last.every is every:
+            return st.arena, None, last  # the same list of items as the last layer: checked then
+        items = [every[i] for i in idx]
         if st is None:
             return (*self._copy_in(worker, slot, items), None)
-        last = worker.sent.get(slot)
         if last is not None and last.arena is st.arena and len(last.items) == len(items):
             if all(a is b for a, b in zip(last.items, items, strict=True)):
+                last.every = every
                 return st.arena, None, last
         arena = st.arena
         staged = [[arena.slice_of(t) for t in (it.q, it.k, it.v)] for it in items]
@@ -245,7 +268,7 @@ class ExchangePlane:
                     room,
                 )
             )
-        sent = worker.sent[slot] = Sent(arena, tuple(items), [None] * len(items))
+        sent = worker.sent[slot] = Sent(arena, tuple(items), [None] * len(items), every)
         return arena, message, sent
 
     def _copy_in(

@@ -45,6 +45,7 @@ class Attend(NamedTuple):
     layer: int
     arena: str  # the shared-memory arena's name
     items: list[ItemSlices] | None  # None: the same items as this slot's last Attend (a step's layers)
+    not_before_ns: int = 0  # CLOCK_MONOTONIC (time.monotonic_ns): send nothing before (0: now)
 
 
 class Cancel(NamedTuple):
@@ -123,6 +124,7 @@ def pack(msg: ToWorker | ToDense) -> bytes:
                 arena=msg.arena,
                 has_items=msg.items is not None,
                 items=items,
+                not_before_ns=msg.not_before_ns,
             )
             out: Any = pb.ToWorker(attend=attend)
         case Done():
@@ -169,7 +171,7 @@ def unpack_to_worker(body: bytes) -> ToWorker:
                 )
                 for it in a.items
             ]
-        return Attend(a.rid, a.slot, a.layer, a.arena, items)
+        return Attend(a.rid, a.slot, a.layer, a.arena, items, a.not_before_ns)
     if kind == "secret":
         send = m.secret.send
         return Secret(FleetSecret(send, (send.encode(),)) if send else None)
@@ -195,3 +197,54 @@ def unpack_to_dense(body: bytes) -> ToDense:
     if kind == "ready":
         return Ready(m.ready)
     raise InvalidInput(f"unknown worker message {kind}")
+
+
+def _varint(body: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = body[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+class DoneReader:
+    """unpack_to_dense with a memo of answers: a step's layers come back in the same slices, so a
+    Done whose results are byte for byte ones seen before (its rid aside) reuses their tuples
+    (parsing them was a tenth of the dense loop's own CPU). Both workers write the fields in number
+    order, ToDense.done (tag 0x12) then Done.rid (0x08) first; anything else is parsed in full."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._seen: dict[bytes, list[Ok | Err]] = {}
+
+    @staticmethod
+    def _split(body: bytes) -> tuple[int, bytes] | None:
+        try:
+            if body[0] != 0x12:
+                return None
+            _, pos = _varint(body, 1)
+            if body[pos] != 0x08:
+                return None
+            rid, pos = _varint(body, pos + 1)
+        except IndexError:
+            return None
+        return rid, body[pos:]
+
+    def __call__(self, body: bytes) -> ToDense:
+        split = self._split(body)
+        if split is not None and (seen := self._seen.get(split[1])) is not None:
+            return Done(split[0], seen)
+        msg = unpack_to_dense(body)
+        if (
+            split is not None
+            and isinstance(msg, Done)
+            and msg.rid == split[0]
+            and all(isinstance(r, Ok) for r in msg.results)
+        ):
+            if len(self._seen) >= self.size:
+                self._seen.clear()
+            self._seen[split[1]] = msg.results
+        return msg

@@ -11,7 +11,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from services.gpu_dense.exchange_messages import (
     Attend,
     Cancel,
     Done,
+    DoneReader,
     Err,
     Ok,
     Ready,
@@ -33,7 +34,6 @@ from services.gpu_dense.exchange_messages import (
     RestoreShard,
     Secret,
     pack,
-    unpack_to_dense,
 )
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
@@ -75,6 +75,7 @@ class Sent:
     arena: Arena
     items: tuple[AttendItem, ...]
     views: list[tuple[tuple[Any, ...], torch.Tensor] | None]
+    every: Sequence[AttendItem] | None = None  # the layer's whole list these items came from
 
     def o(
         self, j: int, r: Ok | Err, unpack: Callable[[Arena, Ok | Err], torch.Tensor | BaseException]
@@ -107,6 +108,7 @@ class WorkerProcess:
         # per slot, the arena and items the worker last had in full (ExchangePlane._pack): a layer
         # with the very same items sends none; a restarted worker has none, so this starts empty
         self.sent: dict[int, Sent] = {}
+        self._read = DoneReader()
 
     @property
     def kind(self) -> str:
@@ -163,7 +165,7 @@ class WorkerProcess:
         log.info("exchange worker %d (pid %d) owns shards %s", self.index, self.proc.pid, sorted(self.shards))
 
     def _on_message(self, body: bytes) -> None:
-        msg = unpack_to_dense(body)
+        msg = self._read(body)
         if isinstance(msg, Done):
             waiting = self.pending.pop(msg.rid, None)
             if waiting is not None and not waiting[0].done():  # None: a cancelled layer's late answer

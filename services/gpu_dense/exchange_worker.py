@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,9 @@ class _WorkerLoop:
                         for it in slices
                     ]
                     self.last[msg.slot] = (arena, slices, items)
+                wait = (msg.not_before_ns - time.monotonic_ns()) / 1e9
+                if wait > 0:  # the device's q, k, v are not in the arena yet
+                    await asyncio.sleep(wait)
                 outs = await self.links.attend_layer(msg.slot, msg.layer, items)
                 results: list[Ok | Err] = []
                 for it, o in zip(slices, outs, strict=True):

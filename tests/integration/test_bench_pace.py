@@ -62,6 +62,8 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     result = json.loads(res.stdout.strip().splitlines()[-1])
     (p,) = result["points"]
     assert POINT_KEYS <= p.keys() and set(p["cpu_ms_per_step"]) == PARTS
+    # the kernel's part of gpu_dense's CPU (/proc's 10 ms ticks, so checked loosely)
+    assert math.isfinite(p["dense_main_kernel_ms"]) and p["dense_main_kernel_ms"] >= 0
     assert (p["gpu"], p["geometry"], p["batch"], p["shards"], p["workers"]) == ("h100", "llama-3-8b", 4, 1, 1)
     assert p["event_loop"] == "uvloop"  # the services' default loop
     assert p["plan_ahead"] == "on"  # the scheduler's default

@@ -208,6 +208,44 @@ def test_a_bad_descriptor_fails_in_band_and_the_worker_lives_on(kind: str) -> No
     asyncio.run(asyncio.wait_for(run(), 60))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_layer_goes_out_no_sooner_than_its_not_before_time(kind: str) -> None:
+    """An emulated device's q, k, v are ready at `not_before_ns`: the worker holds the layer's bytes
+    until then (the dense loop hands the layer over right after queuing the device work)."""
+
+    async def run() -> None:
+        servers, addresses = await _echo_servers(1)
+        worker = WorkerProcess(0, 5.0, None, worker_command(_kind(kind)))
+        worker.shards[0] = addresses[0]
+        arena = Arena(4096)
+        q = arena.put(0, torch.full((2, 3, 4), 1.5))
+        kv = arena.put(256, torch.zeros(2, 1, 4))
+        item = ItemSlices(0, ["a", "b"], [1, 1], [0, 0], q.astuple(), kv.astuple(), kv.astuple(), 1024, 1024)
+
+        async def layer(rid: int, not_before_ns: int) -> tuple[list[Ok | Err], int]:
+            fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
+            worker.pending[rid] = (fut, time.monotonic())
+            worker.send(Attend(rid, 0, rid, arena.name, [item], not_before_ns))
+            return await asyncio.wait_for(fut, 10), time.monotonic_ns()
+
+        try:
+            await worker.start()
+            await layer(1, 0)  # the stream is open: what follows times the wait, not the connect
+            for rid, delay_ms in ((2, 400), (3, 150)):
+                sent = time.monotonic_ns()
+                (r,), done = await layer(rid, sent + delay_ms * 1_000_000)
+                assert isinstance(r, Ok), r
+                assert torch.equal(arena.view(Slice(*r.o)), torch.full((2, 12), 3.0))
+                assert (done - sent) / 1e6 >= delay_ms, (done - sent) / 1e6
+        finally:
+            await worker.stop()
+            arena.close()
+            for server in servers:
+                await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
 _PARENT = """
 import asyncio, sys
 from services.gpu_dense.exchange import ExchangePlane

@@ -132,3 +132,55 @@ def test_gpu_check_compares_the_profile_with_a_measured_layer() -> None:
         assert row["measured_ms"] > 0 and row["measured_over_profile"] == pytest.approx(
             row["measured_ms"] / row["profile_ms"]
         )
+
+
+class DeviceWaitingShards(InProcessShards):
+    """A plane that holds each layer until the device's q, k, v are ready (as exchange workers do)."""
+
+    waits_for_device = True
+
+    def __init__(self, model: EmulatedModel, n: int) -> None:
+        super().__init__(model, n)  # type: ignore[arg-type]
+        self.calls: list[tuple[int, int, float, float]] = []  # slot, layer, not_before, handed over
+
+    async def attend_layer(self, slot, layer, items, not_before: float = 0.0):  # type: ignore[no-untyped-def]
+        self.calls.append((slot, layer, not_before, time.monotonic()))
+        await asyncio.sleep(max(0.0, not_before - time.monotonic()))
+        return await super().attend_layer(slot, layer, items)
+
+
+def test_a_plane_that_waits_for_the_device_gets_each_layers_ready_time(llama_dir: Path) -> None:
+    """The runner hands a layer over as soon as its device work is queued, with the time its q, k, v
+    are ready, instead of waking to wait itself; the step still lasts the device's time and the
+    tokens are the ones the waiting runner samples."""
+    prompts = [[1, 5, 9, 3], [1, 7, 2], [1, 4, 4, 8, 6], [1, 3]]
+
+    def step(plane_type: type) -> tuple[dict, float, float, InProcessShards]:
+        model = load_emulated(llama_dir, "emulated:l4", torch.bfloat16, None)
+        shards = plane_type(model, 2)
+        runner = StepRunner(model, shards)  # type: ignore[arg-type]
+        for i in range(len(prompts)):
+            shards.stores[i % 2].reserve(f"s{i}", 64)
+        seqs = [PlannedSeq(f"s{i}", i % 2, i % 2, p, 0) for i, p in enumerate(prompts)]
+
+        async def run() -> tuple[dict, float]:
+            t0 = time.perf_counter()
+            outcomes, _ = await runner.run(seqs, True)
+            return outcomes, time.perf_counter() - t0
+
+        outcomes, wall = asyncio.run(run())
+        return outcomes, wall, model.clock.compute_seconds, shards
+
+    waiting, wall, device, shards = step(DeviceWaitingShards)
+    plain, *_ = step(InProcessShards)
+    assert {s: o.token_id for s, o in waiting.items()} == {s: o.token_id for s, o in plain.items()}
+    assert all(o.error is None for o in waiting.values())
+    assert wall >= device * 0.95  # the device's time was still waited for, by the plane
+    calls = shards.calls  # type: ignore[attr-defined]
+    layers = ModelConfig.from_pretrained(llama_dir).num_hidden_layers
+    assert sorted((s, lyr) for s, lyr, *_ in calls) == [(s, lyr) for s in (0, 1) for lyr in range(layers)]
+    for slot in (0, 1):
+        ready = [nb for s, _, nb, _ in calls if s == slot]
+        assert all(b > a for a, b in zip(ready, ready[1:], strict=False))  # one layer after another
+    # handed over before the device was done with it: the runner did not wait for it itself
+    assert sum(nb > at for _, _, nb, at in calls) >= len(calls) // 2

@@ -55,6 +55,7 @@ def test_messages_travel_as_named_types() -> None:
         m.Attend(7, 1, 3, "arena", [item]),
         m.Attend(8, 1, 4, "arena", None),  # the slot's last items again
         m.Attend(9, 0, 0, "arena", []),
+        m.Attend(10, 1, 5, "arena", None, 123_456_789_012_345),  # held till the device is done
         m.Cancel(7),
         m.AddShard(3, "127.0.0.1:5"),
         m.RemoveShard(3),
@@ -79,3 +80,22 @@ def test_an_unknown_message_is_refused() -> None:
         m.unpack_to_worker(b"")
     with pytest.raises(InvalidInput):
         m.unpack_to_dense(b"")
+
+
+def test_the_done_reader_reuses_answers_it_has_seen_and_keeps_each_rid() -> None:
+    oks = [m.Ok((24, (2, 2), "bfloat16")), m.Ok((32, (1, 2), "bfloat16"))]
+    read = m.DoneReader(size=2)
+    first = read(m.pack(m.Done(5, oks))[4:])
+    assert first == m.Done(5, oks)
+    for rid in (6, 300, 1 << 40):  # one- to six-byte varints
+        again = read(m.pack(m.Done(rid, list(oks)))[4:])
+        assert again == m.Done(rid, oks) and again.results is first.results  # no parse, same tuples
+    other = [m.Ok((24, (2, 2), "bfloat16")), m.Ok((40, (1, 2), "bfloat16"))]
+    assert read(m.pack(m.Done(7, other))[4:]) == m.Done(7, other)  # other slices: parsed
+    failed = [m.Err(14, "gone"), oks[1]]
+    for rid in (8, 9):  # errors are parsed every time (never memoised)
+        back = read(m.pack(m.Done(rid, failed))[4:])
+        assert back == m.Done(rid, failed)
+    assert read(m.pack(m.Ready(42))[4:]) == m.Ready(42)
+    with pytest.raises(InvalidInput):
+        read(b"")

@@ -21,9 +21,11 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -647,6 +649,14 @@ void Slot::attend(const pb::ExchangeAttend& msg) {
     fields_.clear();
     worker_->done(msg.rid(), std::vector<Outcome>(msg.items_size(), fail(kInvalidArgument, e.what())));
     return;
+  }
+  // The device's q, k, v land in the arena at not_before_ns (CLOCK_MONOTONIC): none of their bytes
+  // go out before then. An absolute sleep, exact to the microsecond, on this slot's thread only.
+  if (msg.not_before_ns() != 0) {
+    timespec until{static_cast<time_t>(msg.not_before_ns() / 1000000000ULL),
+                   static_cast<long>(msg.not_before_ns() % 1000000000ULL)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, nullptr) == EINTR) {
+    }
   }
   const size_t n = items_.size();
   outcomes.resize(n);

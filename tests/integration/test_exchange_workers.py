@@ -6,13 +6,16 @@ workers off and on and prints one JSON object with every field of its rows."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -168,42 +171,48 @@ def test_workers_carry_tls_and_the_fleet_secret(kind: str, tmp_path: Path) -> No
     asyncio.run(asyncio.wait_for(run(), 60))
 
 
+@contextlib.asynccontextmanager
+async def _worker_on_one_shard(kind: str) -> AsyncIterator[tuple[Arena, ItemSlices, Callable[..., Any]]]:
+    """A worker of `kind` on one echo shard, an arena holding a good item's q, k and v, and
+    `layer(rid, item=good, not_before_ns=0)`: one Attend sent and its results awaited."""
+    servers, addresses = await _echo_servers(1)
+    worker = WorkerProcess(0, 5.0, None, worker_command(_kind(kind)))
+    worker.shards[0] = addresses[0]
+    arena = Arena(4096)
+    q = arena.put(0, torch.full((2, 3, 4), 1.5))
+    kv = arena.put(256, torch.zeros(2, 1, 4))
+    good = ItemSlices(0, ["a", "b"], [1, 1], [0, 0], q.astuple(), kv.astuple(), kv.astuple(), 1024, 1024)
+
+    async def layer(rid: int, item: ItemSlices = good, not_before_ns: int = 0) -> list[Ok | Err]:
+        fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
+        worker.pending[rid] = (fut, time.monotonic())
+        worker.send(Attend(rid, 0, 0, arena.name, [item], not_before_ns))
+        return await asyncio.wait_for(fut, 10)
+
+    try:
+        await worker.start()
+        yield arena, good, layer
+    finally:
+        await worker.stop()
+        arena.close()
+        for server in servers:
+            await server.stop(None)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_bad_descriptor_fails_in_band_and_the_worker_lives_on(kind: str) -> None:
     """Slices outside the arena (q, k, v, or o's room) fail their layer as INVALID_ARGUMENT, never
     read or write past the segment; the worker then serves a good layer."""
 
     async def run() -> None:
-        servers, addresses = await _echo_servers(1)
-        worker = WorkerProcess(0, 5.0, None, worker_command(_kind(kind)))
-        worker.shards[0] = addresses[0]
-        arena = Arena(4096)
-        q = arena.put(0, torch.full((2, 3, 4), 1.5))
-        kv = arena.put(256, torch.zeros(2, 1, 4))
-
-        async def layer(rid: int, item: ItemSlices) -> list[Ok | Err]:
-            fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
-            worker.pending[rid] = (fut, time.monotonic())
-            worker.send(Attend(rid, 0, 0, arena.name, [item]))
-            return await asyncio.wait_for(fut, 10)
-
-        try:
-            await worker.start()
-            good = ItemSlices(
-                0, ["a", "b"], [1, 1], [0, 0], q.astuple(), kv.astuple(), kv.astuple(), 1024, 1024
-            )
+        async with _worker_on_one_shard(kind) as (arena, good, layer):
             beyond = (8192, (2, 3, 4), "float32")
             for rid, bad in enumerate([good._replace(q=beyond), good._replace(o_offset=4090)], start=1):
                 (r,) = await layer(rid, bad)
                 assert isinstance(r, Err) and r.status == Status.INVALID_ARGUMENT.value, r
-            (r,) = await layer(9, good)
+            (r,) = await layer(9)
             assert isinstance(r, Ok), r
             assert torch.equal(arena.view(Slice(*r.o)), torch.full((2, 12), 3.0))
-        finally:
-            await worker.stop()
-            arena.close()
-            for server in servers:
-                await server.stop(None)
 
     asyncio.run(asyncio.wait_for(run(), 60))
 
@@ -214,34 +223,15 @@ def test_a_layer_goes_out_no_sooner_than_its_not_before_time(kind: str) -> None:
     until then (the dense loop hands the layer over right after queuing the device work)."""
 
     async def run() -> None:
-        servers, addresses = await _echo_servers(1)
-        worker = WorkerProcess(0, 5.0, None, worker_command(_kind(kind)))
-        worker.shards[0] = addresses[0]
-        arena = Arena(4096)
-        q = arena.put(0, torch.full((2, 3, 4), 1.5))
-        kv = arena.put(256, torch.zeros(2, 1, 4))
-        item = ItemSlices(0, ["a", "b"], [1, 1], [0, 0], q.astuple(), kv.astuple(), kv.astuple(), 1024, 1024)
-
-        async def layer(rid: int, not_before_ns: int) -> tuple[list[Ok | Err], int]:
-            fut: asyncio.Future[list[Ok | Err]] = asyncio.get_running_loop().create_future()
-            worker.pending[rid] = (fut, time.monotonic())
-            worker.send(Attend(rid, 0, rid, arena.name, [item], not_before_ns))
-            return await asyncio.wait_for(fut, 10), time.monotonic_ns()
-
-        try:
-            await worker.start()
-            await layer(1, 0)  # the stream is open: what follows times the wait, not the connect
+        async with _worker_on_one_shard(kind) as (arena, good, layer):
+            await layer(1)  # the stream is open: what follows times the wait, not the connect
             for rid, delay_ms in ((2, 400), (3, 150)):
                 sent = time.monotonic_ns()
-                (r,), done = await layer(rid, sent + delay_ms * 1_000_000)
+                (r,) = await layer(rid, good, sent + delay_ms * 1_000_000)
+                waited_ms = (time.monotonic_ns() - sent) / 1e6
                 assert isinstance(r, Ok), r
                 assert torch.equal(arena.view(Slice(*r.o)), torch.full((2, 12), 3.0))
-                assert (done - sent) / 1e6 >= delay_ms, (done - sent) / 1e6
-        finally:
-            await worker.stop()
-            arena.close()
-            for server in servers:
-                await server.stop(None)
+                assert waited_ms >= delay_ms, waited_ms
 
     asyncio.run(asyncio.wait_for(run(), 60))
 

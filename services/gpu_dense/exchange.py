@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, ArenaPool, Slice, Staging, aligned
+from fastdecode.dense.handoff import Arena, ArenaPool, Slice, Staging
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import Status, Unavailable
 from fastdecode.runtime.settings import TLSFiles
@@ -47,6 +47,8 @@ from services.gpu_dense.exchange_process import (
 from services.gpu_dense.plane import ShardAddress
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
+# one worker's part of a layer in flight: the worker, the rid, the arena, the items' indices, the answer
+_Wait = tuple[WorkerProcess, int, Arena, list[int], "asyncio.Future[list[Ok | Err]]", Sent | None]
 
 
 class ExchangePlane:
@@ -179,9 +181,7 @@ class ExchangePlane:
             if len(by_worker) and sum(map(len, by_worker.values())) == len(items):
                 self._routes[slot] = (items, by_worker)
         deadline = int(not_before * 1e9) if not_before > 0 else 0
-        waits: list[
-            tuple[WorkerProcess, int, Arena, list[int], asyncio.Future[list[Ok | Err]], Sent | None]
-        ] = []
+        waits: list[_Wait] = []
         try:
             for w, idx in by_worker.items():
                 worker = self.workers[w]
@@ -242,7 +242,7 @@ class ExchangePlane:
             return st.arena, None, last  # the same list of items as the last layer: checked then
         items = [every[i] for i in idx]
         if st is None:
-            return (*self._copy_in(worker, slot, items), None)
+            return (*worker.copy_in(self.arenas, slot, items), None)
         if last is not None and last.arena is st.arena and len(last.items) == len(items):
             if all(a is b for a, b in zip(last.items, items, strict=True)):
                 last.every = every
@@ -250,7 +250,7 @@ class ExchangePlane:
         arena = st.arena
         staged = [[arena.slice_of(t) for t in (it.q, it.k, it.v)] for it in items]
         if not all(x is not None for row in staged for x in row):
-            return (*self._copy_in(worker, slot, items), None)
+            return (*worker.copy_in(self.arenas, slot, items), None)
         message = []
         for it, (q, k, v) in zip(items, staged, strict=True):
             assert q is not None and k is not None and v is not None
@@ -270,29 +270,6 @@ class ExchangePlane:
             )
         sent = worker.sent[slot] = Sent(arena, tuple(items), [None] * len(items), every)
         return arena, message, sent
-
-    def _copy_in(
-        self, worker: WorkerProcess, slot: int, items: Sequence[AttendItem]
-    ) -> tuple[Arena, list[ItemSlices]]:
-        worker.sent.pop(slot, None)
-        need = sum(aligned(t.nbytes) for it in items for t in (it.q, it.k, it.v, it.q))
-        arena = self.arenas.get((worker.index, slot), need)
-        off = 0
-        message = []
-        for it in items:
-            slices = []
-            for t in (it.q, it.k, it.v):
-                slices.append(arena.put(off, t).astuple())
-                off += aligned(t.nbytes)
-            room = aligned(it.q.nbytes)  # o: [T, H*D] in q's dtype, as many bytes as q
-            q, k, v = slices
-            message.append(
-                ItemSlices(
-                    it.shard, list(it.seq_ids), list(it.num_tokens), list(it.start_pos), q, k, v, off, room
-                )
-            )
-            off += room
-        return arena, message
 
     def _unpack(self, arena: Arena, r: Ok | Err) -> torch.Tensor | BaseException:
         if isinstance(r, Ok):

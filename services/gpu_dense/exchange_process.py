@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, Channel, native_worker, open_channel, worker_kind
+from fastdecode.dense.handoff import (
+    Arena,
+    ArenaPool,
+    Channel,
+    aligned,
+    native_worker,
+    open_channel,
+    worker_kind,
+)
 from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.exchange_messages import (
@@ -28,6 +36,7 @@ from services.gpu_dense.exchange_messages import (
     Done,
     DoneReader,
     Err,
+    ItemSlices,
     Ok,
     Ready,
     RemoveShard,
@@ -193,6 +202,31 @@ class WorkerProcess:
         if self.writer is None:
             raise Unavailable(f"exchange worker {self.index} is not running")
         self.writer.write(pack(message))
+
+    def copy_in(
+        self, pool: ArenaPool, slot: int, items: Sequence[AttendItem]
+    ) -> tuple[Arena, list[ItemSlices]]:
+        """Items that are not rows of a staging: q, k, v copied into this worker's arena for the
+        slot, each with o's room after it, and their slices."""
+        self.sent.pop(slot, None)
+        need = sum(aligned(t.nbytes) for it in items for t in (it.q, it.k, it.v, it.q))
+        arena = pool.get((self.index, slot), need)
+        off = 0
+        message = []
+        for it in items:
+            slices = []
+            for t in (it.q, it.k, it.v):
+                slices.append(arena.put(off, t).astuple())
+                off += aligned(t.nbytes)
+            room = aligned(it.q.nbytes)  # o: [T, H*D] in q's dtype, as many bytes as q
+            q, k, v = slices
+            message.append(
+                ItemSlices(
+                    it.shard, list(it.seq_ids), list(it.num_tokens), list(it.start_pos), q, k, v, off, room
+                )
+            )
+            off += room
+        return arena, message
 
     async def stop(self, grace: float = 5.0) -> None:
         if self.writer is not None:

@@ -269,16 +269,21 @@ class StepRunner:
         tops = top_logprobs(lp, s.sampling.top_logprobs)
         return [TokenLogprob(t, c, top) for t, c, top in zip(targets, chosen, tops, strict=True)]
 
-    def _to_staging(self, slot: int, st: Staging, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """q, k, v into the plane's staging. An emulated device's are the same synthetic rows every
-        layer and its device-to-host copy is charged on its clock: they are copied once per arena,
-        as a GPU's DMA would cost the host no CPU."""
-        rows = q.shape[0]
-        if getattr(self.model, "synthetic", False):
-            done = self._staged.get(slot)
-            if done is not None and done[0] is st.arena and done[1] >= rows:
-                return
-            self._staged[slot] = (st.arena, rows)
+    def _staged_already(self, slot: int, st: Staging, rows: int) -> bool:
+        """Whether an emulated device's q, k, v already lie in this staging: they are the same
+        synthetic rows every layer and their device-to-host copy is charged on its clock, so they
+        are copied once per arena, as a GPU's DMA would cost the host no CPU."""
+        if not getattr(self.model, "synthetic", False):
+            return False
+        done = self._staged.get(slot)
+        if done is not None and done[0] is st.arena and done[1] >= rows:
+            return True
+        self._staged[slot] = (st.arena, rows)  # the copy that follows puts them there
+        return False
+
+    @staticmethod
+    def _to_staging(st: Staging, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q, k, v into the plane's staging."""
         for dst, src in ((st.q, q), (st.k, k), (st.v, v)):
             copy_into(dst, src)
 
@@ -350,8 +355,8 @@ class StepRunner:
             if stage is not None:
                 if st is None:
                     st = stage(slot, q.shape[0], tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype)
-                if not (synthetic and self._staged.get(slot) == (st.arena, q.shape[0])):
-                    self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(slot, st, q, k, v))
+                if not self._staged_already(slot, st, q.shape[0]):
+                    self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(st, q, k, v))
             if st is None:  # items of this layer's tensors
                 live = [g for g in groups if g.error is None]
                 items = [

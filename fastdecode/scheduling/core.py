@@ -10,7 +10,9 @@ token goes on in step n+1 with that token, which only gpu_dense knows yet (`use_
 other sequence of step n waits for its results. A sequence at its max_tokens, scoring its prompt or
 wanted at a step boundary (a move, `_parked`) is not planned ahead; one that stops at step n wastes
 its step n+1 row. Its KV release waits until the latest step carrying it is applied
-(`_held_releases`): a shard fails a whole item that names a sequence it no longer holds.
+(`_held_releases`): a shard fails a whole item that names a sequence it no longer holds. Until then
+its blocks count against the shard; a step ahead whose growth does not fit is not planned (None):
+the step out is applied first, and preemption at that boundary frees blocks in time.
 
 Placement: a new sequence goes to the healthy shard with room for what it commits, whose load over
 the sequence's expected life is least, weighted by speed and capacity (placement.choose_shard). The
@@ -138,7 +140,8 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         self._waiting: OrderedDict[str, SeqEntry] = OrderedDict()
         self._running: OrderedDict[str, SeqEntry] = OrderedDict()  # admission order
         self._releases: list[tuple[str, int]] = []
-        self._held_releases: dict[int, list[tuple[str, int]]] = {}
+        self._held_releases: dict[int, list[tuple[str, int, int]]] = {}
+        self._reserved_ahead: list[Reservation] = []  # made for a step that was not planned: go next
         self._parked: set[str] = set()
         self._ahead = plan_ahead
         self._ended: list[str] = []  # left for good since the last step (Step.ended)
@@ -222,7 +225,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
     def next_step(self) -> Step | None:
         """Admit, place, and plan the next step; None when there is nothing to run or send."""
         step_no = self._step
-        reserve: list[Reservation] = []
+        reserve, self._reserved_ahead = self._reserved_ahead, []
         self._place_unplaced(step_no, reserve)
         self._admit(step_no, reserve)
         idle = not reserve and not any(s.shard is not None for s in self._running.values())
@@ -305,7 +308,15 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
             marks[sid] = Inflight(seq.epoch, sample, kv, seq.blocks)
             seq.kv = kv + n
             seq.inflight = step_no
-        self._fit_growth(planned, marks, reserve)
+        if not self._fit_growth(planned, marks, reserve):
+            # Planned ahead into a shard that lacks blocks: nothing goes out until the step out is
+            # applied (the driver awaits it on None); the reservations made go with the next step.
+            out = max(self._inflight)  # the step out carries every sequence planned ahead
+            for p in planned:
+                seq = self._running[p.seq_id]
+                seq.kv, seq.inflight = marks[p.seq_id].start_pos, out if p.use_last_sample else None
+            self._reserved_ahead = reserve
+            return None
         if not planned and not reserve and not self._releases and not self._ended:
             return None
         costs = [(p.shard, attention_cost(len(p.token_ids), p.start_pos)) for p in planned]
@@ -357,7 +368,11 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         if n <= 0:
             return
         started: list[Candidate] = []
+        pending = bool(self._held_releases)
         for seq, cand in zip(heads[:n], cands[:n], strict=True):
+            if pending and self._release_pending(seq.req.seq_id):
+                self.decisions["deferred_capacity"] += 1
+                break  # preempted while a step out carried it: its KV is not released yet
             placed = "wait" if self._awaits_prefix(seq) else self._place(seq, step_no, reserve, True)
             if placed == "wait":
                 self.decisions["deferred_prefix"] += 1

@@ -53,7 +53,8 @@ class LoadModel(CoreTables):
 
     def _loads(self, step_no: int, horizon: float) -> list[ShardLoad]:
         load = [0.0] * len(self._shards)
-        committed = [0] * len(self._shards)
+        # blocks a shard holds for sequences whose release waits for a step out count as taken
+        committed = [r * sh.spec.block_size for r, sh in zip(self._releasing(), self._shards, strict=True)]
         for seq in self._running.values():
             if seq.shard is not None:
                 load[seq.shard] += self._future_load(seq, horizon)

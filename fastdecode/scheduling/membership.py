@@ -62,7 +62,7 @@ class Membership(CoreTables):
             self._unplace(self._running[sid])
         sh.blocks, sh.seqs = 0, set()
         sh.prefixes.clear()
-        self._releases = [(sid, i) for sid, i in self._releases if i != shard]
+        self._drop_releases_on(shard)
         self._recoveries += len(moved)
         self._capacity_changed()
         return moved

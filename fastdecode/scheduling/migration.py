@@ -106,7 +106,7 @@ class MigrationPlanning(CoreTables):
             raise FailedPrecondition(f"shard {shard} still holds {len(sh.seqs)} sequences")
         sh.state, sh.healthy, sh.blocks, sh.seqs = SHARD_REMOVED, False, 0, set()
         sh.prefixes.clear()
-        self._releases = [(sid, i) for sid, i in self._releases if i != shard]
+        self._drop_releases_on(shard)
         self._capacity_changed()
 
     def shard_rejoined(self, shard: int) -> None:

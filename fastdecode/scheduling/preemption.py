@@ -1,7 +1,13 @@
 """SchedulerCore's preemption and KV releases (a mixin over the core's tables): when a step's growth
 does not fit a shard, or a shard refuses a block, the youngest sequences there give their KV back
 and queue again at the head; a sequence that leaves has its reservation released with the next
-step, or, while a step planned ahead still carries it, once that step is applied."""
+step, or, while a step planned ahead still carries it, once that step is applied.
+
+Until its release is sent, the shard still holds a leaving sequence's blocks: gpu_dense may start
+the step planned ahead before the scheduler has applied the step before it, so those blocks are
+counted against the shard (`_releasing`) and the sequence is not reserved anywhere meanwhile. A
+step planned ahead whose growth does not fit a shard is not planned: the step out is applied first,
+and at that boundary preemption frees blocks in time for the step it plans."""
 
 from __future__ import annotations
 
@@ -60,9 +66,11 @@ class Preemption(CoreTables):
 
     def _fit_growth(
         self, planned: list[PlannedSeq], marks: dict[str, Inflight], reserve: list[Reservation]
-    ) -> None:
+    ) -> bool:
         """Grow the blocks of this step's sequences; where a shard lacks blocks, preempt its youngest
-        sequences (those planned in this step are taken out of it) until the growth fits."""
+        sequences (those planned in this step are taken out of it) until the growth fits. False, with
+        nothing changed, when a step is still out and the growth does not fit: a victim that step
+        carries would free its blocks only after it is applied, too late for this step."""
         bs = [sh.spec.block_size for sh in self._shards]
         grow: dict[str, int] = {}
         need = [0] * len(self._shards)
@@ -77,13 +85,17 @@ class Preemption(CoreTables):
             if after > seq.blocks or (after < seq.blocks and windowed):
                 grow[p.seq_id] = after - seq.blocks
                 need[p.shard] += after - seq.blocks
-        for i, sh in enumerate(self._shards):
-            cap = sh.spec.capacity_tokens // sh.spec.block_size
-            while sh.blocks + need[i] > cap:
+        used = [sh.blocks + r for sh, r in zip(self._shards, self._releasing(), strict=True)]
+        caps = [sh.spec.capacity_tokens // sh.spec.block_size for sh in self._shards]
+        if self._inflight and any(u + n > c for u, n, c in zip(used, need, caps, strict=True)):
+            return False
+        for i in range(len(self._shards)):
+            while used[i] + need[i] > caps[i]:
                 victim = self._youngest_on(i)
                 if victim is None:
                     break
                 need[i] -= grow.pop(victim.req.seq_id, 0)
+                used[i] -= victim.blocks - victim.shared
                 marks.pop(victim.req.seq_id, None)
                 self._preempt(victim, reserve)
         if len(planned) != len(marks):
@@ -92,22 +104,42 @@ class Preemption(CoreTables):
             running[sid].blocks += g
         for i, g in enumerate(need):
             self._shards[i].blocks += g
+        return True
+
+    def _releasing(self) -> list[int]:
+        """Blocks each shard still holds for sequences whose release waits for a step out."""
+        held = [0] * len(self._shards)
+        for waiting in self._held_releases.values():
+            for _, shard, blocks in waiting:
+                held[shard] += blocks
+        return held
+
+    def _release_pending(self, sid: str) -> bool:
+        """The sequence's last reservation is not released yet: it may not be reserved again."""
+        return any(r[0] == sid for waiting in self._held_releases.values() for r in waiting)
 
     def _release(self, seq: SeqEntry) -> None:
         """Free the sequence's reservation with the next step, or, while a step carrying it is still
         out (planned ahead), once that step is applied."""
         if seq.reserved_on is None or not self._shards[seq.reserved_on].healthy:
             return
-        sid = seq.req.seq_id
+        sid, shard = seq.req.seq_id, seq.reserved_on
         # the latest step out that carries it (at most two are out: planned ahead)
         carrying = max((n for n, marks in self._inflight.items() if sid in marks), default=None)
         if carrying is None:
-            self._releases.append((sid, seq.reserved_on))
+            self._releases.append((sid, shard))
         else:
-            self._held_releases.setdefault(carrying, []).append((sid, seq.reserved_on))
+            blocks = seq.blocks - seq.shared if seq.shard == shard else 0
+            self._held_releases.setdefault(carrying, []).append((sid, shard, blocks))
 
     def _unhold(self, step_no: int) -> None:
         """Step `step_no` is done with: the releases that waited for it go with the next step."""
-        for sid, shard in self._held_releases.pop(step_no, ()):
+        for sid, shard, _ in self._held_releases.pop(step_no, ()):
             if self._shards[shard].healthy:  # (a lost or removed shard has nothing left to free)
                 self._releases.append((sid, shard))
+
+    def _drop_releases_on(self, shard: int) -> None:
+        """A lost or removed shard has nothing left to free."""
+        self._releases = [(sid, i) for sid, i in self._releases if i != shard]
+        for step_no, waiting in self._held_releases.items():
+            self._held_releases[step_no] = [r for r in waiting if r[1] != shard]

@@ -84,8 +84,8 @@ class CoreTables:
     _inflight: dict[int, dict[str, Inflight]]  # per planned step
     _releases: list[tuple[str, int]]
     # releases held until a step still carrying the sequence is applied (a shard fails a whole item
-    # naming a sequence it no longer holds): by that step
-    _held_releases: dict[int, list[tuple[str, int]]]
+    # naming a sequence it no longer holds): by that step, (seq_id, shard, blocks it holds there)
+    _held_releases: dict[int, list[tuple[str, int, int]]]
     _parked: set[str]  # in a step, wanted at a step boundary (a move): not planned ahead meanwhile
     _admission: AdmissionPolicy
     _step: int

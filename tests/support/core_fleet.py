@@ -49,7 +49,8 @@ class Fleet:
         for j, n in (real_blocks or {}).items():
             self.cap[j] = n
         self.peak = [0] * nshards
-        self.refused: list[str] = []
+        self.refused: list[str] = []  # in the step run last
+        self.refusals = 0  # chunks refused for want of a block, over the run
         self.last: dict[str, int] = {}  # the tokens sampled in the step run last
 
     def add_shard(self) -> None:
@@ -106,6 +107,7 @@ class Fleet:
             grow = max(0, need - self.reserved[p.shard][p.seq_id])
             if self._blocks(p.shard) + grow > self.cap[p.shard]:
                 self.refused.append(p.seq_id)  # no free block: nothing of the chunk is kept
+                self.refusals += 1
                 results[p.seq_id] = ResourceExhausted("KV pool full")
                 continue
             self.reserved[p.shard][p.seq_id] += grow
@@ -138,9 +140,11 @@ class Fleet:
 
     def complete(self, st: Step) -> None:
         """Run a sent step and apply its results."""
-        results = self.attend(st)
-        if self.refused:
-            self.core.kv_exhausted(st, self.refused)
+        self._apply(st, self.attend(st), self.refused)
+
+    def _apply(self, st: Step, results: Results, refused: list[str]) -> None:
+        if refused:
+            self.core.kv_exhausted(st, refused)
         self.record(self.core.apply(st, results))
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -151,8 +155,10 @@ class Fleet:
 
     def run_ahead(self, max_steps: int = 10_000, each: Callable[[], None] | None = None) -> None:
         """The driver's loop with plan_ahead: step n+1 is planned and sent (its releases and
-        reservations done) before step n runs and is applied. `each`: called once per turn."""
-        out: list[Step] = []
+        reservations done) before step n is applied. Each step runs as soon as it is sent, as
+        gpu_dense may start it the moment the step before ends: before the scheduler has applied
+        that one and sent the releases of the step after. `each`: called once per turn."""
+        out: list[tuple[Step, Results, list[str]]] = []
         for _ in range(max_steps):
             if each is not None:
                 each()
@@ -163,11 +169,11 @@ class Fleet:
                 self.plans.append(st)
                 self.send(st)
                 if st.seqs:
-                    out.append(st)
+                    out.append((st, self.attend(st), self.refused))
                 else:
                     self.record(self.core.apply(st, {}))
             if out and (len(out) > 1 or st is None):
-                self.complete(out.pop(0))
+                self._apply(*out.pop(0))
         raise AssertionError("did not finish")
 
 

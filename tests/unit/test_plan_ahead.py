@@ -10,7 +10,7 @@ import asyncio
 
 from fastdecode.contract import LAST_SAMPLE
 from fastdecode.runtime.settings import SchedulerSettings
-from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
+from fastdecode.scheduling import Request, SchedulerCore, ShardSpec, Step
 from fastdecode.scheduling.driver import SchedulerDriver
 from tests.support.core_fleet import EOS, Fleet, core_with, planned, reference
 from tests.support.fakes import FakeDense, FakeShard
@@ -123,6 +123,7 @@ def test_preemption_of_sequences_in_flight_holds_their_release_and_tokens_stay_e
     core.submit(Request("later", [9] * 4, 4))
     fleet.run_ahead()
     assert core.preemptions > 0
+    assert fleet.refusals == 0  # the core's count of every shard's blocks stayed exact
     for sid in ("old", "mid", "young"):
         assert fleet.out[sid] == reference([1, 2, 3, 4], 20)
     assert fleet.out["later"] == reference([9] * 4, 4)
@@ -189,3 +190,60 @@ def test_the_driver_keeps_two_steps_at_gpu_dense_and_the_tokens_of_one_at_a_time
     assert ahead == plain == [[1 + j for j in range(5 + i)] for i in range(4)]
     assert any(p.use_last_sample for st in dense.steps for p in st.seqs)
     assert not any(p.use_last_sample for st in dense_plain.steps for p in st.seqs)
+
+
+def _two_planned_ahead(core: SchedulerCore, fleet: Fleet) -> Step:
+    """a and b prefilled in s0 and planned ahead in s1 (sent); s0 applied. Returns s1."""
+    core.submit(Request("a", [1, 2, 3], 9))
+    core.submit(Request("b", [4, 5, 6], 9))
+    s0 = core.next_step()
+    assert s0 is not None
+    fleet.send(s0)
+    s1 = core.next_step()  # their 4th tokens, planned ahead: still one block each
+    assert s1 is not None and planned(s1, "a").use_last_sample and planned(s1, "b").use_last_sample
+    fleet.send(s1)
+    fleet.complete(s0)
+    return s1
+
+
+def test_a_step_ahead_that_does_not_fit_waits_for_the_boundary_and_preempts_there() -> None:
+    # one shard of 3 blocks of 4 tokens: a and b hold a block each until their 5th token
+    core = SchedulerCore([ShardSpec(12, block_size=4)], [EOS], kv_lookahead=0, plan_ahead=True)
+    fleet = Fleet(core, 1)
+    s1 = _two_planned_ahead(core, fleet)
+    # The 5th tokens need a block each (4 > 3). Preempting b now would free its blocks only once s1
+    # (which carries it) is applied, after gpu_dense may already run this step: nothing is planned.
+    assert core.next_step() is None
+    assert core.preemptions == 0
+    fleet.complete(s1)
+    s2 = core.next_step()  # the boundary: b gives its KV back with this very step
+    assert s2 is not None and s2.preempted == ["b"] and s2.release == [("b", 0)]
+    assert planned(s2, "b") is None and not planned(s2, "a").use_last_sample
+    fleet.send(s2)
+    fleet.complete(s2)
+    fleet.run_ahead()
+    assert fleet.refusals == 0
+    for sid, prompt in {"a": [1, 2, 3], "b": [4, 5, 6]}.items():
+        assert fleet.out[sid] == reference(prompt, 9), sid
+    assert fleet.reserved == [{}]
+
+
+def test_the_blocks_of_a_sequence_that_ended_count_until_its_release_is_sent() -> None:
+    core = SchedulerCore([ShardSpec(12, block_size=4)], [EOS], kv_lookahead=0, plan_ahead=True)
+    fleet = Fleet(core, 1, eos_at={"b": 1})  # b stops at its first token: its row in s1 is wasted
+    s1 = _two_planned_ahead(core, fleet)
+    assert fleet.finish["b"] == "stop"
+    core.submit(Request("c", [7], 9))  # placed beside a and b's block, which s1 still carries
+    # a's 5th token needs a block, and b's is not released before s1 is applied: nothing is planned,
+    # and c's reservation waits for the next step
+    assert core.next_step() is None
+    fleet.complete(s1)
+    s2 = core.next_step()
+    assert s2 is not None and s2.release == [("b", 0)] and s2.preempted == []
+    assert [r.seq_id for r in s2.reserve] == ["c"] and planned(s2, "c") is not None
+    fleet.send(s2)
+    fleet.complete(s2)
+    fleet.run_ahead()
+    assert fleet.refusals == 0
+    assert fleet.out["a"] == reference([1, 2, 3], 9) and fleet.out["c"] == reference([7], 9)
+    assert fleet.reserved == [{}]

@@ -14,18 +14,23 @@ Per step the CPU is split into `plan` (moves, admission, placement, next_step), 
 out and the result back: the scheduler's codec), `apply` (apply, token events to each request's
 mailbox, metrics), and `streams` (the Session's writer converting and serializing the step's
 events as one message; with Submit streams, each request's task waking to do so for its event).
-Medians over the timed steps, after every sequence is admitted and decoding.
+Medians over the timed steps, after every sequence is admitted and decoding. A median hides the
+cyclic collector's pauses, so they are reported beside it: `gc_ms_per_step` (its CPU over the timed
+steps, spread per step), `gc_max_pause_ms`, `gc_full_collections`, and the mean step with them.
+The heap is settled as the service settles it when ready (settle_heap: what start-up made is frozen).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from typing import Any
 
 from fastdecode.benchmarks.common import median
 from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.runtime.loop import settle_heap
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling.driver import SchedulerDriver
 from fastdecode.scheduling.ports import DenseInfo, MigrationResult, ShardState, StepOutcome
@@ -125,6 +130,7 @@ async def _run(
     dense = _InstantDense(shards)
     driver = SchedulerDriver(settings, dense, list(peers.values()))
     await driver.connect()
+    settle_heap()  # as the scheduler service does once it is ready (Server.announce)
     core = driver.core
     assert core is not None
     events = 0
@@ -183,9 +189,24 @@ async def _run(
     if core.running != batch:
         raise RuntimeError(f"only {core.running} of {batch} sequences running after warm-up")
     parts: dict[str, list[float]] = {"plan": [], "exchange": [], "apply": [], "streams": []}
-    for _ in range(steps):
-        for name, v in zip(parts, await one_step(), strict=True):
-            parts[name].append(v * 1e3)
+    pauses: list[float] = []
+    full = 0
+
+    def collected(phase: str, info: dict[str, int]) -> None:
+        nonlocal full
+        if phase == "start":
+            pauses.append(time.process_time())
+        else:
+            pauses[-1] = time.process_time() - pauses[-1]
+            full += info["generation"] == 2
+
+    gc.callbacks.append(collected)
+    try:
+        for _ in range(steps):
+            for name, v in zip(parts, await one_step(), strict=True):
+                parts[name].append(v * 1e3)
+    finally:
+        gc.callbacks.remove(collected)
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -199,8 +220,12 @@ async def _run(
         "prefix_sharing": prefix_sharing,
         "events": transport,
         "scheduler_cpu_ms_per_step": round(median(totals), 3),
+        "scheduler_cpu_ms_per_step_mean": round(sum(totals) / len(totals), 3),  # with the gc pauses
         **{f"{k}_ms": round(median(v), 3) for k, v in parts.items()},
         "without_streams_ms": round(median(without), 3),
+        "gc_ms_per_step": round(sum(pauses) * 1e3 / steps, 3),
+        "gc_max_pause_ms": round(max(pauses, default=0.0) * 1e3, 2),
+        "gc_full_collections": full,
         "load_average": round(os.getloadavg()[0], 2),
     }
 
@@ -211,9 +236,12 @@ def run_scheduler_step_bench(
     """Both ways of delivering the token events, in one run: the gateway's Session (one message
     per step) and a Submit stream per request. The Session's figures lead; `submit` holds the other's
     and `streams_ratio` the Session's streams time over Submit's."""
-    session, submit = (
-        asyncio.run(_run(batch, shards, steps, prompt_len, prefix_sharing, transport))
-        for transport in ("session", "submit")
-    )
+    try:
+        session, submit = (
+            asyncio.run(_run(batch, shards, steps, prompt_len, prefix_sharing, transport))
+            for transport in ("session", "submit")
+        )
+    finally:
+        gc.unfreeze()  # (settle_heap froze this process's heap: a caller gets it back as it was)
     ratio = session["streams_ms"] / submit["streams_ms"] if submit["streams_ms"] > 0 else None
     return {**session, "submit": submit, "streams_ratio": round(ratio, 3) if ratio is not None else None}

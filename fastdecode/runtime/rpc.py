@@ -26,6 +26,7 @@ from fastdecode.runtime import errors
 from fastdecode.runtime.errors import ServiceError, Status
 from fastdecode.runtime.internal_auth import OPEN_PREFIXES, CredentialedChannel, FleetAuthInterceptor
 from fastdecode.runtime.logs import Throttle
+from fastdecode.runtime.loop import settle_heap
 from fastdecode.runtime.metrics import start_metrics_server
 from fastdecode.runtime.serving import write_ready_file
 from fastdecode.runtime.settings import TLSFiles
@@ -472,7 +473,9 @@ class Server:
         self, host: str, metrics_port: int | None, ready_file: Path | None, **extra: object
     ) -> int | None:
         """Ready: start /metrics, health SERVING, then the ready file a supervisor waits for
-        (`extra`: more bound ports to announce, e.g. the gateway's http_port)."""
+        (`extra`: more bound ports to announce, e.g. the gateway's http_port). What start-up made
+        is frozen out of the cyclic collector first (settle_heap)."""
+        settle_heap()
         bound = start_metrics_server(metrics_port, host)
         self._ready = True
         await self.set_serving(True)

@@ -126,6 +126,7 @@ def test_cli_bench_scheduler_step_json() -> None:
     for run in (out, out["submit"]):  # the Session's events (one message a step), then Submit's
         for key in ("plan_ms", "exchange_ms", "apply_ms", "streams_ms", "without_streams_ms"):
             assert run[key] >= 0
-        assert run["scheduler_cpu_ms_per_step"] > 0
+        assert run["scheduler_cpu_ms_per_step"] > 0 and run["scheduler_cpu_ms_per_step_mean"] > 0
+        assert run["gc_ms_per_step"] >= 0 and run["gc_max_pause_ms"] >= 0 and run["gc_full_collections"] >= 0
     assert (out["events"], out["submit"]["events"]) == ("session", "submit")
     assert out["streams_ratio"] > 0

@@ -238,11 +238,17 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         planned: list[PlannedSeq] = []
         marks: dict[str, Inflight] = {}
         budget = self._budget
+        # The blocks each chunk grows its sequence by, per sequence and per shard (_fit_growth).
+        bs = [sh.spec.block_size for sh in self._shards]
+        grow: dict[str, int] = {}
+        need = [0] * len(self._shards)
+        windowed, held_blocks = self._geometry is not None, self._held_blocks
         # The per-sequence loop runs every step over every running sequence: attributes are read
         # once into locals, and a decode (one token, nothing to score) skips the general path.
         ahead, parked = self._ahead, self._parked
         for sid, seq in self._running.items():
-            if seq.shard is None or seq.moving is not None:
+            shard = seq.shard
+            if shard is None or seq.moving is not None:
                 continue
             tokens, kv, req = seq.tokens, seq.kv, seq.req
             ntok = len(tokens)
@@ -258,10 +264,11 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                     or sid in parked
                 ):
                     continue
+                n, sample = 1, True
                 planned.append(
                     PlannedSeq(
                         sid,
-                        seq.shard,
+                        shard,
                         0,
                         [LAST_SAMPLE],
                         kv,
@@ -272,43 +279,48 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                         True,
                     )
                 )
-                marks[sid] = Inflight(seq.epoch, True, kv, seq.blocks)
-                seq.kv = kv + 1
-                seq.inflight = step_no
-                continue
-            pending = ntok - kv
-            if pending <= 0:
-                continue
-            generated = ntok - len(req.prompt)
-            if generated > 0 and pending == 1:
-                n = 1  # decode: always goes
             else:
-                if budget <= 0:
+                pending = ntok - kv
+                if pending <= 0:
                     continue
-                n = min(pending, budget)
-                budget -= n
-            sample = kv + n == ntok
-            if req.sampling.prompt_logprobs:
-                sampling, next_token = self._prompt_scoring(seq, n)
-            else:
-                sampling, next_token = req.sampling, None
-            planned.append(
-                PlannedSeq(
-                    sid,
-                    seq.shard,
-                    0,
-                    tokens[kv : kv + n],
-                    kv,
-                    sampling,
-                    sample,
-                    req.sample_offset + generated,
-                    next_token,
+                generated = ntok - len(req.prompt)
+                if generated > 0 and pending == 1:
+                    n = 1  # decode: always goes
+                else:
+                    if budget <= 0:
+                        continue
+                    n = min(pending, budget)
+                    budget -= n
+                sample = kv + n == ntok
+                if req.sampling.prompt_logprobs:
+                    sampling, next_token = self._prompt_scoring(seq, n)
+                else:
+                    sampling, next_token = req.sampling, None
+                planned.append(
+                    PlannedSeq(
+                        sid,
+                        shard,
+                        0,
+                        tokens[kv : kv + n],
+                        kv,
+                        sampling,
+                        sample,
+                        req.sample_offset + generated,
+                        next_token,
+                    )
                 )
-            )
-            marks[sid] = Inflight(seq.epoch, sample, kv, seq.blocks)
+            blocks = seq.blocks
+            marks[sid] = Inflight(seq.epoch, sample, kv, blocks)
             seq.kv = kv + n
             seq.inflight = step_no
-        if not self._fit_growth(planned, marks, reserve):
+            # the shard keeps the blocks it reserved for the prompt (history) until a window passes
+            # them; a windowed model's sequence can hold fewer blocks after the chunk than before it
+            end = kv + n if kv + n > ntok else ntok
+            after = held_blocks(end, kv, bs[shard]) if windowed else -(-end // bs[shard])
+            if after > blocks or (windowed and after < blocks):
+                grow[sid] = after - blocks
+                need[shard] += after - blocks
+        if not self._fit_growth(planned, marks, reserve, grow, need):
             # Planned ahead into a shard that lacks blocks: nothing goes out until the step out is
             # applied (the driver awaits it on None); the reservations made go with the next step.
             out = max(self._inflight)  # the step out carries every sequence planned ahead

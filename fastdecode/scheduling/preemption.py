@@ -65,26 +65,18 @@ class Preemption(CoreTables):
         return self._preempted[before:]
 
     def _fit_growth(
-        self, planned: list[PlannedSeq], marks: dict[str, Inflight], reserve: list[Reservation]
+        self,
+        planned: list[PlannedSeq],
+        marks: dict[str, Inflight],
+        reserve: list[Reservation],
+        grow: dict[str, int],
+        need: list[int],
     ) -> bool:
-        """Grow the blocks of this step's sequences; where a shard lacks blocks, preempt its youngest
-        sequences (those planned in this step are taken out of it) until the growth fits. False, with
-        nothing changed, when a step is still out and the growth does not fit: a victim that step
-        carries would free its blocks only after it is applied, too late for this step."""
-        bs = [sh.spec.block_size for sh in self._shards]
-        grow: dict[str, int] = {}
-        need = [0] * len(self._shards)
-        running, windowed = self._running, self._geometry is not None
-        for p in planned:
-            seq = running[p.seq_id]
-            # the shard keeps the blocks it reserved for the prompt (history) until a window passes them
-            end = max(p.start_pos + len(p.token_ids), len(seq.tokens))
-            # (-(-end // block) is _held_blocks without windows, inlined: this runs for every sequence)
-            after = self._held_blocks(end, p.start_pos, bs[p.shard]) if windowed else -(-end // bs[p.shard])
-            # (a windowed model's sequence can hold fewer blocks after the chunk than before it)
-            if after > seq.blocks or (after < seq.blocks and windowed):
-                grow[p.seq_id] = after - seq.blocks
-                need[p.shard] += after - seq.blocks
+        """Grow the blocks of this step's sequences (`grow` per sequence, `need` per shard: what the
+        planning loop worked out); where a shard lacks blocks, preempt its youngest sequences (those
+        planned in this step are taken out of it) until the growth fits. False, with nothing
+        changed, when a step is still out and the growth does not fit: a victim that step carries
+        would free its blocks only after it is applied, too late for this step."""
         used = [sh.blocks + r for sh, r in zip(self._shards, self._releasing(), strict=True)]
         caps = [sh.spec.capacity_tokens // sh.spec.block_size for sh in self._shards]
         if self._inflight and any(u + n > c for u, n, c in zip(used, need, caps, strict=True)):
@@ -101,7 +93,7 @@ class Preemption(CoreTables):
         if len(planned) != len(marks):
             planned[:] = [p for p in planned if p.seq_id in marks]
         for sid, g in grow.items():  # (only sequences still planned: a preempted one left `grow`)
-            running[sid].blocks += g
+            self._running[sid].blocks += g
         for i, g in enumerate(need):
             self._shards[i].blocks += g
         return True

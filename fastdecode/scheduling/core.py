@@ -426,6 +426,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         prompt_logprobs: Mapping[str, list[TokenLogprob]] | None = None,
     ) -> list[TokenEvent]:
         """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events.
+        A result is a Sampled or a (token, logprob) pair (a token < 0: nothing sampled).
         `prompt_logprobs`: the positions start_pos+1.. each chunk scored, for the requests that asked."""
         marks = self._inflight.pop(step.step, None)
         self._unhold(step.step)
@@ -454,20 +455,19 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                 if scored:  # a prefill chunk that is not the last: only its prompt logprobs go out
                     events.append(self._event(seq, [], [], None, step.step, prompt_logprobs=scored))
                 continue  # its KV is in, nothing to sample
-            if res is None:
+            if isinstance(res, tuple):  # (token, logprob): a decode step's answer as it came
+                tok, lp, alts = res[0], res[1], ()
+            elif res is not None:
+                tok, lp, alts = res.token_id, res.logprob, res.top
+            if res is None or tok < 0:
                 err = InternalError("no result for a sampled sequence")
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=err))
                 self._leave(seq)
                 continue
-            if not isinstance(res, Sampled):
-                res = Sampled(int(res[0]), float(res[1]))
-            tok = int(res.token_id)
             seq.tokens.append(tok)
             reason = self._stop_reason(seq, tok)
-            top = [res.top] if seq.req.sampling.top_logprobs else []
-            events.append(
-                self._event(seq, [tok], [res.logprob], reason, step.step, top=top, prompt_logprobs=scored)
-            )
+            top = [alts] if seq.req.sampling.top_logprobs else []
+            events.append(self._event(seq, [tok], [lp], reason, step.step, top=top, prompt_logprobs=scored))
             if reason is not None:
                 self._ratio += RATIO_SMOOTHING * (seq.generated / seq.req.max_tokens - self._ratio)
                 self._leave(seq)

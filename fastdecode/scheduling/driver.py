@@ -362,7 +362,8 @@ class SchedulerDriver(Migrations, ShardHealth):
             await self._reconnect_dense(e)
             return
         out.pop(0)
-        results: dict[str, Sampled | ServiceError] = {}
+        # (a decode step's answer goes to apply as it came: (token, logprob) per sequence)
+        results: dict[str, tuple[int, float] | Sampled | ServiceError] = dict(outcome.sampled or {})
         scored: dict[str, list[TokenLogprob]] = {}
         lost: set[int] = set()
         full: list[str] = []

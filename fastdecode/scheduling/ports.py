@@ -47,6 +47,10 @@ class ItemResult:
 class StepOutcome:
     items: list[ItemResult]
     error: ServiceError | None = None  # the whole step failed (a bad plan)
+    # A step with no error, alternatives or prompt logprobs (a decode step, most often), as it came:
+    # seq_id -> (token, logprob), token -1 where nothing was sampled; `items` is empty then. What
+    # SchedulerCore.apply takes, without an object per sequence on the way.
+    sampled: dict[str, tuple[int, float]] | None = None
 
 
 @dataclass(frozen=True)

@@ -266,7 +266,7 @@ def step_outcome_from_proto(result: dense_pb2.StepResult) -> StepOutcome:
     if not len(ids) == len(toks) == len(lps):
         return StepOutcome([], InternalError(f"step {result.step}: its result's columns differ in length"))
     if not (result.errors or result.top or result.prompt_logprobs):  # a decode step, most often
-        return StepOutcome([ItemResult(sid, tok, lp) for sid, tok, lp in zip(ids, toks, lps, strict=True)])
+        return StepOutcome([], sampled=dict(zip(ids, zip(toks, lps, strict=True), strict=True)))
     errors = {row: error_from_item(e) for row, e in result.errors.items() if e.code}
     top = {row: top_from_proto(t) for row, t in result.top.items()}
     prompt = {r: [position_from_proto(p) for p in pl.positions] for r, pl in result.prompt_logprobs.items()}
@@ -283,7 +283,7 @@ def step_tokens(result: dense_pb2.StepResult, ids: Sequence[str], what: str) -> 
     outcome = step_outcome_from_proto(result)
     if outcome.error is not None:
         raise type(outcome.error)(f"{what}: {outcome.error.message}")
-    by_id = {}
+    by_id = {sid: tok for sid, (tok, _) in (outcome.sampled or {}).items()}
     for r in outcome.items:
         if r.error is not None:
             raise type(r.error)(f"{what}, {r.seq_id}: {r.error.message}")

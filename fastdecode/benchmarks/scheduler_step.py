@@ -236,12 +236,14 @@ def run_scheduler_step_bench(
     """Both ways of delivering the token events, in one run: the gateway's Session (one message
     per step) and a Submit stream per request. The Session's figures lead; `submit` holds the other's
     and `streams_ratio` the Session's streams time over Submit's."""
+    threshold = gc.get_threshold()
     try:
         session, submit = (
             asyncio.run(_run(batch, shards, steps, prompt_len, prefix_sharing, transport))
             for transport in ("session", "submit")
         )
-    finally:
-        gc.unfreeze()  # (settle_heap froze this process's heap: a caller gets it back as it was)
+    finally:  # (settle_heap froze this process's heap: a caller gets it back as it was)
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
     ratio = session["streams_ms"] / submit["streams_ms"] if submit["streams_ms"] > 0 else None
     return {**session, "submit": submit, "streams_ratio": round(ratio, 3) if ratio is not None else None}

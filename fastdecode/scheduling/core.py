@@ -436,6 +436,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
             raise InvalidInput(f"step {step.step} is not outstanding")
         events: list[TokenEvent] = []
         running, scores = self._running, prompt_logprobs or {}
+        eos, step_no = self._eos, step.step
         for sid, mark in marks.items():
             seq = running.get(sid)
             if seq is None or seq.epoch != mark.epoch:
@@ -464,12 +465,35 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                 events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=err))
                 self._leave(seq)
                 continue
-            seq.tokens.append(tok)
-            reason = self._stop_reason(seq, tok)
-            top = [alts] if seq.req.sampling.top_logprobs else []
-            events.append(self._event(seq, [tok], [lp], reason, step.step, top=top, prompt_logprobs=scored))
+            # the stop rules and _event, inlined: this runs for every sequence every step
+            tokens, req = seq.tokens, seq.req
+            tokens.append(tok)
+            n_prompt = len(req.prompt)
+            generated = len(tokens) - n_prompt
+            if (tok in eos and not req.ignore_eos) or tok in req.stop_token_ids:
+                reason: str | None = FINISH_STOP
+            else:
+                reason = FINISH_LENGTH if generated >= req.max_tokens else None
+            top = [alts] if req.sampling.top_logprobs else []
+            shard = seq.shard if seq.shard is not None else -1
+            events.append(
+                TokenEvent(
+                    sid,
+                    [tok],
+                    [lp],
+                    reason,
+                    n_prompt,
+                    generated,
+                    step_no,
+                    shard,
+                    None,
+                    seq.cached,
+                    top,
+                    scored,
+                )
+            )
             if reason is not None:
-                self._ratio += RATIO_SMOOTHING * (seq.generated / seq.req.max_tokens - self._ratio)
+                self._ratio += RATIO_SMOOTHING * (generated / req.max_tokens - self._ratio)
                 self._leave(seq)
         return events
 
@@ -485,13 +509,6 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         out = got[max(0, first) : n_prompt - (start_pos + 1)] if first < len(got) else []
         seq.scored = max(seq.scored, start_pos + 1 + max(0, first) + len(out))
         return out
-
-    def _stop_reason(self, seq: SeqEntry, tok: int) -> str | None:
-        if (tok in self._eos and not seq.req.ignore_eos) or tok in seq.req.stop_token_ids:
-            return FINISH_STOP
-        if seq.generated >= seq.req.max_tokens:
-            return FINISH_LENGTH
-        return None
 
     def _event(
         self,

@@ -69,23 +69,23 @@ def split_mini_batches(items: Sequence[tuple[int, float]]) -> list[int]:
     as long as its slowest shard, so balancing per shard is what keeps both halves equal.
     """
     out = [0] * len(items)
-    by_shard: dict[int, list[int]] = defaultdict(list)
-    for i, (shard, _) in enumerate(items):
-        by_shard[shard].append(i)
+    by_shard: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for i, (shard, c) in enumerate(items):
+        by_shard[shard].append((-c, i))  # sorted: heaviest first, then in order
     count = [0, 0]
     for shard in sorted(by_shard):
-        idx = sorted(by_shard[shard], key=lambda i: (-items[i][1], i))
+        idx = sorted(by_shard[shard])
         cost = [0.0, 0.0]
         for k in range(0, len(idx) - 1, 2):
-            heavy, light = idx[k], idx[k + 1]
+            (heavy_c, heavy), (light_c, light) = idx[k], idx[k + 1]
             a = 0 if (cost[0], count[0]) <= (cost[1], count[1]) else 1
             out[heavy], out[light] = a, 1 - a
-            cost[a] += items[heavy][1]
-            cost[1 - a] += items[light][1]
+            cost[a] -= heavy_c
+            cost[1 - a] -= light_c
             count[0] += 1
             count[1] += 1
         if len(idx) % 2:
-            last = idx[-1]
+            last = idx[-1][1]
             a = 0 if cost[0] <= cost[1] else 1
             if count[a] > count[1 - a]:
                 a = 1 - a

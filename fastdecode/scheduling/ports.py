@@ -52,6 +52,13 @@ class StepOutcome:
     # SchedulerCore.apply takes, without an object per sequence on the way.
     sampled: dict[str, tuple[int, float]] | None = None
 
+    def rows(self) -> list[ItemResult]:
+        """Every sequence's result as an ItemResult, whichever form the step came in (for readers
+        off the step loop's path: benchmarks and tests driving gpu_dense themselves)."""
+        if self.sampled is None:
+            return self.items
+        return [ItemResult(sid, tok, lp) for sid, (tok, lp) in self.sampled.items()]
+
 
 @dataclass(frozen=True)
 class ShardState:

@@ -283,8 +283,8 @@ def step_tokens(result: dense_pb2.StepResult, ids: Sequence[str], what: str) -> 
     outcome = step_outcome_from_proto(result)
     if outcome.error is not None:
         raise type(outcome.error)(f"{what}: {outcome.error.message}")
-    by_id = {sid: tok for sid, (tok, _) in (outcome.sampled or {}).items()}
-    for r in outcome.items:
+    by_id = {}
+    for r in outcome.rows():
         if r.error is not None:
             raise type(r.error)(f"{what}, {r.seq_id}: {r.error.message}")
         by_id[r.seq_id] = r.token_id

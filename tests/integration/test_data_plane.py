@@ -118,7 +118,7 @@ class DataPlane:
                     on_step(result)
                 outcome = dense_wire.step_outcome_from_proto(result)
                 assert outcome.error is None, outcome.error
-                for r in outcome.items:
+                for r in outcome.rows():
                     assert r.error is None, r.error
                     if r.token_id >= 0:
                         out[ids.index(r.seq_id)].append(r.token_id)
@@ -265,7 +265,7 @@ def test_bad_plan_items_fail_alone(plane: DataPlane) -> None:
         pipeline=True,
     )
     (result,) = list(plane.dense.Run(iter([plan]), timeout=30))
-    by_id = {r.seq_id: r for r in dense_wire.step_outcome_from_proto(result).items}
+    by_id = {r.seq_id: r for r in dense_wire.step_outcome_from_proto(result).rows()}
     assert by_id["ok"].token_id >= 0 and by_id["ok"].error is None
     for sid in ("v", "s", "t"):
         assert isinstance(by_id[sid].error, InvalidInput), sid
@@ -282,7 +282,7 @@ def test_dead_shard_fails_only_its_sequences(model_factory: Callable, tmp_path: 
         dp.procs[1].proc.wait(timeout=10)
         seqs = [PlannedSeq("a", 0, 0, [1, 5], 0), PlannedSeq("b", 1, 1, [1, 5], 0)]
         (result,) = list(dp.dense.Run(iter([dense_wire.plan_to_proto(0, seqs, pipeline=True)]), timeout=60))
-        by_id = {r.seq_id: r for r in dense_wire.step_outcome_from_proto(result).items}
+        by_id = {r.seq_id: r for r in dense_wire.step_outcome_from_proto(result).rows()}
         assert by_id["a"].token_id >= 0 and by_id["a"].error is None
         assert isinstance(by_id["b"].error, Unavailable)
         assert f"shard 1 ({dp.shard_addrs[1]})" in by_id["b"].error.message

@@ -87,6 +87,23 @@ def test_a_result_keeps_errors_top_and_prompt_logprobs_and_leaves_them_empty_els
     assert err is not None and err.status is Status.RESOURCE_EXHAUSTED and "no free block" in err.message
 
 
+def test_a_decode_steps_result_comes_as_a_dict_and_rows_reads_either_form() -> None:
+    outcomes = {"a": Outcome(5, -0.5), "b": Outcome(-1, 0.0), "c": Outcome(7, -0.25)}
+    result = dense_pb2.StepResult.FromString(step_result(4, outcomes, None).SerializeToString())
+    outcome = step_outcome_from_proto(result)
+    # nothing but tokens and logprobs: no object per sequence, -1 where nothing was sampled
+    assert outcome.items == [] and outcome.sampled == {"a": (5, -0.5), "b": (-1, 0.0), "c": (7, -0.25)}
+    assert [(r.seq_id, r.token_id, r.logprob, r.error) for r in outcome.rows()] == [
+        ("a", 5, -0.5, None),
+        ("b", -1, 0.0, None),
+        ("c", 7, -0.25, None),
+    ]
+    outcomes["d"] = Outcome(-1, 0.0, error=ResourceExhausted("no free block"))
+    result = dense_pb2.StepResult.FromString(step_result(5, outcomes, None).SerializeToString())
+    outcome = step_outcome_from_proto(result)
+    assert outcome.sampled is None and outcome.rows() is outcome.items and len(outcome.items) == 4
+
+
 def test_a_token_event_sets_top_and_prompt_logprobs_only_when_present() -> None:
     plain = TokenEvent("s", [5], [-0.5], None, 32, 7, 100, 2)
     p = scheduler_pb2.TokenEvent.FromString(token_event_to_proto(plain).SerializeToString())

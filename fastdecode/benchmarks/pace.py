@@ -24,7 +24,8 @@ metrics. Per point:
   step - one shard's attention per step (the most the shards can keep on the critical path) - the
   stand-in's sampling time (which a GPU spends inside gpu_step_ms).
 - background_cpu_ms_per_s: each part's CPU per second with the fleet warm and idle, read in the same
-  run just before the load (health probes, readiness polls, timers, gRPC's poller). That CPU accrues
+  run just before the load and again just after it, the lower of the two (health probes, readiness
+  polls, timers, gRPC's poller). That CPU accrues
   per second, not per step: on this host a step lasts the shards' attention (hundreds of ms), so it
   lands in cpu_ms_per_step many times over what it costs at a GPU's pace.
   cpu_ms_per_step_at_gpu_pace moves it to the GPU's step: cpu_ms_per_step - background x (wall -
@@ -101,8 +102,9 @@ async def _drive(
     idle_s: float,
     echo: _LoadedEcho | None = None,
 ) -> tuple[list[_Mark], list[_Mark]]:
-    """(the idle window's two marks, the decode window's two marks). With `echo`, the echo runs
-    once the decode window closes, while the last quarter of the tokens decodes."""
+    """(the idle windows' marks, two before the load and two after it; the decode window's two
+    marks). With `echo`, the echo runs once the decode window closes, while the last quarter of the
+    tokens decodes."""
     from fastdecode.benchmarks.echo import grpc_echo_cpu_s_apart
     from fastdecode.client import AsyncClient
 
@@ -135,6 +137,9 @@ async def _drive(
         await asyncio.gather(*(one(p) for p in prompts))
         if echo_task is not None:
             await echo_task
+        idle.append(await asyncio.to_thread(_Mark, fleet))  # the idle window again, after the load
+        await asyncio.sleep(idle_s)
+        idle.append(await asyncio.to_thread(_Mark, fleet))
     return idle, marks
 
 
@@ -221,8 +226,11 @@ def run_point(
     stand_in = per_step(a.head_cpu, b.head_cpu)
     attention = per_step(a.attention, b.attention)
     cpu = {k: v * 1e3 / steps for k, v in _parts(a, b, b.head_cpu - a.head_cpu).items()}
-    i0, i1 = idle
-    background = {k: v * 1e3 / (i1.wall - i0.wall) for k, v in _parts(i0, i1).items()}
+    # each part's lower reading of the two idle windows: a neighbour's burst in one window once
+    # doubled every part's reading (/proc's 10 ms ticks rule out many short windows instead)
+    windows = (idle[:2], idle[2:])
+    rates = [{k: v * 1e3 / (j.wall - i.wall) for k, v in _parts(i, j).items()} for i, j in windows]
+    background = {k: min(r[k] for r in rates) for k in rates[0]}
     gpu_ms = roof["gpu_step_s"] * 1e3
     wall = (b.wall - a.wall) * 1e3 / steps
     # the background accrues over the wall step; at the GPU's pace it would accrue over gpu_ms

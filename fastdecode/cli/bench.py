@@ -519,7 +519,8 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     type=click.FloatRange(0.2, 60),
     default=5.0,
     show_default=True,
-    help="The warm, idle window before the load that measures each part's background CPU per second.",
+    help="Each of the two warm, idle windows (before the load, after it) that measure each part's "
+    "background CPU per second; the lower reading is taken.",
 )
 @click.option(
     "--event-loop",

@@ -257,6 +257,7 @@ def run_point(
         "wall_step_ms": wall,
         "cpu_ms_per_step": cpu,
         "background_cpu_ms_per_s": background,
+        "background_windows_cpu_ms_per_s": rates,  # before the load, after it
         "cpu_ms_per_step_at_gpu_pace": at_pace,
         "dense_stand_in_ms": stand_in,
         # of dense_main, the kernel's (its socket sends, reads and waits: on 2 shared cores, mostly

@@ -87,6 +87,8 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     assert set(p["background_cpu_ms_per_s"]) == set(p["cpu_ms_per_step_at_gpu_pace"]) == PARTS
     # (CPU times are in clock ticks: a short idle window may read 0)
     assert all(math.isfinite(v) and v >= 0 for v in p["background_cpu_ms_per_s"].values())
+    before, after = p["background_windows_cpu_ms_per_s"]  # each part's lower reading is the one used
+    assert all(p["background_cpu_ms_per_s"][k] == min(before[k], after[k]) for k in PARTS)
     extra_s = (p["wall_step_ms"] - p["gpu_step_ms"]) / 1e3
     for part in PARTS:
         moved = p["background_cpu_ms_per_s"][part] * extra_s

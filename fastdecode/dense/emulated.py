@@ -30,6 +30,7 @@ import asyncio
 import contextvars
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -239,8 +240,10 @@ def _host_available() -> int:
 class DeviceClock:
     """One compute engine and one copy engine, each serial. An operation starts when its engine is
     free and its inputs are ready; the caller's task remembers when its last result is ready
-    (a context variable: each mini-batch is its own task) and `settle` sleeps until then. Times are
-    time.monotonic() (CLOCK_MONOTONIC): an exchange worker waits for `ready_at` itself."""
+    (a context variable: each mini-batch is its own task, or its own thread's copy of the step's
+    context) and `settle` (`wait` on a thread) sleeps until then. Times are time.monotonic()
+    (CLOCK_MONOTONIC): an exchange worker waits for `ready_at` itself. The engines take a lock: two
+    mini-batches' threads may queue work at once."""
 
     def __init__(self) -> None:
         self._compute_free = 0.0
@@ -248,18 +251,21 @@ class DeviceClock:
         self.compute_seconds = 0.0  # busy time so far, per engine
         self.copy_seconds = 0.0
         self._ready: contextvars.ContextVar[float] = contextvars.ContextVar("device_ready", default=0.0)
+        self._lock = threading.Lock()
 
     def compute(self, seconds: float) -> None:
-        start = max(time.monotonic(), self._ready.get(), self._compute_free)
-        self._compute_free = start + seconds
-        self.compute_seconds += seconds
-        self._ready.set(self._compute_free)
+        with self._lock:
+            start = max(time.monotonic(), self._ready.get(), self._compute_free)
+            self._compute_free = end = start + seconds
+            self.compute_seconds += seconds
+        self._ready.set(end)
 
     def copy(self, seconds: float) -> None:
-        start = max(time.monotonic(), self._ready.get(), self._copy_free)
-        self._copy_free = start + seconds
-        self.copy_seconds += seconds
-        self._ready.set(self._copy_free)
+        with self._lock:
+            start = max(time.monotonic(), self._ready.get(), self._copy_free)
+            self._copy_free = end = start + seconds
+            self.copy_seconds += seconds
+        self._ready.set(end)
 
     def ready_at(self) -> float:
         """When the calling task's last device result is ready (time.monotonic())."""
@@ -269,6 +275,12 @@ class DeviceClock:
         wait = self._ready.get() - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
+
+    def wait(self) -> None:
+        """settle, blocking (a mini-batch's layer loop on its own thread)."""
+        wait = self._ready.get() - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
 
 
 def _warm_meta() -> None:
@@ -312,6 +324,7 @@ class EmulatedModel:
         self._q = self._k = self._v = torch.empty(0)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._logits = torch.empty(0)
+        self._grow = threading.Lock()
         _warm_meta()
 
     def _pool(
@@ -336,10 +349,18 @@ class EmulatedModel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Charges norm, QKV, RoPE and the copy of q, k, v to the host; returns host tensors
         (views of one synthetic pool: a copy off a GPU lands in fresh host memory, this costs none)."""
-        c, t = self.config, hidden.shape[0]
+        t = hidden.shape[0]
         pre, qkv_copy, _, _ = self._times(t)
         self.clock.compute(pre)
         self.clock.copy(qkv_copy)
+        views = self._views.get(t)
+        if views is None:
+            with self._grow:  # two mini-batches' threads: one grows the pools, the other waits
+                views = self._make_views(t)
+        return views
+
+    def _make_views(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
         views = self._views.get(t)
         if views is None:
             if self._q.shape[0] < t:  # three pools, so every row slice is contiguous
@@ -392,6 +413,9 @@ class EmulatedModel:
 
     async def settle(self) -> None:
         await self.clock.settle()
+
+    def wait(self) -> None:
+        self.clock.wait()
 
     def ready_at(self) -> float:
         """When this task's last S-part result (q, k, v in host memory) is ready: time.monotonic()."""

@@ -12,6 +12,7 @@ attaches to when it first sees it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import mmap
@@ -348,3 +349,54 @@ async def open_channel(sock: socket.socket, on_message: Callable[[bytes], None])
     loop = asyncio.get_running_loop()
     _, channel = await loop.create_unix_connection(lambda: Channel(on_message), sock=sock)
     return channel
+
+
+class StepCancelled(Exception):
+    """A step was cancelled while one of its slots' threads waited on a Port."""
+
+
+class Port:
+    """A slot's own socket to a worker, used blocking from the slot's layer thread (the step runner's
+    threaded layer loop, fastdecode/dense/runner.py): a layer is one send and one read of its answer,
+    with no event loop between them. Reads wake every `poll` seconds so that the caller can check
+    for a cancelled step and a stalled worker."""
+
+    def __init__(self, sock: socket.socket, poll: float = 0.25) -> None:
+        self.sock = sock
+        sock.settimeout(poll)
+        self._buf = bytearray()
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except TimeoutError:
+            raise OSError("the worker reads nothing: its socket stays full") from None
+
+    def read(self, keep_waiting: Callable[[], bool]) -> bytes | None:
+        """The next frame's body; None when `keep_waiting()` says stop (asked at each poll).
+        OSError (EOF included) when the peer is gone or the frame is garbled."""
+        buf = self._buf
+        while True:
+            if len(buf) >= _LEN.size:
+                (n,) = _LEN.unpack_from(buf)
+                if n > MAX_FRAME:
+                    raise OSError(f"control frame of {n} bytes")
+                end = _LEN.size + n
+                if len(buf) >= end:
+                    body = bytes(buf[_LEN.size : end])
+                    del buf[:end]
+                    return body
+            try:
+                data = self.sock.recv(1 << 16)
+            except TimeoutError:
+                if not keep_waiting():
+                    return None
+                continue
+            if not data:
+                raise OSError("the worker closed its layer socket")
+            buf += data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes a thread blocked on it
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()

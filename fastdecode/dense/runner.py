@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -25,6 +25,7 @@ from fastdecode.contract import LAST_SAMPLE, PlannedSeq, TokenLogprob
 from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.handoff import Staging, copy_into
+from fastdecode.dense.layer_loop import Answer, Ask, LayerThreads, Meter, on_loop
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.sampling import penalize, sample, top_logprobs
 from fastdecode.dense.structured import GrammarBank
@@ -133,10 +134,8 @@ class StepRunner:
         self.shards = shards
         # None: follow each plan's pipeline flag; else the plan's flag allows, the chooser decides
         self.chooser = chooser
-        self._busy = 0.0
-        self._busy_cpu = 0.0
-        self._attend_wait = 0.0
-        self._trips = 0
+        self._meters: list[Meter] = []  # this step's: [the step's own, slot 0, slot 1]
+        self._threads: LayerThreads | None = None  # the slots' layer loops, when threaded
         self._failures: dict[str, BaseException] = {}
         # prompt + generated tokens of each penalized sequence, rebuilt from the chunks it is fed: a
         # re-prefill (start_pos 0: recovery, preemption) starts it again, a re-run step truncates it
@@ -153,13 +152,14 @@ class StepRunner:
     def num_shards(self) -> int:
         return self.shards.num_shards
 
-    def _compute(self, fn: Callable[[], T]) -> T:
+    @staticmethod
+    def _compute(fn: Callable[[], T], meter: Meter) -> T:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn()
         finally:
-            self._busy += time.perf_counter() - t0
-            self._busy_cpu += time.thread_time() - c0
+            meter.busy += time.perf_counter() - t0
+            meter.busy_cpu += time.thread_time() - c0
 
     @staticmethod
     def _fill_last_sample(s: PlannedSeq, last: dict[str, int]) -> None:
@@ -323,7 +323,27 @@ class StepRunner:
 
     async def _mini_batch(self, slot: int, seqs: list[PlannedSeq]) -> torch.Tensor:
         """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states.
-        The prompt logprobs a sequence asks for are scored here, from all of its chunk's rows."""
+        The layer loop (`_layers`) runs on the event loop, or on a thread of its own when the S-part
+        is off the host (a GPU's, an emulated one's) and the plane has a blocking path: there, a
+        layer is one send and one read on the slot's own socket, with no event-loop turn, task
+        wake-up or future between them (the loop's own work was ~half the dense process's CPU per
+        layer at a GPU's pace). On the host's CPU the S-part stays on the loop (the other mini-batch
+        computes while this one waits; threads would share its cores)."""
+        meter = self._meters[slot + 1]
+        layers = self._layers(slot, seqs, meter)
+        blocking = getattr(self.shards, "attend_layer_blocking", None)
+        if blocking is not None and self.model.device.type != "cpu":
+            if self._threads is None:
+                self._threads = LayerThreads()
+            return await self._threads.run(slot, layers, blocking, self.model, meter)
+        return await on_loop(slot, layers, self.shards, self.model, meter)
+
+    def _layers(
+        self, slot: int, seqs: list[PlannedSeq], meter: Meter
+    ) -> Generator[Ask, Answer, torch.Tensor]:
+        """The mini-batch's layer loop, without its waits: it yields what it needs (a layer's items
+        to the shards, or the device's results) and is sent the answer. The prompt logprobs a
+        sequence asks for are scored here, from all of its chunk's rows."""
         model = self.model
         ids, pos, last = pack([SeqChunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
         groups = self._groups(seqs)
@@ -333,7 +353,7 @@ class StepRunner:
             h = model.embed(ids)
             return (h, *model.pre_attention(0, h, pos))
 
-        hidden, q, k, v = self._compute(first)
+        hidden, q, k, v = self._compute(first, meter)
         # A plane that waits for the device itself (exchange workers hold a layer's bytes until the
         # time an emulated device's q, k, v are ready) spares this loop a timer and a wake-up per
         # layer: the layer goes out as soon as its device work is queued. Else the loop waits for the
@@ -342,7 +362,7 @@ class StepRunner:
         defer = ready_at is not None and getattr(self.shards, "waits_for_device", False)
         synthetic = getattr(model, "synthetic", False)
         if not defer:
-            await model.settle()
+            yield None
         # A plane that offers staging (exchange workers) takes q, k, v in shared memory: the items
         # are built once per step as row ranges of it, and each layer is one copy in (a DMA from a
         # GPU) and o back in order, with no per-item copy or message.
@@ -356,7 +376,7 @@ class StepRunner:
                 if st is None:
                     st = stage(slot, q.shape[0], tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype)
                 if not self._staged_already(slot, st, q.shape[0]):
-                    self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(st, q, k, v))
+                    self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(st, q, k, v), meter)
             if st is None:  # items of this layer's tensors
                 live = [g for g in groups if g.error is None]
                 items = [
@@ -377,15 +397,10 @@ class StepRunner:
                     )
                     for g in live
                 ]
-            t_wait = time.perf_counter()
-            self._trips += len(items)
-            if not items:
-                outs = []
-            elif defer:
-                outs = await self.shards.attend_layer(slot, layer, items, not_before=ready_at())  # type: ignore[call-arg]
-            else:
-                outs = await self.shards.attend_layer(slot, layer, items)
-            self._attend_wait += time.perf_counter() - t_wait
+            meter.trips += len(items)
+            outs: list[torch.Tensor | BaseException] = []
+            if items:
+                outs = yield (layer, items, ready_at() if defer else None)  # type: ignore[misc]
             parts: list[tuple[slice, torch.Tensor]] = []
             for g, o in zip(live, outs, strict=True):
                 if isinstance(o, BaseException):
@@ -423,9 +438,9 @@ class StepRunner:
                     return h, None, None, None
                 return (h, *model.pre_attention(lyr + 1, h, pos))
 
-            hidden, q, k, v = self._compute(post)  # type: ignore[assignment]
+            hidden, q, k, v = self._compute(post, meter)  # type: ignore[assignment]
             if not defer or layer + 1 == num_layers:
-                await model.settle()
+                yield None
         self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
         row = 0
         for s in seqs:
@@ -434,7 +449,8 @@ class StepRunner:
                 self._prompt[s.seq_id] = self._compute(
                     lambda s=s, h=h, start=start: self._prompt_logprobs(
                         s, h[start : start + len(s.token_ids)]
-                    )
+                    ),
+                    meter,
                 )
             row += len(s.token_ids)
         return hidden.index_select(0, last)
@@ -447,10 +463,7 @@ class StepRunner:
 
     async def _run(self, seqs: Sequence[PlannedSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
         t0 = time.perf_counter()
-        self._busy = 0.0
-        self._busy_cpu = 0.0
-        self._attend_wait = 0.0
-        self._trips = 0
+        self._meters = [Meter(), Meter(), Meter()]
         self._failures = {}
         self._prompt = {}
         last, self._last = self._last, {}  # (a step that fails leaves none: nothing follows on from it)
@@ -480,7 +493,14 @@ class StepRunner:
             piped = self.chooser.choose()
         batches = split if piped else [valid]
         batches = [sorted(b, key=lambda s: s.shard) for b in batches if b]
-        hiddens = await asyncio.gather(*(self._mini_batch(i, b) for i, b in enumerate(batches)))
+        tasks = [asyncio.ensure_future(self._mini_batch(i, b)) for i, b in enumerate(batches)]
+        try:
+            hiddens = await asyncio.gather(*tasks)
+        except BaseException:  # (a cancelled gather returns at once:) both mini-batches end first,
+            for t in tasks:  # so that no slot's thread still reads its socket when the next step does
+                t.cancel()
+            await asyncio.wait(tasks)
+            raise
         ordered = [s for b in batches for s in b]
         allowed: dict[str, torch.Tensor] = {}
         if masks is not None:
@@ -518,7 +538,7 @@ class StepRunner:
                 return toks.tolist(), lps.tolist(), tops
 
             c0 = time.process_time()  # every thread: torch's intra-op threads do the sampling's math
-            toks, lps, tops = self._compute(head)
+            toks, lps, tops = self._compute(head, self._meters[0])
             head_cpu = time.process_time() - c0
             await self.model.settle()
             for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
@@ -543,13 +563,14 @@ class StepRunner:
                     on * 1e3,
                     off * 1e3,
                 )
+        busy = sum(m.busy for m in self._meters)
         return outcomes, Timings(
-            self._busy,
-            self._busy_cpu,
-            max(0.0, step - self._busy),
+            busy,
+            sum(m.busy_cpu for m in self._meters),
+            max(0.0, step - busy),
             step,
-            self._attend_wait,
+            sum(m.attend for m in self._meters),
             piped,
             head_cpu,
-            self._trips,
+            sum(m.trips for m in self._meters),
         )

@@ -15,7 +15,9 @@ fallback, shards.py's links on an event loop): `kind`, --exchange-worker.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -23,9 +25,9 @@ from dataclasses import replace
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, ArenaPool, Slice, Staging
+from fastdecode.dense.handoff import Arena, ArenaPool, Staging
 from fastdecode.runtime import errors
-from fastdecode.runtime.errors import Status, Unavailable
+from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.exchange_messages import (
     AddShard,
@@ -36,14 +38,10 @@ from services.gpu_dense.exchange_messages import (
     Ok,
     RemoveShard,
     RestoreShard,
+    pack,
 )
-from services.gpu_dense.exchange_process import (
-    WORKER_GRACE_S,
-    Sent,
-    WorkerProcess,
-    WorkerStalled,
-    worker_command,
-)
+from services.gpu_dense.exchange_process import WORKER_GRACE_S, WorkerProcess, WorkerStalled, worker_command
+from services.gpu_dense.exchange_slices import Sent, slices_for, staging_rows, unpack_o
 from services.gpu_dense.plane import ShardAddress
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
@@ -77,7 +75,7 @@ class ExchangePlane:
         # per slot, the last items list and its items' indices per worker: a step's layers pass the
         # same list, so it is routed once per step (a removed shard resets it)
         self._routes: dict[int, tuple[Sequence[AttendItem], dict[int, list[int]]]] = {}
-        self._rids = 0
+        self._rids = itertools.count(1)  # next() is atomic: the slots' threads share it
         self._lock = asyncio.Lock()
         self._watchdog: asyncio.Task[None] | None = None
         for a in addresses:
@@ -139,20 +137,47 @@ class ExchangePlane:
         """Where the step runner puts the slot's q, k and v (rows in step order) so that items cut
         from them cross to the workers without a copy; each item's o comes back into its rows of o.
         The same arena while the rows fit, so a worker keeps its mapping and the runner its copy."""
-        st = self._staging.get(slot)
-        if (
-            st is None
-            or len(st.q) < rows
-            or tuple(st.q.shape[1:]) != tuple(q_tail)
-            or tuple(st.k.shape[1:]) != tuple(kv_tail)
-            or st.q.dtype != dtype
-        ):
-            cap = max(rows + rows // 2, 16)
-            arena = self.arenas.get(
-                ("staging", slot), Staging.layout(cap, q_tail, kv_tail, dtype.itemsize)[-1]
-            )
-            st = self._staging[slot] = Staging.in_arena(arena, cap, tuple(q_tail), tuple(kv_tail), dtype)
-        return st.rows(rows)
+        return staging_rows(self.arenas, self._staging, slot, rows, q_tail, kv_tail, dtype)
+
+    def _route(
+        self, slot: int, items: Sequence[AttendItem], out: list[torch.Tensor | BaseException]
+    ) -> dict[int, list[int]]:
+        """Which worker gets which items (indices), routed once per step: a step's later layers pass
+        the same list. Items of a removed shard fail in `out`."""
+        routed = self._routes.get(slot)
+        if routed is not None and routed[0] is items:
+            return routed[1]
+        by_worker: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            if self.links[item.shard].removed:
+                out[i] = Unavailable(f"{self.links[item.shard].name} was removed")
+                continue
+            by_worker.setdefault(item.shard % len(self.workers), []).append(i)
+        if len(by_worker) and sum(map(len, by_worker.values())) == len(items):
+            self._routes[slot] = (items, by_worker)
+        return by_worker
+
+    def _collect(
+        self,
+        out: list[torch.Tensor | BaseException],
+        worker: WorkerProcess,
+        arena: Arena | None,
+        idx: list[int],
+        sent: Sent | None,
+        results: list[Ok | Err] | BaseException | None,
+    ) -> None:
+        """One worker's answer (or the error that stands for it) into its items' places in `out`."""
+        if results is None:
+            results = Unavailable(f"exchange worker {worker.index} did not answer")
+        elif not isinstance(results, BaseException) and len(results) != len(idx):
+            worker.sent.clear()  # a worker without the step's items: resend them next layer
+            results = Unavailable(f"exchange worker {worker.index} lost the step's items")
+        if isinstance(results, BaseException) or arena is None:
+            for i in idx:
+                out[i] = results if isinstance(results, BaseException) else Unavailable("no arena")
+            return
+        for j, (i, r) in enumerate(zip(idx, results, strict=True)):
+            out[i] = self._unpack(arena, r) if sent is None else sent.o(j, r, self._unpack)
 
     async def attend_layer(
         self,
@@ -168,18 +193,7 @@ class ExchangePlane:
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = loop.create_task(self._watch())
         out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
-        routed = self._routes.get(slot)
-        if routed is not None and routed[0] is items:  # a step's later layers: the same items
-            by_worker = routed[1]
-        else:
-            by_worker = {}
-            for i, item in enumerate(items):
-                if self.links[item.shard].removed:
-                    out[i] = Unavailable(f"{self.links[item.shard].name} was removed")
-                    continue
-                by_worker.setdefault(item.shard % len(self.workers), []).append(i)
-            if len(by_worker) and sum(map(len, by_worker.values())) == len(items):
-                self._routes[slot] = (items, by_worker)
+        by_worker = self._route(slot, items, out)
         deadline = int(not_before * 1e9) if not_before > 0 else 0
         waits: list[_Wait] = []
         try:
@@ -188,18 +202,19 @@ class ExchangePlane:
                 try:
                     if not worker.alive:
                         await self._ensure(worker)
-                    arena, message, sent = self._pack(worker, slot, items, idx)
-                    self._rids += 1
+                    arena, message, sent = self._slices(worker, slot, items, idx)
+                    rid = next(self._rids)
                     fut: asyncio.Future[list[Ok | Err]] = loop.create_future()
-                    worker.pending[self._rids] = (fut, time.monotonic())
-                    worker.send(Attend(self._rids, slot, layer, arena.name, message, deadline))
-                    waits.append((worker, self._rids, arena, idx, fut, sent))
+                    worker.pending[rid] = (fut, time.monotonic())
+                    worker.send(Attend(rid, slot, layer, arena.name, message, deadline))
+                    waits.append((worker, rid, arena, idx, fut, sent))
                 except errors.ServiceError as e:
                     for i in idx:
                         out[i] = e
             if between is not None:
                 between()
             for worker, _rid, arena, idx, fut, sent in waits:
+                results: list[Ok | Err] | BaseException | None
                 try:
                     results = await fut  # the plane's watchdog fails it when the worker stalls
                 except WorkerStalled:
@@ -207,20 +222,8 @@ class ExchangePlane:
                     await worker.stop(grace=0.5)
                     results = None
                 except errors.ServiceError as e:
-                    for i in idx:
-                        out[i] = e
-                    continue
-                if results is None:
-                    for i in idx:
-                        out[i] = Unavailable(f"exchange worker {worker.index} did not answer")
-                    continue
-                if len(results) != len(idx):  # a worker without the step's items: resend them next layer
-                    worker.sent.clear()
-                    for i in idx:
-                        out[i] = Unavailable(f"exchange worker {worker.index} lost the step's items")
-                    continue
-                for j, (i, r) in enumerate(zip(idx, results, strict=True)):
-                    out[i] = self._unpack(arena, r) if sent is None else sent.o(j, r, self._unpack)
+                    results = e
+                self._collect(out, worker, arena, idx, sent, results)
         except asyncio.CancelledError:
             for worker, rid, *_ in waits:  # the worker abandons those items (their streams reopen)
                 if worker.pending.pop(rid, None) is not None and worker.writer is not None:
@@ -228,56 +231,50 @@ class ExchangePlane:
             raise
         return out
 
-    def _pack(
-        self, worker: WorkerProcess, slot: int, every: Sequence[AttendItem], idx: list[int]
+    def attend_layer_blocking(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        slot: int,
+        layer: int,
+        items: Sequence[AttendItem],
+        not_before: float = 0.0,
+        cancelled: threading.Event | None = None,
+    ) -> list[torch.Tensor | BaseException]:
+        """attend_layer for a slot's own thread (the step runner's threaded layer loop), on the slot's
+        Port to each worker: one send and one blocking read per worker, no event loop in between.
+        `loop` runs the plane (a dead worker is restarted there); `cancelled` set: StepCancelled."""
+        out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
+        by_worker = self._route(slot, items, out)
+        deadline = int(not_before * 1e9) if not_before > 0 else 0
+        waits: list[tuple[WorkerProcess, int, Arena, list[int], Sent | None]] = []
+        for w, idx in by_worker.items():
+            worker = self.workers[w]
+            try:
+                if not (worker.alive and worker.ports):
+                    asyncio.run_coroutine_threadsafe(self._ensure(worker), loop).result()
+                arena, message, sent = self._slices(worker, slot, items, idx)
+                rid = next(self._rids)
+                worker.ports[slot].send(pack(Attend(rid, slot, layer, arena.name, message, deadline)))
+                waits.append((worker, rid, arena, idx, sent))
+            except errors.ServiceError as e:
+                self._collect(out, worker, None, idx, None, e)
+            except OSError:  # the worker went (its port closed)
+                self._collect(out, worker, None, idx, None, Unavailable(f"exchange worker {w} exited"))
+        for worker, rid, arena, idx, sent in waits:
+            results = worker.read_port(slot, rid, self.timeout + WORKER_GRACE_S, cancelled)
+            if results is None:
+                log.warning("exchange worker %d did not answer: restarting it", worker.index)
+                asyncio.run_coroutine_threadsafe(worker.stop(grace=0.5), loop).result()
+            self._collect(out, worker, arena, idx, sent, results)
+        return out
+
+    def _slices(
+        self, worker: WorkerProcess, slot: int, items: Sequence[AttendItem], idx: list[int]
     ) -> tuple[Arena, list[ItemSlices] | None, Sent | None]:
-        """The worker's items (`every[i]` for i in idx) as arena slices: where they already lie when
-        they are rows of the slot's staging (no copy), else q, k, v copied into the worker's arena
-        with o's room after them. None for the slices when they are the very items this worker had
-        last time on this slot (a step's layers): the worker reuses what it has, and the message is
-        a few bytes."""
-        st = self._staging.get(slot)
-        last = worker.sent.get(slot)
-        if st is not None and last is not None and last.arena is st.arena and last.every is every:
-            return st.arena, None, last  # the same list of items as the last layer: checked then
-        items = [every[i] for i in idx]
-        if st is None:
-            return (*worker.copy_in(self.arenas, slot, items), None)
-        if last is not None and last.arena is st.arena and len(last.items) == len(items):
-            if all(a is b for a, b in zip(last.items, items, strict=True)):
-                last.every = every
-                return st.arena, None, last
-        arena = st.arena
-        staged = [[arena.slice_of(t) for t in (it.q, it.k, it.v)] for it in items]
-        if not all(x is not None for row in staged for x in row):
-            return (*worker.copy_in(self.arenas, slot, items), None)
-        message = []
-        for it, (q, k, v) in zip(items, staged, strict=True):
-            assert q is not None and k is not None and v is not None
-            o_off, room = st.o_room(q)
-            message.append(
-                ItemSlices(
-                    it.shard,
-                    it.seq_ids,
-                    it.num_tokens,
-                    it.start_pos,
-                    q.astuple(),
-                    k.astuple(),
-                    v.astuple(),
-                    o_off,
-                    room,
-                )
-            )
-        sent = worker.sent[slot] = Sent(arena, tuple(items), [None] * len(items), every)
-        return arena, message, sent
+        return slices_for(worker.sent, self.arenas, (worker.index, slot), self._staging.get(slot), items, idx)
 
     def _unpack(self, arena: Arena, r: Ok | Err) -> torch.Tensor | BaseException:
-        if isinstance(r, Ok):
-            # A view of the arena when the caller consumes o before the slot's next layer (the
-            # step runner: its O-projection reads o, or copies it to the GPU, once); a copy else.
-            s = Slice(*r.o)
-            return arena.view(s) if self.views else arena.take(s)
-        return errors.error_for(Status.from_value(r.status), r.text)
+        return unpack_o(arena, r, self.views)
 
     async def _watch(self) -> None:
         """One timer for every layer in flight (an `asyncio.timeout` per layer was a timer handle made

@@ -6,23 +6,21 @@ child ends, and this one lives as long as the process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import threading
+import time
 
 import torch
 
-from fastdecode.dense import AttendItem
 from fastdecode.dense.handoff import (
-    Arena,
-    ArenaPool,
     Channel,
-    aligned,
+    Port,
+    StepCancelled,
     native_worker,
     open_channel,
     worker_kind,
@@ -36,7 +34,6 @@ from services.gpu_dense.exchange_messages import (
     Done,
     DoneReader,
     Err,
-    ItemSlices,
     Ok,
     Ready,
     RemoveShard,
@@ -44,6 +41,7 @@ from services.gpu_dense.exchange_messages import (
     Secret,
     pack,
 )
+from services.gpu_dense.exchange_slices import Sent
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
 
@@ -52,6 +50,10 @@ START_TIMEOUT_S = 120.0  # a worker imports torch and grpc: seconds on a loaded 
 # Beyond the shard timeout (the worker's own watchdog fails a silent shard's item), how long the
 # dense side waits on a worker before it takes the worker for dead.
 WORKER_GRACE_S = 10.0
+
+# Mini-batch slots with their own layer socket to each worker (the step runner's threaded layer
+# loop: a slot's thread sends its layer and reads the answer there, no event loop in between).
+PORT_SLOTS = 2
 
 
 def worker_command(kind: str = "auto") -> list[str]:
@@ -76,28 +78,6 @@ def auto_workers(num_shards: int, dense_threads: int | None, device: str = "cpu"
     return max(0, min(num_shards, cores - own))
 
 
-@dataclass
-class Sent:
-    """What a worker last had in full on a slot (staged items), and each item's o as a view, made
-    once per step: every layer of the step answers into the same rows."""
-
-    arena: Arena
-    items: tuple[AttendItem, ...]
-    views: list[tuple[tuple[Any, ...], torch.Tensor] | None]
-    every: Sequence[AttendItem] | None = None  # the layer's whole list these items came from
-
-    def o(
-        self, j: int, r: Ok | Err, unpack: Callable[[Arena, Ok | Err], torch.Tensor | BaseException]
-    ) -> torch.Tensor | BaseException:
-        seen = self.views[j]
-        if isinstance(r, Ok) and seen is not None and seen[0] == r.o:
-            return seen[1]
-        o = unpack(self.arena, r)
-        if isinstance(r, Ok) and isinstance(o, torch.Tensor):
-            self.views[j] = (r.o, o)
-        return o
-
-
 class WorkerProcess:
     """The dense side's handle on one worker process."""
 
@@ -118,6 +98,8 @@ class WorkerProcess:
         # with the very same items sends none; a restarted worker has none, so this starts empty
         self.sent: dict[int, Sent] = {}
         self._read = DoneReader()
+        self.ports: list[Port] = []  # per slot (PORT_SLOTS), a blocking socket: Port
+        self.port_reads: list[DoneReader] = []
 
     @property
     def kind(self) -> str:
@@ -132,6 +114,7 @@ class WorkerProcess:
     async def start(self) -> None:
         self.sent.clear()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(PORT_SLOTS)]
         cmd = [
             *self.command,
             "--fd",
@@ -144,6 +127,8 @@ class WorkerProcess:
             repr(self.timeout),
             "--shards",
             ",".join(f"{i}={a}" for i, a in sorted(self.shards.items())),
+            "--layer-fds",
+            ",".join(str(c.fileno()) for _, c in pairs),
         ]
         if self.tls is not None:
             for flag, path in (
@@ -154,12 +139,19 @@ class WorkerProcess:
                 if path is not None:
                     cmd += [flag, str(path)]
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+            fds = (child.fileno(), *(c.fileno() for _, c in pairs))
+            self.proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL)
         except OSError as e:
             parent.close()
+            for p, _ in pairs:
+                p.close()
             raise Unavailable(f"exchange worker {self.index} could not start: {e}") from None
         finally:
             child.close()
+            for _, c in pairs:
+                c.close()
+        self.ports = [Port(p) for p, _ in pairs]
+        self.port_reads = [DoneReader() for _ in pairs]
         self._hello = asyncio.get_running_loop().create_future()
         channel = self.writer = await open_channel(parent, self._on_message)
         channel.closed.add_done_callback(lambda _: self._lost(channel))
@@ -198,40 +190,49 @@ class WorkerProcess:
                 fut.set_exception(Unavailable(reason))
         self.pending.clear()
 
+    def read_port(
+        self, slot: int, rid: int, limit_s: float, cancelled: threading.Event | None
+    ) -> list[Ok | Err] | BaseException | None:
+        """From the slot's own thread: the answer to `rid` on the slot's Port; the error that stands
+        for it when the worker went; None when none came within `limit_s` (a stalled worker).
+        StepCancelled once `cancelled` is set (the worker is told to drop the layer)."""
+        ports, reads = self.ports, self.port_reads
+        if slot >= len(ports):
+            return Unavailable(f"exchange worker {self.index} is not running")
+        port, read = ports[slot], reads[slot]
+        limit = time.monotonic() + limit_s
+
+        def keep_waiting() -> bool:
+            return not (cancelled is not None and cancelled.is_set()) and time.monotonic() < limit
+
+        while True:
+            try:
+                body = port.read(keep_waiting)
+            except OSError:
+                return Unavailable(f"exchange worker {self.index} exited")
+            if body is None:
+                if cancelled is not None and cancelled.is_set():
+                    with contextlib.suppress(OSError):
+                        port.send(pack(Cancel(rid)))
+                    raise StepCancelled
+                return None
+            msg = read(body)
+            if isinstance(msg, Done) and msg.rid == rid:
+                return msg.results
+            # else a cancelled layer's late answer: skipped
+
     def send(self, message: Attend | Cancel | AddShard | RemoveShard | RestoreShard) -> None:
         if self.writer is None:
             raise Unavailable(f"exchange worker {self.index} is not running")
         self.writer.write(pack(message))
 
-    def copy_in(
-        self, pool: ArenaPool, slot: int, items: Sequence[AttendItem]
-    ) -> tuple[Arena, list[ItemSlices]]:
-        """Items that are not rows of a staging: q, k, v copied into this worker's arena for the
-        slot, each with o's room after it, and their slices."""
-        self.sent.pop(slot, None)
-        need = sum(aligned(t.nbytes) for it in items for t in (it.q, it.k, it.v, it.q))
-        arena = pool.get((self.index, slot), need)
-        off = 0
-        message = []
-        for it in items:
-            slices = []
-            for t in (it.q, it.k, it.v):
-                slices.append(arena.put(off, t).astuple())
-                off += aligned(t.nbytes)
-            room = aligned(it.q.nbytes)  # o: [T, H*D] in q's dtype, as many bytes as q
-            q, k, v = slices
-            message.append(
-                ItemSlices(
-                    it.shard, list(it.seq_ids), list(it.num_tokens), list(it.start_pos), q, k, v, off, room
-                )
-            )
-            off += room
-        return arena, message
-
     async def stop(self, grace: float = 5.0) -> None:
         if self.writer is not None:
             self.writer.close()  # the worker sees the end of its control socket and exits
             self.writer = None
+        for port in self.ports:
+            port.close()  # a layer thread reading one gets an error: its items fail UNAVAILABLE
+        self.ports = []
         self._fail_pending(f"exchange worker {self.index} stopped")
         proc, self.proc = self.proc, None
         if proc is not None:

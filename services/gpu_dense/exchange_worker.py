@@ -79,7 +79,7 @@ class _WorkerLoop:
         self.slot_arena[slot] = name
         return self.arenas.get(name)
 
-    async def attend(self, msg: Attend) -> None:
+    async def attend(self, msg: Attend, reply: Channel) -> None:
         lock = self.slot_lock.setdefault(msg.slot, asyncio.Lock())
         async with lock:  # a cancelled layer of this slot has unwound before the next one starts
             slices = msg.items
@@ -119,14 +119,18 @@ class _WorkerLoop:
             except Exception as e:  # noqa: BLE001 - every item of the layer fails in-band
                 status, text = status_of(e)
                 results = [Err(status.value, text)] * (len(slices) if slices is not None else 0)
-            self.writer.write(pack(Done(msg.rid, results)))
+            reply.write(pack(Done(msg.rid, results)))
         self.tasks.pop(msg.rid, None)
 
-    def on_message(self, msg: tuple[Any, ...], timeout: float, tls: TLSFiles | None) -> None:
+    def on_message(
+        self, msg: tuple[Any, ...], timeout: float, tls: TLSFiles | None, reply: Channel | None = None
+    ) -> None:
+        """A message from the control socket, or from a slot's layer socket (`reply`: its Done goes
+        back there)."""
         loop = asyncio.get_running_loop()
         match msg:
             case Attend():
-                self.tasks[msg.rid] = loop.create_task(self.attend(msg))
+                self.tasks[msg.rid] = loop.create_task(self.attend(msg, reply or self.writer))
             case Cancel():
                 task = self.tasks.pop(msg.rid, None)
                 if task is not None:
@@ -185,8 +189,19 @@ async def _worker_main(args: argparse.Namespace) -> None:
     state["loop"] = worker = _WorkerLoop(links, channel)
     for msg in early:
         worker.on_message(msg, args.timeout, tls)
+    ports = []  # each slot's layer socket: Attend and Cancel, answered on the same socket
+    for fd in filter(None, args.layer_fds.split(",")):
+        port: list[Channel] = []
+
+        def on_layer(body: bytes, port: list[Channel] = port) -> None:
+            worker.on_message(unpack_to_worker(body), args.timeout, tls, port[0])
+
+        port.append(await open_channel(socket.socket(fileno=int(fd)), on_layer))
+        ports.append(port[0])
     channel.write(pack(Ready(os.getpid())))
     await channel.closed
+    for port_channel in ports:
+        port_channel.close()
     await worker.close()
     channel.close()
 
@@ -198,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--shards", default="")
+    p.add_argument("--layer-fds", default="")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     p.add_argument("--tls-ca")

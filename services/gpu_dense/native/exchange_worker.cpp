@@ -472,10 +472,11 @@ class Slot {
     thread_.join();
   }
 
-  void push(pb::ExchangeAttend msg) {
+  // `reply`: where the layer's Done goes (the control socket, or the slot's layer socket it came on)
+  void push(pb::ExchangeAttend msg, Control* reply) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(msg));
+      queue_.emplace_back(std::move(msg), reply);
     }
     cv_.notify_one();
   }
@@ -485,13 +486,13 @@ class Slot {
 
  private:
   void run();
-  void attend(const pb::ExchangeAttend& msg);
+  void attend(const pb::ExchangeAttend& msg, Control* reply);
 
   Worker* worker_;
   uint32_t slot_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<pb::ExchangeAttend> queue_;
+  std::deque<std::pair<pb::ExchangeAttend, Control*>> queue_;
   bool stop_ = false;
   std::atomic<uint64_t> running_{0};
   std::atomic<bool> cancelled_{false};
@@ -542,19 +543,42 @@ class Worker {
     return out;
   }
 
-  void attend(pb::ExchangeAttend msg) {
+  // From the control thread or a layer socket's reader: `reply` (null: the control socket) gets the Done.
+  void attend(pb::ExchangeAttend msg, Control* reply = nullptr) {
     uint32_t slot = msg.slot();
+    std::lock_guard<std::mutex> lock(slots_mu_);
     auto& s = slots_[slot];
     if (!s) s = std::make_unique<Slot>(this, slot);
-    s->push(std::move(msg));
+    s->push(std::move(msg), reply ? reply : &control_);
   }
 
   void cancel(uint64_t rid) {
+    std::lock_guard<std::mutex> lock(slots_mu_);
     for (auto& [i, s] : slots_)
       if (s->cancel(rid)) return;
   }
 
-  void done(uint64_t rid, const std::vector<Outcome>& outcomes) {
+  // A slot's layer socket (the dense side's threaded layer loop): Attend and Cancel, each Attend
+  // answered on it. Read on a thread of its own until the dense side closes it.
+  void serve_port(int fd) {
+    auto* port = new Control(fd);  // lives as long as the process: queued layers answer on it
+    std::thread([this, port, fd] {
+      for (;;) {
+        auto body = port->read();
+        if (!body) return;  // the dense side closed it (it restarts the worker with fresh ones)
+        pb::ToWorker m;
+        if (!m.ParseFromString(*body)) {
+          warn("bad layer message: closing the slot's socket");
+          ::shutdown(fd, SHUT_RDWR);
+          return;
+        }
+        if (m.kind_case() == pb::ToWorker::kAttend) attend(std::move(*m.mutable_attend()), port);
+        else if (m.kind_case() == pb::ToWorker::kCancel) cancel(m.cancel());
+      }
+    }).detach();
+  }
+
+  void done(uint64_t rid, const std::vector<Outcome>& outcomes, Control* reply) {
     pb::ToDense out;
     auto* d = out.mutable_done();
     d->set_rid(rid);
@@ -567,7 +591,7 @@ class Worker {
         *r->mutable_o() = o.o;
       }
     }
-    control_.write(out);
+    reply->write(out);
   }
 
   void watch() {
@@ -588,14 +612,15 @@ class Worker {
   Settings settings_;
   std::mutex mu_;
   std::map<int, std::shared_ptr<Link>> links_;
-  std::map<uint32_t, std::unique_ptr<Slot>> slots_;  // touched by the control thread only
+  std::mutex slots_mu_;  // the control thread and the layer sockets' readers
+  std::map<uint32_t, std::unique_ptr<Slot>> slots_;
 };
 
 bool Slot::cancel(uint64_t rid) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = queue_.begin(); it != queue_.end(); ++it) {
-      if (it->rid() == rid) {
+      if (it->first.rid() == rid) {
         queue_.erase(it);
         return true;
       }
@@ -610,21 +635,23 @@ bool Slot::cancel(uint64_t rid) {
 void Slot::run() {
   for (;;) {
     pb::ExchangeAttend msg;
+    Control* reply = nullptr;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (stop_) return;
-      msg = std::move(queue_.front());
+      msg = std::move(queue_.front().first);
+      reply = queue_.front().second;
       queue_.pop_front();
       cancelled_ = false;
       running_ = msg.rid();
     }
-    attend(msg);
+    attend(msg, reply);
     running_ = 0;
   }
 }
 
-void Slot::attend(const pb::ExchangeAttend& msg) {
+void Slot::attend(const pb::ExchangeAttend& msg, Control* reply) {
   std::vector<Outcome> outcomes;
   std::vector<Span> qkv;  // three per item
   try {
@@ -647,7 +674,7 @@ void Slot::attend(const pb::ExchangeAttend& msg) {
   } catch (const std::exception& e) {  // every item of the layer fails in-band
     items_.clear();
     fields_.clear();
-    worker_->done(msg.rid(), std::vector<Outcome>(msg.items_size(), fail(kInvalidArgument, e.what())));
+    worker_->done(msg.rid(), std::vector<Outcome>(msg.items_size(), fail(kInvalidArgument, e.what())), reply);
     return;
   }
   // The device's q, k, v land in the arena at not_before_ns (CLOCK_MONOTONIC): none of their bytes
@@ -793,7 +820,7 @@ void Slot::attend(const pb::ExchangeAttend& msg) {
       outcomes[i] = fail(kUnavailable, link.lost(slot_, s, std::string("malformed AttendResponse: ") + e.what()));
     }
   }
-  if (!cancelled_) worker_->done(msg.rid(), outcomes);
+  if (!cancelled_) worker_->done(msg.rid(), outcomes, reply);
 }
 
 std::string read_file(const std::string& path) {
@@ -810,7 +837,7 @@ std::string read_file(const std::string& path) {
 int main(int argc, char** argv) {
   int fd = -1;
   long parent = -1;
-  std::string shards, cert, key, ca;
+  std::string shards, cert, key, ca, layer_fds;
   Settings settings;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i], v = argv[i + 1];
@@ -819,6 +846,7 @@ int main(int argc, char** argv) {
     else if (a == "--index") g_index = std::stoi(v);
     else if (a == "--timeout") settings.timeout = std::stod(v);
     else if (a == "--shards") shards = v;
+    else if (a == "--layer-fds") layer_fds = v;
     else if (a == "--tls-cert") cert = v;
     else if (a == "--tls-key") key = v;
     else if (a == "--tls-ca") ca = v;
@@ -860,6 +888,9 @@ int main(int argc, char** argv) {
     if (eq != std::string::npos) worker->add(std::stoi(part.substr(0, eq)), part.substr(eq + 1));
   }
   worker->watch();
+  std::stringstream fds(layer_fds);
+  for (std::string fd_text; std::getline(fds, fd_text, ',');)
+    if (!fd_text.empty()) worker->serve_port(std::stoi(fd_text));
   pb::ToDense ready;
   ready.set_ready(static_cast<uint32_t>(::getpid()));
   control.write(ready);

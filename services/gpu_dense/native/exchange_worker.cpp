@@ -13,6 +13,7 @@
 //
 // Usage (started by services/gpu_dense/exchange_process.py):
 //   fastdecode-exchange-worker --fd N --parent PID [--index I] [--timeout S] [--shards I=HOST:PORT,...]
+//                              [--layer-fds FD,FD]  (each mini-batch slot's own socket: Attend, Cancel)
 //                              [--tls-cert F] [--tls-key F] [--tls-ca F]
 
 #include <fcntl.h>

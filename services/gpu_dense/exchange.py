@@ -38,10 +38,11 @@ from services.gpu_dense.exchange_messages import (
     Ok,
     RemoveShard,
     RestoreShard,
+    attend_frame,
     pack,
 )
 from services.gpu_dense.exchange_process import WORKER_GRACE_S, WorkerProcess, WorkerStalled, worker_command
-from services.gpu_dense.exchange_slices import Sent, slices_for, staging_rows, unpack_o
+from services.gpu_dense.exchange_slices import Sent, collect, slices_for, staging_rows, unpack_o
 from services.gpu_dense.plane import ShardAddress
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
@@ -76,6 +77,10 @@ class ExchangePlane:
         # same list, so it is routed once per step (a removed shard resets it)
         self._routes: dict[int, tuple[Sequence[AttendItem], dict[int, list[int]]]] = {}
         self._rids = itertools.count(1)  # next() is atomic: the slots' threads share it
+        # per slot, the blocking path's last layer: its items, each worker's results, and the answers
+        self._answered: dict[
+            int, tuple[Sequence[AttendItem], list[object], list[torch.Tensor | BaseException]]
+        ] = {}
         self._lock = asyncio.Lock()
         self._watchdog: asyncio.Task[None] | None = None
         for a in addresses:
@@ -157,28 +162,6 @@ class ExchangePlane:
             self._routes[slot] = (items, by_worker)
         return by_worker
 
-    def _collect(
-        self,
-        out: list[torch.Tensor | BaseException],
-        worker: WorkerProcess,
-        arena: Arena | None,
-        idx: list[int],
-        sent: Sent | None,
-        results: list[Ok | Err] | BaseException | None,
-    ) -> None:
-        """One worker's answer (or the error that stands for it) into its items' places in `out`."""
-        if results is None:
-            results = Unavailable(f"exchange worker {worker.index} did not answer")
-        elif not isinstance(results, BaseException) and len(results) != len(idx):
-            worker.sent.clear()  # a worker without the step's items: resend them next layer
-            results = Unavailable(f"exchange worker {worker.index} lost the step's items")
-        if isinstance(results, BaseException) or arena is None:
-            for i in idx:
-                out[i] = results if isinstance(results, BaseException) else Unavailable("no arena")
-            return
-        for j, (i, r) in enumerate(zip(idx, results, strict=True)):
-            out[i] = self._unpack(arena, r) if sent is None else sent.o(j, r, self._unpack)
-
     async def attend_layer(
         self,
         slot: int,
@@ -223,7 +206,7 @@ class ExchangePlane:
                     results = None
                 except errors.ServiceError as e:
                     results = e
-                self._collect(out, worker, arena, idx, sent, results)
+                collect(out, worker, arena, idx, sent, results, self._unpack)
         except asyncio.CancelledError:
             for worker, rid, *_ in waits:  # the worker abandons those items (their streams reopen)
                 if worker.pending.pop(rid, None) is not None and worker.writer is not None:
@@ -254,18 +237,35 @@ class ExchangePlane:
                     asyncio.run_coroutine_threadsafe(self._ensure(worker), loop).result()
                 arena, message, sent = self._slices(worker, slot, items, idx)
                 rid = next(self._rids)
-                worker.ports[slot].send(pack(Attend(rid, slot, layer, arena.name, message, deadline)))
+                if message is None:  # a step's later layers: a few bytes, encoded without protobuf
+                    frame = attend_frame(rid, slot, layer, arena.name, deadline)
+                else:
+                    frame = pack(Attend(rid, slot, layer, arena.name, message, deadline))
+                worker.ports[slot].send(frame)
                 waits.append((worker, rid, arena, idx, sent))
             except errors.ServiceError as e:
-                self._collect(out, worker, None, idx, None, e)
+                collect(out, worker, None, idx, None, e, self._unpack)
             except OSError:  # the worker went (its port closed)
-                self._collect(out, worker, None, idx, None, Unavailable(f"exchange worker {w} exited"))
-        for worker, rid, arena, idx, sent in waits:
+                collect(
+                    out, worker, None, idx, None, Unavailable(f"exchange worker {w} exited"), self._unpack
+                )
+        answers = []
+        for worker, rid, *_ in waits:
             results = worker.read_port(slot, rid, self.timeout + WORKER_GRACE_S, cancelled)
             if results is None:
                 log.warning("exchange worker %d did not answer: restarting it", worker.index)
                 asyncio.run_coroutine_threadsafe(worker.stop(grace=0.5), loop).result()
-            self._collect(out, worker, arena, idx, sent, results)
+            answers.append(results)
+        # The same items answered in the same slices as the slot's last layer (DoneReader hands the
+        # very same results back): the same answers, so the same list (the runner checks identity).
+        last = self._answered.get(slot)
+        if last is not None and last[0] is items and len(answers) == len(last[1]) == len(by_worker):
+            if all(a is b for a, b in zip(answers, last[1], strict=True)):
+                return last[2]
+        for (worker, _, arena, idx, sent), results in zip(waits, answers, strict=True):
+            collect(out, worker, arena, idx, sent, results, self._unpack)
+        if len(waits) == len(by_worker) and all(isinstance(a, list) for a in answers):
+            self._answered[slot] = (items, answers, out)
         return out
 
     def _slices(

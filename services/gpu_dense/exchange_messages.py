@@ -150,6 +150,31 @@ def pack(msg: ToWorker | ToDense) -> bytes:
     return frame(out.SerializeToString())
 
 
+def _enc(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def attend_frame(rid: int, slot: int, layer: int, arena: str, not_before_ns: int = 0) -> bytes:
+    """pack(Attend(rid, slot, layer, arena, None, not_before_ns)) written directly (a step's later
+    layers carry no items): ToWorker.attend (field 2) with its set fields in number order, as
+    protobuf writes them, at a fifth of its cost on the per-layer path."""
+    body = b"\x08" + _enc(rid)
+    if slot:
+        body += b"\x10" + _enc(slot)
+    if layer:
+        body += b"\x18" + _enc(layer)
+    name = arena.encode()
+    body += b"\x22" + _enc(len(name)) + name
+    if not_before_ns:
+        body += b"\x38" + _enc(not_before_ns)
+    return frame(b"\x12" + _enc(len(body)) + body)
+
+
 def unpack_to_worker(body: bytes) -> ToWorker:
     m = pb.ToWorker.FromString(body)
     kind = m.WhichOneof("kind")

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastdecode.dense import AttendItem
 from fastdecode.dense.handoff import Arena, ArenaPool, Slice, Staging, aligned
 from fastdecode.runtime import errors
-from fastdecode.runtime.errors import Status
+from fastdecode.runtime.errors import Status, Unavailable
 from services.gpu_dense.exchange_messages import Err, ItemSlices, Ok
+
+if TYPE_CHECKING:
+    from services.gpu_dense.exchange_process import WorkerProcess
 
 
 @dataclass
@@ -144,3 +147,26 @@ def unpack_o(arena: Arena, r: Ok | Err, views: bool = True) -> torch.Tensor | Ba
         s = Slice(*r.o)
         return arena.view(s) if views else arena.take(s)
     return errors.error_for(Status.from_value(r.status), r.text)
+
+
+def collect(
+    out: list[torch.Tensor | BaseException],
+    worker: WorkerProcess,
+    arena: Arena | None,
+    idx: list[int],
+    sent: Sent | None,
+    results: list[Ok | Err] | BaseException | None,
+    unpack: Callable[[Arena, Ok | Err], torch.Tensor | BaseException],
+) -> None:
+    """One worker's answer (or the error that stands for it) into its items' places in `out`."""
+    if results is None:
+        results = Unavailable(f"exchange worker {worker.index} did not answer")
+    elif not isinstance(results, BaseException) and len(results) != len(idx):
+        worker.sent.clear()  # a worker without the step's items: resend them next layer
+        results = Unavailable(f"exchange worker {worker.index} lost the step's items")
+    if isinstance(results, BaseException) or arena is None:
+        for i in idx:
+            out[i] = results if isinstance(results, BaseException) else Unavailable("no arena")
+        return
+    for j, (i, r) in enumerate(zip(idx, results, strict=True)):
+        out[i] = unpack(arena, r) if sent is None else sent.o(j, r, unpack)

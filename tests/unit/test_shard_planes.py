@@ -75,6 +75,20 @@ def test_messages_travel_as_named_types() -> None:
     assert isinstance(back, m.Ready)
 
 
+def test_attend_frame_is_the_protobuf_encoding_of_an_attend_without_items() -> None:
+    """The per-layer frame the blocking path writes by hand is byte for byte what protobuf writes (so
+    both workers parse it), zero fields left out as proto3 does, varints of every width."""
+    for rid, slot, layer, arena, not_before in [
+        (1, 0, 0, "a", 0),
+        (127, 1, 31, "fastdecode-arena-0123", 123_456_789_012_345),
+        (128, 0, 1, "x" * 200, 1),
+        (2**40 + 5, 1, 300, "arena", 2**63 - 1),
+    ]:
+        frame = m.attend_frame(rid, slot, layer, arena, not_before)
+        assert frame == m.pack(m.Attend(rid, slot, layer, arena, None, not_before))
+        assert m.unpack_to_worker(frame[4:]) == m.Attend(rid, slot, layer, arena, None, not_before)
+
+
 def test_an_unknown_message_is_refused() -> None:
     with pytest.raises(InvalidInput):
         m.unpack_to_worker(b"")

@@ -7,8 +7,11 @@ the cancelled layer's late answer; and the event-loop path still works beside it
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -178,3 +181,23 @@ def test_the_runner_runs_an_emulated_devices_layers_on_threads_and_a_cancelled_s
                 await server.stop(None)
 
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_bench_dense_loop_runs_both_loops_and_prints_its_points(llama_dir: Path) -> None:
+    """bench/dense_loop.py at a tiny size: the real runner and plane against its stand-in worker,
+    both layer loops, one JSON line with every field."""
+    out = subprocess.run(
+        [sys.executable, "bench/dense_loop.py", "--batch", "16", "--steps", "2", "--repeats", "1"]
+        + ["--answer-after", "0", "--model", str(llama_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    (point,) = json.loads(out.stdout.strip().splitlines()[-1])["points"]
+    assert point["round_trips_per_step"] == 2 * 4 * 32  # 2 mini-batches x 4 shards x 32 layers
+    for mode in ("thread", "loop"):
+        assert point[f"{mode}_cpu_ms_per_step"] > 0 and point[f"{mode}_wall_step_ms"] > 0
+    assert point["thread_vs_loop_cpu"] == pytest.approx(
+        point["thread_cpu_ms_per_step"] / point["loop_cpu_ms_per_step"]
+    )

@@ -102,7 +102,8 @@ def encode(t: torch.Tensor, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.
     return msg
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """A protobuf varint (the wire bytes written by hand: here and the exchange's per-layer frame)."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -136,8 +137,8 @@ def _field_head(number: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes:
     """A Tensor field's bytes up to its data: the field's tag and length, dtype, shape and data's tag
     and length. The same few shapes go out at every layer, so each is built once."""
     head = tensor_pb2.Tensor(dtype=wire_dtype(dtype), shape=shape).SerializeToString()
-    head += _DATA_TAG + _varint(nbytes) if nbytes else b""  # proto3 omits empty bytes
-    return _varint((number << 3) | 2) + _varint(len(head) + nbytes) + head
+    head += _DATA_TAG + varint(nbytes) if nbytes else b""  # proto3 omits empty bytes
+    return varint((number << 3) | 2) + varint(len(head) + nbytes) + head
 
 
 def decode(msg: tensor_pb2.Tensor, *, copy: bool = False) -> torch.Tensor:

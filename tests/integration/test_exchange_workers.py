@@ -59,6 +59,15 @@ def _alive(pid: int) -> bool:
 
 
 KINDS = ["python", "native"]
+# the plane's two paths: attend_layer on the event loop, attend_layer_blocking from a slot's thread
+PATHS = ["loop", "blocking"]
+
+
+async def _attend(plane: ExchangePlane, path: str, slot: int, layer: int, items: list) -> list:  # type: ignore[type-arg]
+    if path == "loop":
+        return await plane.attend_layer(slot, layer, items)
+    loop = asyncio.get_running_loop()
+    return await asyncio.to_thread(plane.attend_layer_blocking, loop, slot, layer, items)
 
 
 def _kind(kind: str) -> str:
@@ -67,30 +76,31 @@ def _kind(kind: str) -> str:
     return kind
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_dead_worker_fails_its_items_and_is_replaced(kind: str) -> None:
+def test_a_dead_worker_fails_its_items_and_is_replaced(kind: str, path: str) -> None:
     async def run() -> None:
         servers, addresses = await _echo_servers(2)
         plane = ExchangePlane(addresses, 2, timeout=5.0, kind=_kind(kind))
         await plane.start()
         try:
-            out = await plane.attend_layer(0, 0, [_item(0, 1.0), _item(1, 2.0)])
+            out = await _attend(plane, path, 0, 0, [_item(0, 1.0), _item(1, 2.0)])
             assert torch.equal(out[1], torch.full((2, 12), 4.0))
             victim = plane.workers[1].proc
             assert victim is not None
             victim.kill()
             victim.wait(10)
             await asyncio.sleep(0.2)  # the control socket's end reaches the plane
-            out = await plane.attend_layer(0, 1, [_item(0, 1.0), _item(1, 2.0)])
+            out = await _attend(plane, path, 0, 1, [_item(0, 1.0), _item(1, 2.0)])
             # the other worker's shard answers; the dead one's item fails or is served by a new worker
             assert torch.equal(out[0], torch.full((2, 12), 2.0))
             assert isinstance(out[1], Unavailable) or torch.equal(out[1], torch.full((2, 12), 4.0))
-            out = await plane.attend_layer(0, 2, [_item(1, 3.0)])
+            out = await _attend(plane, path, 0, 2, [_item(1, 3.0)])
             assert torch.equal(out[0], torch.full((2, 12), 6.0))
             assert plane.workers[1].proc is not None and plane.workers[1].proc.pid != victim.pid
 
             index = plane.add_shard(addresses[0])  # a shard added at run time joins a live worker
-            out = await plane.attend_layer(1, 3, [_item(index, 5.0)])
+            out = await _attend(plane, path, 1, 3, [_item(index, 5.0)])
             assert index == 2 and torch.equal(out[0], torch.full((2, 12), 10.0))
         finally:
             pids = [w.proc.pid for w in plane.workers if w.proc is not None]
@@ -102,8 +112,11 @@ def test_a_dead_worker_fails_its_items_and_is_replaced(kind: str) -> None:
     asyncio.run(asyncio.wait_for(run(), 120))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_stalled_worker_fails_its_items_and_is_replaced(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+def test_a_stalled_worker_fails_its_items_and_is_replaced(
+    monkeypatch: pytest.MonkeyPatch, kind: str, path: str
+) -> None:
     """A worker that stops answering (SIGSTOP: alive, its socket open) is caught by the plane's
     watchdog after the shard timeout plus the grace: its items fail UNAVAILABLE, and the next layer
     runs on a new worker."""
@@ -116,14 +129,14 @@ def test_a_stalled_worker_fails_its_items_and_is_replaced(monkeypatch: pytest.Mo
         victim = plane.workers[0].proc
         assert victim is not None
         try:
-            out = await plane.attend_layer(0, 0, [_item(0, 1.0)])
+            out = await _attend(plane, path, 0, 0, [_item(0, 1.0)])
             assert torch.equal(out[0], torch.full((2, 12), 2.0))
             os.kill(victim.pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            out = await plane.attend_layer(0, 1, [_item(0, 1.0)])
+            out = await _attend(plane, path, 0, 1, [_item(0, 1.0)])
             assert isinstance(out[0], Unavailable) and "did not answer" in str(out[0])
             assert time.monotonic() - t0 < 5.0
-            out = await plane.attend_layer(0, 2, [_item(0, 3.0)])
+            out = await _attend(plane, path, 0, 2, [_item(0, 3.0)])
             assert torch.equal(out[0], torch.full((2, 12), 6.0))
             assert plane.workers[0].proc is not None and plane.workers[0].proc.pid != victim.pid
         finally:

@@ -20,19 +20,16 @@ from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from threading import Event
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fastdecode.dense.handoff import StepCancelled
 
-if TYPE_CHECKING:
-    from fastdecode.dense.runner import AttendItem
-
-# What the layer loop asks for: a layer's items to the shards (layer, items, the time the device's
-# q, k, v are ready, or None when the plane does not wait for the device), or None: wait for the
-# device. What it is sent back: each item's o (or error), or None.
-Ask = tuple[int, list["AttendItem"], float | None] | None
+# What the layer loop asks for: a layer's items to the shards (layer, runner.AttendItem's, the time
+# the device's q, k, v are ready, or None when the plane does not wait for the device), or None:
+# wait for the device. What it is sent back: each item's o (or error), or None.
+Ask = tuple[int, list[Any], float | None] | None
 Answer = list[torch.Tensor | BaseException] | None
 Layers = Generator[Ask, Answer, torch.Tensor]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -17,9 +17,6 @@ from fastdecode.dense.handoff import Arena, ArenaPool, Slice, Staging, aligned
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import Status, Unavailable
 from services.gpu_dense.exchange_messages import Err, ItemSlices, Ok
-
-if TYPE_CHECKING:
-    from services.gpu_dense.exchange_process import WorkerProcess
 
 
 @dataclass
@@ -149,9 +146,16 @@ def unpack_o(arena: Arena, r: Ok | Err, views: bool = True) -> torch.Tensor | Ba
     return errors.error_for(Status.from_value(r.status), r.text)
 
 
+class _Worker(Protocol):
+    """What `collect` needs of an exchange_process.WorkerProcess."""
+
+    index: int
+    sent: dict[int, Sent]
+
+
 def collect(
     out: list[torch.Tensor | BaseException],
-    worker: WorkerProcess,
+    worker: _Worker,
     arena: Arena | None,
     idx: list[int],
     sent: Sent | None,

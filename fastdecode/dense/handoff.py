@@ -367,9 +367,14 @@ class Port:
         self._buf = bytearray()
 
     def send(self, data: bytes) -> None:
+        """The whole frame, or OSError. A send that times out (the worker read nothing for a poll
+        while its socket stayed full) may have written part of the frame: the socket is closed then,
+        so that no later frame can be read from the middle of this one (the caller restarts the
+        worker)."""
         try:
             self.sock.sendall(data)
         except TimeoutError:
+            self.close()
             raise OSError("the worker reads nothing: its socket stays full") from None
 
     def read(self, keep_waiting: Callable[[], bool]) -> bytes | None:

@@ -245,10 +245,13 @@ class ExchangePlane:
                 waits.append((worker, rid, arena, idx, sent))
             except errors.ServiceError as e:
                 collect(out, worker, None, idx, None, e, self._unpack)
-            except OSError:  # the worker went (its port closed)
+            except OSError:  # the worker went (its port closed), or stopped reading its port
                 collect(
                     out, worker, None, idx, None, Unavailable(f"exchange worker {w} exited"), self._unpack
                 )
+                if worker.alive:  # stopped reading: restarted at the next layer, like a stalled one
+                    log.warning("exchange worker %d reads nothing: restarting it", worker.index)
+                    asyncio.run_coroutine_threadsafe(worker.stop(grace=0.5), loop).result()
         answers = []
         for worker, rid, *_ in waits:
             results = worker.read_port(slot, rid, self.timeout + WORKER_GRACE_S, cancelled)

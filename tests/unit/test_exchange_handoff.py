@@ -5,11 +5,12 @@ replaced by a bigger one under a new name, the peer attaches by name, control fr
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 import torch
 
-from fastdecode.dense.handoff import ALIGN, Arena, ArenaPool, Attached, Channel, Slice, aligned, frame
+from fastdecode.dense.handoff import ALIGN, Arena, ArenaPool, Attached, Channel, Port, Slice, aligned, frame
 from fastdecode.runtime.errors import InvalidInput
 
 
@@ -106,3 +107,24 @@ def test_a_garbled_frame_closes_the_channel() -> None:
         assert bad.closed.done()
 
     asyncio.run(run())
+
+
+def test_a_port_reads_whole_frames_and_closes_on_a_send_that_times_out() -> None:
+    """A send the peer never reads times out with part of a frame written: the port closes, so the
+    peer reads that part and then the end of the stream, never a frame made of the middle of one."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    port = Port(ours, poll=0.05)
+    theirs.sendall(frame(b"done") + frame(b"x" * 100_000)[:9])  # one frame, then part of the next
+    assert port.read(lambda: True) == b"done"
+    assert port.read(lambda: False) is None  # the rest never comes: the caller stops waiting
+    with pytest.raises(OSError, match="reads nothing"):
+        for _ in range(1000):  # the peer reads nothing: its buffer fills
+            port.send(frame(b"a" * 65536))
+    assert ours.fileno() == -1
+    theirs.settimeout(5)
+    seen = b""
+    while chunk := theirs.recv(1 << 20):  # ends (b"") once the port closed: no timeout
+        seen += chunk
+    whole = frame(b"a" * 65536)
+    assert seen and seen[: len(seen) // len(whole) * len(whole)] == whole * (len(seen) // len(whole))
+    theirs.close()

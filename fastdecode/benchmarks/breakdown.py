@@ -16,7 +16,6 @@ real shard processes on loopback, through gpu_dense's own ShardPlane (services/g
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fastdecode.benchmarks.common import median, run_async
+from fastdecode.benchmarks.common import bench_workdir, median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.dense import AttendItem, ShardPlane
 from fastdecode.model import ModelConfig
@@ -243,12 +242,12 @@ def layer_transport_s(
     """Seconds one layer's Attend round trips to `shards` shard processes add beyond the slowest
     shard's attention, through gpu_dense's own ShardPlane: what the planner adds per layer
     (`busy_s`: the dense compute between round trips, see round_trips)."""
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-rtt-"))
-    procs = start_shards(shards, workdir, env, threads)
-    try:
-        r = round_trips(cfg, batch, procs, repeats, busy_s=busy_s)
-    finally:
-        stop_processes(procs, 10.0)
+    with bench_workdir("rtt") as workdir:
+        procs = start_shards(shards, workdir, env, threads)
+        try:
+            r = round_trips(cfg, batch, procs, repeats, busy_s=busy_s)
+        finally:
+            stop_processes(procs, 10.0)
     return max(0.0, (r["wall_ms"] - r["attention_ms"]) / 1e3)
 
 
@@ -264,21 +263,21 @@ def run_breakdown(
     out_bytes, back_bytes = int(out["request_bytes"]), int(out["response_bytes"])
     out["echo_rt_ms"] = median(grpc_echo_s(out_bytes, back_bytes, repeats)) * 1e3
     out["tcp_echo_rt_ms"] = median(tcp_echo_s(out_bytes, back_bytes, repeats)) * 1e3
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-breakdown-"))
-    shards = start_shards(max(shard_counts), workdir, env)
-    try:
-        for n in shard_counts:
-            r = round_trips(cfg, batch, shards[:n], repeats, plane_factory)
-            if n == 1:
-                out["attend_rt_ms"] = r["wall_ms"] - r["attention_ms"]
-                out["shard_attention_ms"] = r["attention_ms"]
-            out[f"layer_rt_ms_{n}_shards"] = r["wall_ms"]
-            out[f"dense_cpu_ms_per_rt_{n}_shards"] = r["cpu_ms"]
-            if n > 1 and plane_factory is _default_plane:  # the links' concurrent fan-out, same shards
-                c = round_trips(cfg, batch, shards[:n], repeats, _concurrent_plane)
-                out[f"layer_rt_ms_{n}_shards_concurrent"] = c["wall_ms"]
-                out[f"dense_cpu_ms_per_rt_{n}_shards_concurrent"] = c["cpu_ms"]
-    finally:
-        stop_processes(shards, 10.0)
+    with bench_workdir("breakdown") as workdir:
+        shards = start_shards(max(shard_counts), workdir, env)
+        try:
+            for n in shard_counts:
+                r = round_trips(cfg, batch, shards[:n], repeats, plane_factory)
+                if n == 1:
+                    out["attend_rt_ms"] = r["wall_ms"] - r["attention_ms"]
+                    out["shard_attention_ms"] = r["attention_ms"]
+                out[f"layer_rt_ms_{n}_shards"] = r["wall_ms"]
+                out[f"dense_cpu_ms_per_rt_{n}_shards"] = r["cpu_ms"]
+                if n > 1 and plane_factory is _default_plane:  # the links' concurrent fan-out, same shards
+                    c = round_trips(cfg, batch, shards[:n], repeats, _concurrent_plane)
+                    out[f"layer_rt_ms_{n}_shards_concurrent"] = c["wall_ms"]
+                    out[f"dense_cpu_ms_per_rt_{n}_shards_concurrent"] = c["cpu_ms"]
+        finally:
+            stop_processes(shards, 10.0)
     out["attend_rt_vs_echo"] = out["attend_rt_ms"] / out["echo_rt_ms"]
     return out

@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmarks: medians over repeats, a memory-bandwidth yardstick.
+"""Helpers shared by the benchmarks: medians over repeats, a memory-bandwidth yardstick, the work
+directory a run's services log to.
 
 The machines these run on are shared and small, so every number is a median over repeats and
 every headline number is a ratio against a baseline measured in the same run, interleaved with
@@ -8,12 +9,19 @@ the thing measured so both see the same noise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
+from fastdecode.runtime.errors import InvalidInput
 
 GIB = 1 << 30
 T = TypeVar("T")
@@ -21,6 +29,24 @@ T = TypeVar("T")
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+@contextlib.contextmanager
+def bench_workdir(name: str) -> Iterator[Path]:
+    """A fresh directory for one run's services (their logs, ready files, the fleet secret), under
+    the system's temporary directory: removed once the run succeeds, kept and named on stderr when
+    it fails after something was written there, since the services' logs are what says why."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"fastdecode-bench-{name}-"))
+    try:
+        yield workdir
+    except BaseException as e:
+        # the caller's arguments, or a failure before any service wrote a line: nothing to read
+        if isinstance(e, InvalidInput) or not any(workdir.iterdir()):
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"the services' logs of this run are kept in {workdir}", file=sys.stderr)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def time_once(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:

@@ -13,8 +13,6 @@ the same run on the same bytes between two processes: a raw TCP echo and a bare 
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastdecode.benchmarks.common import median, run_async
+from fastdecode.benchmarks.common import bench_workdir, median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.benchmarks.transport import DEFAULT_SERVICE_ENV, process_cpu_seconds
 from fastdecode.dense import AttendItem
@@ -238,63 +236,62 @@ def run_exchange_bench(
     # every shard process may hold the whole batch (the 1-shard rows); pages commit as tokens land
     capacity = int(max(batches) * max_tokens * kv_per_token * 1.1) + (16 << 20)
     gen = torch.Generator().manual_seed(seed)
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-exchange-"))
-    rows: list[dict[str, Any]] = []
-    procs = _start_shards(max(shard_counts), capacity, dtype, workdir, env, shard_threads)
-    try:
-        for batch in batches:
-            # on a GPU host q, k, v come off the device: the in-process path copies them to the host
-            # before encoding, the exchange workers' plane copies them straight into shared memory
-            q = torch.randn(batch, g.heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
-            k = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
-            v = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
-            payload = g.payload_bytes(batch, itemsize)
-            for n in shard_counts:
-                shards = procs[:n]
-                ids = [[f"s{j}" for j in range(i * batch // n, (i + 1) * batch // n)] for i in range(n)]
-                _fill(shards, ids, g, tdtype, context, max_tokens, gen)
-                out_b, back_b = _wire_sizes(g, ids, (q, k, v), context)
-                echo_s = median(grpc_echo_s(out_b, back_b, repeats + warm))
-                tcp_s = median(tcp_echo_s(out_b, back_b, repeats + warm))
-                pos = context
-                base_cpu: float | None = None
-                for workers, kind in plans:
-                    r = _round_trips(workers, kind, shards, ids, (q, k, v), pos, repeats)
-                    pos += warm + repeats
-                    transport_s = max(r["rt_s"] - r["attend_s"], 1e-9)
-                    mb = payload / MB
-                    row = {
-                        "geometry": g.name,
-                        "dtype": dtype,
-                        "batch": batch,
-                        "shards": n,
-                        "workers": workers,
-                        "exchange_worker": kind,
-                        "context": context,
-                        "payload_mb": mb,
-                        "rt_ms": r["rt_s"] * 1e3,
-                        "shard_attend_ms": r["attend_s"] * 1e3,
-                        "transport_ms": transport_s * 1e3,
-                        "dense_cpu_ms": r["dense_cpu_s"] * 1e3,
-                        "dense_cpu_ms_per_mb": r["dense_cpu_s"] * 1e3 / mb,
-                        "worker_cpu_ms_per_mb": r["worker_cpu_s"] * 1e3 / mb,
-                        "gbps": payload / transport_s / 1e9,
-                        "grpc_echo_rt_ms": echo_s * 1e3,
-                        "tcp_rt_ms": tcp_s * 1e3,
-                        "grpc_echo_gbps": payload / echo_s / 1e9,
-                        "tcp_gbps": payload / tcp_s / 1e9,
-                    }
-                    row["vs_grpc_echo"] = row["gbps"] / row["grpc_echo_gbps"]
-                    row["vs_tcp"] = row["gbps"] / row["tcp_gbps"]
-                    if workers == 0:
-                        base_cpu = row["dense_cpu_ms_per_mb"]
-                    row["dense_cpu_vs_0_workers"] = (
-                        row["dense_cpu_ms_per_mb"] / base_cpu if base_cpu else math.nan
-                    )
-                    rows.append(row)
-    finally:
-        stop_processes(procs, 10.0)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with bench_workdir("exchange") as workdir:
+        rows: list[dict[str, Any]] = []
+        procs = _start_shards(max(shard_counts), capacity, dtype, workdir, env, shard_threads)
+        try:
+            for batch in batches:
+                # on a GPU host q, k, v come off the device: the in-process path copies them to the host
+                # before encoding, the exchange workers' plane copies them straight into shared memory
+                q = torch.randn(batch, g.heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
+                k = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
+                v = torch.randn(batch, g.kv_heads, g.head_dim, generator=gen).to(device=device, dtype=tdtype)
+                payload = g.payload_bytes(batch, itemsize)
+                for n in shard_counts:
+                    shards = procs[:n]
+                    ids = [[f"s{j}" for j in range(i * batch // n, (i + 1) * batch // n)] for i in range(n)]
+                    _fill(shards, ids, g, tdtype, context, max_tokens, gen)
+                    out_b, back_b = _wire_sizes(g, ids, (q, k, v), context)
+                    echo_s = median(grpc_echo_s(out_b, back_b, repeats + warm))
+                    tcp_s = median(tcp_echo_s(out_b, back_b, repeats + warm))
+                    pos = context
+                    base_cpu: float | None = None
+                    for workers, kind in plans:
+                        r = _round_trips(workers, kind, shards, ids, (q, k, v), pos, repeats)
+                        pos += warm + repeats
+                        transport_s = max(r["rt_s"] - r["attend_s"], 1e-9)
+                        mb = payload / MB
+                        row = {
+                            "geometry": g.name,
+                            "dtype": dtype,
+                            "batch": batch,
+                            "shards": n,
+                            "workers": workers,
+                            "exchange_worker": kind,
+                            "context": context,
+                            "payload_mb": mb,
+                            "rt_ms": r["rt_s"] * 1e3,
+                            "shard_attend_ms": r["attend_s"] * 1e3,
+                            "transport_ms": transport_s * 1e3,
+                            "dense_cpu_ms": r["dense_cpu_s"] * 1e3,
+                            "dense_cpu_ms_per_mb": r["dense_cpu_s"] * 1e3 / mb,
+                            "worker_cpu_ms_per_mb": r["worker_cpu_s"] * 1e3 / mb,
+                            "gbps": payload / transport_s / 1e9,
+                            "grpc_echo_rt_ms": echo_s * 1e3,
+                            "tcp_rt_ms": tcp_s * 1e3,
+                            "grpc_echo_gbps": payload / echo_s / 1e9,
+                            "tcp_gbps": payload / tcp_s / 1e9,
+                        }
+                        row["vs_grpc_echo"] = row["gbps"] / row["grpc_echo_gbps"]
+                        row["vs_tcp"] = row["gbps"] / row["tcp_gbps"]
+                        if workers == 0:
+                            base_cpu = row["dense_cpu_ms_per_mb"]
+                        row["dense_cpu_vs_0_workers"] = (
+                            row["dense_cpu_ms_per_mb"] / base_cpu if base_cpu else math.nan
+                        )
+                        rows.append(row)
+        finally:
+            stop_processes(procs, 10.0)
     return {
         "geometry": g.name,
         "hidden": g.hidden,

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastdecode.benchmarks.common import median, run_async
+from fastdecode.benchmarks.common import bench_workdir, median, run_async
 from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds
 from fastdecode.runtime.metrics import metric_total, scrape
 
@@ -153,44 +152,44 @@ def run_fleet(
 ) -> dict[str, float]:
     from fastdecode.tools.fleet import launch_up
 
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-fleet-"))
-    up = launch_up(
-        model,
-        workdir,
-        "--admission",
-        "naive",
-        "--pipeline",
-        pipeline,
-        kv_dtype=kv_dtype,
-        shards=shards,
-        device=device,
-        kv_capacity=kv_capacity,
-    )
-    pids = up.pids()
-    dense_metrics = up.state["gpu_dense"].get("metrics")
-    marks: list[tuple[int, float, list[float]]] = []
-    dense_marks: list[tuple[float, float, float, float]] = []
-
-    def window(tokens: int) -> None:  # the bench process itself is the fleet's client
-        marks.append(
-            (tokens, time.perf_counter(), [process_cpu_seconds(p) for p in pids] + [time.process_time()])
+    with bench_workdir("fleet") as workdir:
+        up = launch_up(
+            model,
+            workdir,
+            "--admission",
+            "naive",
+            "--pipeline",
+            pipeline,
+            kv_dtype=kv_dtype,
+            shards=shards,
+            device=device,
+            kv_capacity=kv_capacity,
         )
-        if dense_metrics:
-            m = scrape(dense_metrics)
-            dense_marks.append(
-                (
-                    time.perf_counter(),
-                    metric_total(m, "fastdecode_dense_step_seconds_sum"),
-                    metric_total(m, "fastdecode_dense_step_seconds_count"),
-                    metric_total(m, "fastdecode_dense_s_part_seconds_sum"),
-                )
-            )
+        pids = up.pids()
+        dense_metrics = up.state["gpu_dense"].get("metrics")
+        marks: list[tuple[int, float, list[float]]] = []
+        dense_marks: list[tuple[float, float, float, float]] = []
 
-    try:
-        tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len, window))
-        steps = scrape(dense_metrics) if dense_metrics else {}
-    finally:
-        up.stop()
+        def window(tokens: int) -> None:  # the bench process itself is the fleet's client
+            marks.append(
+                (tokens, time.perf_counter(), [process_cpu_seconds(p) for p in pids] + [time.process_time()])
+            )
+            if dense_metrics:
+                m = scrape(dense_metrics)
+                dense_marks.append(
+                    (
+                        time.perf_counter(),
+                        metric_total(m, "fastdecode_dense_step_seconds_sum"),
+                        metric_total(m, "fastdecode_dense_step_seconds_count"),
+                        metric_total(m, "fastdecode_dense_s_part_seconds_sum"),
+                    )
+                )
+
+        try:
+            tokens, total, ttft, itl = run_async(_drive(up.target, prompts, gen_len, window))
+            steps = scrape(dense_metrics) if dense_metrics else {}
+        finally:
+            up.stop()
     out = _summary("fleet", tokens, total, ttft, itl)
     if steps:  # what `--pipeline auto` chose: its probes run both modes, then the faster
         for mode in ("piped", "plain"):

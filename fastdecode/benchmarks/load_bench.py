@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from fastdecode.benchmarks.common import bench_workdir
 from fastdecode.benchmarks.fleet_bench import percentile, prompts_for
 from fastdecode.benchmarks.transport import ensure_model
 
@@ -216,33 +216,33 @@ def run_load_bench(
         return run_shared_prefix_bench(
             path, clients, requests_per_client, shared_prefix, prompt_len, gen_len, shards, device, bound_s
         )
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-load-"))
-    if chat and context is not None:
-        path = _cut_context(path, context, workdir)
-    cfg = ModelConfig.from_pretrained(path)
-    ctx = cfg.max_position_embeddings
-    if chat:
-        if not 0 < prompt_len < ctx or kv_contexts <= 0:
-            raise InvalidInput(f"chat needs 0 < prompt_len < the context ({ctx}) and kv_contexts > 0")
-        gen_len = ctx - prompt_len  # what a chat request without max_tokens asks for
-        kv_capacity = int(kv_contexts * ctx * cfg.kv_bytes_per_token(4))
-    else:
-        kv_capacity = int(
-            (prompt_len + gen_len + 16) * cfg.kv_bytes_per_token(4) * clients / shards * 1.25
-        ) + (64 << 20)
-    prompts = prompts_for(min(clients, 64), prompt_len, cfg.vocab_size, seed=1)
-    up = launch_up(
-        path, workdir, "--admission", "naive", shards=shards, device=device, kv_capacity=kv_capacity
-    )
-    try:
-        with _Watch(up.state) as watch:
-            result = asyncio.run(
-                _load(up.target, clients, requests_per_client, prompts, gen_len, bound_s, chat)
-            )
-        preemptions = watch.preemptions()
-        rss = {name: peak_rss_bytes(pid) for name, pid in _pids(up.state)}
-    finally:
-        up.stop()
+    with bench_workdir("load") as workdir:
+        if chat and context is not None:
+            path = _cut_context(path, context, workdir)
+        cfg = ModelConfig.from_pretrained(path)
+        ctx = cfg.max_position_embeddings
+        if chat:
+            if not 0 < prompt_len < ctx or kv_contexts <= 0:
+                raise InvalidInput(f"chat needs 0 < prompt_len < the context ({ctx}) and kv_contexts > 0")
+            gen_len = ctx - prompt_len  # what a chat request without max_tokens asks for
+            kv_capacity = int(kv_contexts * ctx * cfg.kv_bytes_per_token(4))
+        else:
+            kv_capacity = int(
+                (prompt_len + gen_len + 16) * cfg.kv_bytes_per_token(4) * clients / shards * 1.25
+            ) + (64 << 20)
+        prompts = prompts_for(min(clients, 64), prompt_len, cfg.vocab_size, seed=1)
+        up = launch_up(
+            path, workdir, "--admission", "naive", shards=shards, device=device, kv_capacity=kv_capacity
+        )
+        try:
+            with _Watch(up.state) as watch:
+                result = asyncio.run(
+                    _load(up.target, clients, requests_per_client, prompts, gen_len, bound_s, chat)
+                )
+            preemptions = watch.preemptions()
+            rss = {name: peak_rss_bytes(pid) for name, pid in _pids(up.state)}
+        finally:
+            up.stop()
     result.update(
         {
             "clients": clients,
@@ -305,37 +305,36 @@ def run_shared_prefix_bench(
     runs: dict[str, dict[str, Any]] = {}
     outputs: dict[str, dict[tuple[int, int], list[int]]] = {}
     for mode in ("on", "off"):
-        workdir = Path(tempfile.mkdtemp(prefix=f"fastdecode-bench-prefix-{mode}-"))
-        up = launch_up(
-            path,
-            workdir,
-            "--admission",
-            "naive",
-            "--prefix-sharing",
-            mode,
-            shards=shards,
-            device=device,
-            kv_capacity=kv_capacity,
-        )
-        outputs[mode] = {}
-        try:
-            with _Watch(up.state) as watch:
-                runs[mode] = asyncio.run(
-                    _load(
-                        up.target,
-                        clients,
-                        requests_per_client,
-                        prompts,
-                        gen_len,
-                        bound_s,
-                        outputs=outputs[mode],
+        with bench_workdir(f"prefix-{mode}") as workdir:
+            up = launch_up(
+                path,
+                workdir,
+                "--admission",
+                "naive",
+                "--prefix-sharing",
+                mode,
+                shards=shards,
+                device=device,
+                kv_capacity=kv_capacity,
+            )
+            outputs[mode] = {}
+            try:
+                with _Watch(up.state) as watch:
+                    runs[mode] = asyncio.run(
+                        _load(
+                            up.target,
+                            clients,
+                            requests_per_client,
+                            prompts,
+                            gen_len,
+                            bound_s,
+                            outputs=outputs[mode],
+                        )
                     )
-                )
-            runs[mode]["kv_tokens_held_peak"] = watch.peak_held
-            runs[mode]["preemptions"] = watch.preemptions()
-        finally:
-            up.stop()
-            shutil.rmtree(workdir, ignore_errors=True)
+                runs[mode]["kv_tokens_held_peak"] = watch.peak_held
+                runs[mode]["preemptions"] = watch.preemptions()
+            finally:
+                up.stop()
     on, off = runs["on"], runs["off"]
     done = on["completed"] == off["completed"] == clients * requests_per_client
     return {

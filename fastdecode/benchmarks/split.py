@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from typing import Any
 import torch
 
 from fastdecode.benchmarks.attention import torch_threads
-from fastdecode.benchmarks.common import median, run_async
+from fastdecode.benchmarks.common import bench_workdir, median, run_async
 from fastdecode.benchmarks.hosts import (
     cpu_list,
     host_layout,
@@ -498,9 +496,8 @@ def run_split_bench(
     layout = host_layout(dense_cpus, shard_cpus)
     if batch < len(layout.shards):
         raise InvalidInput(f"batch {batch} is smaller than the {len(layout.shards)} shard hosts")
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-split-"))
-    load0 = os.getloadavg()
-    try:
+    with bench_workdir("split") as workdir:
+        load0 = os.getloadavg()
         with isolated_hosts(len(layout.shards), link_rate, netns=isolation != "loopback") as iso:
             if isolation == "netns" and iso.kind != "netns+veth":
                 raise InvalidInput(f"network namespaces were asked for but not available: {iso.description}")
@@ -523,8 +520,6 @@ def run_split_bench(
             )
             with pinned_process(layout.dense, nice), torch_threads(layout.dense_threads):
                 points = run_async(_run(setup, contexts))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     load1 = os.getloadavg()
     for p in points:
         if asked[p["context"]] != p["context"]:

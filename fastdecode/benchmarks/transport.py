@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from fastdecode.benchmarks.attention import torch_threads
-from fastdecode.benchmarks.common import median, run_async
+from fastdecode.benchmarks.common import bench_workdir, median, run_async
 from fastdecode.contract import PlannedSeq
 from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.kv import AttendBatch
@@ -306,8 +304,7 @@ def run_transport_bench(
         raise InvalidInput(f"kv_dtype must be one of {sorted(codec.DTYPE_NAMES)}")
     model = model or ensure_model("llama", "small")
     service_env = DEFAULT_SERVICE_ENV if service_env is None else service_env
-    workdir = Path(tempfile.mkdtemp(prefix="fastdecode-bench-"))
-    try:
+    with bench_workdir("transport") as workdir:
         with torch_threads(local_threads):
             out = run_async(
                 _run(
@@ -328,8 +325,6 @@ def run_transport_bench(
             )
         out.update(_round_trip(model, batch, rt_repeats, breakdown, service_env))
         return out
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _round_trip(

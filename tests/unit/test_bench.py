@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 from click.testing import CliRunner
 
 from fastdecode.benchmarks.attention import run_attention_bench, sequence_lengths
-from fastdecode.benchmarks.common import format_pairs, format_table
+from fastdecode.benchmarks.common import bench_workdir, format_pairs, format_table
 from fastdecode.cli import main
 from fastdecode.runtime.errors import InvalidInput
 
@@ -130,3 +131,26 @@ def test_cli_bench_scheduler_step_json() -> None:
         assert run["gc_ms_per_step"] >= 0 and run["gc_max_pause_ms"] >= 0 and run["gc_full_collections"] >= 0
     assert (out["events"], out["submit"]["events"]) == ("session", "submit")
     assert out["streams_ratio"] > 0
+
+
+def test_a_bench_work_directory_goes_when_the_run_succeeds_and_stays_when_it_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with bench_workdir("unit") as ok:
+        (ok / "gateway.log").write_text("fine")
+    assert not ok.exists()
+    with pytest.raises(InvalidInput), bench_workdir("unit") as bad_args:
+        raise InvalidInput("batch must be >= 1")  # the caller's arguments: no logs worth keeping
+    assert not bad_args.exists()
+    with pytest.raises(FileNotFoundError), bench_workdir("unit") as empty:
+        raise FileNotFoundError("no config.json")  # failed before any service wrote a line
+    assert not empty.exists()
+    assert capsys.readouterr().err == ""
+    with pytest.raises(RuntimeError), bench_workdir("unit") as failed:
+        (failed / "gateway.log").write_text("why it failed")
+        raise RuntimeError("the decode window was not reached")
+    try:
+        assert (failed / "gateway.log").read_text() == "why it failed"
+        assert str(failed) in capsys.readouterr().err
+    finally:
+        shutil.rmtree(failed)

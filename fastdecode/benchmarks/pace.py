@@ -29,23 +29,28 @@ metrics. Per point:
   per second, not per step: on this host a step lasts the shards' attention (hundreds of ms), so it
   lands in cpu_ms_per_step many times over what it costs at a GPU's pace.
   cpu_ms_per_step_at_gpu_pace moves it to the GPU's step: cpu_ms_per_step - background x (wall -
-  gpu_step_ms), a projection, labelled as one.
+  gpu_step_ms), a projection, labelled as one. `--geometry checkpoint` runs the --model's own
+  shape instead (the tiny default: 4 layers, tens of ms a step), where the background is a tenth of
+  a ms a step and the scheduler's and the gateway's CPU per step at a fast pace is read, not projected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from fastdecode.benchmarks.common import run_async
+from fastdecode.benchmarks.common import bench_workdir, run_async
 from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds, process_kernel_seconds
 from fastdecode.dense.handoff import worker_kind
 from fastdecode.runtime.metrics import metric_total, scrape
 
+# --geometry's name for the --model checkpoint's own shape: at the tiny default's, one-core shards keep
+# a step of tens of ms, where the scheduler's and the gateway's CPU per step are read directly
+# instead of projected from a 500 ms step.
+CHECKPOINT = "checkpoint"
 PARTS = ("scheduler", "dense_main", "exchange_workers", "shards_outside_attention", "gateway")
 
 
@@ -178,47 +183,49 @@ def run_point(
     from fastdecode.tools.fleet import Fleet
 
     device = f"emulated:{gpu}"
-    emulated = load_emulated(model, device, torch.bfloat16, geometry)  # errors before any process
+    shape = None if geometry == CHECKPOINT else geometry
+    emulated = load_emulated(model, device, torch.bfloat16, shape)  # errors before any process
     # native or python: which one `auto` takes here (an unbuilt native one fails before any process)
     kind = worker_kind(worker_kind_setting) if workers else "none"
-    c = apply_geometry(ModelConfig.from_pretrained(model), geometry)
+    c = apply_geometry(ModelConfig.from_pretrained(model), shape)
     roof = emulated.roofline.step_seconds(batch, pipelined=True)
     per_seq = (prompt_len + gen_len + 32) * c.kv_bytes_per_token(2)
     kv_capacity = int(per_seq * batch / shards * 1.5) + (16 << 20)
     prompts = prompts_for(batch, prompt_len, ModelConfig.from_pretrained(model).vocab_size)
-    fleet = Fleet(
-        model=model,
-        shards=shards,
-        device=device,
-        kv_capacity=kv_capacity,
-        kv_dtype="bfloat16",
-        pipeline=True,
-        dense_args=[
-            *("--dtype", "bfloat16", "--geometry", geometry),
-            *("--exchange-workers", str(workers), "--exchange-worker", kind if workers else "auto"),
-        ],
-        scheduler_args=["--max-running", str(batch), "--plan-ahead", plan_ahead],
-        workdir=Path(tempfile.mkdtemp(prefix="fastdecode-bench-pace-")),
-        env={"FASTDECODE_EVENT_LOOP": loop},
-    )
-    # one item's bytes: a mini-batch's rows on one shard
-    rows = max(1, batch // 2 // shards)
-    out_b = rows * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2 + 64
-    back_b = rows * c.num_attention_heads * c.head_dim * 2 + 32
-    loaded = _LoadedEcho(out_b, back_b, echo_repeats)
-    fleet.start()
-    try:
-        idle, marks = run_async(_drive(fleet.gateway.address, prompts, gen_len, fleet, idle_s, loaded))
-        # the bare echo, in this process, while the fleet sits idle (the yardstick the issue names)
-        _, echo_cpu = grpc_echo_cpu_s(out_b, back_b, echo_repeats)
-    finally:
-        fleet.stop()
-    if len(marks) < 2:
-        raise RuntimeError("the decode window was not reached")
-    a, b = marks
-    steps = b.steps - a.steps
-    if steps <= 0:
-        raise RuntimeError("no dense step in the decode window")
+    with bench_workdir("pace") as workdir:  # the services' logs, kept if the run fails
+        fleet = Fleet(
+            model=model,
+            shards=shards,
+            device=device,
+            kv_capacity=kv_capacity,
+            kv_dtype="bfloat16",
+            pipeline=True,
+            dense_args=[
+                *("--dtype", "bfloat16", *(("--geometry", shape) if shape else ())),
+                *("--exchange-workers", str(workers), "--exchange-worker", kind if workers else "auto"),
+            ],
+            scheduler_args=["--max-running", str(batch), "--plan-ahead", plan_ahead],
+            workdir=workdir,
+            env={"FASTDECODE_EVENT_LOOP": loop},
+        )
+        # one item's bytes: a mini-batch's rows on one shard
+        rows = max(1, batch // 2 // shards)
+        out_b = rows * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2 + 64
+        back_b = rows * c.num_attention_heads * c.head_dim * 2 + 32
+        loaded = _LoadedEcho(out_b, back_b, echo_repeats)
+        fleet.start()
+        try:
+            idle, marks = run_async(_drive(fleet.gateway.address, prompts, gen_len, fleet, idle_s, loaded))
+            # the bare echo, in this process, while the fleet sits idle (the yardstick the issue names)
+            _, echo_cpu = grpc_echo_cpu_s(out_b, back_b, echo_repeats)
+        finally:
+            fleet.stop()
+        if len(marks) < 2:
+            raise RuntimeError("the decode window was not reached")
+        a, b = marks
+        steps = b.steps - a.steps
+        if steps <= 0:
+            raise RuntimeError("no dense step in the decode window")
 
     def per_step(x: float, y: float) -> float:
         return (y - x) * 1e3 / steps

@@ -485,7 +485,11 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     "--gpu", default="h100", show_default=True, help="Emulated GPU: h100, h200, a10, l4 or a profile file."
 )
 @click.option(
-    "--geometry", default="llama-3-8b", show_default=True, help="Model shape (llama-3-8b, llama-3-70b)."
+    "--geometry",
+    default="llama-3-8b",
+    show_default=True,
+    help="Model shape (llama-3-8b, llama-3-70b, smollm2, small), or checkpoint: the --model's own "
+    "(the tiny default's steps are tens of ms: the scheduler and gateway read at a fast pace).",
 )
 @click.option("--batch", "-B", "batches", type=int, multiple=True, default=(256,), show_default=True)
 @click.option("--shards", "-P", type=click.IntRange(1, 64), default=4, show_default=True)

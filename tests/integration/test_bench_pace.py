@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from matplotlib.image import imread
 
 from fastdecode.cli import main
-from fastdecode.dense.emulated import PROFILES, Roofline
+from fastdecode.dense.emulated import PROFILES, Roofline, geometry_of
 from fastdecode.dense.handoff import worker_kind
+from fastdecode.model.config import ModelConfig
 from fastdecode.runtime.geometry import GEOMETRIES
 
 POINT_KEYS = {
@@ -103,6 +104,26 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     )
     assert isinstance(p["echo_loaded_during_decode"], bool)
     assert imread(png).size > 0
+
+
+def test_bench_pace_at_the_checkpoints_own_shape(model_factory: Callable) -> None:
+    """`--geometry checkpoint`: the fleet at the --model's own shape (no geometry laid over it), so
+    its layers, round trips and payload are the checkpoint's; the roofline is that shape's."""
+    model = model_factory("llama")
+    cfg = ModelConfig.from_pretrained(model)
+    args = ["bench", "pace", "--json", "--model", str(model), "--geometry", "checkpoint"]
+    args += ["-B", "4", "-P", "1", "-K", "0", "--prompt-len", "4", "--gen-len", "8"]
+    args += ["--echo-repeats", "10", "--idle-seconds", "0.5"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    (p,) = json.loads(res.stdout.strip().splitlines()[-1])["points"]
+    assert p["geometry"] == "checkpoint" and set(p["cpu_ms_per_step"]) == PARTS
+    assert p["round_trips_per_step"] == pytest.approx(cfg.num_hidden_layers * 2, rel=0.05)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    payload = cfg.num_hidden_layers * 4 * (2 * heads + 2 * kv) * cfg.head_dim * 2 / 1e6
+    assert p["payload_mb_per_step"] == pytest.approx(payload)
+    roof = Roofline(PROFILES["h100"], geometry_of(cfg), 2).step_seconds(4)
+    assert p["gpu_step_ms"] == pytest.approx(roof["gpu_step_s"] * 1e3)
 
 
 @pytest.mark.parametrize(

@@ -355,6 +355,10 @@ class StepCancelled(Exception):
     """A step was cancelled while one of its slots' threads waited on a Port."""
 
 
+class PortStalled(OSError):
+    """A Port's send timed out: the worker read nothing for a poll while its socket stayed full."""
+
+
 class Port:
     """A slot's own socket to a worker, used blocking from the slot's layer thread (the step runner's
     threaded layer loop, fastdecode/dense/runner.py): a layer is one send and one read of its answer,
@@ -375,7 +379,7 @@ class Port:
             self.sock.sendall(data)
         except TimeoutError:
             self.close()
-            raise OSError("the worker reads nothing: its socket stays full") from None
+            raise PortStalled("stopped reading its layer socket") from None
 
     def read(self, keep_waiting: Callable[[], bool]) -> bytes | None:
         """The next frame's body; None when `keep_waiting()` says stop (asked at each poll).

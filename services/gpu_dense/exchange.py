@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, ArenaPool, Staging
+from fastdecode.dense.handoff import Arena, ArenaPool, PortStalled, Staging
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
@@ -245,12 +245,11 @@ class ExchangePlane:
                 waits.append((worker, rid, arena, idx, sent))
             except errors.ServiceError as e:
                 collect(out, worker, None, idx, None, e, self._unpack)
-            except OSError:  # the worker went (its port closed), or stopped reading its port
-                collect(
-                    out, worker, None, idx, None, Unavailable(f"exchange worker {w} exited"), self._unpack
-                )
-                if worker.alive:  # stopped reading: restarted at the next layer, like a stalled one
-                    log.warning("exchange worker %d reads nothing: restarting it", worker.index)
+            except OSError as e:  # the worker went (its port closed), or stopped reading its port
+                why = str(e) if isinstance(e, PortStalled) else "exited"
+                collect(out, worker, None, idx, None, Unavailable(f"exchange worker {w} {why}"), self._unpack)
+                if isinstance(e, PortStalled):  # restarted at the next layer, like a stalled one
+                    log.warning("exchange worker %d %s: restarting it", w, why)
                     asyncio.run_coroutine_threadsafe(worker.stop(grace=0.5), loop).result()
         answers = []
         for worker, rid, *_ in waits:

@@ -10,7 +10,18 @@ import socket
 import pytest
 import torch
 
-from fastdecode.dense.handoff import ALIGN, Arena, ArenaPool, Attached, Channel, Port, Slice, aligned, frame
+from fastdecode.dense.handoff import (
+    ALIGN,
+    Arena,
+    ArenaPool,
+    Attached,
+    Channel,
+    Port,
+    PortStalled,
+    Slice,
+    aligned,
+    frame,
+)
 from fastdecode.runtime.errors import InvalidInput
 
 
@@ -117,7 +128,7 @@ def test_a_port_reads_whole_frames_and_closes_on_a_send_that_times_out() -> None
     theirs.sendall(frame(b"done") + frame(b"x" * 100_000)[:9])  # one frame, then part of the next
     assert port.read(lambda: True) == b"done"
     assert port.read(lambda: False) is None  # the rest never comes: the caller stops waiting
-    with pytest.raises(OSError, match="reads nothing"):
+    with pytest.raises(PortStalled, match="stopped reading"):
         for _ in range(1000):  # the peer reads nothing: its buffer fills
             port.send(frame(b"a" * 65536))
     assert ours.fileno() == -1

@@ -216,6 +216,7 @@ def run_load_bench(
         return run_shared_prefix_bench(
             path, clients, requests_per_client, shared_prefix, prompt_len, gen_len, shards, device, bound_s
         )
+    source = path  # what the result names: a cut copy lives in the work directory, removed after
     with bench_workdir("load") as workdir:
         if chat and context is not None:
             path = _cut_context(path, context, workdir)
@@ -249,7 +250,7 @@ def run_load_bench(
             "shards": shards,
             "prompt_len": prompt_len,
             "gen_len": gen_len,
-            "model": str(path),
+            "model": str(source),
         }
     )
     if chat:

@@ -20,6 +20,8 @@ metrics. Per point:
   measured twice: with the fleet idle, and again while the fleet decodes its last quarter
   (echo_loaded_*: its client on the same shared cores as the exchange workers), so the dense host's
   figure can be read against the yardstick under the same contention as well as idle.
+- tokens_per_message: tokens per stream message the clients read (1 while the gateway keeps pace;
+  a gateway that falls behind writes what waited for a request as one message).
 - dense_host_cores_needed = dense host CPU per step / gpu_step_ms; exposed_host_ms = wall - GPU
   step - one shard's attention per step (the most the shards can keep on the critical path) - the
   stand-in's sampling time (which a GPU spends inside gpu_step_ms).
@@ -67,6 +69,7 @@ class _Mark:
 
     def __init__(self, fleet: Any) -> None:
         self.wall = time.perf_counter()
+        self.client = (0, 0)  # (tokens, stream messages) the load's clients had received
         self.cpu = {
             "gateway": process_cpu_seconds(fleet.gateway.pid),
             "scheduler": process_cpu_seconds(fleet.scheduler.pid),
@@ -116,7 +119,7 @@ async def _drive(
     marks: list[_Mark] = []
     total = len(prompts) * gen_len
     want = [total // 4, 3 * total // 4]
-    tokens = 0
+    tokens = messages = 0
     echo_task: asyncio.Task[None] | None = None
 
     async def run_echo(e: _LoadedEcho) -> None:
@@ -130,12 +133,14 @@ async def _drive(
         idle.append(await asyncio.to_thread(_Mark, fleet))
 
         async def one(p: list[int]) -> None:
-            nonlocal tokens, echo_task
+            nonlocal tokens, messages, echo_task
             async for chunk in client.stream(token_ids=p, max_tokens=gen_len, ignore_eos=True):
                 tokens += len(chunk.token_ids)
+                messages += 1
                 while want and tokens >= want[0]:
                     want.pop(0)
                     marks.append(await asyncio.to_thread(_Mark, fleet))
+                    marks[-1].client = (tokens, messages)
                     if not want and echo is not None:
                         echo_task = asyncio.create_task(run_echo(echo))
 
@@ -173,6 +178,7 @@ def run_point(
     plan_ahead: str = "on",
     idle_s: float = 5.0,
     worker_kind_setting: str = "auto",
+    stream_interval: int = 1,
 ) -> dict[str, Any]:
     import torch
 
@@ -205,6 +211,7 @@ def run_point(
                 *("--exchange-workers", str(workers), "--exchange-worker", kind if workers else "auto"),
             ],
             scheduler_args=["--max-running", str(batch), "--plan-ahead", plan_ahead],
+            gateway_args=["--stream-interval", str(stream_interval)],
             workdir=workdir,
             env={"FASTDECODE_EVENT_LOOP": loop},
         )
@@ -256,6 +263,7 @@ def run_point(
         "exchange_worker": kind,
         "event_loop": loop,
         "plan_ahead": plan_ahead,
+        "stream_interval": stream_interval,
         "context": prompt_len + gen_len,
         "steps_measured": steps,
         "gpu_step_ms": gpu_ms,
@@ -272,6 +280,9 @@ def run_point(
         "dense_main_kernel_ms": per_step(a.dense_kernel, b.dense_kernel),
         "shard_attention_ms": attention,
         "round_trips_per_step": trips,
+        # tokens per stream message the clients read: 1 while the gateway keeps pace; more where it
+        # fell behind and wrote what waited as one message
+        "tokens_per_message": (b.client[0] - a.client[0]) / max(1, b.client[1] - a.client[1]),
         "payload_mb_per_step": payload_mb,
         "dense_host_cpu_ms_per_mb": dense_host / payload_mb,
         "dense_cpu_us_per_round_trip": dense_host * 1e3 / trips if trips else float("nan"),
@@ -303,17 +314,20 @@ def run_pace(
     plan_ahead: tuple[str, ...] = ("on",),
     idle_s: float = 5.0,
     worker_kinds: tuple[str, ...] = ("auto",),
+    stream_intervals: tuple[int, ...] = (1,),
 ) -> dict[str, Any]:
     path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
     points = [
         run_point(
-            gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s, kind
+            *(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s),
+            *(kind, interval),
         )
         for b in batches
         for k in workers
         for loop in loops
         for ahead in plan_ahead
         for kind in (worker_kinds if k else ("auto",))
+        for interval in stream_intervals
     ]
     return {"points": points, "cores": os.cpu_count(), "load_average_end": os.getloadavg()[0]}
 

@@ -554,6 +554,15 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     help="gpu_dense's exchange workers: native (C++), python, auto (native when built); repeat for an A/B.",
 )
 @click.option(
+    "--stream-interval",
+    "stream_intervals",
+    type=click.IntRange(1, 64),
+    multiple=True,
+    default=(1,),
+    show_default=True,
+    help="The gateway's tokens per stream message after the first; repeat for an A/B in one run.",
+)
+@click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Stacked-bar PNG."
 )
 def pace_cmd(
@@ -565,6 +574,7 @@ def pace_cmd(
     loops: tuple[str, ...],
     plan_ahead: tuple[str, ...],
     worker_kinds: tuple[str, ...],
+    stream_intervals: tuple[int, ...],
     **kw: Any,
 ) -> None:
     """A real fleet on an emulated GPU: the host CPU each decode step costs, per part.
@@ -579,6 +589,7 @@ def pace_cmd(
     if plot is not None and not plot.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
     kw.update(batches=batches, workers=workers, loops=loops, plan_ahead=plan_ahead, worker_kinds=worker_kinds)
+    kw.update(stream_intervals=stream_intervals)
     result = run_bench(lambda: run_pace(model=Path(model) if model else None, **kw))
     if plot is not None:
         click.echo(f"plot written to {plot_pace(result, plot)}", err=True)

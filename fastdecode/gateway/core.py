@@ -73,6 +73,21 @@ class UpstreamEvent:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's next positions
     cached_tokens: int = 0  # prompt tokens a shard held cached (shared prefix)
 
+    def then(self, later: UpstreamEvent) -> UpstreamEvent:
+        """This event and the request's next one as one: what a link hands on when the request's
+        consumer fell behind (one message to write instead of several; vLLM's output collector
+        merges the same way). Per-token lists stay aligned with token_ids."""
+        n = len(self.token_ids)
+        top = [*self.top, *[()] * (n - len(self.top)), *later.top] if self.top or later.top else []
+        return UpstreamEvent(
+            self.token_ids + later.token_ids,
+            later.finish_reason,
+            [*self.logprobs, *[0.0] * (n - len(self.logprobs)), *later.logprobs],
+            top,
+            self.prompt_logprobs + later.prompt_logprobs,
+            max(self.cached_tokens, later.cached_tokens),
+        )
+
 
 @dataclass(frozen=True)
 class BackendInfo:

@@ -152,8 +152,9 @@ class _Session:
 
 
 class GrpcSchedulerLink:
-    def __init__(self, target: str, tls: TLSFiles | None) -> None:
+    def __init__(self, target: str, tls: TLSFiles | None, stream_interval: int = 1) -> None:
         self.target = target
+        self.stream_interval = stream_interval  # tokens an event holds after the first (its end aside)
         self.channel = aio_channel(target, tls)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.session: _Session | None = None  # every request's submit and events; opened on first use
@@ -182,13 +183,30 @@ class GrpcSchedulerLink:
             late = DeadlineExceeded("scheduler: Deadline Exceeded")
             expired = asyncio.get_running_loop().call_later(max(0.0, timeout), events.put_nowait, late)
         try:
+            held: ServiceError | None = None
+            interval, first = self.stream_interval, True
             while True:
                 item = await events.get()
                 if isinstance(item, ServiceError):
                     raise item
+                # Behind (events came while the last one was being written): everything waiting
+                # goes out as one event, so a gateway that falls behind the steps writes fewer,
+                # larger messages and catches up instead of falling further behind. After the first
+                # token, an event also waits for stream_interval tokens.
+                while not item.finish_reason and (
+                    not events.empty() or (not first and len(item.token_ids) < interval)
+                ):
+                    later = events.get_nowait() if not events.empty() else await events.get()
+                    if isinstance(later, ServiceError):
+                        held = later  # after the tokens that came before it
+                        break
+                    item = item.then(later)
+                first = first and not item.token_ids
                 yield item
                 if item.finish_reason:
                     return
+                if held is not None:
+                    raise held
         finally:
             if expired is not None:
                 expired.cancel()

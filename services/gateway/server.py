@@ -208,7 +208,7 @@ async def serve(settings: GatewaySettings) -> None:
         guard_requests=False,  # its handlers parse with their own guard (BadRequest, counted as rejected)
         internal=False,  # public: clients need the bearer token, not the fleet secret
     )
-    link = GrpcSchedulerLink(settings.scheduler, settings.tls)
+    link = GrpcSchedulerLink(settings.scheduler, settings.tls, settings.stream_interval)
     metrics = PrometheusGatewayMetrics()
     metrics.tenants(tenants.names())
     core = GatewayCore(settings, tokenizer, config, link, metrics)

@@ -78,6 +78,8 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
     # 32 layers x 2 mini-batches x 1 shard, every step
     assert p["round_trips_per_step"] == pytest.approx(64, rel=0.05)
     assert p["payload_mb_per_step"] == pytest.approx(32 * 4 * (2 * 32 + 2 * 8) * 128 * 2 / 1e6)
+    # every token reached the clients, one or more to a message
+    assert 1.0 <= p["tokens_per_message"] <= 4
     names = {"gpu", "geometry", "event_loop", "plan_ahead"}
     for k in POINT_KEYS - names - {"cpu_ms_per_step", "exposed_host_ms"}:
         assert isinstance(p[k], int | float) and math.isfinite(p[k]) and p[k] > 0, (k, p[k])

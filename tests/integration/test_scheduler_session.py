@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fastdecode.gateway.core import GatewayCore, SchedulerLost
+from fastdecode.gateway.core import GatewayCore, SchedulerLost, UpstreamEvent
 from fastdecode.gateway.text import GenerateParams, ValidRequest
 from fastdecode.model import ModelConfig
 from fastdecode.runtime.errors import DeadlineExceeded, InternalError, InvalidInput, Status
@@ -219,8 +219,7 @@ def test_a_cancel_a_deadline_or_a_gone_gateway_frees_the_kv() -> None:
                 while "late" in s.held():
                     await asyncio.sleep(0.01)
             # the session and the other request were untouched
-            assert first.token_ids == [1]
-            assert await _tokens(stays) == list(range(2, 201))
+            assert first.token_ids + await _tokens(stays) == list(range(1, 201))
             # The gateway goes away with requests running: the scheduler cancels them all.
             runs = [link.submit(f"g{i}", _request([1, 2], 400), 30) for i in range(3)]
             for r in runs:
@@ -231,6 +230,62 @@ def test_a_cancel_a_deadline_or_a_gone_gateway_frees_the_kv() -> None:
             assert not s.service.driver.streams
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_what_waited_as_one_event() -> None:
+    async def main() -> None:
+        async with Scheduler() as s:
+            link = GrpcSchedulerLink(s.address, None)
+            events = link.submit("slow", _request([1, 2], 60), 30)
+            got = [await anext(events)]
+            await asyncio.sleep(0.1)  # ~1 ms steps: dozens of tokens wait meanwhile
+            got += [ev async for ev in events]
+            tokens = [t for ev in got for t in ev.token_ids]
+            assert tokens == list(range(1, 61))  # every token once, in order
+            assert max(len(ev.token_ids) for ev in got) > 1 and len(got) < 60
+            assert all(len(ev.logprobs) == len(ev.token_ids) for ev in got)  # still per token
+            assert [ev.finish_reason for ev in got] == [""] * (len(got) - 1) + ["length"]
+
+            # A failure behind waiting tokens ends the request after them, not before.
+            late = link.submit("late", _request([1, 2], 400), 0.05)
+            first = await anext(late)
+            await asyncio.sleep(0.15)  # the deadline passes with tokens waiting before it
+            after = await anext(late)
+            assert first.token_ids[0] == 1 and after.token_ids[0] == first.token_ids[-1] + 1
+            assert len(after.token_ids) > 1
+            with pytest.raises(DeadlineExceeded):
+                await anext(late)
+            await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_several_a_message() -> None:
+    async def main() -> None:
+        async with Scheduler() as s:
+            link = GrpcSchedulerLink(s.address, None, stream_interval=4)
+            got = [ev async for ev in link.submit("r", _request([1, 2], 30), 30)]
+            assert [t for ev in got for t in ev.token_ids] == list(range(1, 31))
+            assert all(len(ev.token_ids) >= 4 for ev in got[1:-1])  # the last: whatever was left
+            assert got[-1].finish_reason == "length" and len(got) <= 1 + 29 // 4 + 1
+            await link.close()
+            # the first token is not held for the interval: with 64, the rest comes with the end
+            link = GrpcSchedulerLink(s.address, None, stream_interval=64)
+            got = [ev async for ev in link.submit("q", _request([1, 2], 30), 30)]
+            assert len(got) == 2 and got[0].token_ids[0] == 1 and got[1].finish_reason == "length"
+            assert got[0].token_ids + got[1].token_ids == list(range(1, 31))
+            await link.close()
+
+    asyncio.run(main())
+
+
+def test_merged_events_keep_per_token_lists_aligned() -> None:
+    a = UpstreamEvent([5, 6], "", [-0.1, -0.2], [], cached_tokens=4)
+    b = UpstreamEvent([7], "stop", [-0.3], [((7, -0.3),)], cached_tokens=2)
+    m = a.then(b)
+    assert (m.token_ids, m.finish_reason, m.logprobs) == ([5, 6, 7], "stop", [-0.1, -0.2, -0.3])
+    assert m.top == [(), (), ((7, -0.3),)] and m.cached_tokens == 4
+    assert a.then(UpstreamEvent([8])).top == []  # none asked: none made up
 
 
 def test_a_restarted_scheduler_is_lost_then_resubmitted_to(llama_dir: Path) -> None:

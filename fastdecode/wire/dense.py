@@ -88,15 +88,30 @@ def step_plan(step: Step, pipeline: bool) -> dense_pb2.StepPlan:
     return plan_to_proto(step.step, step.seqs, pipeline, step.ended)
 
 
+# settings objects converted lately, by identity (each entry holds its object, so the id stays its)
+_converted: dict[int, tuple[SamplingParams, dense_pb2.SamplingParams]] = {}
+_CONVERTED_MAX = 256
+
+
+def _converted_sampling(s: SamplingParams) -> dense_pb2.SamplingParams:
+    hit = _converted.get(id(s))
+    if hit is not None and hit[0] is s:
+        return hit[1]
+    if len(_converted) >= _CONVERTED_MAX:
+        _converted.clear()  # settings come and go with requests: start over rather than keep them
+    out = _converted[id(s)] = (s, sampling_to_proto(s))
+    return out[1]
+
+
 def plan_to_proto(
     step: int, seqs: Sequence[PlannedSeq], pipeline: bool, ended: Sequence[str] = ()
 ) -> dense_pb2.StepPlan:
     """A step's PlannedSeqs as StepPlan's columns."""
-    # Sequences mostly share a few sampling settings (greedy, a client's defaults): each distinct
-    # one is converted once a step, and rows point at it. Settings are frozen dataclasses; one
-    # object is usually shared by many rows, so it is looked up by identity before by value.
+    # Sequences mostly share a few sampling settings (greedy, a client's defaults): the scheduler's
+    # core gives requests with equal settings one object, so each object is one entry of the step's
+    # table, found by identity (hashing the frozen dataclass's 17 fields was most of a small step's
+    # plan), and converted once while it lives (_converted), not once a step.
     by_id: dict[int, int] = {}
-    by_value: dict[SamplingParams, int] = {}
     table: list[dense_pb2.SamplingParams] = []
     index: list[int] = []
     tokens: list[int] = []
@@ -105,15 +120,8 @@ def plan_to_proto(
     for row, p in enumerate(seqs):
         i = by_id.get(id(p.sampling))
         if i is None:
-            try:
-                i = by_value.get(p.sampling)
-                if i is None:
-                    i = by_value[p.sampling] = len(table)
-                    table.append(sampling_to_proto(p.sampling))
-            except TypeError:  # settings built with a list somewhere (unhashable): one entry each
-                i = len(table)
-                table.append(sampling_to_proto(p.sampling))
-            by_id[id(p.sampling)] = i
+            i = by_id[id(p.sampling)] = len(table)
+            table.append(_converted_sampling(p.sampling))
         index.append(i)
         if p.use_last_sample:
             counts.append(0)

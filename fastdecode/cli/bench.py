@@ -565,18 +565,7 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
 @click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Stacked-bar PNG."
 )
-def pace_cmd(
-    as_json: bool,
-    model: str | None,
-    plot: Path | None,
-    batches: tuple[int, ...],
-    workers: tuple[int, ...],
-    loops: tuple[str, ...],
-    plan_ahead: tuple[str, ...],
-    worker_kinds: tuple[str, ...],
-    stream_intervals: tuple[int, ...],
-    **kw: Any,
-) -> None:
+def pace_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) -> None:
     """A real fleet on an emulated GPU: the host CPU each decode step costs, per part.
 
     The last line (--json) is one object with `points`; each point has the GPU step (the profile's
@@ -588,8 +577,7 @@ def pace_cmd(
 
     if plot is not None and not plot.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
-    kw.update(batches=batches, workers=workers, loops=loops, plan_ahead=plan_ahead, worker_kinds=worker_kinds)
-    kw.update(stream_intervals=stream_intervals)
+    # (each option's name is run_pace's: batches, workers, loops, plan_ahead, worker_kinds, stream_intervals)
     result = run_bench(lambda: run_pace(model=Path(model) if model else None, **kw))
     if plot is not None:
         click.echo(f"plot written to {plot_pace(result, plot)}", err=True)

@@ -74,9 +74,8 @@ class UpstreamEvent:
     cached_tokens: int = 0  # prompt tokens a shard held cached (shared prefix)
 
     def then(self, later: UpstreamEvent) -> UpstreamEvent:
-        """This event and the request's next one as one: what a link hands on when the request's
-        consumer fell behind (one message to write instead of several; vLLM's output collector
-        merges the same way). Per-token lists stay aligned with token_ids."""
+        """This event and the request's next as one (a link's, for a consumer that fell behind: one
+        message to write, not several). Per-token lists stay aligned with token_ids."""
         n = len(self.token_ids)
         top = [*self.top, *[()] * (n - len(self.top)), *later.top] if self.top or later.top else []
         return UpstreamEvent(

@@ -32,6 +32,17 @@ from fastdecode.wire import gateway as wire
 
 log = logging.getLogger("fastdecode.gateway")
 
+# What the Session call buffers ahead of the gateway's reading: a fixed window, not one grown by gRPC's
+# bandwidth probe (megabytes: hundreds of steps). A gateway short of CPU reads a message per turn of
+# its loop, so what it cannot keep up with waits in this window; once it is full, the scheduler's
+# Session writes everything its steps delivered meanwhile as one message, several tokens a request,
+# which the gateway writes on as one stream message each. Measured with its CPU held to 0.15 cores at
+# B=256: 3.2 tokens a message, every token delivered in 15.8 s for a 15.3 s decode, against 35.2 s
+# for a 16.8 s one (docs/benchmarks/2026-12-05-gateway-stream-interval.md). 256 KiB is ~16 steps of
+# events at B=256.
+SESSION_WINDOW_BYTES = 256 << 10
+SESSION_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", SESSION_WINDOW_BYTES))
+
 
 def _answered(e: grpc.aio.AioRpcError) -> bool:
     """Whether the scheduler itself gave this status (its trailer), not a failed connection."""
@@ -155,7 +166,7 @@ class GrpcSchedulerLink:
     def __init__(self, target: str, tls: TLSFiles | None, stream_interval: int = 1) -> None:
         self.target = target
         self.stream_interval = stream_interval  # tokens an event holds after the first (its end aside)
-        self.channel = aio_channel(target, tls)
+        self.channel = aio_channel(target, tls, SESSION_CHANNEL_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.session: _Session | None = None  # every request's submit and events; opened on first use
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
+import time
 from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import grpc
@@ -277,6 +280,61 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_several_a_message(
             await link.close()
 
     asyncio.run(main())
+
+
+def _serve_scheduler(conn: Connection) -> None:
+    """A Scheduler in a process of its own (spawned), whose loop the test's blocking cannot hold."""
+
+    async def main() -> None:
+        async with Scheduler() as s:
+            conn.send(s.address)
+            await asyncio.to_thread(conn.recv)  # until told to stop
+
+    asyncio.run(main())
+
+
+def test_a_gateway_short_of_cpu_gets_several_steps_a_message() -> None:
+    """The gateway's loop busy (as its CPU work holds it) while the scheduler steps on: what it cannot
+    read waits in the Session's window, then the scheduler writes the steps it delivered meanwhile as
+    one message, and each request gets them as one event. With the window gRPC's bandwidth probe
+    grows, everything was buffered and went one token a message however far behind the gateway was."""
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve_scheduler, args=(there,), daemon=True)
+    proc.start()
+    try:
+        assert here.poll(60), "the scheduler process did not start"
+        address = here.recv()
+
+        async def main() -> list[list[UpstreamEvent]]:
+            link = GrpcSchedulerLink(address, None)
+
+            async def consume(i: int, busy_s: float) -> list[UpstreamEvent]:
+                got = []
+                async for ev in link.submit(f"{'x' * 100}-{i}", _request([1, 2], 100), 60):
+                    time.sleep(busy_s)  # the gateway's CPU per event, holding its loop as CPU work does
+                    got.append(ev)
+                return got
+
+            # first at pace, as a gateway runs for a while before it falls behind (gRPC's probe, where
+            # on, has grown the window by then)
+            await asyncio.gather(*(consume(i, 0.0) for i in range(64)))
+            runs = await asyncio.gather(*(consume(64 + i, 0.001) for i in range(64)))
+            await link.close()
+            return runs
+
+        runs = asyncio.run(main())
+        for got in runs:
+            assert [t for ev in got for t in ev.token_ids] == list(range(1, 101))
+            assert all(len(ev.logprobs) == len(ev.token_ids) for ev in got)
+        # ~64 ms a turn of the gateway's loop while a step takes a few: once the window is full, each
+        # message holds many steps (the probe-grown window: at most 2 tokens an event, measured)
+        assert max(len(ev.token_ids) for got in runs for ev in got) >= 8
+    finally:
+        here.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_merged_events_keep_per_token_lists_aligned() -> None:

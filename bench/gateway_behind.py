@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastdecode.benchmarks.common import bench_workdir  # noqa: E402
 from fastdecode.benchmarks.fleet_bench import prompts_for  # noqa: E402
+from fastdecode.benchmarks.pace import kv_capacity_per_shard  # noqa: E402
 from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds  # noqa: E402
 from fastdecode.client import AsyncClient  # noqa: E402
 from fastdecode.model.config import ModelConfig  # noqa: E402
@@ -48,18 +49,15 @@ class CpuQuota:
             self.path.mkdir(exist_ok=True)
             (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (self.path / "cpu.cfs_quota_us").write_text(str(quota))
-            self.tasks = self.path / "tasks"
         elif "cpu" in (CGROUP_V2 / "cgroup.controllers").read_text().split():
             self.path = CGROUP_V2 / name
             self.path.mkdir(exist_ok=True)
             (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-            self.tasks = self.path / "cgroup.threads"
         else:
             raise OSError("no cgroup cpu controller here")
 
     def hold(self, pid: int) -> None:
-        for tid in Path(f"/proc/{pid}/task").iterdir():
-            self.tasks.write_text(tid.name)
+        (self.path / "cgroup.procs").write_text(str(pid))  # every thread of it, and those it starts
 
     def remove(self) -> None:
         try:
@@ -123,14 +121,13 @@ def run_point(batch: int, gen_len: int, interval: int, quota: float | None) -> d
     model = ensure_model("llama", "tiny")
     config = ModelConfig.from_pretrained(model)
     shards, prompt_len = 4, 8
-    per_seq = (prompt_len + gen_len + 32) * config.kv_bytes_per_token(2)
     prompts = prompts_for(batch, prompt_len, config.vocab_size)
     with bench_workdir("gateway-behind") as workdir:
         fleet = Fleet(
             model=model,
             shards=shards,
             device="emulated:h100",
-            kv_capacity=int(per_seq * batch / shards * 1.5) + (16 << 20),
+            kv_capacity=kv_capacity_per_shard(config, batch, shards, prompt_len + gen_len),
             kv_dtype="bfloat16",
             pipeline=True,
             dense_args=["--dtype", "bfloat16", "--exchange-workers", "1"],

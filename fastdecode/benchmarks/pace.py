@@ -56,6 +56,13 @@ CHECKPOINT = "checkpoint"
 PARTS = ("scheduler", "dense_main", "exchange_workers", "shards_outside_attention", "gateway")
 
 
+def kv_capacity_per_shard(config: Any, batch: int, shards: int, context: int) -> int:
+    """bf16 KV bytes a shard needs for its share of `batch` sequences of `context` tokens, with room
+    to spare (placement is not exactly even)."""
+    per_seq = (context + 32) * config.kv_bytes_per_token(2)
+    return int(per_seq * batch / shards * 1.5) + (16 << 20)
+
+
 def _children(pid: int) -> list[int]:
     """The processes `pid` started (gpu_dense's exchange workers)."""
     try:
@@ -195,8 +202,7 @@ def run_point(
     kind = worker_kind(worker_kind_setting) if workers else "none"
     c = apply_geometry(ModelConfig.from_pretrained(model), shape)
     roof = emulated.roofline.step_seconds(batch, pipelined=True)
-    per_seq = (prompt_len + gen_len + 32) * c.kv_bytes_per_token(2)
-    kv_capacity = int(per_seq * batch / shards * 1.5) + (16 << 20)
+    kv_capacity = kv_capacity_per_shard(c, batch, shards, prompt_len + gen_len)
     prompts = prompts_for(batch, prompt_len, ModelConfig.from_pretrained(model).vocab_size)
     with bench_workdir("pace") as workdir:  # the services' logs, kept if the run fails
         fleet = Fleet(

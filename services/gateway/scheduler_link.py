@@ -200,10 +200,10 @@ class GrpcSchedulerLink:
                 item = await events.get()
                 if isinstance(item, ServiceError):
                     raise item
-                # Behind (events came while the last one was being written): everything waiting
-                # goes out as one event, so a gateway that falls behind the steps writes fewer,
-                # larger messages and catches up instead of falling further behind. After the first
-                # token, an event also waits for stream_interval tokens.
+                # Events that came while the last one was being written (a slow client, or several
+                # steps in one Session message: SESSION_WINDOW_BYTES) go out as one event, one
+                # message to write. After the first token, an event also waits for stream_interval
+                # tokens.
                 while not item.finish_reason and (
                     not events.empty() or (not first and len(item.token_ids) < interval)
                 ):

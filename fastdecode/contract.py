@@ -128,6 +128,9 @@ class PlannedSeq:
     # Planned one step ahead (while the step before ran): token_ids is [LAST_SAMPLE], to be replaced
     # by the token gpu_dense sampled for the sequence in the step it ran just before this one.
     use_last_sample: bool = False
+    # Decode steps this row runs in a row within the one plan (the scheduler's --decode-steps): each
+    # step after the first feeds it the token the one before sampled, one position further on.
+    steps: int = 1
 
 
 LAST_SAMPLE = -1  # the token of a step planned ahead: not known to the scheduler yet

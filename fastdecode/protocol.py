@@ -23,6 +23,11 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 # round trip 1.54 -> 1.34 ms. A stream holds one item at a time, so no more than that is buffered.
 DATA_PLANE_OPTIONS: list[tuple[str, int]] = [("grpc.http2.lookahead_bytes", 8 << 20)]
 
+# Most decode steps one step plan may run a sequence for (the scheduler's --decode-steps; `steps` in
+# dense.proto's StepPlan): each is a token the scheduler's stop rules see only after the plan, so a
+# stopped sequence wastes at most this many less one.
+MAX_DECODE_STEPS = 16
+
 # The gateway's request id rides in this metadata key on every call made for a request; a call made
 # for several sequences at once (Reserve, Release) names them all, comma-separated.
 REQUEST_ID_KEY = "x-request-id"

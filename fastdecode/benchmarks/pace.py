@@ -186,6 +186,7 @@ def run_point(
     idle_s: float = 5.0,
     worker_kind_setting: str = "auto",
     stream_interval: int = 1,
+    decode_steps: int = 1,
 ) -> dict[str, Any]:
     import torch
 
@@ -216,7 +217,10 @@ def run_point(
                 *("--dtype", "bfloat16", *(("--geometry", shape) if shape else ())),
                 *("--exchange-workers", str(workers), "--exchange-worker", kind if workers else "auto"),
             ],
-            scheduler_args=["--max-running", str(batch), "--plan-ahead", plan_ahead],
+            scheduler_args=[
+                *("--max-running", str(batch), "--plan-ahead", plan_ahead),
+                *("--decode-steps", str(decode_steps)),
+            ],
             gateway_args=["--stream-interval", str(stream_interval)],
             workdir=workdir,
             env={"FASTDECODE_EVENT_LOOP": loop},
@@ -270,6 +274,7 @@ def run_point(
         "event_loop": loop,
         "plan_ahead": plan_ahead,
         "stream_interval": stream_interval,
+        "decode_steps": decode_steps,
         "context": prompt_len + gen_len,
         "steps_measured": steps,
         "gpu_step_ms": gpu_ms,
@@ -321,12 +326,13 @@ def run_pace(
     idle_s: float = 5.0,
     worker_kinds: tuple[str, ...] = ("auto",),
     stream_intervals: tuple[int, ...] = (1,),
+    decode_steps: tuple[int, ...] = (1,),
 ) -> dict[str, Any]:
     path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
     points = [
         run_point(
             *(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s),
-            *(kind, interval),
+            *(kind, interval, k_steps),
         )
         for b in batches
         for k in workers
@@ -334,6 +340,7 @@ def run_pace(
         for ahead in plan_ahead
         for kind in (worker_kinds if k else ("auto",))
         for interval in stream_intervals
+        for k_steps in decode_steps
     ]
     return {"points": points, "cores": os.cpu_count(), "load_average_end": os.getloadavg()[0]}
 
@@ -360,7 +367,7 @@ def pace_figure(result: dict[str, Any]) -> Any:
         x,
         [
             f"{p['gpu']} {p['geometry']}\nB={p['batch']} P={p['shards']} K={p['workers']}\n"
-            f"{p['event_loop']}, ahead {p['plan_ahead']}"
+            f"{p['event_loop']}, ahead {p['plan_ahead']}, k={p.get('decode_steps', 1)}"
             for p in points
         ],
     )

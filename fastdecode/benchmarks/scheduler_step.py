@@ -14,9 +14,11 @@ Per step the CPU is split into `plan` (moves, admission, placement, next_step), 
 out and the result back: the scheduler's codec), `apply` (apply, token events to each request's
 mailbox, metrics), and `streams` (the Session's writer converting and serializing the step's
 events as one message; with Submit streams, each request's task waking to do so for its event).
-Medians over the timed steps, after every sequence is admitted and decoding. A median hides the
-cyclic collector's pauses, so they are reported beside it: `gc_ms_per_step` (its CPU over the timed
-steps, spread per step), `gc_max_pause_ms`, `gc_full_collections`, and the mean step with them.
+With --decode-steps k each plan runs its sequences k decode steps: every figure is per decode step
+(a plan's CPU over the steps it ran). Medians over the timed plans, after every sequence is admitted
+and decoding. A median hides the cyclic collector's pauses, so they are reported beside it:
+`gc_ms_per_step` (its CPU over the timed steps, spread per step), `gc_max_pause_ms`,
+`gc_full_collections`, and the mean step with them.
 The heap is settled as the service settles it when ready (settle_heap: what start-up made is frozen).
 """
 
@@ -72,9 +74,15 @@ class _InstantDense:
         plan = dense_pb2.StepPlan.FromString(sent)  # gpu_dense's side from here ...
         result = dense_pb2.StepResult(step=plan.step)
         result.seq_ids.extend(plan.seq_ids)
-        sampled = zip(plan.sample_index, plan.sample, strict=True)
-        result.token_ids.extend([1 + i if s else -1 for i, s in sampled])
-        result.logprobs.extend([-0.5] * len(plan.seq_ids))
+        if plan.steps:  # rows run several decode steps (--decode-steps): a token per step
+            rows = zip(plan.sample_index, plan.sample, plan.steps, strict=True)
+            runs = [[1 + i + j for j in range(k)] if s else [-1] for i, s, k in rows]
+            result.token_counts.extend([len(r) for r in runs])
+            result.token_ids.extend([t for r in runs for t in r])
+        else:
+            sampled = zip(plan.sample_index, plan.sample, strict=True)
+            result.token_ids.extend([1 + i if s else -1 for i, s in sampled])
+        result.logprobs.extend([-0.5] * len(result.token_ids))
         answer = result.SerializeToString()  # ... to here
         t2 = time.process_time()
         outcome = dense_wire.step_outcome_from_proto(dense_pb2.StepResult.FromString(answer))
@@ -115,7 +123,13 @@ class _InstantShard:
 
 
 async def _run(
-    batch: int, shards: int, steps: int, prompt_len: int, prefix_sharing: bool, transport: str
+    batch: int,
+    shards: int,
+    steps: int,
+    prompt_len: int,
+    prefix_sharing: bool,
+    transport: str,
+    decode_steps: int = 1,
 ) -> dict[str, Any]:
     settings = SchedulerSettings(
         dense="bench:dense",
@@ -123,6 +137,7 @@ async def _run(
         max_running=batch,
         prefix_sharing="on" if prefix_sharing else "off",
         health_interval=3600.0,
+        decode_steps=decode_steps,
     )
     peers: dict[str, _InstantShard] = {}
     for i in range(shards):
@@ -138,7 +153,8 @@ async def _run(
     def request(i: int) -> Request:
         # distinct prompts (nothing shared), long enough to decode through the timed steps
         prompt = [(7 * i + j) % (VOCAB - 1) + 1 for j in range(prompt_len)]
-        return Request(f"bench-{i}", prompt, max_tokens=min(CONTEXT - prompt_len, steps + 64))
+        long = (steps + 16) * decode_steps
+        return Request(f"bench-{i}", prompt, max_tokens=min(CONTEXT - prompt_len, long))
 
     async def stream(i: int) -> None:
         nonlocal events
@@ -161,7 +177,7 @@ async def _run(
         tasks = [asyncio.create_task(stream(i)) for i in range(batch)]
     await asyncio.sleep(0)
 
-    async def one_step() -> tuple[float, float, float, float]:
+    async def one_step() -> tuple[int, float, float, float, float]:
         ex0 = dense.exchange_cpu_s
         dn0 = dense.dense_cpu_s
         t0 = time.process_time()
@@ -176,7 +192,8 @@ async def _run(
         t3 = time.process_time()
         exchange = dense.exchange_cpu_s - ex0
         apply = (t2 - t1) - exchange - (dense.dense_cpu_s - dn0)
-        return t1 - t0, exchange, apply, t3 - t2
+        k = max((p.steps for p in step.seqs), default=1) if step is not None else 1
+        return k, t1 - t0, exchange, apply, t3 - t2
 
     for _ in range(16):  # admission and prefill
         await one_step()
@@ -201,10 +218,13 @@ async def _run(
             full += info["generation"] == 2
 
     gc.callbacks.append(collected)
+    decoded = 0  # decode steps the timed plans ran (each plan runs up to decode_steps)
     try:
         for _ in range(steps):
-            for name, v in zip(parts, await one_step(), strict=True):
-                parts[name].append(v * 1e3)
+            k, *cpu = await one_step()
+            decoded += k
+            for name, v in zip(parts, cpu, strict=True):
+                parts[name].append(v * 1e3 / k)  # per decode step
     finally:
         gc.callbacks.remove(collected)
     for t in tasks:
@@ -223,7 +243,8 @@ async def _run(
         "scheduler_cpu_ms_per_step_mean": round(sum(totals) / len(totals), 3),  # with the gc pauses
         **{f"{k}_ms": round(median(v), 3) for k, v in parts.items()},
         "without_streams_ms": round(median(without), 3),
-        "gc_ms_per_step": round(sum(pauses) * 1e3 / steps, 3),
+        "decode_steps": decode_steps,
+        "gc_ms_per_step": round(sum(pauses) * 1e3 / decoded, 3),
         "gc_max_pause_ms": round(max(pauses, default=0.0) * 1e3, 2),
         "gc_full_collections": full,
         "load_average": round(os.getloadavg()[0], 2),
@@ -231,7 +252,12 @@ async def _run(
 
 
 def run_scheduler_step_bench(
-    batch: int = 256, shards: int = 4, steps: int = 200, prompt_len: int = 32, prefix_sharing: bool = True
+    batch: int = 256,
+    shards: int = 4,
+    steps: int = 200,
+    prompt_len: int = 32,
+    prefix_sharing: bool = True,
+    decode_steps: int = 1,
 ) -> dict[str, Any]:
     """Both ways of delivering the token events, in one run: the gateway's Session (one message
     per step) and a Submit stream per request. The Session's figures lead; `submit` holds the other's
@@ -239,7 +265,7 @@ def run_scheduler_step_bench(
     threshold = gc.get_threshold()
     try:
         session, submit = (
-            asyncio.run(_run(batch, shards, steps, prompt_len, prefix_sharing, transport))
+            asyncio.run(_run(batch, shards, steps, prompt_len, prefix_sharing, transport, decode_steps))
             for transport in ("session", "submit")
         )
     finally:  # (settle_heap froze this process's heap: a caller gets it back as it was)

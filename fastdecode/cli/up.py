@@ -22,6 +22,10 @@ def _setting(cls: type[BaseSettings], name: str, **extra: Any) -> Any:
     field = cls.model_fields[name]
     choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ()
     kind = click.Choice(list(choices)) if choices else field.annotation
+    if kind is int:  # its bounds checked here, not by a service that failed to start
+        lo = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
+        hi = next((m.le for m in field.metadata if hasattr(m, "le")), None)
+        kind = click.IntRange(lo, hi)
     return click.option(
         "--" + name.replace("_", "-"),
         type=kind,
@@ -65,6 +69,7 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             _setting(SchedulerSettings, "admission"),
             _setting(SchedulerSettings, "prefix_sharing"),
             _setting(SchedulerSettings, "plan_ahead"),
+            _setting(SchedulerSettings, "decode_steps"),
             click.option(
                 "--host-shard",
                 is_flag=True,
@@ -148,6 +153,7 @@ def _make_fleet(
     host_shard: bool = False,
     geometry: str | None = None,
     plan_ahead: str = "on",
+    decode_steps: int = 1,
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.dense.emulated import is_emulated, load_emulated
@@ -187,6 +193,8 @@ def _make_fleet(
             prefix_sharing,
             "--plan-ahead",
             plan_ahead,
+            "--decode-steps",
+            str(decode_steps),
         ],
         dense_args=dense_args,
         env=dict(env or {}),
@@ -241,6 +249,7 @@ def up(
     admission: str,
     prefix_sharing: str,
     plan_ahead: str,
+    decode_steps: int,
     host_shard: bool,
     pipeline: str,
     port: int,
@@ -281,6 +290,7 @@ def up(
         host_shard=host_shard,
         geometry=geometry,
         plan_ahead=plan_ahead,
+        decode_steps=decode_steps,
     )
     fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:

@@ -80,6 +80,7 @@ class Outcome:
     error: BaseException | None = None
     top: tuple[tuple[int, float], ...] = ()  # the sampled position's top alternatives, when asked
     prompt: list[TokenLogprob] = field(default_factory=list)  # scored positions start_pos+1..
+    after: list[Outcome] = field(default_factory=list)  # the row's later decode steps (multistep.py)
 
 
 @dataclass
@@ -146,7 +147,7 @@ class StepRunner:
         # per slot, the staging arena a synthetic (emulated) device's q, k, v were copied into, and rows
         self._staged: dict[int, tuple[object, int]] = {}
         # the tokens sampled in the last step run: a sequence planned one step ahead feeds its own
-        self._last: dict[str, int] = {}
+        self.last_samples: dict[str, int] = {}  # what a row planned ahead follows on from
 
     @property
     def num_shards(self) -> int:
@@ -183,6 +184,8 @@ class StepRunner:
             raise InvalidInput(f"mini_batch must be 0 or 1, got {s.mini_batch}")
         if not s.token_ids:
             raise InvalidInput("no new tokens")
+        if s.steps > 1 and not (s.sample and s.next_token is None):
+            raise InvalidInput("several decode steps need a row that samples and scores no prompt")
         if min(s.token_ids) < 0 or max(s.token_ids) >= c.vocab_size:
             raise InvalidInput(f"token id outside the vocabulary [0, {c.vocab_size})")
         if s.start_pos < 0 or s.start_pos + len(s.token_ids) > c.max_position_embeddings:
@@ -473,7 +476,8 @@ class StepRunner:
         self._meters = [Meter(), Meter(), Meter()]
         self._failures = {}
         self._prompt = {}
-        last, self._last = self._last, {}  # (a step that fails leaves none: nothing follows on from it)
+        # (a step that fails leaves none: nothing follows on from it)
+        last, self.last_samples = self.last_samples, {}
         outcomes: dict[str, Outcome] = {}
         head_cpu = 0.0
         valid: list[PlannedSeq] = []
@@ -556,7 +560,9 @@ class StepRunner:
                 outcomes[sid].prompt = scored
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
-        self._last = {sid: o.token_id for sid, o in outcomes.items() if o.error is None and o.token_id >= 0}
+        self.last_samples = {
+            sid: o.token_id for sid, o in outcomes.items() if o.error is None and o.token_id >= 0
+        }
         step = time.perf_counter() - t0
         if pipeline and all(split) and self.chooser is not None and valid:
             decided = self.chooser.choice is not None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fastdecode.protocol import MAX_DECODE_STEPS
 from fastdecode.runtime.fleet_secret import FleetSecret, load_fleet_secret
 from fastdecode.runtime.logs import configure_logging
 
@@ -209,6 +210,14 @@ class SchedulerSettings(ServiceSettings):
         "on",
         description="on: plan step n+1 while gpu_dense runs step n, its decoding sequences fed the "
         "tokens gpu_dense sampled (the scheduler leaves the critical path); off: one step at a time.",
+    )
+    decode_steps: int = Field(
+        1,
+        ge=1,
+        le=MAX_DECODE_STEPS,
+        description="Decode steps one plan runs each sampling sequence for at gpu_dense, each fed the "
+        "token the one before sampled: the scheduler's work per plan is spread over them (vLLM's "
+        "multi-step scheduling), its stop rules see them after the plan, new requests join between plans.",
     )
     health_interval: float = Field(1.0, gt=0, description="Seconds between shard health probes.")
     step_timeout: float = Field(120.0, gt=0, description="Seconds one step may take at gpu_dense.")

@@ -40,8 +40,8 @@ prefix cache are not counted against the shard per sequence (`SeqEntry.shared`).
 
 The core is one class over its tables (fastdecode/scheduling/tables.py), in parts along its seams:
 membership (shards in and out), migration (live moves), load (the load model, placement, stats),
-prefixes (prefix placement), preemption (preemption and KV releases); this module holds admission,
-planning and apply.
+prefixes (prefix placement), preemption (preemption and KV releases), runs (several decode steps a
+plan, --decode-steps), scoring (prompt logprobs); this module holds admission, planning and apply.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from fastdecode.contract import LAST_SAMPLE, TokenLogprob
+from fastdecode.protocol import MAX_DECODE_STEPS
 from fastdecode.runtime.errors import (
     InternalError,
     InvalidInput,
@@ -68,6 +68,8 @@ from fastdecode.scheduling.migration import MigrationPlanning
 from fastdecode.scheduling.placement import attention_cost, split_mini_batches
 from fastdecode.scheduling.preemption import Preemption
 from fastdecode.scheduling.prefixes import PrefixPlacement
+from fastdecode.scheduling.runs import DecodeRuns
+from fastdecode.scheduling.scoring import PromptScoring
 from fastdecode.scheduling.tables import (
     ADMISSION_DECISIONS,
     DEFAULT_KV_LOOKAHEAD,
@@ -80,10 +82,10 @@ from fastdecode.scheduling.types import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    DenseAnswer,
     PlannedSeq,
     Request,
     Reservation,
-    Sampled,
     Sampling,
     ShardSpec,
     Step,
@@ -91,7 +93,9 @@ from fastdecode.scheduling.types import (
 )
 
 
-class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, Preemption):
+class SchedulerCore(
+    Membership, MigrationPlanning, LoadModel, PrefixPlacement, Preemption, DecodeRuns, PromptScoring
+):
     """Owns every sequence: admits, places on shards, plans steps, applies sampled tokens."""
 
     def __init__(
@@ -110,6 +114,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         prefix_affinity: float = 0.5,
         kv_geometry: KVGeometry | None = None,
         plan_ahead: bool = False,
+        decode_steps: int = 1,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
@@ -119,6 +124,9 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         if kv_lookahead < 0:
             raise InvalidInput("kv_lookahead must be >= 0")
         self._lookahead = kv_lookahead
+        if not 1 <= decode_steps <= MAX_DECODE_STEPS:
+            raise InvalidInput(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")
+        self._decode_steps = decode_steps
         if prefix_affinity < 0:
             raise InvalidInput("prefix_affinity must be >= 0")
         # windowed layers (the model's geometry): a sequence holds, and attends over, less than its
@@ -253,18 +261,20 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
             tokens, kv, req = seq.tokens, seq.kv, seq.req
             ntok = len(tokens)
             if seq.inflight is not None:
-                # Planned ahead: its chunk in flight samples its last token (kv == ntok), after which
-                # it is not at max_tokens, and nothing wants it at a step boundary.
-                generated = ntok - len(req.prompt) + 1  # with the token in flight
+                # Planned ahead: its chunk in flight samples its last token (then kv counts the
+                # positions of all but the last token it samples), after which it is not at
+                # max_tokens, and nothing wants it at a step boundary.
+                generated = ntok - len(req.prompt) + seq.flying  # with the tokens in flight
                 if (
                     not ahead
-                    or kv != ntok
+                    or kv != ntok + seq.flying - 1
                     or generated >= req.max_tokens
                     or req.sampling.prompt_logprobs
                     or sid in parked
                 ):
                     continue
                 n, sample = 1, True
+                steps = 1 if self._decode_steps == 1 else self._run_steps(req, generated)
                 planned.append(
                     PlannedSeq(
                         sid,
@@ -277,6 +287,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                         req.sample_offset + generated,
                         None,
                         True,
+                        steps,
                     )
                 )
             else:
@@ -292,6 +303,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                     n = min(pending, budget)
                     budget -= n
                 sample = kv + n == ntok
+                steps = self._run_steps(req, generated) if sample and self._decode_steps > 1 else 1
                 if req.sampling.prompt_logprobs:
                     sampling, next_token = self._prompt_scoring(seq, n)
                 else:
@@ -307,15 +319,18 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                         sample,
                         req.sample_offset + generated,
                         next_token,
+                        False,
+                        steps,
                     )
                 )
             blocks = seq.blocks
-            marks[sid] = Inflight(seq.epoch, sample, kv, blocks)
-            seq.kv = kv + n
-            seq.inflight = step_no
+            marks[sid] = Inflight(seq.epoch, sample, kv, blocks, steps)
+            # the KV positions written once the step ran: all but its last sampled token's
+            seq.kv = written = kv + n + steps - 1
+            seq.inflight, seq.flying = step_no, steps
             # the shard keeps the blocks it reserved for the prompt (history) until a window passes
             # them; a windowed model's sequence can hold fewer blocks after the chunk than before it
-            end = kv + n if kv + n > ntok else ntok
+            end = written if written > ntok else ntok
             after = held_blocks(end, kv, bs[shard]) if windowed else -(-end // bs[shard])
             if after > blocks or (windowed and after < blocks):
                 grow[sid] = after - blocks
@@ -327,6 +342,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
             for p in planned:
                 seq = self._running[p.seq_id]
                 seq.kv, seq.inflight = marks[p.seq_id].start_pos, out if p.use_last_sample else None
+                seq.flying = self._inflight[out][p.seq_id].steps if p.use_last_sample else 1
             self._reserved_ahead = reserve
             return None
         if not planned and not reserve and not self._releases and not self._ended:
@@ -344,20 +360,6 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
         return Step(
             step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted, ended=ended
         )
-
-    @staticmethod
-    def _prompt_scoring(seq: SeqEntry, n: int) -> tuple[Sampling, int | None]:
-        """The sampling settings of a chunk of n tokens from seq.kv, and the prompt token after it:
-        prompt logprobs are asked only of chunks that hold prompt positions not yet sent out (a
-        re-prefill after preemption or recovery scores nothing twice, nor the generated history)."""
-        sp = seq.req.sampling
-        if not sp.prompt_logprobs:
-            return sp, None
-        n_prompt = len(seq.req.prompt)
-        end = seq.kv + n  # the chunk scores positions seq.kv+1 .. end (end when next_token is sent)
-        if seq.scored >= n_prompt or end < seq.scored:
-            return replace(sp, prompt_logprobs=False), None
-        return sp, (seq.tokens[end] if end < n_prompt else None)
 
     def _place_unplaced(self, step_no: int, reserve: list[Reservation]) -> None:
         for seq in [s for s in self._running.values() if s.shard is None]:  # the oldest recover first
@@ -422,7 +424,7 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
     def apply(
         self,
         step: Step,
-        results: Mapping[str, tuple[int, float] | Sampled | ServiceError],
+        results: Mapping[str, DenseAnswer | ServiceError],
         prompt_logprobs: Mapping[str, list[TokenLogprob]] | None = None,
     ) -> list[TokenEvent]:
         """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events.
@@ -456,6 +458,12 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                 if scored:  # a prefill chunk that is not the last: only its prompt logprobs go out
                     events.append(self._event(seq, [], [], None, step.step, prompt_logprobs=scored))
                 continue  # its KV is in, nothing to sample
+            if mark.steps > 1 and res is not None:  # several decode steps ran it (runs.py)
+                ev = self._apply_run(seq, mark.steps, res, scored, step_no)
+                events.append(ev)
+                if ev.finish_reason is not None:
+                    self._leave(seq)
+                continue
             if isinstance(res, tuple):  # (token, logprob): a decode step's answer as it came
                 tok, lp, alts = res[0], res[1], ()
             elif res is not None:
@@ -496,19 +504,6 @@ class SchedulerCore(Membership, MigrationPlanning, LoadModel, PrefixPlacement, P
                 self._ratio += RATIO_SMOOTHING * (generated / req.max_tokens - self._ratio)
                 self._leave(seq)
         return events
-
-    @staticmethod
-    def _take_prompt_logprobs(
-        seq: SeqEntry, start_pos: int, got: list[TokenLogprob] | None
-    ) -> list[TokenLogprob]:
-        """The positions of a chunk's prompt logprobs not yet sent out (each goes out once)."""
-        if not got:
-            return []
-        n_prompt = len(seq.req.prompt)
-        first = seq.scored - (start_pos + 1)  # got[i] scores position start_pos + 1 + i
-        out = got[max(0, first) : n_prompt - (start_pos + 1)] if first < len(got) else []
-        seq.scored = max(seq.scored, start_pos + 1 + max(0, first) + len(out))
-        return out
 
     def _event(
         self,

@@ -51,6 +51,7 @@ from fastdecode.scheduling.ports import (
 )
 from fastdecode.scheduling.tables import SHARD_REMOVED
 from fastdecode.scheduling.types import (
+    DenseAnswer,
     Request,
     Reservation,
     Sampled,
@@ -182,6 +183,7 @@ class SchedulerDriver(Migrations, ShardHealth):
             prefix_affinity=s.prefix_affinity,
             kv_geometry=self.info.geometry,
             plan_ahead=s.plan_ahead == "on",
+            decode_steps=s.decode_steps,
         )
         for i in removed:
             self.core.remove_shard(i)
@@ -370,7 +372,7 @@ class SchedulerDriver(Migrations, ShardHealth):
             return
         out.pop(0)
         # (a decode step's answer goes to apply as it came: (token, logprob) per sequence)
-        results: dict[str, tuple[int, float] | Sampled | ServiceError] = dict(outcome.sampled or {})
+        results: dict[str, DenseAnswer | ServiceError] = dict(outcome.sampled or {})
         scored: dict[str, list[TokenLogprob]] = {}
         lost: set[int] = set()
         full: list[str] = []
@@ -388,7 +390,9 @@ class SchedulerDriver(Migrations, ShardHealth):
                     continue
                 results[r.seq_id] = r.error
             else:
-                if r.token_id >= 0:
+                if r.run is not None:  # several decode steps (--decode-steps)
+                    results[r.seq_id] = r.run
+                elif r.token_id >= 0:
                     results[r.seq_id] = Sampled(r.token_id, r.logprob, r.top)
                 if r.prompt_logprobs:
                     scored[r.seq_id] = r.prompt_logprobs

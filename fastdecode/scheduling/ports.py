@@ -11,7 +11,7 @@ from typing import Protocol
 from fastdecode.contract import TokenLogprob
 from fastdecode.runtime.errors import ServiceError
 from fastdecode.runtime.geometry import KVGeometry
-from fastdecode.scheduling.types import Reservation, SchedulerStats, Step
+from fastdecode.scheduling.types import Reservation, SampledRun, SchedulerStats, Step
 
 # Tokens per KV block of a shard that does not report its own (ShardStats.block_size 0).
 DEFAULT_BLOCK_SIZE = 16
@@ -41,6 +41,7 @@ class ItemResult:
     error: ServiceError | None = None
     top: tuple[tuple[int, float], ...] = ()  # the sampled position's alternatives, when asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the chunk's, when asked
+    run: SampledRun | None = None  # a row run several decode steps: every token (token_id: its first)
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,20 @@ class StepOutcome:
     # A step with no error, alternatives or prompt logprobs (a decode step, most often), as it came:
     # seq_id -> (token, logprob), token -1 where nothing was sampled; `items` is empty then. What
     # SchedulerCore.apply takes, without an object per sequence on the way.
-    sampled: dict[str, tuple[int, float]] | None = None
+    # A row run several decode steps (--decode-steps) comes as (tokens, logprobs).
+    sampled: dict[str, tuple[int, float] | tuple[list[int], list[float]]] | None = None
 
     def rows(self) -> list[ItemResult]:
         """Every sequence's result as an ItemResult, whichever form the step came in (for readers
         off the step loop's path: benchmarks and tests driving gpu_dense themselves)."""
         if self.sampled is None:
             return self.items
-        return [ItemResult(sid, tok, lp) for sid, (tok, lp) in self.sampled.items()]
+        return [
+            ItemResult(sid, tok, lp)
+            if isinstance(tok, int)
+            else ItemResult(sid, tok[0], lp[0], run=SampledRun(tok, lp))  # type: ignore[index]
+            for sid, (tok, lp) in self.sampled.items()
+        ]
 
 
 @dataclass(frozen=True)

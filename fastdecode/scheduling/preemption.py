@@ -51,9 +51,10 @@ class Preemption(CoreTables):
             seq, mark = self._running.get(sid), marks.get(sid)
             if seq is None or mark is None or seq.epoch != mark.epoch or seq.shard is None:
                 continue
-            sh = self._shards[seq.shard]
-            sh.blocks -= seq.blocks - mark.blocks
-            seq.blocks, seq.kv, seq.inflight = mark.blocks, mark.start_pos, None
+            if mark.steps == 1:  # (a row run several decode steps may hold what its first steps grew)
+                self._shards[seq.shard].blocks -= seq.blocks - mark.blocks
+                seq.blocks = mark.blocks
+            seq.kv, seq.inflight = mark.start_pos, None
             seq.epoch += 1  # apply() skips it; the chunk is planned again
             shards.add(seq.shard)
         before = len(self._preempted)

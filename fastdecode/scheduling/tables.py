@@ -38,6 +38,7 @@ class SeqEntry:
     reserved_on: int | None = None  # shard holding a reservation we must release
     epoch: int = 0  # bumped when the seq loses its shard: results of older steps are ignored
     inflight: int | None = None  # latest step it is planned in, until that step is applied
+    flying: int = 1  # tokens that step samples for it (its decode steps)
     blocks: int = 0  # KV blocks its shard holds for it (mirrors the shard's allocation)
     started: int = -1  # order of first admission: the highest is the youngest (preempted first)
     cached: int = 0  # prompt tokens its shard found cached at its latest reservation
@@ -73,6 +74,7 @@ class Inflight:
     sample: bool
     start_pos: int  # where the planned chunk starts: a step the shard refused is retried from here
     blocks: int  # blocks held before the chunk grew the sequence
+    steps: int = 1  # decode steps planned for it in this step (--decode-steps): tokens it samples
 
 
 class CoreTables:
@@ -82,6 +84,8 @@ class CoreTables:
     _waiting: OrderedDict[str, SeqEntry]
     _running: OrderedDict[str, SeqEntry]  # admission order
     _inflight: dict[int, dict[str, Inflight]]  # per planned step
+    _decode_steps: int  # decode steps a plan runs a sampling sequence for, at most
+    _eos: frozenset[int]
     _releases: list[tuple[str, int]]
     # releases held until a step still carrying the sequence is applied (a shard fails a whole item
     # naming a sequence it no longer holds): by that step, (seq_id, shard, blocks it holds there)
@@ -89,7 +93,7 @@ class CoreTables:
     _parked: set[str]  # in a step, wanted at a step boundary (a move): not planned ahead meanwhile
     _admission: AdmissionPolicy
     _step: int
-    _ratio: float
+    _ratio: float  # running estimate of generated / max_tokens
     _lookahead: int
     _sharing: bool
     _affinity: float

@@ -118,6 +118,22 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(slots=True)
+class SampledRun:
+    """One sequence's tokens of a step that ran it for several decode steps (--decode-steps), in
+    order, each with its logprob and, when asked, its alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+
+
+# What gpu_dense answered for one sampled sequence of a step, as SchedulerCore.apply takes it: a
+# decode step's (token, logprob) as it came, or the tokens and logprobs of several decode steps, or,
+# with alternatives, a Sampled or SampledRun.
+DenseAnswer = tuple[int, float] | tuple[list[int], list[float]] | Sampled | SampledRun
+
+
 @dataclass
 class ShardSpec:
     """A KV shard: how many tokens it holds, its measured relative attention speed (> 0), and the

@@ -97,7 +97,7 @@ class PositionLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "pipeline", "ended", "seq_ids", "shards", "mini_batches", "start_pos", "token_counts", "token_ids", "sample", "sample_index", "use_last_sample", "samplings", "sampling_index", "next_token_ids")
+    __slots__ = ("step", "pipeline", "ended", "seq_ids", "shards", "mini_batches", "start_pos", "token_counts", "token_ids", "sample", "sample_index", "use_last_sample", "samplings", "sampling_index", "next_token_ids", "steps")
     class NextTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class StepPlan(_message.Message):
     SAMPLINGS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     pipeline: bool
     ended: _containers.RepeatedScalarFieldContainer[str]
@@ -135,7 +136,8 @@ class StepPlan(_message.Message):
     samplings: _containers.RepeatedCompositeFieldContainer[SamplingParams]
     sampling_index: _containers.RepeatedScalarFieldContainer[int]
     next_token_ids: _containers.ScalarMap[int, int]
-    def __init__(self, step: _Optional[int] = ..., pipeline: _Optional[bool] = ..., ended: _Optional[_Iterable[str]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[int]] = ..., mini_batches: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sample_index: _Optional[_Iterable[int]] = ..., use_last_sample: _Optional[_Iterable[bool]] = ..., samplings: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., sampling_index: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., pipeline: _Optional[bool] = ..., ended: _Optional[_Iterable[str]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[int]] = ..., mini_batches: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sample_index: _Optional[_Iterable[int]] = ..., use_last_sample: _Optional[_Iterable[bool]] = ..., samplings: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., sampling_index: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Mapping[int, int]] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("positions",)
@@ -162,7 +164,7 @@ class StepTimings(_message.Message):
     def __init__(self, s_part_seconds: _Optional[float] = ..., shard_wait_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., attend_seconds: _Optional[float] = ..., overlap_ratio: _Optional[float] = ..., pipelined: _Optional[bool] = ..., s_part_cpu_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "timings", "error", "seq_ids", "token_ids", "logprobs", "errors", "top", "prompt_logprobs")
+    __slots__ = ("step", "timings", "error", "seq_ids", "token_ids", "logprobs", "errors", "top", "prompt_logprobs", "token_counts")
     class ErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,7 @@ class StepResult(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     timings: StepTimings
     error: _tensor_pb2.ItemError
@@ -202,7 +205,8 @@ class StepResult(_message.Message):
     errors: _containers.MessageMap[int, _tensor_pb2.ItemError]
     top: _containers.MessageMap[int, TopLogprobs]
     prompt_logprobs: _containers.MessageMap[int, PromptLogprobs]
-    def __init__(self, step: _Optional[int] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., errors: _Optional[_Mapping[int, _tensor_pb2.ItemError]] = ..., top: _Optional[_Mapping[int, TopLogprobs]] = ..., prompt_logprobs: _Optional[_Mapping[int, PromptLogprobs]] = ...) -> None: ...
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.ItemError, _Mapping]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., errors: _Optional[_Mapping[int, _tensor_pb2.ItemError]] = ..., top: _Optional[_Mapping[int, TopLogprobs]] = ..., prompt_logprobs: _Optional[_Mapping[int, PromptLogprobs]] = ..., token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
+from fastdecode.protocol import MAX_DECODE_STEPS
 from fastdecode.runtime.errors import InternalError, InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.ports import DenseInfo, ItemResult, StepOutcome
-from fastdecode.scheduling.types import Step
+from fastdecode.scheduling.types import SampledRun, Step
 from fastdecode.v1 import dense_pb2
 from fastdecode.wire.errors import error_from_item, item_error
 
@@ -130,6 +131,7 @@ def plan_to_proto(
             tokens += p.token_ids
         if p.next_token is not None:
             next_tokens[row] = p.next_token
+    steps = [p.steps for p in seqs]
     return dense_pb2.StepPlan(
         step=step,
         pipeline=pipeline,
@@ -146,6 +148,7 @@ def plan_to_proto(
         samplings=table,
         sampling_index=index,
         next_token_ids=next_tokens,
+        steps=steps if any(n > 1 for n in steps) else (),
     )
 
 
@@ -174,6 +177,9 @@ def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
     if index and not 0 <= min(index) <= max(index) < len(table):
         raise InvalidInput(f"step plan {plan.step}: a sampling_index outside its samplings")
     next_tokens = dict(plan.next_token_ids)
+    steps = list(plan.steps) or [1] * n
+    if len(steps) != n or (n and not 1 <= min(steps) <= max(steps) <= MAX_DECODE_STEPS):
+        raise InvalidInput(f"step plan {plan.step}: steps must be one per row, in [1, {MAX_DECODE_STEPS}]")
     last = list(plan.use_last_sample)
     out = []
     pos = 0
@@ -187,13 +193,14 @@ def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
         plan.sample_index,
         last,
         index,
+        steps,
         strict=True,
     )
-    for row, (sid, shard, mb, start, count, sample, s_index, ahead, si) in enumerate(rows):
+    for row, (sid, shard, mb, start, count, sample, s_index, ahead, si, k) in enumerate(rows):
         toks = [LAST_SAMPLE] if ahead else flat[pos : pos + count]
         pos += count
         nxt = next_tokens.get(row)
-        out.append(PlannedSeq(sid, shard, mb, toks, start, table[si], sample, s_index, nxt, ahead))
+        out.append(PlannedSeq(sid, shard, mb, toks, start, table[si], sample, s_index, nxt, ahead, k))
     return out
 
 
@@ -252,13 +259,22 @@ def step_result(
         result.error.CopyFrom(item_error(error))
         return result
     result.seq_ids.extend(outcomes)
-    result.token_ids.extend([o.token_id for o in outcomes.values()])
-    result.logprobs.extend([o.logprob for o in outcomes.values()])
+    if any(o.after for o in outcomes.values()):  # rows run several decode steps: tokens per row
+        flat: list[Outcome] = []
+        for o in outcomes.values():
+            flat.append(o)
+            flat += o.after
+        result.token_counts.extend([1 + len(o.after) for o in outcomes.values()])
+    else:
+        flat = list(outcomes.values())
+    result.token_ids.extend([o.token_id for o in flat])
+    result.logprobs.extend([o.logprob for o in flat])
+    for i, o in enumerate(flat):
+        if o.top:
+            result.top[i].CopyFrom(top_to_proto(o.top))
     for row, o in enumerate(outcomes.values()):  # the sparse parts: most rows have none
         if o.error is not None:
             result.errors[row].CopyFrom(item_error(o.error))
-        if o.top:
-            result.top[row].CopyFrom(top_to_proto(o.top))
         if o.prompt:
             result.prompt_logprobs[row].positions.extend(position_to_proto(p) for p in o.prompt)
     if timings is not None:
@@ -271,6 +287,8 @@ def step_outcome_from_proto(result: dense_pb2.StepResult) -> StepOutcome:
     if result.error.code:
         return StepOutcome([], error_from_item(result.error))
     ids, toks, lps = list(result.seq_ids), list(result.token_ids), list(result.logprobs)
+    if result.token_counts:
+        return _runs_from_proto(result, ids, toks, lps)
     if not len(ids) == len(toks) == len(lps):
         return StepOutcome([], InternalError(f"step {result.step}: its result's columns differ in length"))
     if not (result.errors or result.top or result.prompt_logprobs):  # a decode step, most often
@@ -283,6 +301,35 @@ def step_outcome_from_proto(result: dense_pb2.StepResult) -> StepOutcome:
         for row, (sid, tok, lp) in enumerate(zip(ids, toks, lps, strict=True))
     ]
     return StepOutcome(items)
+
+
+def _runs_from_proto(
+    result: dense_pb2.StepResult, ids: list[str], toks: list[int], lps: list[float]
+) -> StepOutcome:
+    """A result whose rows ran several decode steps: token_counts tokens per row, `top` keyed by the
+    flat token index."""
+    counts = list(result.token_counts)
+    if len(counts) != len(ids) or sum(counts) != len(toks) or len(lps) != len(toks) or min(counts) < 1:
+        return StepOutcome([], InternalError(f"step {result.step}: its token_counts disagree with it"))
+    sparse = result.errors or result.top or result.prompt_logprobs
+    errors = {row: error_from_item(e) for row, e in result.errors.items() if e.code}
+    top = {i: top_from_proto(t) for i, t in result.top.items()}
+    prompt = {r: [position_from_proto(p) for p in pl.positions] for r, pl in result.prompt_logprobs.items()}
+    sampled: dict[str, tuple[int, float] | tuple[list[int], list[float]]] = {}
+    items: list[ItemResult] = []
+    pos = 0
+    for row, (sid, c) in enumerate(zip(ids, counts, strict=True)):
+        end = pos + c
+        if not sparse:
+            sampled[sid] = (toks[pos], lps[pos]) if c == 1 else (toks[pos:end], lps[pos:end])
+        else:
+            run = None
+            if c > 1:
+                run = SampledRun(toks[pos:end], lps[pos:end], [top.get(i, ()) for i in range(pos, end)])
+            err, scored = errors.get(row), prompt.get(row, [])
+            items.append(ItemResult(sid, toks[pos], lps[pos], err, top.get(pos, ()), scored, run))
+        pos = end
+    return StepOutcome(items) if sparse else StepOutcome([], sampled=sampled)
 
 
 def step_tokens(result: dense_pb2.StepResult, ids: Sequence[str], what: str) -> list[int]:

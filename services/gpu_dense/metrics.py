@@ -27,7 +27,9 @@ STEPS = Counter(
     ["mode"],
 )
 STEP_SEQUENCES = Counter(
-    "fastdecode_dense_sequences_total", "Sequences computed in steps, by outcome", ["outcome"]
+    "fastdecode_dense_sequences_total",
+    "Sequences computed in plans (of one decode step or several), by outcome",
+    ["outcome"],
 )
 HEAD_CPU_SECONDS = Counter(
     "fastdecode_dense_head_cpu_seconds",
@@ -52,10 +54,14 @@ for _outcome in ("ok", "error"):
     STEP_SEQUENCES.labels(_outcome)
 
 
-def step_done(t: Timings, ok: int, failed: int) -> None:
-    """One step that ran: its sequences by outcome and its timings."""
+def plan_done(ok: int, failed: int) -> None:
+    """One plan that ran (one or several decode steps): its sequences by outcome."""
     STEP_SEQUENCES.labels("ok").inc(ok)
     STEP_SEQUENCES.labels("error").inc(failed)
+
+
+def step_done(t: Timings) -> None:
+    """One decode step that ran (a plan runs several with the scheduler's --decode-steps): its timings."""
     STEPS.labels("piped" if t.pipelined else "plain").inc()
     STEP_SECONDS.observe(t.step_seconds)
     S_PART_SECONDS.observe(t.s_part_seconds)

@@ -13,6 +13,7 @@ import torch
 from fastdecode.contract import PlannedSeq
 from fastdecode.dense import PipelineChooser, StepRunner
 from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
+from fastdecode.dense.multistep import run_steps, summed
 from fastdecode.dense.runner import Outcome, Timings
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.model.dense import DenseModel
@@ -31,7 +32,8 @@ from services.gpu_dense.shards import make_plane
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
-Ran = tuple[dict[str, Outcome], Timings] | Exception  # a step's outcomes and timings, or why it failed
+# a plan's outcomes and each of its decode steps' timings, or why it failed
+Ran = tuple[dict[str, Outcome], list[Timings]] | Exception
 
 Settings = DenseSettings  # the one settings class: fastdecode.runtime.settings
 
@@ -112,21 +114,24 @@ class DenseService(pb_grpc.DenseServicer):
         try:
             if isinstance(seqs, Exception):
                 raise seqs
-            return await runner.run(seqs, plan.pipeline)
+            return await run_steps(runner, seqs, plan.pipeline)
         except Exception as e:  # noqa: BLE001 - a failed step is reported in-band
             return e
 
     def _result(self, plan: pb.StepPlan, ran: Ran) -> pb.StepResult:
         if isinstance(ran, Exception):
             return wire.step_result(plan.step, {}, None, ran)
-        outcomes, t = ran
+        outcomes, steps = ran
+        t = summed(steps)
         for sid, o in outcomes.items():
             if o.error is not None:
                 log.warning("step %d failed: %s", plan.step, o.error, extra={"request_id": sid})
         if self.host is not None and t.pipelined:  # the S-part ran on the hosted shard's cores too
             self.host.count_dense_busy(t.s_part_seconds)
         failed = sum(1 for o in outcomes.values() if o.error is not None)
-        metrics.step_done(t, len(outcomes) - failed, failed)
+        metrics.plan_done(len(outcomes) - failed, failed)
+        for each in steps:
+            metrics.step_done(each)
         if isinstance(self.model, EmulatedModel):
             metrics.device_time(self.model.clock.compute_seconds, self.model.clock.copy_seconds)
         return wire.step_result(plan.step, outcomes, t)

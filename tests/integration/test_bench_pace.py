@@ -110,16 +110,18 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
 
 def test_bench_pace_at_the_checkpoints_own_shape(model_factory: Callable) -> None:
     """`--geometry checkpoint`: the fleet at the --model's own shape (no geometry laid over it), so
-    its layers, round trips and payload are the checkpoint's; the roofline is that shape's."""
+    its layers, round trips and payload are the checkpoint's; the roofline is that shape's. With
+    `--decode-steps 2` each plan runs two decode steps: every figure stays per decode step."""
     model = model_factory("llama")
     cfg = ModelConfig.from_pretrained(model)
     args = ["bench", "pace", "--json", "--model", str(model), "--geometry", "checkpoint"]
     args += ["-B", "4", "-P", "1", "-K", "0", "--prompt-len", "4", "--gen-len", "8"]
-    args += ["--echo-repeats", "10", "--idle-seconds", "0.5"]
+    args += ["--echo-repeats", "10", "--idle-seconds", "0.5", "--decode-steps", "2"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     (p,) = json.loads(res.stdout.strip().splitlines()[-1])["points"]
     assert p["geometry"] == "checkpoint" and set(p["cpu_ms_per_step"]) == PARTS
+    assert p["decode_steps"] == 2 and p["tokens_per_message"] > 1
     assert p["round_trips_per_step"] == pytest.approx(cfg.num_hidden_layers * 2, rel=0.05)
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     payload = cfg.num_hidden_layers * 4 * (2 * heads + 2 * kv) * cfg.head_dim * 2 / 1e6

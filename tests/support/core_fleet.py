@@ -9,7 +9,8 @@ from fastdecode.runtime.errors import FailedPrecondition, ResourceExhausted, Ser
 from fastdecode.scheduling import PlannedSeq, SchedulerCore, ShardSpec, Step, TokenEvent
 
 EOS = 0
-Results = dict[str, tuple[int, float] | ServiceError]  # per sequence: (token, logprob) or its error
+# per sequence: (token, logprob), (tokens, logprobs) of several decode steps, or its error
+Results = dict[str, tuple[int, float] | tuple[list[int], list[float]] | ServiceError]
 
 
 def model(kv: list[int], sample_index: int) -> int:
@@ -103,24 +104,38 @@ class Fleet:
                 assert p.start_pos <= len(kv), f"{p.seq_id}: start_pos {p.start_pos} leaves a gap"
                 del kv[p.start_pos :]
             assert p.start_pos == len(kv), f"{p.seq_id}: start_pos {p.start_pos} but {len(kv)} cached"
-            need = -(-(len(kv) + len(p.token_ids)) // self.bs[p.shard])
-            grow = max(0, need - self.reserved[p.shard][p.seq_id])
-            if self._blocks(p.shard) + grow > self.cap[p.shard]:
-                self.refused.append(p.seq_id)  # no free block: nothing of the chunk is kept
-                self.refusals += 1
-                results[p.seq_id] = ResourceExhausted("KV pool full")
-                continue
-            self.reserved[p.shard][p.seq_id] += grow
-            self.peak[p.shard] = max(self.peak[p.shard], self._blocks(p.shard))
-            kv.extend([last[p.seq_id]] if p.use_last_sample else p.token_ids)
-            if p.sample:
-                n = p.sample_index + 1
-                tok = EOS if self.eos_at.get(p.seq_id) == n else model(kv, p.sample_index)
-                results[p.seq_id] = (tok, -0.25)
-                self.last[p.seq_id] = tok
+            chunk = [last[p.seq_id]] if p.use_last_sample else p.token_ids
+            toks: list[int] = []
+            for j in range(p.steps):  # several decode steps: each fed the token the one before sampled
+                if not self._grow(p.shard, p.seq_id, len(kv) + len(chunk)):
+                    self.refused.append(p.seq_id)  # no free block: the row fails whole
+                    self.refusals += 1
+                    results[p.seq_id] = ResourceExhausted("KV pool full")
+                    break
+                kv.extend(chunk)
+                if not p.sample:
+                    break
+                n = p.sample_index + j + 1
+                tok = EOS if self.eos_at.get(p.seq_id) == n else model(kv, n - 1)
+                toks.append(tok)
+                chunk = [tok]
+            else:
+                if toks:
+                    results[p.seq_id] = (toks[0], -0.25) if p.steps == 1 else (toks, [-0.25] * len(toks))
+                    self.last[p.seq_id] = toks[-1]
         for j in range(len(self.kv)):
             assert self._blocks(j) <= self.cap[j], f"shard {j} over capacity"
         return results
+
+    def _grow(self, shard: int, sid: str, tokens: int) -> bool:
+        """Blocks for `tokens` KV positions of sid, a block at a time (False: the pool is full)."""
+        need = -(-tokens // self.bs[shard])
+        grow = max(0, need - self.reserved[shard][sid])
+        if self._blocks(shard) + grow > self.cap[shard]:
+            return False
+        self.reserved[shard][sid] += grow
+        self.peak[shard] = max(self.peak[shard], self._blocks(shard))
+        return True
 
     def record(self, events: list[TokenEvent]) -> None:
         for e in events:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -309,3 +310,68 @@ def test_a_sequence_planned_ahead_is_fed_the_token_sampled_for_it_in_the_step_be
     assert errors["s0"] is None and errors["s2"] is None and errors["s2 next"] is None
     assert isinstance(errors["s1"], InvalidInput)
     assert isinstance(errors["s0 next"], FailedPrecondition)  # the step before sampled nothing for it
+
+
+def test_rows_run_several_decode_steps_in_one_plan_and_a_plan_ahead_follows_each_on(
+    model_factory: Callable,
+) -> None:
+    """run_steps (--decode-steps): rows ask for 4, 2, 1 and 3 decode steps of one plan; each step
+    feeds a row the token the one before sampled. Every row's tokens equal LocalEngine's greedy run,
+    and a plan ahead of it follows each row on from its own last token, whichever step sampled it. A
+    row whose shard fails in a later step fails whole."""
+    from fastdecode.contract import LAST_SAMPLE
+    from fastdecode.dense.multistep import run_steps
+
+    path = model_factory("llama")
+    want = {
+        f"s{i}": g.token_ids
+        for i, g in enumerate(LocalEngine.from_pretrained(path).generate(PROMPTS, 6, ignore_eos=True))
+    }
+    model = DenseModel.from_pretrained(path, "cpu", torch.float32)
+    shards = InProcessShards(model, 2)
+    for i, _ in enumerate(PROMPTS):
+        shards.stores[i % 2].reserve(f"s{i}", 64)
+    runner = StepRunner(model, shards)
+    steps = [4, 2, 1, 3]
+
+    async def run() -> tuple[dict[str, list[int]], dict[str, list[int]], BaseException | None]:
+        seqs = [PlannedSeq(f"s{i}", i % 2, i % 2, p, 0, steps=steps[i]) for i, p in enumerate(PROMPTS)]
+        out, t = await run_steps(runner, seqs)
+        assert len(t) == 4 and all(each.step_seconds > 0 for each in t)  # one timing per decode step
+        first = {sid: [o.token_id, *(a.token_id for a in o.after)] for sid, o in out.items()}
+        ahead = [
+            PlannedSeq(
+                f"s{i}",
+                i % 2,
+                i % 2,
+                [LAST_SAMPLE],
+                len(p) + steps[i] - 1,
+                sample_index=steps[i],
+                use_last_sample=True,
+                steps=2,
+            )
+            for i, p in enumerate(PROMPTS)
+        ]
+        plain_run, calls = runner.run, 0
+
+        async def shard_1_lost_after_one_step(seqs: Sequence[PlannedSeq], pipeline: bool = True) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # s1 and s3 sampled in this plan's first step, then their shard is gone
+                shards.dead.add(1)
+            return await plain_run(seqs, pipeline)
+
+        runner.run = shard_1_lost_after_one_step  # type: ignore[method-assign]
+        out, _ = await run_steps(runner, ahead)
+        assert calls == 2
+        second = {
+            sid: [o.token_id, *(a.token_id for a in o.after)] for sid, o in out.items() if o.error is None
+        }
+        return first, second, out["s3"].error
+
+    first, second, failed = asyncio.run(run())
+    for i in range(len(PROMPTS)):
+        assert first[f"s{i}"] == want[f"s{i}"][: steps[i]]
+    for i in (0, 2):
+        assert second[f"s{i}"] == want[f"s{i}"][steps[i] : steps[i] + 2]
+    assert isinstance(failed, Unavailable) and set(second) == {"s0", "s2"}

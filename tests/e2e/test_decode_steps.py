@@ -1,0 +1,51 @@
+"""`up --decode-steps 4`: each plan runs a sequence for up to 4 decode steps at gpu_dense. Through the
+real fleet: greedy tokens equal transformers' (max_tokens not a multiple of 4, requests joining
+mid-run), a stop token mid-run ends the sequence there, streams carry several tokens a message, and
+every token has its logprob and alternatives."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+
+import pytest
+
+from fastdecode.client import Client
+from tests.e2e.test_fleet import PROMPTS_8, scheduler_steps
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
+    model_factory: Callable, fleet_factory: Callable, hf_greedy: Callable
+) -> None:
+    model = model_factory("llama")
+    up = fleet_factory(model, "--decode-steps", "4", private=True, timeout=180)
+    try:
+        with Client(up.target) as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(client.generate, token_ids=p, max_tokens=23) for p in PROMPTS_8]
+            for prompt, f in zip(PROMPTS_8, futures, strict=True):
+                out = f.result(timeout=120)
+                assert out.token_ids == hf_greedy(model, tuple(prompt), 23)
+                assert out.usage.completion_tokens == len(out.token_ids)
+
+            prompt = PROMPTS_8[1]
+            want = hf_greedy(model, tuple(prompt), 23)
+            before = scheduler_steps(up)
+            assert client.generate(token_ids=prompt, max_tokens=23).token_ids == want
+            assert scheduler_steps(up) - before <= 8  # 23 tokens in 6 plans of up to 4 steps, not 23
+            stop = next(t for t in want[4:] if want.index(t) >= 4)  # first seen past the 4th token
+            out = client.generate(token_ids=prompt, max_tokens=23, stop_token_ids=[stop])
+            assert out.token_ids == want[: want.index(stop) + 1] and out.finish_reason == "stop"
+
+            chunks = list(client.stream(token_ids=prompt, max_tokens=23, logprobs=2))
+            tokens = [t for c in chunks for t in c.token_ids]
+            assert tokens == want
+            assert sum(len(c.token_ids) > 1 for c in chunks) >= 3  # a plan's tokens come together
+            logprobs = [lp for c in chunks for lp in c.logprobs]
+            assert [lp.token_id for lp in logprobs] == want
+            assert all(
+                len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in logprobs
+            )  # greedy: its best
+    finally:
+        up.stop()

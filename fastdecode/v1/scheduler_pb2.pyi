@@ -67,20 +67,22 @@ class CancelRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
-    __slots__ = ("events", "plain_request_ids", "plain_token_ids", "plain_logprobs", "plain_steps", "plain_cached_tokens")
+    __slots__ = ("events", "plain_request_ids", "plain_token_ids", "plain_logprobs", "plain_steps", "plain_cached_tokens", "plain_token_counts")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
     plain_request_ids: _containers.RepeatedScalarFieldContainer[str]
     plain_token_ids: _containers.RepeatedScalarFieldContainer[int]
     plain_logprobs: _containers.RepeatedScalarFieldContainer[float]
     plain_steps: _containers.RepeatedScalarFieldContainer[int]
     plain_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ..., plain_request_ids: _Optional[_Iterable[str]] = ..., plain_token_ids: _Optional[_Iterable[int]] = ..., plain_logprobs: _Optional[_Iterable[float]] = ..., plain_steps: _Optional[_Iterable[int]] = ..., plain_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    plain_token_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ..., plain_request_ids: _Optional[_Iterable[str]] = ..., plain_token_ids: _Optional[_Iterable[int]] = ..., plain_logprobs: _Optional[_Iterable[float]] = ..., plain_steps: _Optional[_Iterable[int]] = ..., plain_cached_tokens: _Optional[_Iterable[int]] = ..., plain_token_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("request_id", "token", "error", "dependency_down")

@@ -141,12 +141,30 @@ def session_events_from_proto(
     ids = list(msg.plain_request_ids)
     if ids:
         toks, lps, cached = list(msg.plain_token_ids), list(msg.plain_logprobs), list(msg.plain_cached_tokens)
+        if msg.plain_token_counts:
+            return out + _plain_runs(ids, list(msg.plain_token_counts), toks, lps, cached)
         if not len(ids) == len(toks) == len(lps) == len(cached):
             raise InternalError("a SessionEvents message whose plain columns differ in length")
         out += [
             (sid, UpstreamEvent([tok], "", [lp], cached_tokens=c))
             for sid, tok, lp, c in zip(ids, toks, lps, cached, strict=True)
         ]
+    return out
+
+
+def _plain_runs(
+    ids: list[str], counts: list[int], toks: list[int], lps: list[float], cached: list[int]
+) -> list[tuple[str, UpstreamEvent | UpstreamFailure]]:
+    """Plain rows of several tokens each (plain_token_counts)."""
+    if not len(ids) == len(counts) == len(cached) or sum(counts) != len(toks) or len(lps) != len(toks):
+        raise InternalError("a SessionEvents message whose plain columns differ in length")
+    if min(counts) < 1:
+        raise InternalError("a SessionEvents message with an empty plain row")
+    out: list[tuple[str, UpstreamEvent | UpstreamFailure]] = []
+    pos = 0
+    for sid, n, c in zip(ids, counts, cached, strict=True):
+        out.append((sid, UpstreamEvent(toks[pos : pos + n], "", lps[pos : pos + n], cached_tokens=c)))
+        pos += n
     return out
 
 

@@ -57,7 +57,8 @@ def _plain(item: TokenEvent | ServiceError) -> bool:
         isinstance(item, TokenEvent)
         and item.error is None
         and not item.finish_reason
-        and len(item.token_ids) == 1
+        and len(item.token_ids) >= 1
+        and len(item.logprobs) == len(item.token_ids)
         and not item.top
         and not item.prompt_logprobs
     )
@@ -91,8 +92,14 @@ def session_events_to_proto(
             _fill_token_event(e.token, item)
     if plain:
         out.plain_request_ids.extend(ids)
-        out.plain_token_ids.extend([ev.token_ids[0] for ev in plain])
-        out.plain_logprobs.extend([ev.logprobs[0] if ev.logprobs else 0.0 for ev in plain])
+        counts = [len(ev.token_ids) for ev in plain]
+        if max(counts) > 1:  # several tokens a row (--decode-steps): their counts say where each ends
+            out.plain_token_counts.extend(counts)
+            out.plain_token_ids.extend([t for ev in plain for t in ev.token_ids])
+            out.plain_logprobs.extend([lp for ev in plain for lp in ev.logprobs])
+        else:
+            out.plain_token_ids.extend([ev.token_ids[0] for ev in plain])
+            out.plain_logprobs.extend([ev.logprobs[0] for ev in plain])
         out.plain_steps.extend([ev.step for ev in plain])
         out.plain_cached_tokens.extend([ev.cached_tokens for ev in plain])
     return out

@@ -150,3 +150,25 @@ def test_session_events_whose_plain_columns_disagree_are_refused() -> None:
     msg.plain_logprobs.append(0.0)
     with pytest.raises(InternalError, match="plain columns"):
         session_events_from_proto(msg)
+
+
+def test_session_events_carry_rows_of_several_tokens_as_plain_columns_with_their_counts() -> None:
+    """A plan of several decode steps makes events of several tokens: still plain column rows (no
+    message per request), their counts saying where each row ends; one token a row sends no counts."""
+    batch = [
+        ("a", TokenEvent("a", [5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], None, 4, 4, 10, 0)),
+        ("b", TokenEvent("b", [9], [-0.5], None, 4, 1, 10, 1, cached_tokens=16)),
+        ("c", TokenEvent("c", [1, 2], [-0.6, -0.7], "stop", 4, 9, 10, 0)),  # finished: a message
+    ]
+    msg = scheduler_pb2.SessionEvents.FromString(session_events_to_proto(batch).SerializeToString())
+    assert list(msg.plain_request_ids) == ["a", "b"] and list(msg.plain_token_counts) == [4, 1]
+    assert list(msg.plain_token_ids) == [5, 6, 7, 8, 9] and [e.request_id for e in msg.events] == ["c"]
+    got = dict(session_events_from_proto(msg))
+    a, b = got["a"], got["b"]
+    assert isinstance(a, UpstreamEvent) and a.token_ids == [5, 6, 7, 8] and len(a.logprobs) == 4
+    assert isinstance(b, UpstreamEvent) and b.token_ids == [9] and b.cached_tokens == 16
+    one = session_events_to_proto([("b", batch[1][1])])
+    assert list(one.plain_token_counts) == []
+    msg.plain_token_counts[0] = 3  # counts that do not add up to the tokens
+    with pytest.raises(InternalError, match="plain columns"):
+        session_events_from_proto(msg)

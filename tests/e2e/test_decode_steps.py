@@ -1,23 +1,27 @@
 """`up --decode-steps 4`: each plan runs a sequence for up to 4 decode steps at gpu_dense. Through the
 real fleet: greedy tokens equal transformers' (max_tokens not a multiple of 4, requests joining
-mid-run), a stop token mid-run ends the sequence there, streams carry several tokens a message, and
-every token has its logprob and alternatives."""
+mid-run), a stop token mid-run ends the sequence there, streams carry several tokens a message,
+every token has its logprob and alternatives, and seeded sampling, penalties and stop strings give
+what one step a plan gives."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from fastdecode.client import Client
+from fastdecode.tools.fleet import UpProcess
 from tests.e2e.test_fleet import PROMPTS_8, scheduler_steps
+from tests.support import TOKEN
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
-    model_factory: Callable, fleet_factory: Callable, hf_greedy: Callable
+    model_factory: Callable, fleet_factory: Callable, hf_greedy: Callable, fleet: UpProcess
 ) -> None:
     model = model_factory("llama")
     up = fleet_factory(model, "--decode-steps", "4", private=True, timeout=180)
@@ -44,8 +48,27 @@ def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
             assert sum(len(c.token_ids) > 1 for c in chunks) >= 3  # a plan's tokens come together
             logprobs = [lp for c in chunks for lp in c.logprobs]
             assert [lp.token_id for lp in logprobs] == want
-            assert all(
-                len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in logprobs
-            )  # greedy: its best
+            # greedy: each token is its position's best alternative
+            assert all(len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in logprobs)
+
+            # seeded sampling, penalties, min_tokens and a stop string: the same as one step a plan
+            # (the shared fleet), since each step's seed, history and stop rules move with its token
+            text = client.generate(prompt="Batching many sequences", max_tokens=24, ignore_eos=True).text
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            cases: list[dict[str, Any]] = [
+                {"temperature": 1.0, "top_p": 0.9, "seed": 7},
+                {"frequency_penalty": 1.5, "presence_penalty": 0.5, "min_tokens": 10},
+                {"stop": stop, "ignore_eos": True},
+            ]
+            with Client(fleet.target, token=TOKEN) as one:
+                for kw in cases:
+                    got = client.generate(prompt="Batching many sequences", max_tokens=24, **kw)
+                    ref = one.generate(prompt="Batching many sequences", max_tokens=24, **kw)
+                    assert (got.token_ids, got.text, got.finish_reason) == (
+                        ref.token_ids,
+                        ref.text,
+                        ref.finish_reason,
+                    ), kw
+            assert stop.strip() and got.text == text[: text.index(stop)] and got.finish_reason == "stop"
     finally:
         up.stop()

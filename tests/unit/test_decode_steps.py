@@ -157,3 +157,47 @@ def test_the_wire_carries_steps_and_every_token_of_a_run() -> None:
     broken = wire.step_result(9, outcomes, None)
     broken.token_counts[0] = 5
     assert wire.step_outcome_from_proto(broken).error is not None
+
+
+def test_a_lost_shard_mid_run_re_prefills_and_tokens_stay_exact() -> None:
+    prompts = {f"s{i}": [i + 1] * (3 + i) for i in range(6)}
+    core = core_with(2, decode_steps=4)
+    fleet = Fleet(core, 2)
+    for sid, p in prompts.items():
+        core.submit(Request(sid, p, 22))
+    for _ in range(3):
+        fleet.step()
+    st = core.next_step()
+    assert st is not None and max(p.steps for p in st.seqs) == 4
+    results = fleet.execute(st, skip_shard=0)  # shard 0 dies during the plan
+    moved = fleet.lose(0)
+    assert moved
+    fleet.record(core.apply(st, results))
+    fleet.run()
+    for sid, p in prompts.items():
+        assert fleet.out[sid] == reference(p, 22), sid  # nothing lost, nothing duplicated
+    assert core.stats().recoveries == len(moved)
+
+
+def test_plans_aborted_newest_first_run_again_from_the_same_positions() -> None:
+    core = core_with(plan_ahead=True, decode_steps=4)
+    fleet = Fleet(core, 1)
+    fleet.overwrite = True  # the lost plans' KV stays at the shard; a re-run overwrites it
+    core.submit(Request("a", [1, 2, 3], 30))
+    for _ in range(2):
+        fleet.step()
+    s0 = core.next_step()
+    fleet.send(s0)
+    s1 = core.next_step()
+    fleet.send(s1)
+    assert s0 is not None and s1 is not None and s1.seqs[0].use_last_sample and s1.seqs[0].steps == 4
+    fleet.attend(s0)  # gpu_dense ran s0 and died in s1: neither result reaches the scheduler
+    core.abort(s1)
+    core.abort(s0)
+    again = core.next_step()
+    assert again is not None and again.seqs[0].start_pos == s0.seqs[0].start_pos
+    fleet.plans.append(again)
+    fleet.send(again)
+    fleet.complete(again)
+    fleet.run_ahead()
+    assert fleet.out["a"] == reference([1, 2, 3], 30)

@@ -1,8 +1,8 @@
 """`up --decode-steps 4`: each plan runs a sequence for up to 4 decode steps at gpu_dense. Through the
 real fleet: greedy tokens equal transformers' (max_tokens not a multiple of 4, requests joining
 mid-run), a stop token mid-run ends the sequence there, streams carry several tokens a message,
-every token has its logprob and alternatives, and seeded sampling, penalties and stop strings give
-what one step a plan gives."""
+every token has its logprob and alternatives, and seeded sampling, penalties, stop strings and
+structured outputs give what one step a plan gives."""
 
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
                 {"temperature": 1.0, "top_p": 0.9, "seed": 7},
                 {"frequency_penalty": 1.5, "presence_penalty": 0.5, "min_tokens": 10},
                 {"stop": stop, "ignore_eos": True},
+                # a grammar that is done after a few tokens: gpu_dense stops its row at EOS mid-plan
+                {"structured": {"choice": ["yes", "no"]}},
+                {"structured": {"regex": "[0-9]{6}"}, "temperature": 1.0, "seed": 3},
             ]
             with Client(fleet.target, token=TOKEN) as one:
                 for kw in cases:
@@ -69,6 +72,7 @@ def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
                         ref.text,
                         ref.finish_reason,
                     ), kw
-            assert stop.strip() and got.text == text[: text.index(stop)] and got.finish_reason == "stop"
+            cut = client.generate(prompt="Batching many sequences", max_tokens=24, stop=stop, ignore_eos=True)
+            assert stop.strip() and cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
     finally:
         up.stop()

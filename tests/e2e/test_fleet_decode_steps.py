@@ -7,17 +7,21 @@ structured outputs give what one step a plan gives."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.tools.fleet import UpProcess
+from fastdecode.tools.fleet import Fleet, UpProcess
 from tests.e2e.test_fleet import PROMPTS_8, scheduler_steps
+from tests.e2e.test_reliability import sched_stats
 from tests.support import TOKEN
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(400)
 
 
 def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
@@ -76,3 +80,43 @@ def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
             assert stop.strip() and cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
     finally:
         up.stop()
+
+
+def test_kill_9_of_a_shard_or_gpu_dense_mid_plan_costs_time_not_requests(
+    model_factory: Callable, tmp_path: Path, hf_greedy: Callable
+) -> None:
+    """`--decode-steps 4` under kill -9: a shard lost mid-decode (its sequences re-prefilled on the
+    other, their tokens of the lost plan dropped), then gpu_dense lost and restarted (the plans out
+    aborted and planned again): every request ends with transformers' greedy tokens."""
+    model = model_factory("llama")
+    f = Fleet(
+        model=model,
+        shards=2,
+        device="cpu",
+        kv_capacity=128 << 20,
+        workdir=tmp_path,
+        scheduler_args=["--health-interval", "0.3", "--decode-steps", "4"],
+    )
+    f.start()
+    try:
+        assert f.gateway is not None
+        prompts = PROMPTS_8[:6]
+        for victim in ("shard", "dense"):
+            with (
+                Client(f.gateway.address, timeout=120) as client,
+                concurrent.futures.ThreadPoolExecutor(6) as pool,
+            ):
+                streams = [client.stream(token_ids=p, max_tokens=40) for p in prompts]
+                firsts = [list(next(s).token_ids) for s in streams]  # every request is decoding
+                proc = f.kv[1] if victim == "shard" else f.dense
+                assert proc is not None
+                os.kill(proc.pid, signal.SIGKILL)
+                if victim == "dense":
+                    f.restart(proc)
+                rest = list(pool.map(lambda s: [t for c in s for t in c.token_ids], streams))
+            for p, first, more in zip(prompts, firsts, rest, strict=True):
+                assert first + more == hf_greedy(model, tuple(p), 40), victim
+            if victim == "shard":
+                assert sched_stats(f).recoveries > 0  # the lost shard's sequences were re-prefilled
+    finally:
+        f.stop()

@@ -274,7 +274,7 @@ class SchedulerCore(
                 ):
                     continue
                 n, sample = 1, True
-                steps = self._run_steps(req, generated) if self._decode_steps > 1 else 1
+                steps = 1 if self._decode_steps == 1 else self._run_steps(req, generated)
                 planned.append(
                     PlannedSeq(
                         sid,

@@ -133,18 +133,6 @@ def test_cli_bench_scheduler_step_json() -> None:
     assert out["streams_ratio"] > 0
 
 
-def test_cli_bench_scheduler_step_per_decode_step() -> None:
-    """`--decode-steps 4` at a tiny size: the plans run their sequences 4 decode steps (the figures
-    are per decode step); a k past 16 is one clear error."""
-    args = ["bench", "scheduler-step", "-B", "8", "-P", "2", "-n", "5", "--json"]
-    res = CliRunner().invoke(main, [*args, "--decode-steps", "4"])
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.output.strip().splitlines()[-1])
-    assert out["decode_steps"] == 4 and out["scheduler_cpu_ms_per_step"] > 0
-    bad = CliRunner().invoke(main, [*args, "--decode-steps", "17"])
-    assert bad.exit_code == 2 and "--decode-steps" in bad.output
-
-
 def test_a_bench_work_directory_goes_when_the_run_succeeds_and_stays_when_it_fails(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

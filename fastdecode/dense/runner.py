@@ -234,6 +234,9 @@ class StepRunner:
     ) -> asyncio.Future[dict[str, torch.Tensor | BaseException]] | None:
         rows: list[tuple[str, str, list[int]]] = []
         failed: dict[str, torch.Tensor | BaseException] = {}
+        if self.grammars is not None:  # builds start now, even for prefill chunks that sample later
+            self.grammars.prepare(s.sampling.grammar for s in seqs if s.sampling.grammar)
+        deadline = time.perf_counter() + (self.grammars.wait_s if self.grammars is not None else 0.0)
         for s in seqs:
             if not (s.sample and s.sampling.grammar):
                 continue
@@ -256,7 +259,7 @@ class StepRunner:
             t0 = time.perf_counter()
             out = dict(failed)
             if rows and bank is not None:
-                out.update(zip((r[0] for r in rows), bank.masks(rows), strict=True))
+                out.update(zip((r[0] for r in rows), bank.masks(rows, deadline), strict=True))
             self.mask_seconds = time.perf_counter() - t0
             return out
 

@@ -8,6 +8,13 @@ and transformers, which would pull or move the pinned torch), compiles a schema 
 millisecond (xgrammar precompiles per schema and caches), and computes a mask in tens of microseconds
 (`fastdecode bench structured` measures it at B=32). vLLM ships both.
 
+Building a matcher (the lexer over the tokenizer) can take seconds for a small spec, and no
+llguidance limit bounds it, so it never happens inside a step: a grammar's build starts on its own
+thread when a plan first names it (`prepare`, while its prompt is still prefilling), and a step
+waits for it at most `wait_s` in all; a sequence whose matcher is not ready by then fails alone
+with INVALID_ARGUMENT, and the batch goes on. The gateway refuses any grammar whose build took
+longer than its build limit, so through it this is a backstop.
+
 A matcher follows the sequence's generated tokens: the dense runner feeds it the tokens sampled since
 it last looked, and a sequence prefilled again (recovery, preemption) or a step run twice replays or
 rolls it back from the token history, so the mask always matches the tokens so far. Imports no gRPC;
@@ -16,9 +23,11 @@ llguidance is imported on first use.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +39,18 @@ from fastdecode.runtime.grammar import (
     KINDS,
     MAX_SPEC_CHARS,
     Structured,
+    big_stack_future,
+    build_matcher,
     check_grammar,
     compile_grammar,
     load_llguidance,
-    on_big_stack,
-    parser_limits,
+    load_tokenizer,
 )
 
 __all__ = ["KINDS", "MAX_SPEC_CHARS", "GrammarBank", "Structured", "compile_grammar", "unpack_bitmask"]
 MAX_MATCHERS = 4096  # matchers kept for sequences not seen lately go first past this many
+MAX_FRESH = 64  # built grammars kept, each copied for every new sequence of it
+MAX_BUILDING = 8  # builds at once: past it a new grammar fails its sequence (memory stays bounded)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -60,25 +72,93 @@ class _Matched:
 class GrammarBank:
     """One llguidance matcher per sequence with a grammar, on the dense side."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer_json: Path, vocab_size: int, eos_ids: Sequence[int], wait_s: float = 1.0
+    ) -> None:
         self.path = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
+        self.wait_s = wait_s
         self._tokenizer: Any = None
         self._matchers: OrderedDict[str, _Matched] = OrderedDict()
         # a fresh matcher per grammar, copied for each new sequence (building one parses the grammar)
         self._fresh: OrderedDict[str, Any] = OrderedDict()
+        self._building: dict[str, concurrent.futures.Future[Any]] = {}
         self._executor: Any = None
         self._lock = threading.Lock()  # masks are computed on a worker thread
+        self._build_lock = threading.Lock()  # prepare (the event loop) beside masks (its thread)
+        self.build_seconds = 0.0  # matcher builds finished so far, summed (their own threads)
 
     def _tok(self) -> Any:
         if self._tokenizer is None:
             if not self.path.is_file():
                 raise FailedPrecondition(f"structured outputs need the model's tokenizer ({self.path})")
-            self._tokenizer = load_llguidance().LLTokenizer(
-                str(self.path), n_vocab=self.vocab_size, eos_token=self.eos_ids
-            )
+            self._tokenizer = load_tokenizer(str(self.path), self.vocab_size, self.eos_ids)
         return self._tokenizer
+
+    def prepare(self, grammars: Iterable[str]) -> None:
+        """Start building the matchers of grammars not built yet, each on its own thread; errors
+        surface when a step asks for their masks."""
+        with self._build_lock:
+            for g in grammars:
+                if g and g not in self._fresh and g not in self._building:
+                    try:
+                        self._start_build(g)
+                    except (InvalidInput, FailedPrecondition):
+                        pass  # its step's mask says so, for its sequence alone
+
+    def _start_build(self, grammar: str) -> concurrent.futures.Future[Any]:
+        if len(self._building) >= MAX_BUILDING:
+            raise InvalidInput(f"{MAX_BUILDING} grammars are being built already; try again in a moment")
+        check_grammar(grammar)  # the gateway's limits again (a Submit may come from elsewhere)
+        tok = self._tok()
+
+        def build() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return build_matcher(tok, grammar)
+            finally:
+                self.build_seconds += time.perf_counter() - t0
+
+        future = big_stack_future(build)
+        self._building[grammar] = future
+        return future
+
+    def _ready(self, grammars: Iterable[str], deadline: float) -> dict[str, Exception]:
+        """Wait until `deadline` at most for these grammars' builds; what each that is not
+        usable met (a build error, or not ready in time)."""
+        failed: dict[str, Exception] = {}
+        names = set(grammars)
+        with self._build_lock:
+            wanted: dict[str, concurrent.futures.Future[Any]] = {}
+            for g in names:
+                if g in self._fresh:
+                    self._fresh.move_to_end(g)
+                    continue
+                try:
+                    wanted[g] = self._building.get(g) or self._start_build(g)
+                except (InvalidInput, FailedPrecondition) as e:
+                    failed[g] = e
+        concurrent.futures.wait(wanted.values(), timeout=max(0.0, deadline - time.perf_counter()))
+        with self._build_lock:
+            for g, future in wanted.items():
+                if not future.done():  # it builds on; a later sequence of it may find it ready
+                    failed[g] = InvalidInput(
+                        f"the grammar's matcher was not built within {self.wait_s:g} s; simplify "
+                        "the structured output (a large multipleOf, many patterns or alternatives "
+                        "cost the most)"
+                    )
+                    continue
+                del self._building[g]
+                try:
+                    self._fresh[g] = future.result()
+                except (InvalidInput, FailedPrecondition) as e:
+                    failed[g] = e
+                except MemoryError:
+                    failed[g] = InvalidInput("the grammar's matcher needs more memory than there is")
+            while len(self._fresh) > max(MAX_FRESH, len(names)):  # never this step's
+                self._fresh.popitem(last=False)
+        return failed
 
     def forget(self, seq_ids: Sequence[str]) -> None:
         with self._lock:
@@ -109,30 +189,26 @@ class GrammarBank:
         return m.matcher
 
     def _new_matcher(self, grammar: str) -> Any:
-        fresh = self._fresh.get(grammar)
-        if fresh is None:
-            # the gateway's limits again (a Submit may come from elsewhere), then llguidance on a big
-            # stack: building a matcher parses the grammar as recursively as compiling it
-            check_grammar(grammar)
-            tok = self._tok()
-            fresh = on_big_stack(lambda: load_llguidance().LLMatcher(tok, grammar, limits=parser_limits()))
-            if fresh.is_error():
-                raise InvalidInput(f"the grammar does not compile: {fresh.get_error()}")
-            self._fresh[grammar] = fresh
-            while len(self._fresh) > 64:
-                self._fresh.popitem(last=False)
-        self._fresh.move_to_end(grammar)
-        return fresh.deep_copy()
+        return self._fresh[grammar].deep_copy()  # `_ready` put it there
 
-    def masks(self, rows: Sequence[tuple[str, str, Sequence[int]]]) -> list[torch.Tensor | Exception]:
+    def masks(
+        self, rows: Sequence[tuple[str, str, Sequence[int]]], deadline: float | None = None
+    ) -> list[torch.Tensor | Exception]:
         """For each (seq_id, grammar, generated tokens): the [V] bool mask of the tokens the grammar
-        allows next, or the error that sequence met."""
+        allows next, or the error that sequence met. Builds not ready by `deadline` (perf_counter;
+        default `wait_s` from now) fail their rows."""
+        if deadline is None:
+            deadline = time.perf_counter() + self.wait_s
+        unbuilt = self._ready((r[1] for r in rows), deadline)
         out: list[torch.Tensor | Exception] = []
         with self._lock:
             words = (self.vocab_size + 31) // 32
             bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
             live: list[tuple[Any, int]] = []
             for i, (sid, grammar, generated) in enumerate(rows):
+                if grammar in unbuilt:
+                    out.append(unbuilt[grammar])
+                    continue
                 try:
                     live.append((self._advance(sid, grammar, generated), i))
                     out.append(torch.empty(0))

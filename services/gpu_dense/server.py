@@ -65,7 +65,9 @@ class DenseService(pb_grpc.DenseServicer):
             )
         chooser = PipelineChooser() if s.pipeline_mode == "auto" else None
         c = self.model.config
-        grammars = GrammarBank(Path(s.model) / "tokenizer.json", c.vocab_size, c.eos_token_ids)
+        grammars = GrammarBank(
+            Path(s.model) / "tokenizer.json", c.vocab_size, c.eos_token_ids, wait_s=s.grammar_wait
+        )
         self.runner = StepRunner(self.model, self.links, chooser, grammars)
 
     def _ready(self) -> tuple[DenseModel | EmulatedModel, StepRunner]:

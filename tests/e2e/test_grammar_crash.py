@@ -148,3 +148,86 @@ def test_the_inputs_crash_llguidance_on_a_main_thread(kind: str) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGSEGV, done.stderr[-500:]
+
+
+SLOW_BUILD = {"type": "integer", "multipleOf": 123456789}  # 44 bytes; its matcher builds for minutes
+
+
+def test_a_slow_matcher_build_is_a_400_through_every_door_and_stalls_no_stream(fleet: Fleet) -> None:
+    """The schema compiles in milliseconds without a tokenizer, but its matcher (the lexer over the
+    tokenizer) builds for minutes: the gateway's worker builds it under the build limit and answers
+    400, so gpu_dense never builds it inside a step; the streams around it go on."""
+    assert fleet.gateway is not None
+    dense = next(s for s in fleet.services if s.name == "gpu_dense")
+    chat = {"model": fleet.model.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": SLOW_BUILD}}},
+    }
+    doors: list[Callable[[], int]] = [
+        lambda: _post(
+            fleet,
+            "/v1/chat/completions",
+            {
+                **chat,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": SLOW_BUILD},
+                },
+            },
+        )[0],
+        lambda: _post(
+            fleet, "/v1/completions", {"model": fleet.model.name, "prompt": "a", "guided_json": SLOW_BUILD}
+        )[0],
+        lambda: _post(
+            fleet,
+            "/v1/chat/completions",
+            {**chat, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        )[0],
+    ]
+
+    def grpc_door() -> int:
+        with Client(fleet.gateway.address, timeout=60) as c:  # type: ignore[union-attr]
+            try:
+                c.generate(token_ids=[0, 5], max_tokens=4, structured={"json_schema": json.dumps(SLOW_BUILD)})
+            except InvalidRequestError as e:
+                assert "build its matcher" in str(e)
+                return 400
+        return 200
+
+    doors.append(grpc_door)
+    with Client(fleet.gateway.address, timeout=120) as client:
+        expected = [client.generate(token_ids=p, max_tokens=40).token_ids for p in PROMPTS]
+        rss = _rss_kib(dense.pid)
+        gaps: list[float] = []
+
+        def stream(p: list[int]) -> list[int]:
+            out, last = [], time.perf_counter()
+            for ch in client.stream(token_ids=p, max_tokens=40):
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+                out.extend(ch.token_ids)
+            return out
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            streams = [pool.submit(stream, p) for p in PROMPTS]
+            seconds = []
+            for send in doors:
+                t = time.perf_counter()
+                assert send() == 400
+                seconds.append(time.perf_counter() - t)
+            got = [s.result(timeout=120) for s in streams]
+        assert got == expected
+        assert max(gaps) < 10.0, max(gaps)  # a bound far from any host's noise: the build took minutes
+        assert max(seconds) < 30.0, seconds  # the build limit (1 s) and a worker's start, on a shared host
+        # (the build alone would take minutes, and gpu_dense's step would have waited on it)
+        assert _rss_kib(dense.pid) - rss < 200_000
+        assert dense.proc.poll() is None
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")

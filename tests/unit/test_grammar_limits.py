@@ -108,3 +108,35 @@ def test_the_big_stack_holds_past_the_limits(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(grammar, "MAX_LARK_RULES", 10**6)
     assert compile_grammar(Structured("json_schema", json.dumps(ref_chain(3000))))
     assert compile_grammar(Structured("grammar", lark_chain(6000)))
+
+
+def _chain(n: int, ref: Any, node: Any) -> dict[str, Any]:
+    """n definitions, each an object whose property refers to the next by `ref(i + 1)`."""
+    defs = {
+        f"d{i}": {**node(i), "type": "object", "properties": {"next": {"$ref": ref(i + 1)}}} for i in range(n)
+    }
+    defs[f"d{n}"] = {**node(n), "type": "string"}
+    return {"$defs": defs, "$ref": ref(0)}
+
+
+FORMS = {  # each way a `$ref` can name its target
+    "percent-encoded": (lambda i: f"#/%24defs/d{i}", lambda i: {}),
+    "anchor": (lambda i: f"#a{i}", lambda i: {"$anchor": f"a{i}"}),
+    "id": (lambda i: f"https://x.test/d{i}", lambda i: {"$id": f"https://x.test/d{i}"}),
+    "relative-id": (lambda i: f"d{i}.json", lambda i: {"$id": f"https://x.test/s/d{i}.json"}),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_reference_form_counts_toward_the_depth(form: str) -> None:
+    with pytest.raises(InvalidInput, match="nests more than"):
+        grammar.check_spec(Structured("json_schema", json.dumps(_chain(1000, *FORMS[form]))))
+    depth, _ = schema_depth(_chain(10, *FORMS[form]))
+    assert depth > 30  # ten hops, each followed (an object, its properties, the property, the hop)
+
+
+def test_errors_are_short_and_carry_no_parser_dump() -> None:
+    long_regex = "(" + "a" * 5000 + "|"
+    with pytest.raises(InvalidInput) as e:
+        compile_grammar(Structured("regex", long_regex))
+    assert len(e.value.message) < grammar.MAX_ERROR_CHARS + 100

@@ -62,3 +62,25 @@ def test_masks_follow_the_tokens(smollm2: Path) -> None:
     assert m.nonzero().flatten().tolist() == [2]
     (err,) = bank.masks([("s", grammar, paris + paris)])
     assert isinstance(err, InvalidInput)
+
+
+def test_a_slow_build_fails_its_row_alone_and_is_found_later(llama_dir: Path) -> None:
+    """A matcher that takes longer to build than the step may wait fails only its own row; the
+    build runs on its thread, and a later step finds it built."""
+    bank = GrammarBank(llama_dir / "tokenizer.json", 2048, [2], wait_s=0.05)
+    fast = compile_grammar(Structured("choice", json.dumps(["yes", "no"])))
+    slow = compile_grammar(Structured("json_schema", json.dumps({"type": "integer", "multipleOf": 123456})))
+    bank.prepare([fast])
+    ok, late = bank.masks([("a", fast, []), ("b", slow, [])])
+    assert isinstance(ok, torch.Tensor) and ok.any()
+    assert isinstance(late, InvalidInput) and "not built within 0.05 s" in late.message
+    bank.wait_s = 60.0  # the build goes on meanwhile; this step waits for it
+    (m,) = bank.masks([("c", slow, [])])
+    assert isinstance(m, torch.Tensor) and m.any() and bank.build_seconds > 0
+
+
+def test_a_grammar_that_does_not_build_fails_its_row(llama_dir: Path) -> None:
+    bank = GrammarBank(llama_dir / "tokenizer.json", 2048, [2])
+    fast = compile_grammar(Structured("regex", "[0-9]+"))
+    ok, bad = bank.masks([("a", fast, []), ("b", "start: (", [])])
+    assert isinstance(ok, torch.Tensor) and isinstance(bad, InvalidInput)

@@ -167,6 +167,14 @@ class DenseSettings(ServiceSettings):
     host_shard_kv_dtype: Literal["float32", "float16", "bfloat16", "int8", "float8_e4m3"] = Field(
         "float32", description="The hosted shard's KV-cache element type."
     )
+    grammar_wait: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="Seconds a step waits, at most, for the matchers of grammars it meets for the first "
+        "time (built on their own threads from the plan's arrival); one not ready by then fails its "
+        "sequence alone (INVALID_ARGUMENT). The gateway's --grammar-build-limit keeps builds under it.",
+    )
     pipeline_mode: Literal["plan", "auto"] = Field(
         "plan",
         description="plan: two mini-batches whenever the step plan asks; auto: the plan allows, a "
@@ -327,6 +335,14 @@ class GatewaySettings(ServiceSettings):
     )
     grammar_memory_mb: int = Field(
         2048, ge=0, description="Address-space limit of a grammar worker, MiB (0: none); past it = 400."
+    )
+    grammar_build_limit: float = Field(
+        1.0,
+        ge=0,
+        le=600,
+        description="Seconds a structured output may take to compile and build its matcher with the "
+        "model's tokenizer (gpu_dense builds it again and waits for it no longer than its "
+        "--grammar-wait); longer = 400. 0: no limit.",
     )
     stream_interval: int = Field(
         1,

@@ -62,7 +62,10 @@ def read_keys(path: Path) -> dict[bytes, str]:
 
 
 class Tenants:
-    """Who a bearer token is. Off (every caller is the anonymous tenant "") when no key is set."""
+    """Who a bearer token is. Off (every caller is the anonymous tenant "") only when neither a token
+    nor a keys file is set: auth is an explicit setting, never the result of a file that read as
+    empty. A keys file that yields no keys keeps the keys there were, or, at start, admits nobody
+    until it has keys and SIGHUP reloads it (fail closed), with a WARNING either way."""
 
     def __init__(self, token: bytes | None = None, keys_file: Path | None = None) -> None:
         self.token = token
@@ -72,29 +75,44 @@ class Tenants:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return self.token is not None or self.keys_file is not None
 
     def names(self) -> list[str]:
         return sorted(set(self._keys.values()))
 
     def reload(self) -> None:
-        """Read the keys again (SIGHUP); a file that does not read keeps the keys there were."""
+        """Read the keys again (SIGHUP); a file that does not read, or reads as no keys, keeps the
+        keys there were."""
         keys = {self.token: "default"} if self.token else {}
         if self.keys_file is not None:
             try:
-                keys.update(read_keys(self.keys_file))
+                from_file = read_keys(self.keys_file)
             except (OSError, InvalidInput) as e:
                 if self._keys:
                     log.error("API keys not reloaded, the old ones stay: %s", e)
                     return
                 raise InvalidInput(f"API keys: {e}") from None
+            if not from_file:  # emptied, or comments only: a truncate-then-write, or "revoke all"
+                if self._keys:
+                    log.warning(
+                        "API keys not reloaded: %s holds no keys; the old ones stay (auth stays on; "
+                        "to revoke a tenant, leave the others' keys in the file)",
+                        self.keys_file,
+                    )
+                    return
+                log.warning(
+                    "API keys: %s holds no keys; no request is admitted until it has keys and the "
+                    "gateway gets SIGHUP",
+                    self.keys_file,
+                )
+            keys.update(from_file)
         self._keys = keys
         log.info("API keys: %d keys of %d tenants", len(keys), len(set(keys.values())))
 
     def tenant_of(self, header: str | bytes) -> str | None:
         """The tenant of an `Authorization` header's bearer token; None: refuse it. Every key is
         compared (constant time each), so timing tells nothing of which one came close."""
-        if not self._keys:
+        if not self.enabled:
             return ""
         token = bearer_token(header)
         if token is None:

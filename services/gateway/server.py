@@ -214,10 +214,13 @@ async def serve(settings: GatewaySettings) -> None:
     core = GatewayCore(settings, tokenizer, config, link, metrics)
     server.server.add_generic_rpc_handlers((GatewayServicer(core, tenants).handlers(),))
     server.install_signal_handlers(settings.supervisor_pid)
-    if tenants.enabled:
+    if settings.api_keys_file is not None:  # from the start, even while the file holds no keys
 
-        def reload_keys() -> None:  # SIGHUP: the keys file again (a bad one keeps the old keys)
-            tenants.reload()
+        def reload_keys() -> None:  # SIGHUP: the keys file again (a bad or empty one keeps the old keys)
+            try:
+                tenants.reload()
+            except InvalidInput as e:  # unreadable while no key was ever read: nobody admitted still
+                log.error("%s; no request is admitted until it reads", e.message)
             metrics.tenants(tenants.names())
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)

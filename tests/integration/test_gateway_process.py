@@ -160,3 +160,50 @@ def test_sigterm_exits_zero(llama_dir: Path, tmp_path: Path) -> None:
     )
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.proc.wait(timeout=30) == 0
+
+
+def test_a_keys_file_without_keys_never_opens_the_gateway(llama_dir: Path, tmp_path: Path) -> None:
+    """Started with a comments-only keys file, the gateway admits nobody (not everybody), takes
+    SIGHUP from the start, and then admits the key the file gained; emptied again and reloaded, the
+    file keeps the key there was. A WARNING says why each time."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("# tenant key\n\n")
+    proc = start_service(
+        "gateway-keys",
+        ["gateway", "--scheduler", f"127.0.0.1:{free_port()}", "--model", str(llama_dir)],
+        tmp_path,
+        env={"FASTDECODE_CONNECT_TIMEOUT": "0.2", "FASTDECODE_API_KEYS_FILE": str(keys)},
+        timeout=60,
+    )
+    alice = (("authorization", "Bearer alice-key-0001"),)
+    try:
+        with grpc.insecure_channel(proc.address) as ch:
+            for metadata in [(), (("authorization", "Bearer anything-at-all"),), alice]:
+                with pytest.raises(grpc.RpcError) as e:
+                    _tokenize(ch, metadata)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            keys.write_text("alice alice-key-0001\n")
+            proc.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    _tokenize(ch, alice)
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert time.monotonic() < deadline, "the reloaded key never worked"
+                    time.sleep(0.2)
+            keys.write_text("")  # truncated (a tool that truncates, then writes): the key stays
+            proc.proc.send_signal(signal.SIGHUP)
+            time.sleep(1.0)
+            assert _tokenize(ch, alice).token_ids
+            with pytest.raises(grpc.RpcError) as e:
+                _tokenize(ch, ())
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert proc.proc.poll() is None
+    finally:
+        stop_processes([proc], grace=10)
+    log = proc.log_path.read_text()
+    assert "holds no keys; no request is admitted" in log
+    assert "holds no keys; the old ones stay" in log
+    assert "alice-key-0001" not in log

@@ -170,9 +170,10 @@ def test_a_keys_file_without_keys_never_opens_the_gateway(llama_dir: Path, tmp_p
     keys.write_text("# tenant key\n\n")
     proc = start_service(
         "gateway-keys",
-        ["gateway", "--scheduler", f"127.0.0.1:{free_port()}", "--model", str(llama_dir)],
+        ["gateway", "--scheduler", f"127.0.0.1:{free_port()}", "--model", str(llama_dir)]
+        + ["--api-keys-file", str(keys)],
         tmp_path,
-        env={"FASTDECODE_CONNECT_TIMEOUT": "0.2", "FASTDECODE_API_KEYS_FILE": str(keys)},
+        env={"FASTDECODE_CONNECT_TIMEOUT": "0.2"},
         timeout=60,
     )
     alice = (("authorization", "Bearer alice-key-0001"),)

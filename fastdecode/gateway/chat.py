@@ -23,6 +23,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# The roles chat templates are written for (OpenAI's, less developer and function). A template writes
+# the role outside the content, where a special-token string is a control token: another is refused.
+ROLES = ("system", "user", "assistant", "tool")
 _MARKER = re.compile("\ue000([0-9]+)\ue001")  # a message's content in render_spans' skeleton
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -30,9 +31,9 @@ from fastdecode.gateway.text import (
     Limits,
     OutputText,
     ValidRequest,
-    bad_word_ids,
     check_params,
     resolve,
+    tokenize_request,
 )
 from fastdecode.model import ModelConfig
 from fastdecode.runtime.errors import (
@@ -218,7 +219,13 @@ class GatewayCore:
         )
         self.eos_ids = frozenset(config.eos_token_ids)
         self.grammars = GrammarCompiler(
-            settings.grammar_workers, settings.grammar_timeout, settings.grammar_memory_mb
+            settings.grammar_workers,
+            settings.grammar_timeout,
+            settings.grammar_memory_mb,
+            build_limit=settings.grammar_build_limit,
+            tokenizer_json=settings.model / "tokenizer.json",
+            vocab_size=config.vocab_size,
+            eos_ids=config.eos_token_ids,
         )
         self.ready = False  # set once announced; the HTTP /health reads it
         self.draining = False
@@ -259,24 +266,13 @@ class GatewayCore:
 
     async def _validate(self, params: GenerateParams) -> ValidRequest:
         check_params(params, self.limits)
-        guarded = params.text_spans if not self.settings.chat_special_tokens else None
-        if params.untrusted and not self.settings.chat_special_tokens and guarded is None:
-            # a template that reshapes content: its spans are unknown, so special text is refused
-            specials = self.tokenizer.special_strings
-            found = next((s for t in params.untrusted for s in specials if s in t), None)
-            if found is not None:
-                raise InvalidInput(f"message content holds the special token {found!r}, which is not allowed")
-        if params.prompt is not None and guarded is not None:
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode_spans, params.prompt, guarded)
-        elif params.prompt is not None:
-            prompt_ids = await asyncio.to_thread(
-                self.tokenizer.encode, params.prompt, params.add_special_tokens
-            )
-        else:
-            prompt_ids = list(params.token_ids or [])
+        allowed = self.settings.chat_special_tokens
+        tokenize = functools.partial(tokenize_request, params, self.tokenizer, allowed)
+        # off the event loop (a worker thread) where there is text to tokenize: a prompt, bad words
+        text = params.prompt or params.bad_words
+        prompt_ids, bad = await asyncio.to_thread(tokenize) if text else tokenize()
         # never on this thread: llguidance can crash a process on a grammar (a worker's, here)
         grammar = await self.grammars.compile(params.structured) if params.structured is not None else ""
-        bad = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         salt = cache_salt(current_tenant(), params.cache_salt, self.settings.tenant_cache_isolation)
         return resolve(params, prompt_ids, self.limits, grammar, bad, salt)
 

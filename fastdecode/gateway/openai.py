@@ -7,6 +7,7 @@ services/gateway/openai_api.py serves these over FastAPI.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -14,10 +15,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastdecode.contract import MAX_TOP_LOGPROBS
-from fastdecode.gateway.chat import ChatTemplate
-from fastdecode.gateway.text import GenerateParams, unencodable
+from fastdecode.gateway.chat import ROLES, ChatTemplate
+from fastdecode.gateway.text import MAX_LOGIT_BIAS_ENTRIES, GenerateParams, strings_in, unencodable
 from fastdecode.gateway.tools import (
     ToolRequest,
+    check_tool_calls,
     fallback_messages,
     template_messages,
     template_renders_tools,
@@ -169,6 +171,11 @@ class ChatBody(RequestBody):
 
 
 MAX_N = 16  # choices per request
+# A conversation's messages (the template renders them on the event loop: 4,096 in about 15 ms,
+# 100,000 took 0.4 s) and one message's content parts, bounded far above real chats.
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: ASCII digits exactly, no sign or space
 
 
 def choice_params(params: GenerateParams, index: int) -> GenerateParams:
@@ -243,10 +250,27 @@ def _logit_bias(body: RequestBody) -> dict[int, float] | None:
     """OpenAI's logit_bias has token ids as JSON keys (strings)."""
     if not body.logit_bias:
         return None
+    if len(body.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:  # before converting each of them
+        raise _invalid(
+            f"logit_bias has {len(body.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}",
+            "logit_bias",
+        )
+    # int() would also take " 5", "+5", "5_0" and other scripts' digits ("٥"): a key is written one way
+    bad = next((k for k in body.logit_bias if not _TOKEN_ID_KEY.fullmatch(k)), None)
+    if bad is not None:
+        raise _invalid(
+            f"logit_bias: the keys are token ids (integers as strings, ASCII digits only), got {_shown(bad)}",
+            "logit_bias",
+        )
     try:
         return {int(k): float(v) for k, v in body.logit_bias.items()}
-    except ValueError:
+    except ValueError:  # more digits than int() reads
         raise _invalid("logit_bias: the keys are token ids (integers as strings)", "logit_bias") from None
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """A client's string in an error message, cut short."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
@@ -290,8 +314,19 @@ def completion_params(body: CompletionBody) -> GenerateParams:
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    if m.role not in ROLES:  # the template writes the role outside the content: no text of the caller's
+        raise _invalid(
+            f"messages[{i}].role {_shown(m.role)}: one of {', '.join(ROLES)}", f"messages[{i}].role"
+        )
     d = m.model_dump(exclude_none=True)
+    if "tool_calls" in d:
+        check_tool_calls(d["tool_calls"], f"messages[{i}].tool_calls")
     if isinstance(m.content, list):  # content parts: the text ones joined, as vLLM does
+        if len(m.content) > MAX_CONTENT_PARTS:
+            raise _invalid(
+                f"messages[{i}].content has {len(m.content)} parts; the limit is {MAX_CONTENT_PARTS}",
+                f"messages[{i}].content",
+            )
         texts = []
         for part in m.content:
             if part.type != "text" or part.text is None:
@@ -327,10 +362,17 @@ def chat_request(
     else the fallback prompt (fastdecode.gateway.tools) does; `required` or a named choice
     constrains the output."""
     refuse_unsupported(body)
+    if len(body.messages) > MAX_MESSAGES:
+        raise _invalid(f"{len(body.messages)} messages; the limit is {MAX_MESSAGES}", "messages")
     tools = chat_tools(body)
     messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+    # what the template renders outside the contents: special-token strings there are refused
+    outside = [
+        t for m in messages for k, v in m.items() if k not in ("role", "content") for t in strings_in(v)
+    ]
     if template_renders_tools(template.source):
         listed = [t.as_openai() for t in tools.tools] if tools is not None else None
+        outside += strings_in(listed or [])
         prompt, spans = template.render_spans(template_messages(messages), tools=listed)
     else:
         prompt, spans = template.render_spans(
@@ -350,6 +392,7 @@ def chat_request(
         # where the contents lie: their special-token strings are text (GenerateParams.text_spans)
         text_spans=spans,
         untrusted=[m["content"] for m in messages if isinstance(m.get("content"), str)],
+        outside=outside,
         default_max_tokens=max_context,  # chat without max_tokens: up to the end of the context
     )
     return params, tools

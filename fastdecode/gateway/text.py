@@ -20,6 +20,19 @@ from fastdecode.runtime.tokenizer import Tokenizer
 PROMPT_CONTEXT_TOKENS = 5
 
 
+# Every per-request list is bounded in count and in size, far above what a real request sends (vLLM
+# users send a handful of stop strings and bad words), so that checking and tokenizing one stays
+# cheap: 256 bad words of 15 KB each took 2.6 s to tokenize on the event loop, stalling every stream.
+# Over a limit is a 400 naming it. allowed_token_ids is bounded by the vocabulary's size, the prompt's
+# token_ids by the context; the HTTP API's own lists (messages, tools, n) are in openai.py and tools.py.
+MAX_STOP = 16  # stop strings (--max-stop)
+MAX_STOP_CHARS = 256  # characters of one stop string (--max-stop-chars)
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI allows 300; vLLM leaves it open
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 256  # characters of one bad word (a word or a short phrase), as a stop string
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the gateway accepts. vocab_size and max_context come from the model's config.json."""
@@ -27,13 +40,14 @@ class Limits:
     vocab_size: int
     max_context: int
     max_prompt_chars: int = 1 << 20
-    max_stop: int = 16
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 256
+    max_stop: int = MAX_STOP
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     default_max_tokens: int = 16
     max_temperature: float = 100.0
-    max_logit_bias: int = 1024  # entries (OpenAI allows 300; vLLM leaves it open)
-    max_bad_words: int = 256
+    max_logit_bias: int = MAX_LOGIT_BIAS_ENTRIES
+    max_bad_words: int = MAX_BAD_WORDS
+    max_bad_word_chars: int = MAX_BAD_WORD_CHARS
 
 
 @dataclass
@@ -70,6 +84,9 @@ class GenerateParams:
     # strings there are tokenized as text unless the gateway allows them (--chat-special-tokens).
     text_spans: list[tuple[int, int]] | None = None
     untrusted: list[str] | None = None  # that content itself, for a template whose spans are unknown
+    # The rest of the messages' text (names, tool calls) and the tools the template renders: outside
+    # the spans, a special-token string would be a control token there, so it is refused instead.
+    outside: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,38 @@ def unencodable(value: object, path: str = "") -> str | None:
     return None
 
 
+def strings_in(value: object) -> list[str]:
+    """Every string in `value` (str, or lists and dicts of them, keys included), found iteratively."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            stack += v
+    return out
+
+
+def refuse_special_tokens(p: GenerateParams, specials: Sequence[str], spans_known: bool) -> None:
+    """A special-token string outside the content spans (`p.outside`), or anywhere in content whose
+    spans are unknown (a template that reshapes content), would be tokenized as a control token (a
+    forged turn): InvalidInput. Content with known spans is tokenized as text instead."""
+
+    def first(strings: Sequence[str] | None) -> str | None:
+        return next((s for t in strings or () for s in specials if s in t), None)
+
+    if not spans_known and (found := first(p.untrusted)) is not None:
+        raise InvalidInput(f"message content holds the special token {found!r}, which is not allowed")
+    if (found := first(p.outside)) is not None:
+        raise InvalidInput(
+            f"the special token {found!r} is not allowed outside a message's content "
+            "(in a name, a tool call or a tool)"
+        )
+
+
 def check_text(what: str, value: object) -> None:
     where = unencodable(value, what)
     if where is not None:
@@ -160,6 +209,7 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
     if p.token_ids is not None:
         if not p.token_ids:
             raise InvalidInput("token_ids is empty")
+        _check_context(len(p.token_ids), limits)  # before looking at each of up to a million ids
         _check_ids("token_ids", p.token_ids, limits.vocab_size)
     if p.max_tokens is not None and p.max_tokens < 1:
         raise InvalidInput(f"max_tokens must be >= 1, got {p.max_tokens}")
@@ -214,11 +264,26 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
     if p.allowed_token_ids is not None:
         if not p.allowed_token_ids:
             raise InvalidInput("allowed_token_ids is empty: nothing could be sampled")
+        if len(p.allowed_token_ids) > limits.vocab_size:  # more must repeat ids
+            raise InvalidInput(
+                f"allowed_token_ids has {len(p.allowed_token_ids)} entries; "
+                f"the limit is the vocabulary's size, {limits.vocab_size}"
+            )
         _check_ids("allowed_token_ids", p.allowed_token_ids, limits.vocab_size)
-    if len(p.bad_words) > limits.max_bad_words:
-        raise InvalidInput(f"{len(p.bad_words)} bad_words; the limit is {limits.max_bad_words}")
-    check_text("bad_words", list(p.bad_words))
-    if any(not w.strip() for w in p.bad_words):
+    _check_bad_words(p.bad_words, limits)
+
+
+def _check_bad_words(words: Sequence[str], limits: Limits) -> None:
+    """Count and length first: the words are tokenized (twice each) once they pass."""
+    if len(words) > limits.max_bad_words:
+        raise InvalidInput(f"{len(words)} bad_words; the limit is {limits.max_bad_words}")
+    longest = max(words, key=len, default="")
+    if len(longest) > limits.max_bad_word_chars:
+        raise InvalidInput(
+            f"a bad word has {len(longest)} characters; the limit is {limits.max_bad_word_chars}"
+        )
+    check_text("bad_words", list(words))
+    if any(not w.strip() for w in words):
         raise InvalidInput("a bad word is empty")
 
 
@@ -232,6 +297,33 @@ def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[tuple[int, 
             if ids:
                 out[ids] = None
     return list(out)
+
+
+def tokenize_request(
+    p: GenerateParams, tokenizer: Tokenizer, specials_allowed: bool
+) -> tuple[list[int], list[tuple[int, ...]]]:
+    """A request's prompt ids and its bad words' token sequences (bad_word_ids), once check_params
+    bounded them; the gateway runs it on a worker thread. Unless `specials_allowed` (the gateway's
+    --chat-special-tokens), chat content is tokenized as text and special-token strings elsewhere in
+    the messages are refused (refuse_special_tokens)."""
+    guarded = None if specials_allowed else p.text_spans
+    if not specials_allowed and (p.untrusted or p.outside):
+        refuse_special_tokens(p, tokenizer.special_strings, guarded is not None)
+    if p.prompt is None:
+        ids = list(p.token_ids or [])
+    elif guarded is not None:
+        ids = tokenizer.encode_spans(p.prompt, guarded)
+    else:
+        ids = tokenizer.encode(p.prompt, p.add_special_tokens)
+    return ids, bad_word_ids(tokenizer, p.bad_words) if p.bad_words else []
+
+
+def _check_context(n: int, limits: Limits) -> None:
+    if n >= limits.max_context:
+        raise InvalidInput(
+            f"the prompt has {n} tokens; the model's context is {limits.max_context} "
+            "and at least one token must be generated"
+        )
 
 
 def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -255,11 +347,7 @@ def resolve(
     if n == 0:
         raise InvalidInput("the prompt tokenizes to no tokens")
     _check_ids("the prompt", prompt_ids, limits.vocab_size)  # a tokenizer larger than the model's vocab
-    if n >= limits.max_context:
-        raise InvalidInput(
-            f"the prompt has {n} tokens; the model's context is {limits.max_context} "
-            "and at least one token must be generated"
-        )
+    _check_context(n, limits)
     if p.max_tokens is None:
         # The default never makes a valid prompt fail: it shrinks to what the context leaves.
         default = limits.default_max_tokens if p.default_max_tokens is None else p.default_max_tokens

@@ -33,7 +33,11 @@ from fastdecode.runtime.grammar import Structured, check_spec
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_TOOL_CALLS = 128  # calls in one assistant message of the conversation
+# Nesting of a call's arguments (objects and lists), as a schema's (runtime.grammar.MAX_SCHEMA_DEPTH):
+# json.loads of 5,000 levels raised RecursionError (a 500), and the template re-serializes them.
+MAX_ARGUMENTS_DEPTH = 200
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: `$` would let a trailing newline through
 
 # The fallback prompt: where the chat template does not render `tools`, the tools and this hermes-style
 # instruction lead the system message (docs/openai-parameters.md shows it).
@@ -147,7 +151,7 @@ def _tool(t: Any, where: str) -> Tool:
     if not isinstance(fn, Mapping):
         raise ToolError(f"{where}.function: an object with the function's name", f"{where}.function")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ToolError(
             f"{where}.function.name: 1-64 letters, digits, _ . or -, got {name!r}", f"{where}.function.name"
         )
@@ -212,12 +216,49 @@ def choose_parser(setting: str, template_source: str, model_type: str) -> str:
     return "hermes"
 
 
+def check_tool_calls(calls: Any, where: str) -> None:
+    """A conversation message's `tool_calls`: a list of at most MAX_TOOL_CALLS, each call's arguments
+    (an object, or its JSON text) nested at most MAX_ARGUMENTS_DEPTH deep; a ToolError names the field."""
+    if not isinstance(calls, list):
+        raise ToolError(f"{where} must be a list of tool calls", where)
+    if len(calls) > MAX_TOOL_CALLS:
+        raise ToolError(f"{where} has {len(calls)} calls; the limit is {MAX_TOOL_CALLS}", where)
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        arguments = fn.get("arguments") if isinstance(fn, Mapping) else None
+        deep = False
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except RecursionError:
+                deep = True
+            except ValueError:
+                continue  # not JSON: the template gets the text as it is
+        if deep or _depth(arguments) > MAX_ARGUMENTS_DEPTH:
+            field = f"{where}[{j}].function.arguments"
+            raise ToolError(
+                f"{field} nests more than {MAX_ARGUMENTS_DEPTH} objects and lists deep; that is the limit",
+                field,
+            )
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and lists nest in `value` (iterative; it stops past MAX_ARGUMENTS_DEPTH)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_ARGUMENTS_DEPTH:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            stack += [(c, d + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
 def _arguments_object(arguments: Any) -> Any:
     """Templates take a call's arguments as an object (OpenAI clients send a JSON string)."""
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # check_tool_calls refused what nests too deeply
             return arguments
     return arguments
 

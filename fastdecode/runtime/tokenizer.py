@@ -27,7 +27,7 @@ class Tokenizer:
         return cls(_HFTokenizer.from_file(str(file)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self._tok, text, add_special_tokens)
 
     def encode_spans(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
         """Like encode(text, add_special_tokens=False), except that inside `spans` (character ranges
@@ -44,12 +44,12 @@ class Tokenizer:
         at = 0
         for a, b in sorted(spans):
             if a > at:
-                ids += self._tok.encode(text[at:a], add_special_tokens=False).ids
+                ids += _encode(self._tok, text[at:a], False)
             if b > a:
-                ids += self._as_text.encode(text[a:b], add_special_tokens=False).ids
+                ids += _encode(self._as_text, text[a:b], False)
             at = max(at, b)
         if at < len(text):
-            ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+            ids += _encode(self._tok, text[at:], False)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -97,3 +97,9 @@ class DetokenizeStream:
         text = self.tok.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(prefix) :] if len(text) > len(prefix) else ""
+
+
+def _encode(tok: _HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """tokenizers' encode holds the GIL for the whole call (a 1 MiB prompt stalled the gateway's
+    event loop 0.82 s from a worker thread); encode_batch releases it (3.5 ms), same ids."""
+    return list(tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)

@@ -37,7 +37,7 @@ from fastdecode.gateway.openai import (
     validation_error,
 )
 from fastdecode.gateway.responses import LogprobsShape, ResponseShape, merge_choices, sse
-from fastdecode.gateway.text import GenerateParams
+from fastdecode.gateway.text import GenerateParams, check_params
 from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas, choose_parser
 from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
 from fastdecode.runtime.settings import GatewaySettings
@@ -171,6 +171,7 @@ class OpenAIApp:
         params = completion_params(body)
         echo = None
         if body.echo:  # the prompt as sent, or the text of its token ids
+            check_params(params, self.core.limits)  # at most a context of ids to decode here
             echo = (
                 params.prompt
                 if params.prompt is not None

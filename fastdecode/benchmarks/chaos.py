@@ -22,6 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.benchmarks.chaos_attacks import grammar_crash_probe, pool_rebuild_probe, shards_down_probe
+from fastdecode.benchmarks.chaos_grammar import (
+    big_specs_probe,
+    empty_keys_probe,
+    heavy_grammar_probe,
+    slow_build_probe,
+)
+from fastdecode.benchmarks.chaos_limits import bad_words_probe
 from fastdecode.benchmarks.chaos_probes import (
     _client,
     _Outcome,
@@ -155,10 +162,16 @@ def run_chaos_bench(
                 hostile = hostile_probe(up, load, reference)
                 attacks.append(grammar_crash_probe(up, load, reference, gen_len))
                 attacks.append(pool_rebuild_probe(up, load, reference, gen_len))
+                attacks.append(slow_build_probe(up, load, reference, gen_len))
+                attacks.append(big_specs_probe(up))
+                attacks.append(heavy_grammar_probe(up))
+                attacks.append(bad_words_probe(up, load, reference, gen_len))
         finally:
             up.stop()
         stays_down: dict[str, Any] | None = None
         if probes:
+            (Path(tmp) / "keys").mkdir()
+            attacks.append(empty_keys_probe(model, Path(tmp) / "keys"))
             stays_down = stays_down_probe(
                 model, Path(tmp) / "down", prompts, gen_len, shards, kv_capacity, down_timeout_s, clients
             )

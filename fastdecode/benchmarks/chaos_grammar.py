@@ -1,4 +1,4 @@
-"""`bench chaos` probes for structured outputs and keys that used to stall or open the fleet (issue 54):
+"""`bench chaos` probes for structured outputs and keys that used to stall or open the fleet:
 
 - slow_build: the 44-byte `{"type": "integer", "multipleOf": 123456789}`, whose matcher builds for
   minutes, sent while the load runs: each must be a 400 within the grammar limits, the load's

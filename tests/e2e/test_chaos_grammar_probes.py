@@ -1,4 +1,4 @@
-"""bench chaos's probes for issue 54's grammar findings, at a tiny size on one real `up` fleet: the
+"""bench chaos's probes for grammars that used to stall the fleet, at a tiny size on one real `up` fleet: the
 slow-building 44-byte schema is a 400 under load with gpu_dense's RSS flat and the streams
 token-equal; specs up to the 256 KiB limit never answer INTERNAL; attackers looping on a heavy
 schema get 400s while a victim's requests complete. (The keys probe runs on a lone gateway:

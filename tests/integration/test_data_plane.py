@@ -171,7 +171,7 @@ def test_sequences_land_on_both_shards_and_are_released(plane: DataPlane) -> Non
 
 def test_shard_kv_gauges_follow_every_step(plane: DataPlane) -> None:
     """The shard's kv_tokens_held gauge after each step equals its Stats and the tokens the plan fed it,
-    while gpu_dense's Attend streams stay open (issue 32: the gauge moved only on Reserve/Release)."""
+    while gpu_dense's Attend streams stay open (the gauge used to move only on Reserve/Release)."""
     max_new, chunk = 6, 5
     seen: list[tuple[list[float], list[int]]] = []
 

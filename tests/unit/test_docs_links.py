@@ -1,6 +1,6 @@
 """The documentation holds together: every relative link in README.md, ARCHITECTURE.md,
 deploy/README.md and docs/ names a file that exists (and, for a `#fragment` into a markdown file, a
-heading in it), and the README stays a front page (issue 31: at most 300 lines, one results table
+heading in it), and the README stays a front page (at most 300 lines, one results table
 whose every row names its host, date and commit and links to its record under docs/benchmarks/)."""
 
 from __future__ import annotations
@@ -114,3 +114,26 @@ def test_every_result_names_host_date_commit_and_record() -> None:
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), row
         assert re.fullmatch(r"[0-9a-f]{7,40}", commit), row
         assert "docs/benchmarks/" in details, row
+
+
+# how work was tracked, not what the code does (spelled in pieces: this file passes its own check)
+PROCESS_WORDS = re.compile(r"issue [0-9]|done" + "-when|design " + "card", re.I)
+
+
+def test_no_work_process_words() -> None:
+    """Docs, records, code and tests say what the code does, not which ticket asked for it."""
+    roots = [
+        README,
+        REPO / "ARCHITECTURE.md",
+        REPO / "docs",
+        REPO / "fastdecode",
+        REPO / "services",
+        REPO / "tests",
+    ]
+    found = []
+    for root in roots:
+        for f in [root] if root.is_file() else [p for p in root.rglob("*") if p.suffix in (".md", ".py")]:
+            for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                if PROCESS_WORDS.search(line):
+                    found.append(f"{f.relative_to(REPO)}:{n}: {line.strip()[:80]}")
+    assert not found, "\n".join(found)

@@ -1,4 +1,4 @@
-"""Issue 54 at the gateway's validation edge: every per-request list bounded in count and size (a 400
+"""The gateway's validation edge: every per-request list bounded in count and size (a 400
 naming the limit), bad words tokenized off the event loop, roles validated to the template's, special
 tokens refused where the template writes text outside the content, a tool call's deeply nested
 arguments a 400 (not a 500), tool names matched whole and logit_bias keys read as ASCII digits only."""

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdecode.benchmarks.chaos_attacks import grammar_crash_probe, pool_rebuild_probe, shards_down_probe
+from fastdecode.benchmarks.chaos_attacks import (
+    grammar_crash_probe,
+    huge_geometry_probe,
+    pool_rebuild_probe,
+    shards_down_probe,
+)
 from fastdecode.benchmarks.chaos_grammar import (
     big_specs_probe,
     empty_keys_probe,
@@ -162,6 +167,7 @@ def run_chaos_bench(
                 hostile = hostile_probe(up, load, reference)
                 attacks.append(grammar_crash_probe(up, load, reference, gen_len))
                 attacks.append(pool_rebuild_probe(up, load, reference, gen_len))
+                attacks.append(huge_geometry_probe(up, load, reference, gen_len))
                 attacks.append(slow_build_probe(up, load, reference, gen_len))
                 attacks.append(big_specs_probe(up))
                 attacks.append(heavy_grammar_probe(up))

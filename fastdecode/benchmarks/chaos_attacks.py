@@ -8,6 +8,8 @@
   runs again: no call may answer INTERNAL and every request must complete.
 - shards_stay_down: a fleet that restarts nothing loses every shard; every request must end within
   the scheduler's shards_down_timeout (plus slack) with UNAVAILABLE naming the shards.
+- huge_geometry: under load, every shard gets Reserves of the geometry (2^31-1)^3 with the fleet
+  secret; each must be RESOURCE_EXHAUSTED at once, with the shard's RSS flat.
 
 Each reports probe_summary's figures (completed, failed_clear, hung, lost) and `crashed`: services
 whose process died or was restarted during the probe.
@@ -206,4 +208,83 @@ def shards_down_probe(
         bound_s=down_timeout_s,
         crashed=crashed,
         unavailable_naming_shards=naming,
+    )
+
+
+def _rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def huge_geometry_probe(
+    up: UpProcess,
+    load: Callable[[UpProcess], dict[int, _Outcome]],
+    reference: dict[int, _Outcome],
+    gen_len: int,
+    sends: int = 3,
+) -> dict[str, Any]:
+    """While the load runs, every shard gets `sends` Reserves of the geometry (2^31-1)^3 with the
+    fleet secret (one used to allocate 23 GB until the OOM killer came): each must be
+    RESOURCE_EXHAUSTED at once with the shard's RSS flat, and the load must end with the fault-free
+    tokens. Reports the answers' codes and times and each shard's RSS before and after."""
+    state = up.reload()
+    before = _processes(state)
+    creds = state_credentials(state)
+    top = (1 << 31) - 1
+    huge = kv_pb.ReserveRequest(
+        geometry=kv_pb.KVGeometry(num_layers=top, num_kv_heads=top, head_dim=top),
+        sequences=[kv_pb.SequenceReservation(seq_id="chaos-huge-geometry", max_tokens=16)],
+    )
+    shards = [(k["address"], int(k["pid"])) for k in state["kv_attention"]]
+    rss_before = [_rss_bytes(pid) for _, pid in shards]
+    codes: list[str] = []
+    seconds: list[float] = []
+    grown: list[int] = []  # RSS growth across one call
+    answered: list[float] = []  # when each answer came (time.monotonic())
+
+    def attack() -> None:
+        time.sleep(0.3)  # mid-decode
+        for _ in range(sends):
+            for address, pid in shards:
+                with sync_channel(address, creds) as ch:
+                    stub = kv_grpc.KVAttentionStub(ch)
+                    rss, t0 = _rss_bytes(pid), time.monotonic()
+                    try:
+                        stub.Reserve(huge, timeout=60)
+                        codes.append("OK")
+                        stub.Release(kv_pb.ReleaseRequest(seq_ids=["chaos-huge-geometry"]), timeout=10)
+                    except grpc.RpcError as e:
+                        codes.append(e.code().name)
+                    answered.append(time.monotonic())
+                    seconds.append(answered[-1] - t0)
+                    grown.append(_rss_bytes(pid) - rss)
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    out = load(up)
+    load_end = time.monotonic()
+    attacker.join(sends * len(shards) * 70 + 30)
+    mib = 1 << 20
+    return probe_summary(
+        "huge_geometry",
+        len(reference),
+        out,
+        gen_len,
+        crashed=_crashed(before, up),
+        huge_reserves=len(codes),
+        huge_answered_under_load=sum(t < load_end for t in answered),
+        huge_refused_resource_exhausted=sum(c == "RESOURCE_EXHAUSTED" for c in codes),
+        huge_accepted=sum(c == "OK" for c in codes),
+        huge_answer_median_s=statistics.median(seconds) if seconds else float("nan"),
+        huge_answer_max_s=max(seconds, default=float("nan")),
+        shard_rss_before_mib=[round(b / mib, 1) for b in rss_before],
+        shard_rss_after_mib=[round(_rss_bytes(pid) / mib, 1) for _, pid in shards],
+        shard_rss_growth_per_call_max_mib=round(max(grown, default=0) / mib, 1),
+        tokens_equal_fault_free=_equal(out, reference),
     )

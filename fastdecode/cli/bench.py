@@ -206,9 +206,9 @@ def load_cmd(as_json: bool, model: str | None, **kw: Any) -> None:
     "--probes/--no-probes",
     default=True,
     show_default=True,
-    help="Also hostile internal calls, the grammar crash, a pool rebuild, a slow-building grammar, "
-    "specs up to the size limit, heavy grammars looped on, huge bad_words under load, an emptied "
-    "keys file, and gpu_dense or every shard staying down.",
+    help="Also hostile internal calls, the grammar crash, a pool rebuild, a huge geometry, a "
+    "slow-building grammar, specs up to the size limit, heavy grammars looped on, huge bad_words "
+    "under load, an emptied keys file, and gpu_dense or every shard staying down.",
 )
 @click.option(
     "--down-timeout-s",

@@ -137,6 +137,34 @@ def _read_token_file(path: str | None) -> str | None:
     return token
 
 
+def _check_kv_capacity(kv_capacity: int, kv_dtype: str, config: Any) -> None:
+    """--kv-capacity refused at its flag (exit 2), as --shards is, when a shard could hold too little
+    of the geometry served (the scheduler keeps one block back, so two blocks at least) or more than
+    this host has: otherwise the scheduler or the shards stop the fleet during start."""
+    from fastdecode.kv.memory import KV_DTYPES, SCALED_DTYPES, host_available_bytes
+
+    try:
+        block = ShardSettings().block_size  # FASTDECODE_BLOCK_SIZE reaches the shards too
+    except ValueError as e:  # pydantic's ValidationError: a bad FASTDECODE_* variable
+        raise click.UsageError(f"shard settings: {' '.join(str(e).split())}") from None
+    g, dtype = config.kv_geometry, KV_DTYPES[kv_dtype]
+    row = g.head_dim * dtype.itemsize + (4 if dtype in SCALED_DTYPES else 0)  # + int8's, float8's scale
+    per_token = 2 * g.num_layers * g.num_kv_heads * row
+    need, have = 2 * block * per_token, host_available_bytes()
+    if kv_capacity < need:
+        raise click.BadParameter(
+            f"{kv_capacity} bytes hold no KV: a shard needs at least {need} bytes here (two blocks of "
+            f"{block} tokens, {per_token} bytes each: {g.num_layers} layers, {g.num_kv_heads} KV heads, "
+            f"head dim {g.head_dim}, {kv_dtype})",
+            param_hint="'--kv-capacity'",
+        )
+    if kv_capacity > have:
+        raise click.BadParameter(
+            f"{kv_capacity} bytes per shard is more than this host's available memory ({have} bytes)",
+            param_hint="'--kv-capacity'",
+        )
+
+
 def _make_fleet(
     model: str | None,
     shards: int,
@@ -166,6 +194,7 @@ def _make_fleet(
         import torch
 
         emulated = load_emulated(path, device, torch.bfloat16, geometry)
+        _check_kv_capacity(kv_capacity, kv_dtype, emulated.config)
         dense_args = ["--dtype", "bfloat16", *(["--geometry", geometry] if geometry else [])]
         click.echo(
             f"device {device} is EMULATED: no weights, synthetic tokens at {emulated.profile.name}'s "
@@ -175,6 +204,10 @@ def _make_fleet(
         )
     elif geometry:
         raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
+    else:
+        from fastdecode.model.config import ModelConfig
+
+        _check_kv_capacity(kv_capacity, kv_dtype, ModelConfig.from_pretrained(path))
     return Fleet(
         model=path,
         shards=shards,

@@ -45,6 +45,19 @@ PREFIX = "emulated:"
 GIB = 1 << 30
 
 
+# What a profile's fields may be: a NaN, an infinity or an absurd figure would make every emulated
+# step take no time or forever. Wide beside real parts (an L4's 300 GB/s to an H200's 4.8 TB/s of
+# HBM, 121 to 989 dense TFLOP/s, PCIe gen4 to NVLink-C2C's 450 GB/s a way, 24 to 141 GiB).
+PROFILE_RANGES: dict[str, tuple[float, float]] = {
+    "hbm_gbps": (1.0, 100_000.0),
+    "peak_tflops": (0.1, 100_000.0),
+    "efficiency": (0.01, 1.0),
+    "kernel_floor_us": (0.0, 10_000.0),
+    "pcie_gbps": (0.1, 10_000.0),
+    "memory_gib": (0.5, 65_536.0),
+}
+
+
 @dataclass(frozen=True)
 class GPUProfile:
     """What the roofline needs to know about one GPU (the datasheet's dense figures)."""
@@ -58,10 +71,17 @@ class GPUProfile:
     memory_gib: float  # device memory
 
     def __post_init__(self) -> None:
-        if min(self.hbm_gbps, self.peak_tflops, self.pcie_gbps, self.memory_gib) <= 0:
-            raise InvalidInput(f"GPU profile {self.name!r}: bandwidths, peak and memory must be positive")
-        if not 0 < self.efficiency <= 1 or self.kernel_floor_us < 0:
-            raise InvalidInput(f"GPU profile {self.name!r}: efficiency in (0, 1], kernel floor >= 0")
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidInput(f"GPU profile: name must be a non-empty string, got {self.name!r}")
+        for field, (lo, hi) in PROFILE_RANGES.items():
+            value = getattr(self, field)
+            # NaN fails every comparison, so `lo <= value <= hi` refuses it, and infinity is above hi
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and lo <= value <= hi
+            if not ok:
+                raise InvalidInput(
+                    f"GPU profile {self.name!r}: {field} must be a finite number in [{lo:g}, {hi:g}], "
+                    f"got {value!r}"
+                )
 
     def kernel_seconds(self, nbytes: float, flops: float, kernels: int) -> float:
         """The roofline time of a group of `kernels` kernels moving `nbytes` and doing `flops`."""
@@ -102,6 +122,8 @@ def load_profile(device: str) -> GPUProfile:
         )
     try:
         fields = json.loads(path.read_text())
+        if not isinstance(fields, dict):
+            raise TypeError("a profile is one JSON object")
         return GPUProfile(**{"name": path.stem, **fields})
     except (ValueError, TypeError) as e:
         raise InvalidInput(

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from fastdecode.runtime.errors import InvalidInput, ResourceExhausted
+from fastdecode.runtime.geometry import check_kv_bounds
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -21,12 +28,87 @@ KV_DTYPES: dict[str, torch.dtype] = {
 SCALED_DTYPES: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 _INT8_MAX = SCALED_DTYPES[torch.int8]
 _HUGE_PAGE = 2 << 20
+MAX_BLOCK_SIZE = 4096  # ShardSettings.block_size's bound
 
 
 def kv_bytes_per_element(dtype: torch.dtype, head_dim: int) -> float:
     """Bytes one cached element costs, counting int8's and float8's float32 scale per (token, head) row."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return itemsize + (4 / head_dim if dtype in SCALED_DTYPES else 0)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What a KV pool of one geometry takes, worked out in Python integers before anything of it
+    is allocated (KVStore builds exactly this)."""
+
+    row_bytes: int  # one token of one KV head of one layer, its scale included
+    bytes_per_token: int  # K and V of one token on every layer
+    group_size: int  # layers per layer group (fastdecode/kv/windows.py)
+    block_bytes: int  # block_size tokens of one layer group
+    num_blocks: int
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+def plan_pool(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    capacity_bytes: int,
+    layer_windows: Sequence[int] = (),
+    softcap: float = 0.0,
+    freed_bytes: int = 0,
+) -> PoolPlan:
+    """The pool of this geometry in `capacity_bytes`, or the refusal: InvalidInput for a field out
+    of range, ResourceExhausted when one block of every layer does not fit the capacity or the pool
+    does not fit the host's available memory (plus `freed_bytes`, a pool about to be let go). The
+    capacity is checked first, in O(1), so any int32 geometry is answered at once."""
+    if dtype not in KV_DTYPES.values():
+        raise InvalidInput(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype}")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise InvalidInput(f"KV block size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+    if min(num_layers, num_kv_heads, head_dim) < 1:
+        raise InvalidInput(
+            f"KV geometry must be positive: {num_layers} layers, {num_kv_heads} KV heads, head dim {head_dim}"
+        )
+    row_bytes = head_dim * dtype.itemsize + (4 if dtype in SCALED_DTYPES else 0)  # + the row's scale
+    per_token = 2 * num_layers * num_kv_heads * row_bytes
+    # A token needs a block of each layer group: block_size tokens of every layer in all.
+    if block_size * per_token > capacity_bytes:
+        raise ResourceExhausted(
+            f"KV geometry ({num_layers} layers, {num_kv_heads} KV heads, head dim {head_dim}) needs "
+            f"{block_size * per_token} bytes for one block of {block_size} tokens ({dtype}); this "
+            f"shard's KV pool holds {capacity_bytes}"
+        )
+    check_kv_bounds(num_layers, num_kv_heads, head_dim, layer_windows, softcap)
+    counts = Counter(layer_windows).values() if any(layer_windows) else (num_layers,)
+    group_size = math.gcd(*counts)
+    block_bytes = 2 * group_size * num_kv_heads * row_bytes * block_size
+    plan = PoolPlan(row_bytes, per_token, group_size, block_bytes, capacity_bytes // block_bytes)
+    available = host_available_bytes() + freed_bytes
+    if plan.pool_bytes > available:
+        raise ResourceExhausted(
+            f"a KV pool of {plan.pool_bytes} bytes does not fit this host's available memory "
+            f"({available} bytes): lower the shard's kv_capacity"
+        )
+    return plan
+
+
+def host_available_bytes() -> int:
+    """MemAvailable (what the host can give without swapping), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

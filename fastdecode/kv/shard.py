@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.kv.attend import AttendBatch
+from fastdecode.kv.memory import plan_pool
 from fastdecode.kv.store import KVStore, ReserveItem
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 
@@ -80,8 +81,6 @@ class ShardCore:
         layer_windows: Sequence[int] = (),
         softcap: float = 0.0,
     ) -> KVStore:
-        if min(num_layers, num_kv_heads, head_dim) < 1:
-            raise InvalidInput("reservation needs a positive KV geometry (layers, kv heads, head dim)")
         geometry = (num_layers, num_kv_heads, head_dim)
         windows = tuple(layer_windows)
         if self.store is None:
@@ -102,6 +101,11 @@ class ShardCore:
             )
         elif not self.store.geometry_matches(*geometry, windows, softcap):
             s = self.store
+            # A geometry out of range or whose pool does not fit is refused first, the same way
+            # whether this shard is busy or idle, and leaves the pool it has as it was.
+            plan_pool(
+                *geometry, self.block_size, self.dtype, self.kv_capacity, windows, softcap, s.capacity_bytes
+            )
             have = (s.num_layers, s.num_kv_heads, s.head_dim, s.layer_windows, s.softcap)
             if s.seqs:
                 raise InvalidInput(

@@ -43,7 +43,7 @@ from fastdecode.contract import chain_hashes, prefix_seed
 from fastdecode.kv import native
 from fastdecode.kv.attend import Attention
 from fastdecode.kv.blocks import BlockAllocator, SeqBlocks
-from fastdecode.kv.memory import KV_DTYPES, SCALED_DTYPES, huge_page_empty, quantize
+from fastdecode.kv.memory import SCALED_DTYPES, huge_page_empty, plan_pool, quantize
 from fastdecode.kv.prefix import PrefixCache
 from fastdecode.kv.windows import WindowGroups
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
@@ -68,14 +68,11 @@ class KVStore(WindowGroups, Attention):
         layer_windows: Sequence[int] = (),
         softcap: float = 0.0,
     ) -> None:
-        if min(num_layers, num_kv_heads, head_dim, block_size) < 1:
-            raise InvalidInput("KV geometry must be positive")
-        if layer_windows and len(layer_windows) != num_layers or any(w < 0 for w in layer_windows):
-            raise InvalidInput(f"layer windows {list(layer_windows)} do not fit {num_layers} layers")
-        if softcap < 0:
-            raise InvalidInput(f"the logit soft-cap must be >= 0, got {softcap}")
-        if dtype not in KV_DTYPES.values():
-            raise InvalidInput(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype}")
+        # Every field and what the pool takes, in Python integers, before anything is allocated: a
+        # geometry of (2^31-1)^3 is refused here, not by the OOM killer.
+        plan = plan_pool(
+            num_layers, num_kv_heads, head_dim, block_size, dtype, capacity_bytes, layer_windows, softcap
+        )
         if backend not in BACKENDS:
             raise InvalidInput(f"attention backend must be one of {list(BACKENDS)}, got {backend!r}")
         # Fails here, with one line naming the fix, when the extension is not built.
@@ -91,13 +88,11 @@ class KVStore(WindowGroups, Attention):
         self.block_size = block_size
         self.quantized = dtype in SCALED_DTYPES
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        row_bytes = head_dim * self.itemsize + (4 if self.quantized else 0)  # + the row's scale
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * row_bytes
-        self._group_layers()
+        self.bytes_per_token = plan.bytes_per_token
+        self._group_layers()  # the plan's group_size, with each layer's group
         # A block holds block_size tokens of the `group_size` layers of one layer group.
-        block_bytes = 2 * self.group_size * num_kv_heads * row_bytes * block_size
-        self.num_blocks = max(0, capacity_bytes // block_bytes)
-        self.capacity_bytes = self.num_blocks * block_bytes
+        self.num_blocks = plan.num_blocks
+        self.capacity_bytes = plan.pool_bytes
         slots = self.num_blocks * block_size
         # Untouched pages: memory is committed as sequences write (2 MiB at a time, huge pages).
         lg = self.group_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,39 @@ class KVGeometry:
             first = max(0, context - w + 1) // block_size if w else 0
             held += context - first * block_size
         return held / self.num_layers
+
+
+# What a shard accepts of a KV geometry (the proto's fields are int32): generous beside real models
+# (Llama 3 405B: 126 layers, 8 KV heads of 128; Gemma 3: head dim 256), small enough that the per-layer
+# bookkeeping of a pool (lists and block tables per layer) can never be what exhausts a host.
+MAX_KV_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_WINDOW = (1 << 31) - 1
+
+
+def check_kv_bounds(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    layer_windows: Sequence[int] = (),
+    softcap: float = 0.0,
+) -> None:
+    """InvalidInput naming the first field of a KV geometry out of its range (NaN fails too). The
+    windows' count is checked before any of them is read, so a list of millions costs nothing."""
+    for name, value, top in (
+        ("num_layers", num_layers, MAX_KV_LAYERS),
+        ("num_kv_heads", num_kv_heads, MAX_KV_HEADS),
+        ("head_dim", head_dim, MAX_HEAD_DIM),
+    ):
+        if not 1 <= value <= top:
+            raise InvalidInput(f"KV geometry: {name} must be in [1, {top}], got {value}")
+    if layer_windows and len(layer_windows) != num_layers:
+        raise InvalidInput(f"KV geometry: {len(layer_windows)} layer windows for {num_layers} layers")
+    if any(not 0 <= w <= MAX_WINDOW for w in layer_windows):
+        raise InvalidInput(f"KV geometry: each layer window must be in [0, {MAX_WINDOW}]")
+    if not 0.0 <= softcap < math.inf:
+        raise InvalidInput(f"KV geometry: attn_logit_softcap must be finite and >= 0, got {softcap}")
 
 
 def check_windows(windows: list[int], num_layers: int) -> list[int]:

@@ -19,7 +19,7 @@ from fastdecode.kv.attend import AttendBatch
 from fastdecode.kv.shard import LayerRows, SequenceHeader, ShardCore
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput
-from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.runtime.geometry import MAX_KV_LAYERS, KVGeometry
 from fastdecode.scheduling.ports import ShardState
 from fastdecode.scheduling.types import Reservation
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -103,16 +103,16 @@ async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -
     header = await anext(chunks, None)
     if header is None or not header.seq_id or header.tokens < 1:
         raise InvalidInput("an import starts with a header chunk naming the sequence and its tokens")
-    g = header.geometry
+    layers_, kv_heads, head_dim, windows, softcap = geometry_from_proto(header.geometry)
     head = SequenceHeader(
         header.seq_id,
-        g.num_layers,
-        g.num_kv_heads,
-        g.head_dim,
+        layers_,
+        kv_heads,
+        head_dim,
         codec.torch_dtype(header.kv_dtype),
         header.tokens,
-        tuple(g.layer_windows),
-        g.attn_logit_softcap,
+        windows,
+        softcap,
     )
 
     async def layers() -> AsyncIterator[LayerRows]:
@@ -126,6 +126,15 @@ async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -
 
 
 # ---- stats and reservations -------------------------------------------------------------------------
+def geometry_from_proto(g: kv_pb.KVGeometry) -> tuple[int, int, int, tuple[int, ...], float]:
+    """A Reserve's or an import's geometry for ShardCore (which checks every field and what its pool
+    takes before allocating). The windows are copied out only when there can be that many layers:
+    a message may carry millions of them."""
+    if len(g.layer_windows) > MAX_KV_LAYERS:
+        raise InvalidInput(f"KV geometry: {len(g.layer_windows)} layer windows, at most {MAX_KV_LAYERS}")
+    return g.num_layers, g.num_kv_heads, g.head_dim, tuple(g.layer_windows), g.attn_logit_softcap
+
+
 def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
     stats = kv_pb.ShardStats(
         shard_id=shard_id, kv_dtype=codec.wire_dtype(core.dtype), block_size=core.block_size

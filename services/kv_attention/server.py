@@ -57,9 +57,9 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
-        g, seqs = request.geometry, request.sequences
+        seqs = request.sequences
         free, cached = self.core.reserve(
-            (g.num_layers, g.num_kv_heads, g.head_dim, list(g.layer_windows), g.attn_logit_softcap),
+            wire.geometry_from_proto(request.geometry),
             [(s.seq_id, s.max_tokens, list(s.token_ids), s.cache_salt) for s in seqs],
             request.model,
         )

@@ -138,6 +138,22 @@ def test_bad_arguments(args, needle):
     assert_one_line_error(cli(*args), needle)
 
 
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--kv-capacity", "1"], "a shard needs at least 262144 bytes"),  # tiny llama: 8 KiB a token
+        # the emulated geometry's tokens count, not the checkpoint's: 256 KiB each
+        (["--device", "emulated:l4", "--geometry", "llama-3-8b", "--kv-capacity", "4000000"], "8388608"),
+        (["--kv-capacity", str(1 << 50)], "available memory"),
+    ],
+)
+def test_up_refuses_a_kv_capacity_at_its_flag(model_factory, extra, needle):
+    """Not in the scheduler or a shard during start, with a traceback after the reason."""
+    proc = cli("up", "--port", "0", "--model", str(model_factory("llama")), *extra)
+    assert proc.returncode == 2, proc.stderr
+    assert_one_line_error(proc, "--kv-capacity", needle)
+
+
 def test_import_gguf_bad_files(broken, tmp_path):
     for case in ("missing", "unsupported-gguf", "garbage-gguf"):
         file = broken[case] if case != "missing" else tmp_path / "none.gguf"

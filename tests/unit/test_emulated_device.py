@@ -13,8 +13,10 @@ import torch
 
 from fastdecode.dense import StepRunner
 from fastdecode.dense.emulated import (
+    PROFILE_RANGES,
     PROFILES,
     EmulatedModel,
+    GPUProfile,
     Roofline,
     apply_geometry,
     load_emulated,
@@ -71,6 +73,45 @@ def test_unknown_profile_and_too_big_geometry_are_one_clear_error(tmp_path: Path
         load_profile(f"emulated:{custom}")
     custom.write_text(json.dumps({**PROFILES["l4"].__dict__, "efficiency": 1.5}))
     with pytest.raises(InvalidInput, match="efficiency"):
+        load_profile(f"emulated:{custom}")
+
+
+ODD_VALUES = ["NaN", "Infinity", "-Infinity", "-1", "0", "1e30", '"300"', "true", "null"]
+
+
+@pytest.mark.parametrize(
+    "field, bad",
+    # a kernel floor of 0 is a profile with no launch cost: allowed
+    [
+        (f, b)
+        for f in sorted(PROFILE_RANGES)
+        for b in ODD_VALUES
+        if not (b == "0" and PROFILE_RANGES[f][0] == 0)
+    ],
+)
+def test_a_profile_field_nan_infinite_or_absurd_is_refused_by_name(
+    tmp_path: Path, field: str, bad: str
+) -> None:
+    """Every numeric field of a profile file is a finite number in its range: a NaN
+    bandwidth made every emulated step take no time; an infinite one, forever."""
+    fields = {k: v for k, v in PROFILES["l4"].__dict__.items() if k != "name"}
+    custom = tmp_path / "odd.json"
+    # json.dumps cannot write NaN as a literal value of our choice: splice the raw token in
+    custom.write_text(json.dumps({**fields, field: "@"}).replace('"@"', bad))
+    with pytest.raises(InvalidInput) as info:
+        load_profile(f"emulated:{custom}")
+    assert f"{field} must be a finite number in" in info.value.message, info.value.message
+
+
+def test_every_builtin_profile_is_within_the_ranges(tmp_path: Path) -> None:
+    for p in PROFILES.values():
+        assert GPUProfile(**p.__dict__) == p
+    custom = tmp_path / "list.json"
+    custom.write_text("[1, 2]")
+    with pytest.raises(InvalidInput, match="one JSON object"):
+        load_profile(f"emulated:{custom}")
+    custom.write_text(json.dumps({**PROFILES["l4"].__dict__, "name": 7}))
+    with pytest.raises(InvalidInput, match="name must be a non-empty string"):
         load_profile(f"emulated:{custom}")
 
 

@@ -3,11 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The native exchange worker (services/gpu_dense/native): built where gRPC C++ is (or can be) installed.
+# The native exchange worker (services/gpu_dense/exchange/native): built where gRPC C++ is (or can be) installed.
 NATIVE := $(VENV)/.native-exchange
-NATIVE_SRC := $(wildcard services/gpu_dense/native/*) protos/fastdecode/v1/exchange.proto
+NATIVE_SRC := $(wildcard services/gpu_dense/exchange/native/*) protos/fastdecode/v1/exchange.proto
 
-.PHONY: setup demo test lint protos bench gpu-check clean
+.PHONY: setup demo test test-fast lint protos bench gpu-check clean
 
 $(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp fastdecode/kv/csrc/vec_job.inc
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp fastdecode/kv
 	touch $(STAMP)
 
 $(NATIVE): $(STAMP) $(NATIVE_SRC)
-	sh services/gpu_dense/native/build.sh $(abspath $(VENV))
+	sh services/gpu_dense/exchange/native/build.sh $(abspath $(VENV))
 	touch $@
 
 setup: $(STAMP) $(NATIVE)
@@ -35,6 +35,11 @@ lint: $(STAMP)
 test: $(STAMP) $(NATIVE)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra --durations=25
+
+# The fast tier: no process, no port (tests/unit enforces it); minutes, for every edit.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/unit
 
 protos: $(STAMP)
 	$(BIN)/python -m fastdecode.tools.codegen

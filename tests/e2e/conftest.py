@@ -64,3 +64,13 @@ def fleet(model_factory: Callable, fleet_factory: FleetFactory) -> UpProcess:
 @pytest.fixture(scope="session")
 def real_fleet(smollm2: Path, fleet_factory: FleetFactory) -> UpProcess:
     return fleet_factory(smollm2, http=True)
+
+
+E2E_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this tier carries the `e2e` marker (`-m "not e2e"` leaves the fleets out)."""
+    for item in items:
+        if E2E_DIR in item.path.parents:
+            item.add_marker(pytest.mark.e2e)

@@ -101,14 +101,18 @@ def test_shard_loss_costs_time_not_requests(fleet: Fleet, hf_greedy: Callable) -
     assert re.search(r"^fastdecode_shard_recoveries_total [1-9]", metrics, re.M)
     print(f"\nshard-loss: all {len(PROMPTS)} requests done {recovered_in:.2f}s after kill -9")
 
-    # The shard comes back at the same address, rejoins, and takes new sequences.
+    # The shard comes back at the same address, rejoins, and takes new sequences. They run long
+    # enough to overlap (placement balances the load held: requests that each end before the next
+    # arrives find both shards empty, and any of them may go to shard 0), with prompts of their own
+    # (no prefix held on shard 0 draws them there).
     fleet.restart(victim)
     deadline = time.monotonic() + 20
     while not sched_stats(fleet).shards[1].healthy and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sched_stats(fleet).shards[1].healthy
-    with Client(fleet.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda p: client.generate(token_ids=p, max_tokens=8), PROMPTS[:4]))
+    fresh = [[0, 31 + i, 700 + i, 9] for i in range(6)]
+    with Client(fleet.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(len(fresh)) as pool:
+        list(pool.map(lambda p: client.generate(token_ids=p, max_tokens=32), fresh))
     assert shard_stats(fleet)[1].attend_items > 0
 
 

@@ -25,6 +25,7 @@ RANK = {
     "contract": 2,
     "model": 3,
     "kv": 3,
+    "spec": 3,  # speculative decoding: proposers and verification, under dense/ and scheduling/
     "dense": 4,
     "gateway": 4,
     "scheduling": 4,
@@ -37,7 +38,7 @@ RANK = {
     "cli": 8,
 }
 # The domain cores: they see domain objects only, never a generated message (fastdecode.wire converts).
-CORES = ("contract", "model", "kv", "dense", "gateway", "scheduling", "planning")
+CORES = ("contract", "model", "kv", "spec", "dense", "gateway", "scheduling", "planning")
 
 
 def _group(module: str) -> str:

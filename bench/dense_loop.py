@@ -98,16 +98,24 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 # ---- the dense side -------------------------------------------------------------------------
-class _OnTheLoop:
-    """The plane without its blocking path: the runner keeps the layer loop on the event loop."""
+def _on_the_loop(plane: Any) -> Any:
+    """The plane without its blocking path: the runner keeps the layer loop on the event loop (with
+    the plane's attend_layer_at and staging, as before)."""
+    from fastdecode.dense import LayerPlane
 
-    def __init__(self, plane: Any) -> None:
-        self._plane = plane
+    class OnTheLoop(LayerPlane):
+        attend_layer_blocking = None
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "attend_layer_blocking":
-            raise AttributeError(name)
-        return getattr(self._plane, name)
+        def __init__(self) -> None:
+            self.attend_layer = plane.attend_layer
+            self.attend_layer_at = plane.attend_layer_at
+            self.staging = plane.staging
+
+        @property
+        def num_shards(self) -> int:
+            return plane.num_shards
+
+    return OnTheLoop()
 
 
 async def _point(model_dir: Path, batch: int, steps: int, mode: str, answer_after: float) -> dict[str, float]:
@@ -116,7 +124,7 @@ async def _point(model_dir: Path, batch: int, steps: int, mode: str, answer_afte
     from fastdecode.contract import PlannedSeq, SamplingParams
     from fastdecode.dense import StepRunner
     from fastdecode.dense.emulated import load_emulated
-    from services.gpu_dense.exchange import ExchangePlane
+    from services.gpu_dense.exchange.plane import ExchangePlane
 
     os.environ["DENSE_LOOP_ANSWER_AFTER"] = repr(answer_after)
     model = load_emulated(model_dir, "emulated:h100", torch.bfloat16, "llama-3-8b")
@@ -125,7 +133,7 @@ async def _point(model_dir: Path, batch: int, steps: int, mode: str, answer_afte
         w.command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     await plane.start()
     try:
-        runner = StepRunner(model, plane if mode == "thread" else _OnTheLoop(plane))  # type: ignore[arg-type]
+        runner = StepRunner(model, plane if mode == "thread" else _on_the_loop(plane))
         params = SamplingParams()
         seqs = lambda: [  # noqa: E731 - 4 shards, 2 mini-batches, 1 token each, nothing sampled
             PlannedSeq(f"s{i}", (i // 2) % 4, i % 2, [5], 10, params, sample=False) for i in range(batch)

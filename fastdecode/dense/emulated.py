@@ -32,11 +32,13 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from fastdecode.dense.plane import Device
 from fastdecode.model.config import ModelConfig
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import GEOMETRIES, Geometry
@@ -314,8 +316,9 @@ def _warm_meta() -> None:
     torch.cat([h, a]).index_select(0, torch.tensor([0, 1]).to("meta"))
 
 
-class EmulatedModel:
-    """DenseModel's interface (embed, pre_attention, post_attention, logits, settle) on the clock."""
+class EmulatedModel(Device):
+    """DenseModel's interface (embed, pre_attention, post_attention, logits, settle) on the clock,
+    and the device it declares (plane.Device): results ready at the clock's time, synthetic."""
 
     def __init__(
         self,
@@ -337,6 +340,10 @@ class EmulatedModel:
         self.roofline = Roofline(profile, geometry_of(config, geometry), itemsize)
         check_fits(self.roofline)
         self.clock = DeviceClock()
+        # when this task's last S-part result (q, k, v in host memory) is ready, and the blocking wait
+        # for it: the clock's (settle, the awaiting one, is below)
+        self.ready_at: Callable[[], float] | None = self.clock.ready_at
+        self.wait: Callable[[], None] | None = self.clock.wait
         self._layer_times: dict[int, tuple[float, float, float, float]] = {}
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
@@ -435,13 +442,6 @@ class EmulatedModel:
 
     async def settle(self) -> None:
         await self.clock.settle()
-
-    def wait(self) -> None:
-        self.clock.wait()
-
-    def ready_at(self) -> float:
-        """When this task's last S-part result (q, k, v in host memory) is ready: time.monotonic()."""
-        return self.clock.ready_at()
 
     @property
     def served_config(self) -> ModelConfig:

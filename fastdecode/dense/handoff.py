@@ -1,41 +1,33 @@
-"""The shared-memory handoff between gpu_dense and its exchange workers. Imports no gRPC.
+"""The shared memory a mini-batch's q, k, v and o cross in to gpu_dense's exchange workers. Imports
+no gRPC.
 
-The dense process writes a layer's q, k, v into a shared-memory arena (one copy, straight from the
-tensors, which may live on a GPU), sends a small descriptor over a control socket, and copies each
-o out of the same arena when the worker says it is there (one copy). Tensors never cross the socket:
-descriptors are (offset, shape, dtype name) and a frame is a length prefix plus a protobuf message
-(exchange.proto, encoded by services/gpu_dense/exchange_messages.py, so a native worker reads it).
-Arenas are reused; one that is too small is replaced by a bigger one (a new name, which the worker
-attaches to when it first sees it).
+An arena is one shared-memory segment; a `Slice` names where a tensor lies in it (offset, shape,
+dtype name), which is all a worker is told. A `Staging` is one mini-batch's q, k, v and o in an arena,
+rows in the step's order: the step runner copies q, k and v in once per layer (from a GPU: a DMA
+straight into shared memory), items are row ranges of them, and each item's o comes back into its
+rows of o. The staging is what the runner and a plane share (LayerPlane.staging,
+fastdecode/dense/runner.py); the transport around it (the arenas per worker, the control socket and
+its frames, the slots' own sockets) is the exchange's: services/gpu_dense/exchange/transport.py.
+The worker kinds are named here too, for the benchmarks under fastdecode/ that report them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import math
 import mmap
 import os
 import shutil
-import socket
-import struct
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
 
-log = logging.getLogger("fastdecode.gpu_dense.exchange")
 ALIGN = 64  # cache-line aligned slices: the copies run at memcpy speed
-_LEN = struct.Struct("<I")
-MAX_FRAME = 64 << 20  # descriptors are small; anything bigger is a bug in the peer
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -216,51 +208,8 @@ class Staging:
         return self.o.data_ptr() - self.arena.address + first * o_row, q.shape[0] * o_row
 
 
-class ArenaPool:
-    """The dense side's arenas, one per key (worker, slot), replaced by a bigger one on demand."""
-
-    def __init__(self) -> None:
-        self._arenas: dict[Any, Arena] = {}
-
-    def get(self, key: Any, size: int) -> Arena:
-        arena = self._arenas.get(key)
-        if arena is None or arena.size < size:
-            if arena is not None:
-                arena.close()  # the worker still maps it until it sees the new name; unlink is safe
-            arena = self._arenas[key] = Arena(aligned(size + size // 2))
-        return arena
-
-    def close(self) -> None:
-        for arena in self._arenas.values():
-            arena.close()
-        self._arenas.clear()
-
-
-class Attached:
-    """The worker's side: arenas attached by name, the previous one of a key closed on a new name."""
-
-    def __init__(self) -> None:
-        self._by_name: dict[str, Arena] = {}
-
-    def get(self, name: str) -> Arena:
-        arena = self._by_name.get(name)
-        if arena is None:
-            arena = self._by_name[name] = Arena(name=name)
-        return arena
-
-    def forget(self, name: str) -> None:
-        arena = self._by_name.pop(name, None)
-        if arena is not None:
-            arena.close()
-
-    def close(self) -> None:
-        for arena in self._by_name.values():
-            arena.close()
-        self._by_name.clear()
-
-
-# The native exchange worker (services/gpu_dense/native/exchange_worker.cpp), which `make setup`
-# builds into the environment's bin/ where gRPC C++ is installed.
+# The native exchange worker (services/gpu_dense/exchange/native/exchange_worker.cpp), which `make
+# setup` builds into the environment's bin/ where gRPC C++ is installed.
 NATIVE_WORKER = "fastdecode-exchange-worker"
 
 
@@ -287,125 +236,3 @@ def worker_kind(kind: str = "auto") -> str:
             "gRPC C++ (Debian: libgrpc++-dev protobuf-compiler-grpc), or use --exchange-worker python"
         )
     return "python"
-
-
-def frame(body: bytes) -> bytes:
-    """One control message on the socket: a 4-byte little-endian length, then the message's bytes
-    (services/gpu_dense/exchange_messages.py encodes them; never tensors)."""
-    return _LEN.pack(len(body)) + body
-
-
-class Channel(asyncio.Protocol):
-    """A control socket's frames, each handed to `on_message` right from the loop's read callback: no
-    reader task and no coroutine hop per message (a layer's answer wakes only the layer's waiter).
-    `closed` resolves when the peer goes, or when a frame is garbled (the channel is then closed)."""
-
-    def __init__(self, on_message: Callable[[bytes], None]) -> None:
-        self.on_message = on_message
-        self.transport: asyncio.Transport | None = None
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._buf = bytearray()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        pos = 0
-        try:
-            while len(buf) - pos >= _LEN.size:
-                (n,) = _LEN.unpack_from(buf, pos)
-                if n > MAX_FRAME:
-                    raise InvalidInput(f"control frame of {n} bytes")
-                if len(buf) - pos - _LEN.size < n:
-                    break
-                start = pos + _LEN.size
-                pos = start + n
-                self.on_message(bytes(buf[start:pos]))
-        except Exception:  # a garbled channel is a dead peer
-            log.exception("bad control message: closing the channel")
-            self.close()
-            return
-        del buf[:pos]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-
-async def open_channel(sock: socket.socket, on_message: Callable[[bytes], None]) -> Channel:
-    """A Channel on a connected Unix socket."""
-    loop = asyncio.get_running_loop()
-    _, channel = await loop.create_unix_connection(lambda: Channel(on_message), sock=sock)
-    return channel
-
-
-class StepCancelled(Exception):
-    """A step was cancelled while one of its slots' threads waited on a Port."""
-
-
-class PortStalled(OSError):
-    """A Port's send timed out: the worker read nothing for a poll while its socket stayed full."""
-
-
-class Port:
-    """A slot's own socket to a worker, used blocking from the slot's layer thread (the step runner's
-    threaded layer loop, fastdecode/dense/runner.py): a layer is one send and one read of its answer,
-    with no event loop between them. Reads wake every `poll` seconds so that the caller can check
-    for a cancelled step and a stalled worker."""
-
-    def __init__(self, sock: socket.socket, poll: float = 0.25) -> None:
-        self.sock = sock
-        sock.settimeout(poll)
-        self._buf = bytearray()
-
-    def send(self, data: bytes) -> None:
-        """The whole frame, or OSError. A send that times out (the worker read nothing for a poll
-        while its socket stayed full) may have written part of the frame: the socket is closed then,
-        so that no later frame can be read from the middle of this one (the caller restarts the
-        worker)."""
-        try:
-            self.sock.sendall(data)
-        except TimeoutError:
-            self.close()
-            raise PortStalled("stopped reading its layer socket") from None
-
-    def read(self, keep_waiting: Callable[[], bool]) -> bytes | None:
-        """The next frame's body; None when `keep_waiting()` says stop (asked at each poll).
-        OSError (EOF included) when the peer is gone or the frame is garbled."""
-        buf = self._buf
-        while True:
-            if len(buf) >= _LEN.size:
-                (n,) = _LEN.unpack_from(buf)
-                if n > MAX_FRAME:
-                    raise OSError(f"control frame of {n} bytes")
-                end = _LEN.size + n
-                if len(buf) >= end:
-                    body = bytes(buf[_LEN.size : end])
-                    del buf[:end]
-                    return body
-            try:
-                data = self.sock.recv(1 << 16)
-            except TimeoutError:
-                if not keep_waiting():
-                    return None
-                continue
-            if not data:
-                raise OSError("the worker closed its layer socket")
-            buf += data
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):  # wakes a thread blocked on it
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()

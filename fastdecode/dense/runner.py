@@ -1,12 +1,13 @@
 """The dense step: S-part layer by layer, attention on the shards, two mini-batches pipelined.
 
-Each mini-batch is a coroutine that loops over layers: post_attention of layer l and
-pre_attention of l+1 (one compute call), then one `attend_layer` for all of its shards (one
-wake-up when the answers are in). The S-part runs right on the event loop: a hop to a worker
-thread and back per layer cost more than it saved (`bench transport --breakdown`), and the
-pipeline needs no thread: while mini-batch A waits on the network, the loop runs B's S-part,
-and the shards (other processes, other hardware) attend for A. Imports no gRPC: the shards
-sit behind the ShardPlane interface (services/gpu_dense/shards.py is the gRPC one).
+Each mini-batch loops over its layers (`_layers`): post_attention of layer l and pre_attention of
+l+1 (one compute call), then the layer's items to all of its shards, and the answers back; while
+one mini-batch waits on its shards (other processes, other hardware), the other computes. With the
+S-part on the host's CPU both loops run on the event loop (a hop to a thread and back per layer
+cost more than it saved, `bench transport --breakdown`, and threads would share its cores); off the
+host (a GPU, an emulated one), with a plane that attends blocking, each runs on a thread of its own
+(layer_loop.py). Imports no gRPC: the shards and the device are the ones plane.py declares (the
+gRPC planes: services/gpu_dense/exchange/).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -25,8 +26,9 @@ from fastdecode.contract import LAST_SAMPLE, PlannedSeq, TokenLogprob
 from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.handoff import Staging, copy_into
-from fastdecode.dense.layer_loop import Answer, Ask, LayerThreads, Meter, on_loop
+from fastdecode.dense.layer_loop import Layers, LayerThreads, Meter, on_loop
 from fastdecode.dense.pipeline import PipelineChooser
+from fastdecode.dense.plane import Answered, Device, LayerPlane, PlainPlane, ShardPlane, SyncDevice, declares
 from fastdecode.dense.sampling import penalize, sample, top_logprobs
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.kv import AttendBatch
@@ -34,6 +36,7 @@ from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
 
 T = TypeVar("T")
+NOTHING = Answered([])  # a layer with no items to send (every group failed): no answers
 log = logging.getLogger("fastdecode.gpu_dense.runner")
 # Token histories kept for penalized sequences: the least recently stepped go first past this many
 # (a sequence that ends is dropped through `forget`; this bounds what a missed release can leave).
@@ -56,21 +59,6 @@ class AttendItem:
     def batch(self) -> AttendBatch:
         """What the shard attends: the item without its shard's index."""
         return AttendBatch(self.seq_ids, self.num_tokens, self.start_pos, self.q, self.k, self.v)
-
-
-class ShardPlane(Protocol):
-    """The shards as the dense step sees them. `slot` names the mini-batch: a slot has at most one
-    layer in flight, so each (shard, slot) pair can be one ordered stream."""
-
-    num_shards: int
-
-    async def attend_layer(
-        self, slot: int, layer: int, items: Sequence[AttendItem]
-    ) -> list[torch.Tensor | BaseException]:
-        """o for each item, or the error that item met (the others still answer). A plane with
-        `waits_for_device = True` also takes `not_before` (time.monotonic()): it sends none of the
-        layer's bytes before then, when an emulated device's q, k, v are ready."""
-        ...
 
 
 @dataclass
@@ -126,13 +114,18 @@ class StepRunner:
     def __init__(
         self,
         model: DenseModel | EmulatedModel,
-        shards: ShardPlane,
+        shards: LayerPlane[AttendItem] | ShardPlane[AttendItem],
         chooser: PipelineChooser | None = None,
         grammars: GrammarBank | None = None,
     ) -> None:
         self.model = model
         self.grammars = grammars  # None: requests with a grammar fail (no tokenizer here)
         self.shards = shards
+        # what the plane and the device can do, as they declare it (one that declares nothing: none)
+        self.plane: LayerPlane[AttendItem] = (
+            cast(LayerPlane[AttendItem], shards) if declares(shards, LayerPlane) else PlainPlane(shards)
+        )
+        self.device = cast(Device, model) if declares(model, Device) else SyncDevice(model.settle)
         # None: follow each plan's pipeline flag; else the plan's flag allows, the chooser decides
         self.chooser = chooser
         self._meters: list[Meter] = []  # this step's: [the step's own, slot 0, slot 1]
@@ -279,7 +272,7 @@ class StepRunner:
         """Whether an emulated device's q, k, v already lie in this staging: they are the same
         synthetic rows every layer and their device-to-host copy is charged on its clock, so they
         are copied once per arena, as a GPU's DMA would cost the host no CPU."""
-        if not getattr(self.model, "synthetic", False):
+        if not self.device.synthetic:
             return False
         done = self._staged.get(slot)
         if done is not None and done[0] is st.arena and done[1] >= rows:
@@ -330,26 +323,29 @@ class StepRunner:
     async def _mini_batch(self, slot: int, seqs: list[PlannedSeq]) -> torch.Tensor:
         """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states.
         The layer loop (`_layers`) runs on the event loop, or on a thread of its own when the S-part
-        is off the host (a GPU's, an emulated one's) and the plane has a blocking path: there, a
-        layer is one send and one read on the slot's own socket, with no event-loop turn, task
-        wake-up or future between them (the loop's own work was ~half the dense process's CPU per
-        layer at a GPU's pace). On the host's CPU the S-part stays on the loop (the other mini-batch
-        computes while this one waits; threads would share its cores)."""
+        is off the host (a GPU's, an emulated one's) and the plane attends blocking: there, a layer
+        is one send and one read on the slot's own socket, with no event-loop turn, task wake-up or
+        future between them (the loop's own work was ~half the dense process's CPU per layer at a
+        GPU's pace). On the host's CPU the S-part stays on the loop (the other mini-batch computes
+        while this one waits; threads would share its cores)."""
         meter = self._meters[slot + 1]
-        layers = self._layers(slot, seqs, meter)
-        blocking = getattr(self.shards, "attend_layer_blocking", None)
+        blocking = self.plane.attend_layer_blocking
         if blocking is not None and self.model.device.type != "cpu":
             if self._threads is None:
                 self._threads = LayerThreads()
-            return await self._threads.run(slot, layers, blocking, self.model, meter)
-        return await on_loop(slot, layers, self.shards, self.model, meter)
+            layers = self._layers(slot, seqs, meter, waits_for_device=True)
+            return await self._threads.run(slot, layers, blocking, self.device, meter)
+        layers = self._layers(slot, seqs, meter, waits_for_device=self.plane.attend_layer_at is not None)
+        return await on_loop(slot, layers, self.plane, self.device, meter)
 
     def _layers(
-        self, slot: int, seqs: list[PlannedSeq], meter: Meter
-    ) -> Generator[Ask, Answer, torch.Tensor]:
-        """The mini-batch's layer loop, without its waits: it yields what it needs (a layer's items
-        to the shards, or the device's results) and is sent the answer. The prompt logprobs a
-        sequence asks for are scored here, from all of its chunk's rows."""
+        self, slot: int, seqs: list[PlannedSeq], meter: Meter, waits_for_device: bool
+    ) -> Layers[AttendItem]:
+        """The mini-batch's layer loop, without its waits (layer_loop.py drives it): it yields what it
+        needs (a layer's items to the shards, or the device's results) and is sent the answer. The
+        prompt logprobs a sequence asks for are scored here, from all of its chunk's rows.
+        `waits_for_device`: the plane's attend, as the driver calls it, takes the time the layer's
+        q, k, v are ready (attend_layer_at, or the blocking attend) and waits for the device itself."""
         model = self.model
         ids, pos, last = pack([SeqChunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
         groups = self._groups(seqs)
@@ -360,24 +356,24 @@ class StepRunner:
             return (h, *model.pre_attention(0, h, pos))
 
         hidden, q, k, v = self._compute(first, meter)
-        # A plane that waits for the device itself (exchange workers hold a layer's bytes until the
-        # time an emulated device's q, k, v are ready) spares this loop a timer and a wake-up per
-        # layer: the layer goes out as soon as its device work is queued. Else the loop waits for the
-        # device (an emulated one's time; the other mini-batch runs meanwhile).
-        ready_at = getattr(model, "ready_at", None)
-        defer = ready_at is not None and getattr(self.shards, "waits_for_device", False)
-        synthetic = getattr(model, "synthetic", False)
+        # On a device whose results come later (an emulated one's clock), a plane that waits for the
+        # device itself (exchange workers hold a layer's bytes until its q, k, v are ready) spares
+        # this loop a timer and a wake-up per layer: the layer goes out, with its ready time, as soon
+        # as its device work is queued. Else the loop waits for the device (the other mini-batch
+        # runs meanwhile), then hands the layer over.
+        ready_at = self.device.ready_at
+        defer = ready_at is not None and waits_for_device
+        synthetic = self.device.synthetic
         if not defer:
             yield None
         # A plane that offers staging (exchange workers) takes q, k, v in shared memory: the items
         # are built once per step as row ranges of it, and each layer is one copy in (a DMA from a
         # GPU) and o back in order, with no per-item copy or message.
-        stage = getattr(self.shards, "staging", None)
+        stage = self.plane.staging
         st: Staging | None = None
         items: list[AttendItem] = []
         live: list[_Group] = []
         verified: list[torch.Tensor] = []  # the last answers found in order in the staging's o
-        last_outs: object = None  # the last layer's answers, as the plane handed them
         parts: list[tuple[slice, torch.Tensor]] = []
         whole: torch.Tensor | None = None
         for layer in range(num_layers):
@@ -407,15 +403,15 @@ class StepRunner:
                     for g in live
                 ]
             meter.trips += len(items)
-            outs: list[torch.Tensor | BaseException] = []
+            answer: Answered | None = NOTHING
             if items:
-                outs = yield (layer, items, ready_at() if defer else None)  # type: ignore[misc]
-            if outs is last_outs and whole is not None:
-                pass  # the very answers of the last layer (a plane that says so): checked then
+                answer = yield (layer, items, ready_at() if ready_at is not None and defer else None)
+            assert answer is not None
+            if answer.repeated and whole is not None:
+                pass  # the very answers of the slot's last layer, as the plane says: taken as those were
             else:
-                last_outs = outs
                 parts = []
-                for g, o in zip(live, outs, strict=True):
+                for g, o in zip(live, answer.outs, strict=True):
                     if isinstance(o, BaseException):
                         g.error = o
                     else:
@@ -423,7 +419,8 @@ class StepRunner:
                 whole = None
                 if st is not None and len(parts) == len(groups):
                     answers = [o for _, o in parts]
-                    # a plane answers a step's layers into the same views: checked once, then by identity
+                    # exchange workers answer a step's layers into the same views of the staging's
+                    # o: their places are checked once, and the same tensors need no check again
                     if len(verified) == len(answers) and all(
                         a is b for a, b in zip(answers, verified, strict=True)
                     ):
@@ -554,7 +551,7 @@ class StepRunner:
             c0 = time.process_time()  # every thread: torch's intra-op threads do the sampling's math
             toks, lps, tops = self._compute(head, self._meters[0])
             head_cpu = time.process_time() - c0
-            await self.model.settle()
+            await self.device.settle()
             for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
                 outcomes[ordered[i].seq_id] = Outcome(tok, lp, top=tops.get(j, ()))
 

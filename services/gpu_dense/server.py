@@ -1,4 +1,5 @@
-"""gpu_dense: the S-part service. A thin gRPC adapter around StepRunner and the shard links."""
+"""gpu_dense: the S-part service. A thin gRPC adapter around StepRunner and its shard plane (the
+exchange: services/gpu_dense/exchange/)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from fastdecode.wire import dense as wire
 from services.gpu_dense import metrics
-from services.gpu_dense.host_shard import HostShard, HostShardPlane
-from services.gpu_dense.plane import ShardPlaneService
-from services.gpu_dense.shards import make_plane
+from services.gpu_dense.exchange.connect import make_plane
+from services.gpu_dense.exchange.host_shard import HostShard, HostShardPlane
+from services.gpu_dense.exchange.service import ShardPlaneService
 
 log = logging.getLogger("fastdecode.gpu_dense")
 

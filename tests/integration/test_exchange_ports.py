@@ -21,22 +21,22 @@ import grpc
 import pytest
 import torch
 
-from fastdecode.dense import StepRunner
+from fastdecode.dense import StepCancelled, StepRunner
 from fastdecode.dense.emulated import load_emulated
-from fastdecode.dense.handoff import StepCancelled
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.scheduling import PlannedSeq
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
-from services.gpu_dense.exchange import ExchangePlane
+from services.gpu_dense.exchange.plane import ExchangePlane
 from tests.integration.test_exchange_workers import KINDS, _echo_servers, _kind
 from tests.integration.test_shard_links import BAD_LAYER, HANG_LAYER, EchoShard, _item
 
 
-def _blocking(
+async def _blocking(
     plane: ExchangePlane, slot: int, layer: int, items: list, cancelled: threading.Event | None = None
 ):  # type: ignore[no-untyped-def, type-arg]
     loop = asyncio.get_running_loop()
-    return asyncio.to_thread(plane.attend_layer_blocking, loop, slot, layer, items, 0.0, cancelled)
+    args = (loop, slot, layer, items, 0.0, cancelled)
+    return (await asyncio.to_thread(plane.attend_layer_blocking, *args)).outs
 
 
 @pytest.mark.parametrize("kind", KINDS)

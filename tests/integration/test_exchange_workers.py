@@ -1,4 +1,4 @@
-"""Exchange workers (services/gpu_dense/exchange.py) as processes: a worker that dies fails its items
+"""Exchange workers (services/gpu_dense/exchange/plane.py) as processes: a worker that dies fails its items
 as UNAVAILABLE and the next layer starts a new one; workers die with a killed parent (no orphans);
 a shard added at run time joins a live worker; `bench exchange` runs real shard processes with
 workers off and on and prints one JSON object with every field of its rows."""
@@ -27,9 +27,9 @@ from fastdecode.runtime.fleet_secret import FleetSecret
 from fastdecode.runtime.internal_auth import FleetAuthInterceptor
 from fastdecode.runtime.settings import TLSFiles
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
-from services.gpu_dense.exchange import ExchangePlane
-from services.gpu_dense.exchange_messages import Attend, Err, ItemSlices, Ok
-from services.gpu_dense.exchange_process import WorkerProcess, worker_command
+from services.gpu_dense.exchange.messages import Attend, Err, ItemSlices, Ok
+from services.gpu_dense.exchange.plane import ExchangePlane
+from services.gpu_dense.exchange.process import WorkerProcess, worker_command
 from tests.integration.test_shard_links import EchoShard, _item
 from tests.support import make_tls
 from tests.support.native_exchange import require_native_worker
@@ -67,7 +67,7 @@ async def _attend(plane: ExchangePlane, path: str, slot: int, layer: int, items:
     if path == "loop":
         return await plane.attend_layer(slot, layer, items)
     loop = asyncio.get_running_loop()
-    return await asyncio.to_thread(plane.attend_layer_blocking, loop, slot, layer, items)
+    return (await asyncio.to_thread(plane.attend_layer_blocking, loop, slot, layer, items)).outs
 
 
 def _kind(kind: str) -> str:
@@ -120,7 +120,7 @@ def test_a_stalled_worker_fails_its_items_and_is_replaced(
     """A worker that stops answering (SIGSTOP: alive, its socket open) is caught by the plane's
     watchdog after the shard timeout plus the grace: its items fail UNAVAILABLE, and the next layer
     runs on a new worker."""
-    monkeypatch.setattr("services.gpu_dense.exchange.WORKER_GRACE_S", 0.3)
+    monkeypatch.setattr("services.gpu_dense.exchange.plane.WORKER_GRACE_S", 0.3)
 
     async def run() -> None:
         servers, addresses = await _echo_servers(1)
@@ -251,9 +251,9 @@ def test_a_layer_goes_out_no_sooner_than_its_not_before_time(kind: str) -> None:
 
 _PARENT = """
 import asyncio, sys
-from services.gpu_dense.exchange import ExchangePlane
-from services.gpu_dense.exchange_messages import Attend, Err, ItemSlices, Ok
-from services.gpu_dense.exchange_process import WorkerProcess, worker_command
+from services.gpu_dense.exchange.messages import Attend, Err, ItemSlices, Ok
+from services.gpu_dense.exchange.plane import ExchangePlane
+from services.gpu_dense.exchange.process import WorkerProcess, worker_command
 
 async def main():
     plane = ExchangePlane(["127.0.0.1:1", "127.0.0.1:2"], 2, timeout=5.0, kind=sys.argv[1])

@@ -1,13 +1,15 @@
-"""A shard hosted in gpu_dense's process (services/gpu_dense/host_shard.py) behind every kind of inner
-plane (in-order links, concurrent links, exchange workers): its items are attended in process and
+"""A shard hosted in gpu_dense's process (services/gpu_dense/exchange/host_shard.py) behind every kind of
+inner plane (in-order links, concurrent links, exchange workers): its items are attended in process and
 equal the same attention on a KVStore of their own, while the other shard's items still cross the
 wire; an item it cannot serve fails alone and in-band; RemoveShard fails its items UNAVAILABLE and
 AddShard of its address brings it back; its Stats over gRPC show what it attended, and the S-part
-seconds gpu_dense reports on its cores."""
+seconds gpu_dense reports on its cores. Behind exchange workers it forwards their staging: gpu_dense's
+greedy tokens still equal LocalEngine's."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -16,15 +18,20 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastdecode.dense import AttendItem
+from fastdecode.dense.engine import LocalEngine
 from fastdecode.kv import AttendBatch, KVStore
+from fastdecode.model import ModelConfig
 from fastdecode.runtime.errors import NotFound, Unavailable
-from fastdecode.runtime.rpc import aio_channel
+from fastdecode.runtime.rpc import aio_channel, sync_channel
 from fastdecode.runtime.settings import DenseSettings
-from fastdecode.tools.fleet import free_port
+from fastdecode.tools.fleet import free_port, start_service
+from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
-from services.gpu_dense.host_shard import HostShard, HostShardPlane
+from services.gpu_dense.exchange.host_shard import HostShard, HostShardPlane
+from tests.integration.test_data_plane import MAX_NEW, DataPlane
 from tests.integration.test_shard_links import EchoShard, _item, _plane
+from tests.support import PROMPTS
 
 LAYERS, KV_HEADS, HEADS, DIM = 2, 1, 3, 4
 IDS = ["h0", "h1"]
@@ -118,3 +125,38 @@ def test_gpu_dense_refuses_a_hosted_shard_it_cannot_bind(tmp_path: Path) -> None
         with pytest.raises(InvalidInput):
             _host_shard(settings, shards.split(","))
     assert _host_shard(DenseSettings(model=tmp_path, shards="127.0.0.1:5000"), ["127.0.0.1:5000"]) is None
+
+
+class HostedDataPlane(DataPlane):
+    """gpu_dense (CPU) with shard 1 hosted in its process and shard 0 behind one exchange worker."""
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model = model
+        self.config = ModelConfig.from_pretrained(model)
+        kv = start_service(
+            "kv0", ["kv-attention", "--shard-id", "0", "--kv-capacity", str(64 << 20)], workdir
+        )
+        self.procs = [kv]
+        self.shard_addrs = [kv.address, f"127.0.0.1:{free_port()}"]
+        args = ["--model", str(model), "--shards", ",".join(self.shard_addrs), "--device", "cpu"]
+        args += ["--exchange-workers", "1", "--host-shard", "1", "--host-shard-kv-capacity", str(64 << 20)]
+        self.dense_proc = start_service("dense", ["gpu-dense", *args], workdir)
+        self.procs.append(self.dense_proc)
+        self.dense = dense_pb2_grpc.DenseStub(sync_channel(self.dense_proc.address))
+        self.shards = [pb_grpc.KVAttentionStub(sync_channel(a)) for a in self.shard_addrs]
+        self._n = 0
+
+
+def test_steps_over_a_hosted_shard_and_an_exchange_worker_equal_local_engine(
+    model_factory: Callable, tmp_path: Path
+) -> None:
+    """The step runner over a hosted shard beside an exchange worker: the hosted plane forwards the
+    worker's staging (q, k, v in shared memory, the hosted share read in place, the worker's o in
+    its rows, the two assembled), and gpu_dense's greedy tokens are LocalEngine's."""
+    plane = HostedDataPlane(model_factory("llama"), tmp_path)
+    try:
+        fleet = plane.greedy(PROMPTS)
+    finally:
+        plane.close()
+    local = LocalEngine.from_pretrained(plane.model).generate(PROMPTS, MAX_NEW, ignore_eos=True)
+    assert fleet == [g.token_ids for g in local]

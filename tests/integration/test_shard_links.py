@@ -1,7 +1,7 @@
 """gpu_dense's shard links against an in-process gRPC shard: answers come back per item and slot, a
 shard that keeps an item past the timeout fails only that item (the watchdog cancels its stream),
 an in-band error stays in-band, and the next layer reopens the stream. Each behaviour holds in
-process and through exchange worker processes (services/gpu_dense/exchange.py, K=1 and K=2)."""
+process and through exchange worker processes (services/gpu_dense/exchange/plane.py, K=1 and K=2)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from fastdecode.wire.errors import item_error
 from fastdecode.wire.kv import attend_request
-from services.gpu_dense.exchange import ExchangePlane
-from services.gpu_dense.shards import AttendLink, ShardLinks
+from services.gpu_dense.exchange.links import AttendLink, ShardLinks
+from services.gpu_dense.exchange.plane import ExchangePlane
 from tests.support.native_exchange import require_native_worker
 
 HANG_LAYER = 7
@@ -61,7 +61,8 @@ PLANES = ["in-order", "concurrent", "workers-1", "workers-2", "native-1", "nativ
 
 async def _plane(kind: str, addresses: list[str], timeout: float) -> ShardLinks | ExchangePlane:
     """in-order/concurrent: links in process; workers-K: K Python exchange workers; native-K: K native
-    ones (services/gpu_dense/native, required where FASTDECODE_REQUIRE_NATIVE_EXCHANGE=1, as in CI)."""
+    ones (services/gpu_dense/exchange/native, required where FASTDECODE_REQUIRE_NATIVE_EXCHANGE=1, as in
+    CI)."""
     if kind.startswith(("workers-", "native-")):
         worker, k = kind.split("-")
         if worker == "native":

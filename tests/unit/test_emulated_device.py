@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.dense import StepRunner
+from fastdecode.dense import LayerPlane, StepRunner
 from fastdecode.dense.emulated import (
     PROFILE_RANGES,
     PROFILES,
@@ -175,19 +175,21 @@ def test_gpu_check_compares_the_profile_with_a_measured_layer() -> None:
         )
 
 
-class DeviceWaitingShards(InProcessShards):
-    """A plane that holds each layer until the device's q, k, v are ready (as exchange workers do)."""
+class DeviceWaitingShards(InProcessShards, LayerPlane):
+    """A plane that holds each layer until the device's q, k, v are ready (as exchange workers do):
+    it declares attend_layer_at, and no other capability."""
 
-    waits_for_device = True
+    attend_layer_blocking = None
+    staging = None
 
     def __init__(self, model: EmulatedModel, n: int) -> None:
         super().__init__(model, n)  # type: ignore[arg-type]
         self.calls: list[tuple[int, int, float, float]] = []  # slot, layer, not_before, handed over
 
-    async def attend_layer(self, slot, layer, items, not_before: float = 0.0):  # type: ignore[no-untyped-def]
+    async def attend_layer_at(self, slot, layer, items, not_before: float):  # type: ignore[no-untyped-def]
         self.calls.append((slot, layer, not_before, time.monotonic()))
         await asyncio.sleep(max(0.0, not_before - time.monotonic()))
-        return await super().attend_layer(slot, layer, items)
+        return await self.attend_layer(slot, layer, items)
 
 
 def test_a_plane_that_waits_for_the_device_gets_each_layers_ready_time(llama_dir: Path) -> None:

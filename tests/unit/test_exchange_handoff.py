@@ -1,6 +1,7 @@
-"""The shared-memory handoff of the exchange workers (fastdecode/dense/handoff.py): tensors go in and
-out bit for bit in every dtype it carries, out-of-range slices are refused, a small arena is
-replaced by a bigger one under a new name, the peer attaches by name, control frames round-trip."""
+"""The shared-memory handoff of the exchange workers (fastdecode/dense/handoff.py, and its transport:
+services/gpu_dense/exchange/transport.py): tensors go in and out bit for bit in every dtype it
+carries, out-of-range slices are refused, a small arena is replaced by a bigger one under a new name,
+the peer attaches by name, control frames round-trip."""
 
 from __future__ import annotations
 
@@ -10,19 +11,9 @@ import socket
 import pytest
 import torch
 
-from fastdecode.dense.handoff import (
-    ALIGN,
-    Arena,
-    ArenaPool,
-    Attached,
-    Channel,
-    Port,
-    PortStalled,
-    Slice,
-    aligned,
-    frame,
-)
+from fastdecode.dense.handoff import ALIGN, Arena, Slice, aligned
 from fastdecode.runtime.errors import InvalidInput
+from services.gpu_dense.exchange.transport import ArenaPool, Attached, Channel, Port, PortStalled, frame
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

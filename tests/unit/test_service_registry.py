@@ -39,10 +39,11 @@ def test_every_serve_command_has_a_registered_service() -> None:
 
 
 def test_the_shard_plane_is_gpu_denses_links() -> None:
-    from services.gpu_dense.shards import ShardLinks, connect
+    from services.gpu_dense.exchange.connect import connect
+    from services.gpu_dense.exchange.links import ShardLinks
 
     assert load(declared(SHARD_PLANES)["grpc"]) is connect
-    # in process, or the same links in exchange worker processes (services/gpu_dense/exchange.py)
+    # in process, or the same links in exchange worker processes (services/gpu_dense/exchange/plane.py)
     assert inspect.signature(connect).return_annotation in (ShardLinks, "ShardLinks | ExchangePlane")
 
 

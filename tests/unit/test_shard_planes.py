@@ -1,6 +1,7 @@
 """gpu_dense's three shard planes implement the one declared ShardPlaneService (services/gpu_dense/
-plane.py): every member, with the Protocol's parameters; the exchange-worker messages cross the
-control socket (exchange.proto) and come back as the named types they are."""
+exchange/service.py): every member, with the Protocol's parameters, and each of the step runner's
+LayerPlane capabilities declared on the class; the exchange-worker messages cross the control socket
+(exchange.proto) and come back as the named types they are."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import re
 
 import pytest
 
+from fastdecode.dense import LayerPlane
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.fleet_secret import FleetSecret
-from services.gpu_dense import exchange_messages as m
-from services.gpu_dense.exchange import ExchangePlane
-from services.gpu_dense.host_shard import HostShardPlane
-from services.gpu_dense.plane import ShardPlaneService
-from services.gpu_dense.shards import ShardLinks
+from services.gpu_dense.exchange import messages as m
+from services.gpu_dense.exchange.host_shard import HostShardPlane
+from services.gpu_dense.exchange.links import ShardLinks
+from services.gpu_dense.exchange.plane import ExchangePlane
+from services.gpu_dense.exchange.service import ShardPlaneService
 
 MEMBERS = [n for n in vars(ShardPlaneService) if not n.startswith("_")]
 
@@ -37,6 +39,23 @@ def test_every_plane_implements_the_protocol(plane: type) -> None:
         assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), (plane.__name__, name)
         params = list(inspect.signature(want).parameters)
         assert list(inspect.signature(got).parameters)[: len(params)] == params, (plane.__name__, name)
+
+
+CAPABILITIES = ["attend_layer_at", "attend_layer_blocking", "staging"]
+
+
+def test_every_plane_declares_the_layer_planes_capabilities() -> None:
+    """The runner reads each capability as an attribute (None: the plane has none), so every plane
+    declares LayerPlane and sets each one, on the class or in __init__; the exchange plane has all."""
+    assert sorted(n for n in LayerPlane.__annotations__ if n != "num_shards") == CAPABILITIES
+    for plane in (ShardLinks, ExchangePlane, HostShardPlane):
+        assert LayerPlane in plane.__mro__, plane.__name__
+        init = inspect.getsource(plane.__init__)
+        for name in CAPABILITIES:
+            assert name in vars(plane) or re.search(rf"self\.{name}\b[^=\n]*=", init), (plane.__name__, name)
+    assert all(vars(ShardLinks)[name] is None for name in CAPABILITIES)
+    assert all(callable(vars(ExchangePlane)[name]) for name in CAPABILITIES)
+    assert HostShardPlane.attend_layer_at is None and HostShardPlane.attend_layer_blocking is None
 
 
 def test_messages_travel_as_named_types() -> None:

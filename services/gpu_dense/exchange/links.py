@@ -1,4 +1,4 @@
-"""Data-plane links from gpu_dense to the kv_attention shards (the gRPC ShardPlane).
+"""Data-plane links from gpu_dense to the kv_attention shards: the Attend streams in this process.
 
 One persistent bidi Attend stream per shard and mini-batch slot. A slot has one layer in
 flight at a time and a shard answers a stream in order, so the dense side writes each item
@@ -21,16 +21,13 @@ from collections.abc import Callable, Sequence
 import grpc
 import torch
 
-from fastdecode.dense import AttendItem
+from fastdecode.dense import AttendItem, LayerPlane
 from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.runtime.errors import InvalidInput, NotFound, ServiceError, Unavailable
 from fastdecode.runtime.rpc import TLSFiles, aio_channel, code_from_int
 from fastdecode.runtime.rpc import error_from_status as from_status
-from fastdecode.runtime.settings import DenseSettings
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.wire.kv import attend_request, item_fields, parse_response
-from services.gpu_dense.exchange import ExchangePlane
-from services.gpu_dense.exchange_process import auto_workers
 
 log = logging.getLogger("fastdecode.gpu_dense.shards")
 
@@ -149,8 +146,14 @@ class AttendLink:
         await self.channel.close()
 
 
-class ShardLinks:
-    """The ShardPlane of gpu_dense: every shard's link, and the per-layer fan-out over them."""
+class ShardLinks(LayerPlane[AttendItem]):
+    """gpu_dense's shard plane in this process: every shard's link, and the per-layer fan-out over
+    them (also what an exchange worker runs). Of LayerPlane's capabilities it has none: the event loop
+    that runs the streams awaits each layer, after the runner waited for the device."""
+
+    attend_layer_at = None
+    attend_layer_blocking = None
+    staging = None
 
     def __init__(
         self,
@@ -213,7 +216,7 @@ class ShardLinks:
         between: Callable[[], None] | None = None,
     ) -> list[torch.Tensor | BaseException]:
         """`between` runs once every request is out and before the first answer is awaited (the
-        share of a shard hosted in this process, services/gpu_dense/host_shard.py)."""
+        share of a shard hosted in this process, host_shard.py)."""
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         if self.concurrent and len(items) > 1:
@@ -256,37 +259,3 @@ class ShardLinks:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         for link in self.links:
             await link.close()
-
-
-def connect(
-    addresses: Sequence[str],
-    tls: TLSFiles | None = None,
-    timeout: float = 60.0,
-    concurrent: bool = False,
-    workers: int = 0,
-    worker_kind: str = "auto",
-) -> ShardLinks | ExchangePlane:
-    """gpu_dense's ShardPlane to these shards, shard i at addresses[i] (registered in pyproject.toml
-    as the `grpc` shard plane, for the benchmarks in fastdecode): these links in process, or with
-    `workers` > 0 an ExchangePlane whose worker processes own them (services/gpu_dense/exchange.py;
-    started by its start(), or by its first layer)."""
-    if workers:
-        return ExchangePlane(addresses, workers, tls, timeout, kind=worker_kind)
-    links = [AttendLink(i, a, tls, timeout) for i, a in enumerate(addresses)]
-    return ShardLinks(links, concurrent, tls, timeout)
-
-
-async def make_plane(
-    settings: DenseSettings, addresses: Sequence[str], remote: int | None = None
-) -> ShardLinks | ExchangePlane:
-    """gpu_dense's shard plane: in process (exchange_workers 0) or K started exchange workers;
-    auto K counts the `remote` shards (all but a hosted one)."""
-    k = settings.exchange_workers
-    if k is None:
-        k = auto_workers(len(addresses) if remote is None else remote, settings.threads, settings.device)
-    if k == 0:
-        return connect(addresses, settings.tls, settings.shard_timeout)
-    plane = ExchangePlane(addresses, k, settings.tls, settings.shard_timeout, kind=settings.exchange_worker)
-    await plane.start()
-    log.info("%d %s exchange workers for %d shards", k, plane.workers[0].kind, len(addresses))
-    return plane

@@ -7,7 +7,7 @@
 set -eu
 prefix=$1
 here=$(cd "$(dirname "$0")" && pwd)
-build=${BUILD_DIR:-$here/../../../build/native}
+build=${BUILD_DIR:-$here/../../../../build/native}
 deps="libgrpc++-dev libprotobuf-dev protobuf-compiler pkg-config g++"
 have() { pkg-config --exists grpc++ protobuf 2>/dev/null && command -v protoc >/dev/null; }
 if ! have && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -23,7 +23,7 @@ if ! have; then
   exit 0
 fi
 mkdir -p "$build" "$prefix/bin"
-protoc -I"$here/../../../protos" --cpp_out="$build" fastdecode/v1/exchange.proto
+protoc -I"$here/../../../../protos" --cpp_out="$build" fastdecode/v1/exchange.proto
 # shellcheck disable=SC2046
 g++ -std=c++17 -O2 -Wall -Wextra -o "$build/fastdecode-exchange-worker" \
   "$here/exchange_worker.cpp" "$build/fastdecode/v1/exchange.pb.cc" -I"$build" \

@@ -1,20 +1,20 @@
 """The control messages between gpu_dense and its exchange workers (over a Unix socket, framed by
-fastdecode.dense.handoff.frame). Tensors never travel here: q, k, v and o sit in shared-memory
-arenas, and a message names their slices (`Slice.astuple()`: offset, shape, dtype).
+transport.frame). Tensors never travel here: q, k, v and o sit in shared-memory arenas, and a
+message names their slices (`Slice.astuple()`: offset, shape, dtype).
 
 On the socket they are protobuf (protos/fastdecode/v1/exchange.proto), so that the native worker
-(services/gpu_dense/native/) speaks them too; here they are named tuples, and `pack`/`unpack` are the
-one place that converts."""
+(native/) speaks them too; here they are named tuples, and `pack`/`unpack` are the one place that
+converts."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from fastdecode.dense.handoff import frame
 from fastdecode.runtime.codec import varint
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.fleet_secret import FleetSecret
 from fastdecode.v1 import exchange_pb2 as pb
+from services.gpu_dense.exchange.transport import frame
 
 SliceTuple = tuple[Any, ...]  # handoff.Slice.astuple()
 

@@ -1,15 +1,13 @@
-"""Exchange workers: gpu_dense's Attend streams spread over worker processes.
+"""Exchange workers: gpu_dense's Attend streams spread over K worker processes.
 
-With K workers, each owns the Attend streams of the shards i with i % K == its index (same wire,
-request ids, in-band errors, shard loss, reconnection and timeouts as services/gpu_dense/shards.py).
-The dense process copies q, k, v into a shared-memory arena per (worker, slot), sends a small
-descriptor over a Unix socket, and copies each o out when the worker answers
-(fastdecode/dense/handoff.py): its own CPU per layer is two copies and two tiny messages.
-A worker dies with its parent (PR_SET_PDEATHSIG, and the control socket's end); a worker that
-dies fails its items as UNAVAILABLE and is started again on the next layer.
-A worker is the native one (services/gpu_dense/native/, C++: a thread per slot on blocking gRPC
-streams) when `make setup` built it, else `python -m services.gpu_dense.exchange_worker` (the
-fallback, shards.py's links on an event loop): `kind`, --exchange-worker.
+Worker w owns the Attend streams of the shards i with i % K == w (the wire, request ids, in-band
+errors, shard loss, reconnection and timeouts of links.py). A layer's q, k, v cross in shared memory
+(transport.py): in the runner's staging (`staging`), else copied into an arena per (worker, slot);
+the worker gets a small descriptor and answers with where each o lies. A layer goes out from the
+event loop (attend_layer, attend_layer_at) or from a slot's thread (attend_layer_blocking). A worker
+dies with its parent (PR_SET_PDEATHSIG, the control socket's end); one that dies fails its items
+UNAVAILABLE and is started again at the next layer. `kind` (--exchange-worker): the native worker
+(native/, C++) where `make setup` built it, else `python -m services.gpu_dense.exchange.worker`.
 """
 
 from __future__ import annotations
@@ -19,17 +17,17 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 
 import torch
 
-from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, ArenaPool, PortStalled, Staging
+from fastdecode.dense import Answered, AttendItem, LayerPlane
+from fastdecode.dense.handoff import Arena, Staging
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
-from services.gpu_dense.exchange_messages import (
+from services.gpu_dense.exchange.messages import (
     AddShard,
     Attend,
     Cancel,
@@ -41,19 +39,20 @@ from services.gpu_dense.exchange_messages import (
     attend_frame,
     pack,
 )
-from services.gpu_dense.exchange_process import WORKER_GRACE_S, WorkerProcess, WorkerStalled, worker_command
-from services.gpu_dense.exchange_slices import Sent, collect, slices_for, staging_rows, unpack_o
-from services.gpu_dense.plane import ShardAddress
+from services.gpu_dense.exchange.process import WORKER_GRACE_S, WorkerProcess, WorkerStalled, worker_command
+from services.gpu_dense.exchange.service import ShardAddress
+from services.gpu_dense.exchange.slices import Sent, collect, slices_for, staging_rows, unpack_o
+from services.gpu_dense.exchange.transport import ArenaPool, PortStalled
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
 # one worker's part of a layer in flight: the worker, the rid, the arena, the items' indices, the answer
 _Wait = tuple[WorkerProcess, int, Arena, list[int], "asyncio.Future[list[Ok | Err]]", Sent | None]
+Coro = Coroutine[None, None, list[torch.Tensor | BaseException]]
 
 
-class ExchangePlane:
-    """A ShardPlane whose Attend streams live in K exchange worker processes."""
-
-    waits_for_device = True  # attend_layer takes not_before: the workers hold the bytes till then
+class ExchangePlane(LayerPlane[AttendItem]):
+    """A shard plane whose Attend streams live in K exchange worker processes, with each of
+    LayerPlane's capabilities (the workers hold a layer's bytes till its not_before)."""
 
     def __init__(
         self,
@@ -73,14 +72,11 @@ class ExchangePlane:
         self.workers = [WorkerProcess(i, timeout, tls, command) for i in range(workers)]
         self.arenas = ArenaPool()
         self._staging: dict[int, Staging] = {}  # per slot, at its full capacity
-        # per slot, the last items list and its items' indices per worker: a step's layers pass the
-        # same list, so it is routed once per step (a removed shard resets it)
+        # per slot: a step's items list, each worker's indices in it (routed once; RemoveShard resets it)
         self._routes: dict[int, tuple[Sequence[AttendItem], dict[int, list[int]]]] = {}
         self._rids = itertools.count(1)  # next() is atomic: the slots' threads share it
-        # per slot, the blocking path's last layer: its items, each worker's results, and the answers
-        self._answered: dict[
-            int, tuple[Sequence[AttendItem], list[object], list[torch.Tensor | BaseException]]
-        ] = {}
+        # per slot, the blocking path's last layer: its items, each worker's results, its answers repeated
+        self._answered: dict[int, tuple[Sequence[AttendItem], list[object], Answered]] = {}
         self._lock = asyncio.Lock()
         self._watchdog: asyncio.Task[None] | None = None
         for a in addresses:
@@ -139,9 +135,8 @@ class ExchangePlane:
     def staging(
         self, slot: int, rows: int, q_tail: tuple[int, ...], kv_tail: tuple[int, ...], dtype: torch.dtype
     ) -> Staging:
-        """Where the step runner puts the slot's q, k and v (rows in step order) so that items cut
-        from them cross to the workers without a copy; each item's o comes back into its rows of o.
-        The same arena while the rows fit, so a worker keeps its mapping and the runner its copy."""
+        """LayerPlane.staging: the same arena while the rows fit, so a worker keeps its mapping and the
+        runner its copy."""
         return staging_rows(self.arenas, self._staging, slot, rows, q_tail, kv_tail, dtype)
 
     def _route(
@@ -214,6 +209,10 @@ class ExchangePlane:
             raise
         return out
 
+    def attend_layer_at(self, slot: int, layer: int, items: Sequence[AttendItem], not_before: float) -> Coro:
+        """attend_layer whose bytes the workers send no earlier than `not_before` (time.monotonic())."""
+        return self.attend_layer(slot, layer, items, None, not_before)
+
     def attend_layer_blocking(
         self,
         loop: asyncio.AbstractEventLoop,
@@ -222,10 +221,11 @@ class ExchangePlane:
         items: Sequence[AttendItem],
         not_before: float = 0.0,
         cancelled: threading.Event | None = None,
-    ) -> list[torch.Tensor | BaseException]:
-        """attend_layer for a slot's own thread (the step runner's threaded layer loop), on the slot's
-        Port to each worker: one send and one blocking read per worker, no event loop in between.
-        `loop` runs the plane (a dead worker is restarted there); `cancelled` set: StepCancelled."""
+    ) -> Answered:
+        """attend_layer for a slot's own thread, on the slot's Port to each worker: one send and one
+        blocking read per worker, no event loop in between. `loop` runs the plane (a dead worker is
+        restarted there); `cancelled` set: StepCancelled. The answers are `repeated` when they are
+        the slot's last layer's (the same items, each worker's DoneReader handing back the same results)."""
         out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(items)
         by_worker = self._route(slot, items, out)
         deadline = int(not_before * 1e9) if not_before > 0 else 0
@@ -259,7 +259,7 @@ class ExchangePlane:
                 asyncio.run_coroutine_threadsafe(worker.stop(grace=0.5), loop).result()
             answers.append(results)
         # The same items answered in the same slices as the slot's last layer (DoneReader hands the
-        # very same results back): the same answers, so the same list (the runner checks identity).
+        # very same results back): the same answers, handed back as a repeat of those.
         last = self._answered.get(slot)
         if last is not None and last[0] is items and len(answers) == len(last[1]) == len(by_worker):
             if all(a is b for a, b in zip(answers, last[1], strict=True)):
@@ -267,8 +267,8 @@ class ExchangePlane:
         for (worker, _, arena, idx, sent), results in zip(waits, answers, strict=True):
             collect(out, worker, arena, idx, sent, results, self._unpack)
         if len(waits) == len(by_worker) and all(isinstance(a, list) for a in answers):
-            self._answered[slot] = (items, answers, out)
-        return out
+            self._answered[slot] = (items, answers, Answered(out, repeated=True))
+        return Answered(out)
 
     def _slices(
         self, worker: WorkerProcess, slot: int, items: Sequence[AttendItem], idx: list[int]

@@ -13,10 +13,11 @@ from typing import Any, Protocol
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, ArenaPool, Slice, Staging, aligned
+from fastdecode.dense.handoff import Arena, Slice, Staging, aligned
 from fastdecode.runtime import errors
 from fastdecode.runtime.errors import Status, Unavailable
-from services.gpu_dense.exchange_messages import Err, ItemSlices, Ok
+from services.gpu_dense.exchange.messages import Err, ItemSlices, Ok
+from services.gpu_dense.exchange.transport import ArenaPool
 
 
 @dataclass
@@ -147,7 +148,7 @@ def unpack_o(arena: Arena, r: Ok | Err, views: bool = True) -> torch.Tensor | Ba
 
 
 class _Worker(Protocol):
-    """What `collect` needs of an exchange_process.WorkerProcess."""
+    """What `collect` needs of a process.WorkerProcess."""
 
     index: int
     sent: dict[int, Sent]

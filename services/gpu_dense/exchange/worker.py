@@ -1,9 +1,9 @@
 """One exchange worker process: the Attend streams of some shards, fed through shared memory.
 
-Started by services/gpu_dense/exchange.py (the dense side, ExchangePlane); it runs gpu_dense's own
-shard links (services/gpu_dense/shards.py) on its own event loop and core. It dies with its parent
-(PR_SET_PDEATHSIG, and the end of its control socket).
-`python -m services.gpu_dense.exchange_worker --fd N --parent PID --shards I=HOST:PORT,...`
+Started by plane.py (the dense side, ExchangePlane, through process.py); it runs gpu_dense's own
+shard links (links.py) on its own event loop and core. It dies with its parent (PR_SET_PDEATHSIG,
+and the end of its control socket). The native worker (native/exchange_worker.cpp) does the same.
+`python -m services.gpu_dense.exchange.worker --fd N --parent PID --shards I=HOST:PORT,...`
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from fastdecode.dense import AttendItem
-from fastdecode.dense.handoff import Arena, Attached, Channel, Slice, open_channel
+from fastdecode.dense.handoff import Arena, Slice
 from fastdecode.runtime.errors import Status
 from fastdecode.runtime.loop import run_loop
 from fastdecode.runtime.rpc import status_of
 from fastdecode.runtime.settings import TLSFiles
-from services.gpu_dense.exchange_messages import (
+from services.gpu_dense.exchange.links import AttendLink, ShardLinks
+from services.gpu_dense.exchange.messages import (
     AddShard,
     Attend,
     Cancel,
@@ -43,7 +44,7 @@ from services.gpu_dense.exchange_messages import (
     pack,
     unpack_to_worker,
 )
-from services.gpu_dense.shards import AttendLink, ShardLinks
+from services.gpu_dense.exchange.transport import Attached, Channel, open_channel
 
 
 def _die_with_parent(parent: int) -> None:
@@ -56,8 +57,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _WorkerLoop:
-    def __init__(self, links: Any, writer: Channel) -> None:
-        self.links: ShardLinks = links
+    def __init__(self, links: ShardLinks, writer: Channel) -> None:
+        self.links = links
         self.local: dict[int, int] = {link.index: i for i, link in enumerate(links.links)}
         self.writer = writer
         self.arenas = Attached()
@@ -207,7 +208,7 @@ async def _worker_main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="services.gpu_dense.exchange_worker")
+    p = argparse.ArgumentParser(prog="services.gpu_dense.exchange.worker")
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--index", type=int, default=0)

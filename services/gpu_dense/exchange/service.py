@@ -1,10 +1,11 @@
 """The shard plane gpu_dense's servicer drives, declared once.
 
-Three planes implement it: ShardLinks (the Attend streams in this process, shards.py),
-ExchangePlane (the streams in K exchange worker processes, exchange.py) and HostShardPlane (one
-shard served in this process, the rest behind either of the others, host_shard.py). The step
-runner sees only the narrower `fastdecode.dense.ShardPlane` (num_shards, attend_layer); the
-servicer also adds, removes and restores shards and reports their addresses.
+Three planes implement it: ShardLinks (the Attend streams in this process, links.py),
+ExchangePlane (the streams in K exchange worker processes, plane.py) and HostShardPlane (one shard
+served in this process, the rest behind either of the others, host_shard.py). The step runner sees
+the narrower `fastdecode.dense.LayerPlane` it extends (num_shards, attend_layer and the declared
+capabilities attend_layer_at, attend_layer_blocking, staging); the servicer also adds, removes and
+restores shards and reports their addresses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from fastdecode.dense import AttendItem
+from fastdecode.dense import AttendItem, LayerPlane
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,8 @@ class ShardEntry(Protocol):
     def name(self) -> str: ...
 
 
-class ShardPlaneService(Protocol):
-    """What gpu_dense's servicer asks of its shard plane."""
+class ShardPlaneService(LayerPlane[AttendItem], Protocol):
+    """What gpu_dense's servicer asks of its shard plane (and the step runner, through LayerPlane)."""
 
     @property
     def num_shards(self) -> int: ...

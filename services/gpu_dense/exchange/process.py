@@ -1,5 +1,5 @@
-"""The dense side's handle on one exchange worker process (services/gpu_dense/exchange_worker.py):
-starting it, its control socket (named messages: exchange_messages.py), its answers, stopping it.
+"""The dense side's handle on one exchange worker process (worker.py, or the native one in native/):
+starting it, its control socket (named messages: messages.py), its answers, stopping it.
 Started from the event loop's thread: PR_SET_PDEATHSIG fires when the thread that started the
 child ends, and this one lives as long as the process."""
 
@@ -17,17 +17,11 @@ import time
 
 import torch
 
-from fastdecode.dense.handoff import (
-    Channel,
-    Port,
-    StepCancelled,
-    native_worker,
-    open_channel,
-    worker_kind,
-)
+from fastdecode.dense import StepCancelled
+from fastdecode.dense.handoff import native_worker, worker_kind
 from fastdecode.runtime.errors import Unavailable
 from fastdecode.runtime.settings import TLSFiles
-from services.gpu_dense.exchange_messages import (
+from services.gpu_dense.exchange.messages import (
     AddShard,
     Attend,
     Cancel,
@@ -41,7 +35,8 @@ from services.gpu_dense.exchange_messages import (
     Secret,
     pack,
 )
-from services.gpu_dense.exchange_slices import Sent
+from services.gpu_dense.exchange.slices import Sent
+from services.gpu_dense.exchange.transport import Channel, Port, open_channel
 
 log = logging.getLogger("fastdecode.gpu_dense.exchange")
 
@@ -61,7 +56,7 @@ def worker_command(kind: str = "auto") -> list[str]:
     arguments and speak the same control messages (exchange.proto)."""
     if worker_kind(kind) == "native":
         return [str(native_worker())]
-    return [sys.executable, "-m", "services.gpu_dense.exchange_worker"]
+    return [sys.executable, "-m", "services.gpu_dense.exchange.worker"]
 
 
 class WorkerStalled(Exception):

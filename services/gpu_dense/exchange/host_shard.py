@@ -10,7 +10,11 @@ migration, health, fleet secret) on its own port of this process, on this proces
 so the scheduler places sequences on it, measures its speed, drains and migrates it like any other.
 Only its Attend items skip the wire: HostShardPlane hands them to the service's core in process
 once the other shards' requests are out and before their answers are awaited, so the host's share
-is attended while the remote shards attend theirs.
+is attended while the remote shards attend theirs. Of the inner plane's capabilities it forwards
+staging (the hosted share reads its rows of the staging as the workers read theirs) and declares
+the other two absent: the hosted shard's core lives on the event loop (no slot's thread may attend
+on it), and its share is attended when the layer is handed over, so the runner waits for the device
+first.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fastdecode.dense import AttendItem
+from fastdecode.dense import AttendItem, LayerPlane
+from fastdecode.dense.plane import Stage
 from fastdecode.kv import AttendBatch
 from fastdecode.runtime.errors import InvalidInput, ServiceError, as_service_error, error_for
 from fastdecode.runtime.settings import DenseSettings, ServiceSettings, ShardSettings
-from services.gpu_dense.exchange import ExchangePlane
-from services.gpu_dense.plane import ShardEntry
-from services.gpu_dense.shards import ShardLinks
+from services.gpu_dense.exchange.links import ShardLinks
+from services.gpu_dense.exchange.plane import ExchangePlane
+from services.gpu_dense.exchange.service import ShardEntry
 from services.kv_attention.server import build
 
 log = logging.getLogger("fastdecode.gpu_dense.host_shard")
@@ -80,15 +85,21 @@ class HostShard:
         await self.server.stop()
 
 
-class HostShardPlane:
-    """gpu_dense's ShardPlane with one shard in process: items for it go to the hosted service,
+class HostShardPlane(LayerPlane[AttendItem]):
+    """gpu_dense's shard plane with one shard in process: items for it go to the hosted service,
     the rest to the inner plane (in-process links or exchange workers), which keeps an entry for
-    every index, the hosted one included, so indices, Info, AddShard and RemoveShard stay as they are."""
+    every index, the hosted one included, so indices, Info, AddShard and RemoveShard stay as they are.
+    Its capabilities: the inner plane's staging; no attend_layer_at, no attend_layer_blocking."""
+
+    attend_layer_at = None  # the hosted share is attended when the layer is handed over
+    attend_layer_blocking = None  # the hosted shard's core is the event loop's
 
     def __init__(self, inner: ShardLinks | ExchangePlane, host: HostShard) -> None:
         self.inner = inner
         self.host = host
         self._tasks: set[asyncio.Task[None]] = set()
+        # the hosted items read their rows of the inner plane's staging in place (_attend)
+        self.staging: Stage | None = inner.staging
 
     @property
     def num_shards(self) -> int:

@@ -1,5 +1,5 @@
 // The native exchange worker: gpu_dense's Attend streams to some kv_attention shards, fed through
-// shared memory. It does what services/gpu_dense/exchange_worker.py does (same arguments, same
+// shared memory. It does what services/gpu_dense/exchange/worker.py does (same arguments, same
 // control messages: protos/fastdecode/v1/exchange.proto, same answers), without Python's event loop
 // and grpc.aio's three threads per completion: each mini-batch slot has one thread that writes its
 // layer's items on blocking gRPC C++ streams and reads their answers back (the calling thread polls
@@ -11,7 +11,7 @@
 // strings and o out of them, a copy more each way on the path every layer pays. The Python side
 // does the same (fastdecode/runtime/codec.py serialize_with, split_field).
 //
-// Usage (started by services/gpu_dense/exchange_process.py):
+// Usage (started by services/gpu_dense/exchange/process.py):
 //   fastdecode-exchange-worker --fd N --parent PID [--index I] [--timeout S] [--shards I=HOST:PORT,...]
 //                              [--layer-fds FD,FD]  (each mini-batch slot's own socket: Attend, Cancel)
 //                              [--tls-cert F] [--tls-key F] [--tls-ca F]

@@ -1,7 +1,7 @@
 """`bench transport --breakdown`: where one Attend round trip goes, measured part by part.
 
 One decode item of `batch` sequences with the model's head shape (q, k, v out, o back), against
-real shard processes on loopback, through gpu_dense's own ShardPlane (services/gpu_dense/shards):
+real shard processes on loopback, through gpu_dense's own ShardPlane (services/gpu_dense/exchange/links.py):
 - the pieces, each timed alone in this process: the request built as wire bytes (q, k, v encoded
   straight into them: codec.serialize_with), its parse and decode on the shard, the response's
   encode, serialize and parse, a thread hop (executor round trip) and an event-loop wake-up from
@@ -42,7 +42,7 @@ WINDOW = 16  # round trips per set of sequences
 
 
 def _default_plane(addresses: list[str], concurrent: bool = False) -> ShardPlane:
-    connect = registered(SHARD_PLANES, "grpc")  # gpu_dense's links (services/gpu_dense/shards.py)
+    connect = registered(SHARD_PLANES, "grpc")  # gpu_dense's links (services/gpu_dense/exchange/links.py)
     return connect(addresses, concurrent=concurrent)
 
 

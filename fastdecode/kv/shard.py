@@ -70,7 +70,7 @@ class ShardCore:
         self.store: KVStore | None = None  # built from the geometry of the first reservation
         self.attended_pairs = 0.0
         # hosted in gpu_dense (--host-shard): its pipelined S-part's seconds on the cores this shard
-        # attends on (services/gpu_dense/host_shard.py); they count in its measured speed
+        # attends on (services/gpu_dense/exchange/host_shard.py); they count in its measured speed
         self.host_busy_seconds = 0.0
 
     def store_for(
@@ -147,7 +147,7 @@ class ShardCore:
     def attend(self, layer: int, batch: AttendBatch) -> AttendResult:
         """One item: append k and v, attend; raises domain errors. The wire's items arrive as views
         of the message's bytes (fastdecode.wire.kv.attend_batch); a shard hosted in gpu_dense's own
-        process (services/gpu_dense/host_shard.py) hands its items over without touching the wire."""
+        process (services/gpu_dense/exchange/host_shard.py) hands its items over without touching the wire."""
         store = self.store
         if store is None:
             raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")

@@ -153,8 +153,8 @@ class DenseSettings(ServiceSettings):
     )
     exchange_worker: Literal["auto", "native", "python"] = Field(
         "auto",
-        description="Which exchange worker: native (C++, services/gpu_dense/native, built by make setup "
-        "where gRPC C++ is installed), python, or auto: native when built, else python.",
+        description="Which exchange worker: native (C++, services/gpu_dense/exchange/native, built by make "
+        "setup where gRPC C++ is installed), python, or auto: native when built, else python.",
     )
     host_shard: int | None = Field(
         None,

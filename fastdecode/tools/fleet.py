@@ -240,7 +240,7 @@ class Fleet:
     # them pipelined or as one batch, whichever its measurement on live steps finds faster here.
     pipeline: bool | None = None
     # One more shard, in gpu_dense's own process (--host-shard): the dense host's CPUs attend the
-    # share the scheduler places there, with no wire (services/gpu_dense/host_shard.py). Last index.
+    # share the scheduler places there, with no wire (services/gpu_dense/exchange/host_shard.py). Last index.
     host_shard: bool = False
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)

@@ -207,7 +207,7 @@ def _request_ids(context: grpc.aio.ServicerContext, seq_ids: Sequence[str]) -> l
 
 def build(settings: Settings) -> tuple[Server, KVAttentionService]:
     """The shard's server (not started) with its service added: serve() below, and a shard that
-    gpu_dense hosts in its own process (services/gpu_dense/host_shard.py)."""
+    gpu_dense hosts in its own process (services/gpu_dense/exchange/host_shard.py)."""
     server = Server(
         [pb.DESCRIPTOR.services_by_name["KVAttention"].full_name],
         settings.host,

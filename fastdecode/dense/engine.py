@@ -16,6 +16,7 @@ import torch
 from fastdecode.contract import SamplingParams
 from fastdecode.dense.sampling import sample
 from fastdecode.kv import AttendBatch, KVStore
+from fastdecode.kv.memory import host_available_bytes
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import InvalidInput
 
@@ -125,8 +126,10 @@ class LocalEngine:
         self.model = model
         c = model.config
         itemsize = torch.empty((), dtype=kv_dtype).element_size()
-        if kv_capacity_bytes is None:  # room for 64 full-context sequences
-            kv_capacity_bytes = 64 * c.max_position_embeddings * c.kv_bytes_per_token(itemsize)
+        if kv_capacity_bytes is None:  # room for 64 full-context sequences, within half the host's memory
+            kv_capacity_bytes = min(
+                64 * c.max_position_embeddings * c.kv_bytes_per_token(itemsize), host_available_bytes() // 2
+            )
         self.kv = KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_capacity_bytes, kv_dtype)
         # The store still reserves and accounts; a model with windows or a soft-cap attends here.
         self.windowed = (

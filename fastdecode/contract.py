@@ -132,6 +132,46 @@ class PlannedSeq:
     # step after the first feeds it the token the one before sampled, one position further on.
     steps: int = 1
 
+    # Named builders for the scheduler's two kinds of row. They take keywords where the meaning is
+    # not plain, and call the constructor positionally: a class called with keywords pays for a
+    # dict of them, and the scheduler builds one row per running sequence every step.
+    @classmethod
+    def chunk(
+        cls,
+        seq_id: str,
+        shard: int,
+        token_ids: list[int],
+        start_pos: int,
+        sampling: SamplingParams,
+        *,
+        sample: bool,
+        sample_index: int,
+        next_token: int | None = None,
+        steps: int = 1,
+    ) -> PlannedSeq:
+        """A row that feeds tokens the scheduler knows (a prefill chunk, a recomputed history, the
+        token a decode step sampled) at positions start_pos..; mini-batch 0 until the step is split."""
+        return cls(
+            seq_id, shard, 0, token_ids, start_pos, sampling, sample, sample_index, next_token, False, steps
+        )
+
+    @classmethod
+    def ahead(
+        cls,
+        seq_id: str,
+        shard: int,
+        start_pos: int,
+        sampling: SamplingParams,
+        *,
+        sample_index: int,
+        steps: int = 1,
+    ) -> PlannedSeq:
+        """A row planned one step ahead: it feeds the token gpu_dense sampled for the sequence in the
+        step it ran just before (LAST_SAMPLE) at start_pos, and samples; mini-batch 0 until split."""
+        return cls(
+            seq_id, shard, 0, [LAST_SAMPLE], start_pos, sampling, True, sample_index, None, True, steps
+        )
+
 
 LAST_SAMPLE = -1  # the token of a step planned ahead: not known to the scheduler yet
 

@@ -38,19 +38,23 @@ the longest such prefix while the balance allows (`prefix_affinity`), and a requ
 being computed right now waits for it instead of computing it again. Blocks read from a shard's
 prefix cache are not counted against the shard per sequence (`SeqEntry.shared`).
 
-The core is one class over its tables (fastdecode/scheduling/tables.py), in parts along its seams:
-membership (shards in and out), migration (live moves), load (the load model, placement, stats),
-prefixes (prefix placement), preemption (preemption and KV releases), runs (several decode steps a
-plan, --decode-steps), scoring (prompt logprobs); this module holds admission, planning and apply.
+SchedulerCore owns the shared tables (fastdecode/scheduling/tables.py `CoreTables`) and composes
+collaborators over them along its seams, each constructed with the tables and the collaborators it
+needs, each keeping its own state: `Membership` (shards in and out, membership.py),
+`MigrationPlanning` (live moves, migration.py), `LoadModel` (the load model, placement, per-shard
+stats, load.py), `PrefixPlacement` (prefixes.py), `Preemption` (preemption.py), `KVReleases`
+(releases.py), `DecodeRuns` (several decode steps a plan, --decode-steps, runs.py), `RowPlanner`
+(a step's rows, their growth and the mini-batch split, rows.py); scoring.py (prompt logprobs) is two
+functions. This module holds admission, the step's phases and apply, and keeps the collaborators'
+methods the driver calls as one-line delegations.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from fastdecode.contract import LAST_SAMPLE, TokenLogprob
+from fastdecode.contract import TokenLogprob
 from fastdecode.protocol import MAX_DECODE_STEPS
 from fastdecode.runtime.errors import (
     InternalError,
@@ -64,38 +68,36 @@ from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
 from fastdecode.scheduling.load import LoadModel
 from fastdecode.scheduling.membership import Membership
-from fastdecode.scheduling.migration import MigrationPlanning
-from fastdecode.scheduling.placement import attention_cost, split_mini_batches
+from fastdecode.scheduling.migration import MigrationPlanning, Move
 from fastdecode.scheduling.preemption import Preemption
 from fastdecode.scheduling.prefixes import PrefixPlacement
+from fastdecode.scheduling.releases import KVReleases
+from fastdecode.scheduling.rows import RowPlanner
 from fastdecode.scheduling.runs import DecodeRuns
-from fastdecode.scheduling.scoring import PromptScoring
+from fastdecode.scheduling.scoring import take_prompt_logprobs
 from fastdecode.scheduling.tables import (
     ADMISSION_DECISIONS,
     DEFAULT_KV_LOOKAHEAD,
-    RATIO_SMOOTHING,
+    CoreTables,
     Inflight,
     SeqEntry,
-    ShardEntry,
 )
 from fastdecode.scheduling.types import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     DenseAnswer,
-    PlannedSeq,
     Request,
     Reservation,
     Sampling,
+    SchedulerStats,
     ShardSpec,
     Step,
     TokenEvent,
 )
 
 
-class SchedulerCore(
-    Membership, MigrationPlanning, LoadModel, PrefixPlacement, Preemption, DecodeRuns, PromptScoring
-):
+class SchedulerCore:
     """Owns every sequence: admits, places on shards, plans steps, applies sampled tokens."""
 
     def __init__(
@@ -120,49 +122,44 @@ class SchedulerCore(
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
         if max_context is not None and max_context < 2:
             raise InvalidInput("max_context must be >= 2")
-        self._vocab_size = vocab_size
         if kv_lookahead < 0:
             raise InvalidInput("kv_lookahead must be >= 0")
-        self._lookahead = kv_lookahead
         if not 1 <= decode_steps <= MAX_DECODE_STEPS:
             raise InvalidInput(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")
-        self._decode_steps = decode_steps
         if prefix_affinity < 0:
             raise InvalidInput("prefix_affinity must be >= 0")
+        self._vocab_size = vocab_size
         # windowed layers (the model's geometry): a sequence holds, and attends over, less than its
-        # length; without windows every count below is the sequence's length
-        self._geometry = kv_geometry if kv_geometry is not None and kv_geometry.windowed else None
-        self._sharing = prefix_sharing
-        self._affinity = prefix_affinity
-        self.prefix_hits = 0  # reservations that found cached prefix tokens
-        self.cached_tokens = 0  # ... and how many, in all
+        # length; without windows every count is the sequence's length
+        geometry = kv_geometry if kv_geometry is not None and kv_geometry.windowed else None
         self._admission: AdmissionPolicy = admission if admission is not None else NaiveAdmission()
-        self._shards: list[ShardEntry] = []
-        for spec in shards:
-            self.add_shard(spec)
         self._eos = frozenset(int(t) for t in eos_token_ids)
+        # The shared tables (the step loops read them through these names) and the collaborators
+        # that work on them, each with its own state.
+        tables = self._tables = CoreTables()
+        self._shards, self._waiting, self._running = tables.shards, tables.waiting, tables.running
+        self.prefixes = PrefixPlacement(
+            tables, sharing=prefix_sharing, affinity=prefix_affinity, geometry=geometry
+        )
+        self.releases = KVReleases(tables)
+        self.load = LoadModel(tables, self.releases, self.prefixes, geometry=geometry, lookahead=kv_lookahead)
+        self.migration = MigrationPlanning(tables, self.load, self.prefixes, self.releases)
+        self.membership = Membership(tables, self._admission, self.migration, self.prefixes, self.releases)
+        self.preemption = Preemption(tables, self.membership, self.releases)
+        self.runs = DecodeRuns(decode_steps, self._eos, self.load)
+        self.planner = RowPlanner(
+            tables, self.load, self.runs, plan_ahead=plan_ahead, prefill_budget=prefill_token_budget
+        )
+        for spec in shards:
+            self.membership.add_shard(spec)
+        self.membership.capacity_changed()  # (also with no shard: the capacity is unknown)
         self._max_running = max_running
         self._max_waiting = max_waiting
-        self._budget = prefill_token_budget
         self._max_context = max_context
-        self._waiting: OrderedDict[str, SeqEntry] = OrderedDict()
-        self._running: OrderedDict[str, SeqEntry] = OrderedDict()  # admission order
-        self._releases: list[tuple[str, int]] = []
-        self._held_releases: dict[int, list[tuple[str, int, int]]] = {}
         self._reserved_ahead: list[Reservation] = []  # made for a step that was not planned: go next
-        self._parked: set[str] = set()
-        self._ahead = plan_ahead
         self._ended: list[str] = []  # left for good since the last step (Step.ended)
-        self._inflight: dict[int, dict[str, Inflight]] = {}
-        self._step = 0
-        self._ratio = 1.0  # running estimate of generated / max_tokens
         self._finished = 0
-        self._recoveries = 0
         self._started = 0  # admissions so far (orders sequences by age)
-        self.preemptions = 0
-        self._preempted: list[str] = []  # preempted since the last step was planned
-        self.migrations = 0  # sequences moved live to another shard (KV copied, not recomputed)
-        self._capacity_changed()
         # Cumulative admission outcomes: sequences admitted or rejected (queue full), and steps in
         # which waiting sequences were held back by the admission policy or by shard capacity.
         self.decisions: dict[str, int] = dict.fromkeys(ADMISSION_DECISIONS, 0)
@@ -232,8 +229,25 @@ class SchedulerCore(
     # ---------------------------------------------------------------- planning
     def next_step(self) -> Step | None:
         """Admit, place, and plan the next step; None when there is nothing to run or send."""
-        step_no = self._step
+        step_no = self._tables.step
         reserve, self._reserved_ahead = self._reserved_ahead, []
+        self._admit_and_place(step_no, reserve)
+        # the plan-ahead rows and the planned rows, in admission order, with their growth
+        rows = self.planner.rows(step_no)
+        if not self.preemption.fit_growth(rows, reserve):
+            # Planned ahead into a shard that lacks blocks: nothing goes out until the step out is
+            # applied (the driver awaits it on None); the reservations made go with the next step.
+            self.planner.unplan(rows)
+            self._reserved_ahead = reserve
+            return None
+        if not rows.planned and not reserve and not self.releases.queued and not self._ended:
+            return None
+        release, preempted = self.releases.take(), self.preemption.take_preempted()
+        ended, self._ended = self._ended, []
+        return self.planner.seal(step_no, rows, reserve, release, preempted, ended)
+
+    def _admit_and_place(self, step_no: int, reserve: list[Reservation]) -> None:
+        """Place the running sequences that lost their shard, then admit waiting ones."""
         self._place_unplaced(step_no, reserve)
         self._admit(step_no, reserve)
         idle = not reserve and not any(s.shard is not None for s in self._running.values())
@@ -243,127 +257,10 @@ class SchedulerCore(
                 sh.blocked_until = 0
             self._place_unplaced(step_no, reserve)
             self._admit(step_no, reserve)
-        planned: list[PlannedSeq] = []
-        marks: dict[str, Inflight] = {}
-        budget = self._budget
-        # The blocks each chunk grows its sequence by, per sequence and per shard (_fit_growth).
-        bs = [sh.spec.block_size for sh in self._shards]
-        grow: dict[str, int] = {}
-        need = [0] * len(self._shards)
-        windowed, held_blocks = self._geometry is not None, self._held_blocks
-        # The per-sequence loop runs every step over every running sequence: attributes are read
-        # once into locals, and a decode (one token, nothing to score) skips the general path.
-        ahead, parked = self._ahead, self._parked
-        for sid, seq in self._running.items():
-            shard = seq.shard
-            if shard is None or seq.moving is not None:
-                continue
-            tokens, kv, req = seq.tokens, seq.kv, seq.req
-            ntok = len(tokens)
-            if seq.inflight is not None:
-                # Planned ahead: its chunk in flight samples its last token (then kv counts the
-                # positions of all but the last token it samples), after which it is not at
-                # max_tokens, and nothing wants it at a step boundary.
-                generated = ntok - len(req.prompt) + seq.flying  # with the tokens in flight
-                if (
-                    not ahead
-                    or kv != ntok + seq.flying - 1
-                    or generated >= req.max_tokens
-                    or req.sampling.prompt_logprobs
-                    or sid in parked
-                ):
-                    continue
-                n, sample = 1, True
-                steps = 1 if self._decode_steps == 1 else self._run_steps(req, generated)
-                planned.append(
-                    PlannedSeq(
-                        sid,
-                        shard,
-                        0,
-                        [LAST_SAMPLE],
-                        kv,
-                        req.sampling,
-                        True,
-                        req.sample_offset + generated,
-                        None,
-                        True,
-                        steps,
-                    )
-                )
-            else:
-                pending = ntok - kv
-                if pending <= 0:
-                    continue
-                generated = ntok - len(req.prompt)
-                if generated > 0 and pending == 1:
-                    n = 1  # decode: always goes
-                else:
-                    if budget <= 0:
-                        continue
-                    n = min(pending, budget)
-                    budget -= n
-                sample = kv + n == ntok
-                steps = self._run_steps(req, generated) if sample and self._decode_steps > 1 else 1
-                if req.sampling.prompt_logprobs:
-                    sampling, next_token = self._prompt_scoring(seq, n)
-                else:
-                    sampling, next_token = req.sampling, None
-                planned.append(
-                    PlannedSeq(
-                        sid,
-                        shard,
-                        0,
-                        tokens[kv : kv + n],
-                        kv,
-                        sampling,
-                        sample,
-                        req.sample_offset + generated,
-                        next_token,
-                        False,
-                        steps,
-                    )
-                )
-            blocks = seq.blocks
-            marks[sid] = Inflight(seq.epoch, sample, kv, blocks, steps)
-            # the KV positions written once the step ran: all but its last sampled token's
-            seq.kv = written = kv + n + steps - 1
-            seq.inflight, seq.flying = step_no, steps
-            # the shard keeps the blocks it reserved for the prompt (history) until a window passes
-            # them; a windowed model's sequence can hold fewer blocks after the chunk than before it
-            end = written if written > ntok else ntok
-            after = held_blocks(end, kv, bs[shard]) if windowed else -(-end // bs[shard])
-            if after > blocks or (windowed and after < blocks):
-                grow[sid] = after - blocks
-                need[shard] += after - blocks
-        if not self._fit_growth(planned, marks, reserve, grow, need):
-            # Planned ahead into a shard that lacks blocks: nothing goes out until the step out is
-            # applied (the driver awaits it on None); the reservations made go with the next step.
-            out = max(self._inflight)  # the step out carries every sequence planned ahead
-            for p in planned:
-                seq = self._running[p.seq_id]
-                seq.kv, seq.inflight = marks[p.seq_id].start_pos, out if p.use_last_sample else None
-                seq.flying = self._inflight[out][p.seq_id].steps if p.use_last_sample else 1
-            self._reserved_ahead = reserve
-            return None
-        if not planned and not reserve and not self._releases and not self._ended:
-            return None
-        costs = [(p.shard, attention_cost(len(p.token_ids), p.start_pos)) for p in planned]
-        split = split_mini_batches(costs)
-        for p, mb in zip(planned, split, strict=True):
-            p.mini_batch = mb
-        release, self._releases = self._releases, []
-        ended, self._ended = self._ended, []
-        if marks:
-            self._inflight[step_no] = marks
-        self._step += 1
-        preempted, self._preempted = self._preempted, []
-        return Step(
-            step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted, ended=ended
-        )
 
     def _place_unplaced(self, step_no: int, reserve: list[Reservation]) -> None:
         for seq in [s for s in self._running.values() if s.shard is None]:  # the oldest recover first
-            if self._place(seq, step_no, reserve) is False:
+            if self.load.place(seq, step_no, reserve) is False:
                 break
 
     def _admit(self, step_no: int, reserve: list[Reservation]) -> None:
@@ -372,9 +269,9 @@ class SchedulerCore(
             return
         heads = [s for _, s in zip(range(room), self._waiting.values(), strict=False)]
         # A preempted sequence starts again from its history: that is its prompt now.
+        expected_gen = self.load.expected_gen
         cands = [
-            Candidate(s.req.seq_id, len(s.tokens), max(1.0, self._expected_gen(s) - s.generated))
-            for s in heads
+            Candidate(s.req.seq_id, len(s.tokens), max(1.0, expected_gen(s) - s.generated)) for s in heads
         ]
         n = self._admission.admissible(step_no, cands, len(self._running), self._max_running)
         if n < len(heads):
@@ -382,12 +279,12 @@ class SchedulerCore(
         if n <= 0:
             return
         started: list[Candidate] = []
-        pending = bool(self._held_releases)
+        pending = bool(self.releases.held)
         for seq, cand in zip(heads[:n], cands[:n], strict=True):
-            if pending and self._release_pending(seq.req.seq_id):
+            if pending and self.releases.pending(seq.req.seq_id):
                 self.decisions["deferred_capacity"] += 1
                 break  # preempted while a step out carried it: its KV is not released yet
-            placed = "wait" if self._awaits_prefix(seq) else self._place(seq, step_no, reserve, True)
+            placed = "wait" if self.prefixes.awaits(seq) else self.load.place(seq, step_no, reserve, True)
             if placed == "wait":
                 self.decisions["deferred_prefix"] += 1
                 continue  # its prefix lands in a few steps; others may pass meanwhile
@@ -409,8 +306,8 @@ class SchedulerCore(
         """The step never ran to the end (gpu_dense went away mid-step): nothing of it is applied, and
         its sequences are planned again from the same positions. Shards write KV at the position they
         are given, so the re-run overwrites whatever layers the lost run had already appended."""
-        marks = self._inflight.pop(step.step, None)
-        self._unhold(step.step)
+        marks = self._tables.inflight.pop(step.step, None)
+        self.releases.unhold(step.step)
         if marks is None:
             return
         for p in step.seqs:
@@ -430,36 +327,45 @@ class SchedulerCore(
         """Apply one step's sampled tokens (or per-sequence typed errors); returns the token events.
         A result is a Sampled or a (token, logprob) pair (a token < 0: nothing sampled).
         `prompt_logprobs`: the positions start_pos+1.. each chunk scored, for the requests that asked."""
-        marks = self._inflight.pop(step.step, None)
-        self._unhold(step.step)
+        marks = self._tables.inflight.pop(step.step, None)
+        self.releases.unhold(step.step)
         if marks is None:
             if not step.seqs:
                 return []
             raise InvalidInput(f"step {step.step} is not outstanding")
+        return self._apply_rows(step.step, marks, results, prompt_logprobs or {})
+
+    def _apply_rows(
+        self,
+        step_no: int,
+        marks: dict[str, Inflight],
+        results: Mapping[str, DenseAnswer | ServiceError],
+        scores: Mapping[str, list[TokenLogprob]],
+    ) -> list[TokenEvent]:
+        """Each row of the step in turn: its error, its prompt logprobs, its decode run, or its
+        sampled token through the stop rules; a sequence that stops or fails leaves."""
         events: list[TokenEvent] = []
-        running, scores = self._running, prompt_logprobs or {}
-        eos, step_no = self._eos, step.step
+        running, eos, prefix_ready = self._running, self._eos, self.prefixes.ready
         for sid, mark in marks.items():
             seq = running.get(sid)
             if seq is None or seq.epoch != mark.epoch:
                 continue  # cancelled, or moved off a lost shard: its history is re-prefilled instead
-            if seq.inflight == step.step:  # (not when it is in the step planned ahead of this one)
+            if seq.inflight == step_no:  # (not when it is in the step planned ahead of this one)
                 seq.inflight = None
             if seq.claimed:
-                self._prefix_ready(seq)
+                prefix_ready(seq)
             res = results.get(sid)
             if isinstance(res, ServiceError):
-                events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=res))
-                self._leave(seq)
+                self._fail(seq, res, step_no, events)
                 continue
             got = scores.get(sid)
-            scored = self._take_prompt_logprobs(seq, mark.start_pos, got) if got else []
+            scored = take_prompt_logprobs(seq, mark.start_pos, got) if got else []
             if not mark.sample:
                 if scored:  # a prefill chunk that is not the last: only its prompt logprobs go out
-                    events.append(self._event(seq, [], [], None, step.step, prompt_logprobs=scored))
+                    events.append(self._event(seq, [], [], None, step_no, prompt_logprobs=scored))
                 continue  # its KV is in, nothing to sample
             if mark.steps > 1 and res is not None:  # several decode steps ran it (runs.py)
-                ev = self._apply_run(seq, mark.steps, res, scored, step_no)
+                ev = self.runs.apply(seq, mark.steps, res, scored, step_no)
                 events.append(ev)
                 if ev.finish_reason is not None:
                     self._leave(seq)
@@ -469,9 +375,7 @@ class SchedulerCore(
             elif res is not None:
                 tok, lp, alts = res.token_id, res.logprob, res.top
             if res is None or tok < 0:
-                err = InternalError("no result for a sampled sequence")
-                events.append(self._event(seq, [], [], FINISH_ERROR, step.step, error=err))
-                self._leave(seq)
+                self._fail(seq, InternalError("no result for a sampled sequence"), step_no, events)
                 continue
             # the stop rules and _event, inlined: this runs for every sequence every step
             tokens, req = seq.tokens, seq.req
@@ -501,9 +405,14 @@ class SchedulerCore(
                 )
             )
             if reason is not None:
-                self._ratio += RATIO_SMOOTHING * (generated / req.max_tokens - self._ratio)
+                self.load.finished(generated, req.max_tokens)
                 self._leave(seq)
         return events
+
+    def _fail(self, seq: SeqEntry, error: ServiceError, step_no: int, events: list[TokenEvent]) -> None:
+        """The sequence's row failed: its last event carries the error, and it leaves."""
+        events.append(self._event(seq, [], [], FINISH_ERROR, step_no, error=error))
+        self._leave(seq)
 
     def _event(
         self,
@@ -536,18 +445,18 @@ class SchedulerCore(
         sid = seq.req.seq_id
         del self._running[sid]
         self._ended.append(sid)
-        self._cancel_move(seq)
+        self.migration.cancel_move(seq)
         if seq.shard is not None:
             sh = self._shards[seq.shard]
             sh.seqs.discard(sid)
             sh.blocks -= seq.blocks - seq.shared
             sh.blocked_until = 0  # it has room again
-            self._forget_pending(seq, sh)
-        self._release(seq)
-        self._parked.discard(sid)
+            self.prefixes.forget_pending(seq, sh)
+        self.releases.release(seq)
+        self._tables.parked.discard(sid)
         seq.shard, seq.reserved_on, seq.blocks, seq.shared = None, None, 0, 0
         self._finished += finished
-        self._admission.finished(self._step, sid)
+        self._admission.finished(self._tables.step, sid)
 
     # ---------------------------------------------------------------- introspection
     @property
@@ -560,7 +469,7 @@ class SchedulerCore(
 
     @property
     def steps(self) -> int:
-        return self._step
+        return self._tables.step
 
     @property
     def num_shards(self) -> int:
@@ -572,7 +481,99 @@ class SchedulerCore(
 
     def shard_of(self, seq_id: str) -> int | None:
         """The shard a running sequence is placed on (None while unplaced)."""
-        seq = self._running.get(seq_id)
-        if seq is None:
-            raise NotFound(f"unknown running sequence {seq_id!r}")
-        return seq.shard
+        return self._tables.running_seq(seq_id).shard
+
+    def stats(self, loads: bool = True) -> SchedulerStats:
+        """Counts and per-shard load (the scheduler's GetStats and its metrics). `loads=False` leaves
+        out the per-sequence load model (LoadModel.shard_stats)."""
+        shards = self.load.shard_stats(loads)
+        step = self._tables.step
+        return SchedulerStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            steps=step,
+            finished=self._finished,
+            recoveries=self.membership.recoveries,
+            preemptions=self.preemption.preemptions,
+            admission=self._admission.name,
+            w_limit=self._admission.w_limit(step),
+            kv_load_tokens=float(sum(s.tokens for s in shards)),
+            expected_ratio=self.load.ratio,
+            shards=shards,
+            migrations=self.migration.migrations,
+        )
+
+    @property
+    def preemptions(self) -> int:
+        return self.preemption.preemptions
+
+    @property
+    def migrations(self) -> int:
+        return self.migration.migrations
+
+    @property
+    def prefix_hits(self) -> int:
+        return self.prefixes.prefix_hits
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prefixes.cached_tokens
+
+    def kv_tokens_per_shard(self) -> list[int]:
+        return self.load.kv_tokens_per_shard()
+
+    # ---------------------------------------------------------------- the collaborators' doors
+    # What the driver (and the simulator) ask of membership, migration, preemption and prefixes.
+    def add_shard(self, spec: ShardSpec) -> int:
+        return self.membership.add_shard(spec)
+
+    def shard_lost(self, shard: int) -> list[str]:
+        return self.membership.shard_lost(shard)
+
+    def shard_recovered(self, shard: int) -> None:
+        self.membership.shard_recovered(shard)
+
+    def shard_rejoined(self, shard: int) -> None:
+        self.membership.shard_rejoined(shard)
+
+    def set_speed(self, shard: int, speed: float) -> None:
+        self.membership.set_speed(shard, speed)
+
+    def reservation_failed(self, seq_id: str) -> None:
+        self.membership.reservation_failed(seq_id)
+
+    def drain_shard(self, shard: int) -> None:
+        self.membership.drain_shard(shard)
+
+    def drained(self, shard: int) -> bool:
+        return self.membership.drained(shard)
+
+    def remove_shard(self, shard: int) -> None:
+        self.membership.remove_shard(shard)
+
+    def shard_state(self, shard: int) -> str:
+        return self.membership.shard_state(shard)
+
+    def seqs_on(self, shard: int) -> list[str]:
+        return self.membership.seqs_on(shard)
+
+    def left_by_recompute(self, shard: int) -> int:
+        return self.membership.left_by_recompute(shard)
+
+    def begin_move(self, seq_id: str, target: int) -> Move:
+        return self.migration.begin_move(seq_id, target)
+
+    def end_move(self, move: Move, ok: bool) -> bool:
+        return self.migration.end_move(move, ok)
+
+    def drain_moves(self, limit: int) -> tuple[list[Move], dict[int, int]]:
+        return self.migration.drain_moves(limit)
+
+    def rebalance_move(self, factor: float) -> Move | None:
+        return self.migration.rebalance_move(factor)
+
+    def kv_exhausted(self, step: Step, seq_ids: Sequence[str]) -> list[str]:
+        return self.preemption.kv_exhausted(step, seq_ids)
+
+    def prefix_cached(self, step: Step, cached: dict[str, int]) -> Step:
+        return self.prefixes.prefix_cached(step, cached)

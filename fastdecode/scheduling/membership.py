@@ -1,9 +1,13 @@
-"""Shard membership in the core: shards added, lost, recovered, refusing reservations, and the
-admission policy told the KV capacity of those that serve. Pure Python, no gRPC."""
+"""Shard membership in the core: shards added, lost, recovered, refusing reservations, drained and
+removed, and the admission policy told the KV capacity of those that serve. Pure Python, no gRPC."""
 
 from __future__ import annotations
 
-from fastdecode.runtime.errors import InvalidInput, NotFound
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.scheduling.admission import AdmissionPolicy
+from fastdecode.scheduling.migration import MigrationPlanning
+from fastdecode.scheduling.prefixes import PrefixPlacement
+from fastdecode.scheduling.releases import KVReleases
 from fastdecode.scheduling.tables import (
     RESERVATION_BACKOFF_STEPS,
     SHARD_DRAINING,
@@ -16,33 +20,39 @@ from fastdecode.scheduling.tables import (
 from fastdecode.scheduling.types import ShardSpec
 
 
-class Membership(CoreTables):
-    """SchedulerCore's shard membership (a mixin over the core's tables)."""
+class Membership:
+    """SchedulerCore's shard membership over the core's tables: each shard's health and state
+    (serving, draining, removed) and the sequences that lost their shard (`recoveries`)."""
+
+    def __init__(
+        self,
+        tables: CoreTables,
+        admission: AdmissionPolicy,
+        migration: MigrationPlanning,
+        prefixes: PrefixPlacement,
+        releases: KVReleases,
+    ) -> None:
+        self._tables = tables
+        self._admission = admission
+        self._migration = migration
+        self._prefixes = prefixes
+        self._releases = releases
+        self.recoveries = 0  # sequences moved off a lost shard to be re-prefilled
 
     def add_shard(self, spec: ShardSpec) -> int:
         """Add a shard; it takes its share of new sequences from now on."""
         if spec.capacity_tokens < 1 or not spec.speed > 0 or spec.block_size < 1:
             raise InvalidInput("a shard needs capacity_tokens >= 1, speed > 0 and block_size >= 1")
-        self._shards.append(ShardEntry(spec=spec))
-        if hasattr(self, "_admission"):  # not while __init__ adds the first shards
-            self._capacity_changed()
-        return len(self._shards) - 1
+        self._tables.shards.append(ShardEntry(spec=spec))
+        self.capacity_changed()
+        return len(self._tables.shards) - 1
 
-    def _capacity_changed(self) -> None:
+    def capacity_changed(self) -> None:
         """Tell the admission policy how many KV tokens the healthy shards hold: the stabilizing
         schedule keeps its load limit within them (the paper's memory bound B*S/2 <= C*P)."""
         self._admission.set_kv_capacity(
-            sum(sh.spec.capacity_tokens for sh in self._shards if self._serving(sh)) or None
+            sum(sh.spec.capacity_tokens for sh in self._tables.shards if sh.serving) or None
         )
-
-    @staticmethod
-    def _serving(sh: ShardEntry) -> bool:
-        return sh.healthy and sh.state == SHARD_SERVING
-
-    def _shard(self, shard: int) -> ShardEntry:
-        if not 0 <= shard < len(self._shards):
-            raise NotFound(f"unknown shard {shard}")
-        return self._shards[shard]
 
     def shard_lost(self, shard: int) -> list[str]:
         """Mark a shard unhealthy; its sequences will be re-placed and re-prefilled from their history.
@@ -50,37 +60,82 @@ class Membership(CoreTables):
         Call it before apply() of a step that failed because of this shard: results of the moved
         sequences are then ignored and their generated tokens kept, so the request only loses time.
         """
-        sh = self._shard(shard)
+        sh = self._tables.shard(shard)
         if not sh.healthy:
             return []
         sh.healthy = False
-        for s in self._running.values():
+        running = self._tables.running
+        for s in running.values():
             if s.moving == shard:  # its copy died with the target: it stays where it is
                 s.moving, s.incoming = None, 0
-        moved = [sid for sid, s in self._running.items() if s.shard == shard]
+        moved = [sid for sid, s in running.items() if s.shard == shard]
         for sid in moved:
-            self._unplace(self._running[sid])
+            self.unplace(running[sid])
         sh.blocks, sh.seqs = 0, set()
         sh.prefixes.clear()
-        self._drop_releases_on(shard)
-        self._recoveries += len(moved)
-        self._capacity_changed()
+        self._releases.drop_on(shard)
+        self.recoveries += len(moved)
+        self.capacity_changed()
         return moved
 
     def set_speed(self, shard: int, speed: float) -> None:
         """Update a shard's measured relative attention speed (> 0); placement weighs by it."""
         if not speed > 0:
             raise InvalidInput("speed must be > 0")
-        self._shard(shard).spec.speed = speed
+        self._tables.shard(shard).spec.speed = speed
 
     def shard_recovered(self, shard: int) -> None:
         """The shard is healthy again, and empty: it takes new sequences."""
-        sh = self._shard(shard)
+        sh = self._tables.shard(shard)
         if sh.state == SHARD_REMOVED:
             return
         sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = True, 0, set(), 0
         sh.prefixes.clear()
-        self._capacity_changed()
+        self.capacity_changed()
+
+    def drain_shard(self, shard: int) -> None:
+        """Stop placing on the shard; `MigrationPlanning.drain_moves` then moves its sequences away
+        as room allows."""
+        sh = self._tables.shard(shard)
+        if sh.state == SHARD_REMOVED:
+            raise FailedPrecondition(f"shard {shard} is already removed")
+        if sh.state != SHARD_DRAINING:
+            if not any(o.serving for o in self._tables.shards if o is not sh):
+                raise FailedPrecondition(f"shard {shard} is the last serving shard: nowhere to move to")
+            sh.state, sh.left_by_recompute = SHARD_DRAINING, 0
+            self.capacity_changed()
+
+    def drained(self, shard: int) -> bool:
+        """No sequence on it and none in a step or a copy there: it can be taken out."""
+        sh = self._tables.shard(shard)
+        return not sh.seqs and not any(s.moving == shard for s in self._tables.running.values())
+
+    def remove_shard(self, shard: int) -> None:
+        """Take a drained (or lost) shard out for good: never placed on, probed or recovered again."""
+        sh = self._tables.shard(shard)
+        if sh.seqs and sh.healthy:
+            raise FailedPrecondition(f"shard {shard} still holds {len(sh.seqs)} sequences")
+        sh.state, sh.healthy, sh.blocks, sh.seqs = SHARD_REMOVED, False, 0, set()
+        sh.prefixes.clear()
+        self._releases.drop_on(shard)
+        self.capacity_changed()
+
+    def shard_rejoined(self, shard: int) -> None:
+        """A removed shard is back (empty, a restarted process on its address): it serves again."""
+        sh = self._tables.shard(shard)
+        sh.state, sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = SHARD_SERVING, True, 0, set(), 0
+        sh.prefixes.clear()
+        self.capacity_changed()
+
+    def shard_state(self, shard: int) -> str:
+        return self._tables.shard(shard).state
+
+    def seqs_on(self, shard: int) -> list[str]:
+        return sorted(self._tables.shard(shard).seqs)
+
+    def left_by_recompute(self, shard: int) -> int:
+        """Sequences that left the shard since its drain began by recompute (lost, preempted)."""
+        return self._tables.shard(shard).left_by_recompute
 
     def reservation_failed(self, seq_id: str) -> None:
         """The shard refused the reservation: un-place the sequence and put it back at the head.
@@ -89,27 +144,32 @@ class Membership(CoreTables):
         one being recovered stays admitted and is re-placed first. Drop it from the step you are about
         to run (`step.without([seq_id])`); a result for it would be ignored anyway.
         """
-        seq = self._running.get(seq_id)
-        if seq is None:
-            raise NotFound(f"unknown running sequence {seq_id!r}")
+        tables = self._tables
+        seq = tables.running_seq(seq_id)
         if seq.shard is not None:
-            self._shards[seq.shard].blocked_until = self._step + RESERVATION_BACKOFF_STEPS
+            tables.shards[seq.shard].blocked_until = tables.step + RESERVATION_BACKOFF_STEPS
         seq.reserved_on = None  # nothing to release: the shard holds nothing for it
-        self._unplace(seq)
+        self.unplace(seq)
         if seq.generated == 0:
-            del self._running[seq_id]
-            self._admission.finished(self._step, seq_id)
-            self._waiting[seq_id] = seq
-            self._waiting.move_to_end(seq_id, last=False)
+            self.requeue(seq)
 
-    def _unplace(self, seq: SeqEntry) -> None:
-        self._cancel_move(seq)
-        self._parked.discard(seq.req.seq_id)
+    def requeue(self, seq: SeqEntry) -> None:
+        """An unplaced running sequence goes back to the head of the waiting queue."""
+        sid, tables = seq.req.seq_id, self._tables
+        del tables.running[sid]
+        self._admission.finished(tables.step, sid)
+        tables.waiting[sid] = seq
+        tables.waiting.move_to_end(sid, last=False)
+
+    def unplace(self, seq: SeqEntry) -> None:
+        """The sequence loses its shard (lost, refused, preempted): nothing of its KV is counted."""
+        self._migration.cancel_move(seq)
+        self._tables.parked.discard(seq.req.seq_id)
         if seq.shard is not None:
-            sh = self._shards[seq.shard]
+            sh = self._tables.shards[seq.shard]
             sh.seqs.discard(seq.req.seq_id)
             sh.blocks -= seq.blocks - seq.shared
-            self._forget_pending(seq, sh)
+            self._prefixes.forget_pending(seq, sh)
             sh.left_by_recompute += sh.state == SHARD_DRAINING
         seq.shard, seq.reserved_on, seq.kv, seq.inflight, seq.blocks = None, None, 0, None, 0
         seq.shared = 0

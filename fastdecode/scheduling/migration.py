@@ -7,16 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastdecode.runtime.errors import FailedPrecondition, NotFound
+from fastdecode.runtime.errors import FailedPrecondition
+from fastdecode.scheduling.load import LoadModel
 from fastdecode.scheduling.placement import ShardLoad, choose_shard
-from fastdecode.scheduling.tables import (
-    REBALANCE_COOLDOWN_STEPS,
-    SHARD_DRAINING,
-    SHARD_REMOVED,
-    SHARD_SERVING,
-    CoreTables,
-    SeqEntry,
-)
+from fastdecode.scheduling.prefixes import PrefixPlacement
+from fastdecode.scheduling.releases import KVReleases
+from fastdecode.scheduling.tables import REBALANCE_COOLDOWN_STEPS, SHARD_DRAINING, CoreTables, SeqEntry
 
 
 @dataclass(frozen=True)
@@ -31,24 +27,32 @@ class Move:
     epoch: int
 
 
-class MigrationPlanning(CoreTables):
-    """SchedulerCore's side of live migration (a mixin over the core's tables)."""
+class MigrationPlanning:
+    """SchedulerCore's side of live migration over the core's tables: the copies under way
+    (`SeqEntry.moving`/`incoming`, counted on their targets) and the sequences moved (`migrations`)."""
+
+    def __init__(
+        self, tables: CoreTables, load: LoadModel, prefixes: PrefixPlacement, releases: KVReleases
+    ) -> None:
+        self._tables = tables
+        self._load = load
+        self._prefixes = prefixes
+        self._releases = releases
+        self.migrations = 0  # sequences moved live to another shard (KV copied, not recomputed)
 
     def begin_move(self, seq_id: str, target: int) -> Move:
         """Start moving a running sequence's KV to `target` at this step boundary: it is not planned
         until `end_move`, and its blocks count on the target as well meanwhile. FailedPrecondition
         when it cannot move now (in a step, unplaced, already moving, nothing held yet)."""
-        seq = self._running.get(seq_id)
-        if seq is None:
-            raise NotFound(f"unknown running sequence {seq_id!r}")
-        sh = self._shard(target)
+        seq = self._tables.running_seq(seq_id)
+        sh = self._tables.shard(target)
         if seq.shard is None or seq.inflight is not None or seq.moving is not None or seq.kv < 1:
             raise FailedPrecondition(f"sequence {seq_id!r} cannot move now (not at a step boundary)")
-        if seq.shard == target or not self._serving(sh):
+        if seq.shard == target or not sh.serving:
             raise FailedPrecondition(f"shard {target} cannot take sequence {seq_id!r}")
         seq.moving = target
-        self._parked.discard(seq_id)
-        seq.incoming = self._held_blocks(seq.kv, seq.kv, sh.spec.block_size)  # a window: only its blocks
+        self._tables.parked.discard(seq_id)
+        seq.incoming = self._load.held_blocks(seq.kv, seq.kv, sh.spec.block_size)  # a window: only its blocks
         sh.blocks += seq.incoming
         return Move(seq_id, seq.shard, target, seq.kv, seq.epoch)
 
@@ -57,99 +61,59 @@ class MigrationPlanning(CoreTables):
         (its source copy is released with the next step). False: it stays on its source, whole; a
         copy the target may hold is the caller's to release (also when it was cancelled or lost
         meanwhile, which already undid the move)."""
-        seq = self._running.get(move.seq_id)
+        seq = self._tables.running.get(move.seq_id)
         if seq is None or seq.epoch != move.epoch or seq.moving != move.target:
             return False
-        target = self._shards[move.target]
+        target = self._tables.shards[move.target]
         if not ok or not target.healthy:
-            self._cancel_move(seq)
+            self.cancel_move(seq)
             return False
-        source = self._shards[move.source]
+        source = self._tables.shards[move.source]
         source.seqs.discard(move.seq_id)
         source.blocks -= seq.blocks - seq.shared  # blocks it read from the source's prefix cache aside
-        self._forget_pending(seq, source)
+        self._prefixes.forget_pending(seq, source)
         source.blocked_until = 0  # it has room again
         if seq.reserved_on is not None and source.healthy:
-            self._releases.append((move.seq_id, seq.reserved_on))
+            self._releases.send(move.seq_id, seq.reserved_on)
         seq.shard = seq.reserved_on = move.target
         seq.blocks, seq.moving, seq.incoming, seq.shared = seq.incoming, None, 0, 0  # all its own there
-        seq.moved_step = self._step
+        seq.moved_step = self._tables.step
         target.seqs.add(move.seq_id)
         self.migrations += 1
         return True
 
-    def _cancel_move(self, seq: SeqEntry) -> None:
+    def cancel_move(self, seq: SeqEntry) -> None:
+        """The sequence's copy under way is dropped (failed, or the sequence left): it stays where it
+        is, and the target no longer counts the copy's blocks."""
         if seq.moving is not None:
-            self._shards[seq.moving].blocks -= seq.incoming
+            self._tables.shards[seq.moving].blocks -= seq.incoming
             seq.moving, seq.incoming = None, 0
-
-    def drain_shard(self, shard: int) -> None:
-        """Stop placing on the shard; `drain_moves` then moves its sequences away as room allows."""
-        sh = self._shard(shard)
-        if sh.state == SHARD_REMOVED:
-            raise FailedPrecondition(f"shard {shard} is already removed")
-        if sh.state != SHARD_DRAINING:
-            if not any(self._serving(o) for o in self._shards if o is not sh):
-                raise FailedPrecondition(f"shard {shard} is the last serving shard: nowhere to move to")
-            sh.state, sh.left_by_recompute = SHARD_DRAINING, 0
-            self._capacity_changed()
-
-    def drained(self, shard: int) -> bool:
-        """No sequence on it and none in a step or a copy there: it can be taken out."""
-        sh = self._shard(shard)
-        return not sh.seqs and not any(s.moving == shard for s in self._running.values())
-
-    def remove_shard(self, shard: int) -> None:
-        """Take a drained (or lost) shard out for good: never placed on, probed or recovered again."""
-        sh = self._shard(shard)
-        if sh.seqs and sh.healthy:
-            raise FailedPrecondition(f"shard {shard} still holds {len(sh.seqs)} sequences")
-        sh.state, sh.healthy, sh.blocks, sh.seqs = SHARD_REMOVED, False, 0, set()
-        sh.prefixes.clear()
-        self._drop_releases_on(shard)
-        self._capacity_changed()
-
-    def shard_rejoined(self, shard: int) -> None:
-        """A removed shard is back (empty, a restarted process on its address): it serves again."""
-        sh = self._shard(shard)
-        sh.state, sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = SHARD_SERVING, True, 0, set(), 0
-        sh.prefixes.clear()
-        self._capacity_changed()
-
-    def shard_state(self, shard: int) -> str:
-        return self._shard(shard).state
-
-    def seqs_on(self, shard: int) -> list[str]:
-        return sorted(self._shard(shard).seqs)
-
-    def left_by_recompute(self, shard: int) -> int:
-        """Sequences that left the shard since its drain began by recompute (lost, preempted)."""
-        return self._shard(shard).left_by_recompute
 
     def _target_for(self, seq: SeqEntry, step_no: int, exclude: int) -> int | None:
         """Where placement would put this sequence now (its source left out), or None: no room."""
-        horizon = max(1.0, len(seq.req.prompt) + self._expected_gen(seq) - len(seq.tokens))
-        loads = self._loads(step_no, horizon)
+        horizon = max(1.0, len(seq.req.prompt) + self._load.expected_gen(seq) - len(seq.tokens))
+        loads = self._load.loads(step_no, horizon)
         loads[exclude] = ShardLoad(1, 1.0, 1, 0.0, available=False)
-        need = self._commitment(seq, max(sh.spec.block_size for sh in self._shards))
-        return choose_shard(need, self._future_load(seq, horizon), loads)
+        need = self._load.commitment(seq, max(sh.spec.block_size for sh in self._tables.shards))
+        return choose_shard(need, self._load.future_load(seq, horizon), loads)
 
     def drain_moves(self, limit: int) -> tuple[list[Move], dict[int, int]]:
         """Start up to `limit` moves off draining shards (oldest first). Returns them and, per
         draining shard, how many sequences wait there for room (they keep decoding where they are
         until it frees up)."""
+        tables = self._tables
         moves: list[Move] = []
         waiting: dict[int, int] = {}
-        for i, sh in enumerate(self._shards):
+        for i, sh in enumerate(tables.shards):
             if sh.state != SHARD_DRAINING or not sh.healthy:
                 continue
-            for seq in sorted((self._running[sid] for sid in sh.seqs), key=lambda s: s.started):
+            for seq in sorted((tables.running[sid] for sid in sh.seqs), key=lambda s: s.started):
                 if seq.moving is not None:
                     continue
                 if seq.inflight is not None or seq.kv < 1:
                     self._park(seq)
                     continue  # in a step now, or nothing to copy yet: next boundary
-                target = self._target_for(seq, self._step, i) if len(moves) < limit else None
+                target = self._target_for(seq, tables.step, i) if len(moves) < limit else None
                 if target is None:
                     waiting[i] = waiting.get(i, 0) + (len(moves) < limit)
                     continue
@@ -164,11 +128,12 @@ class MigrationPlanning(CoreTables):
         sequences whose move lowers the larger of the two shards' loads, the one with the fewest
         tokens that brings the busiest within the factor, else the one that lowers it most. A
         sequence moved in the last REBALANCE_COOLDOWN_STEPS steps stays."""
-        live = [i for i, sh in enumerate(self._shards) if self._serving(sh)]
-        if len(live) < 2 or any(s.moving is not None for s in self._running.values()):
+        shards, running, step = self._tables.shards, self._tables.running, self._tables.step
+        live = [i for i, sh in enumerate(shards) if sh.serving]
+        if len(live) < 2 or any(s.moving is not None for s in running.values()):
             return None
-        kv = self.kv_tokens_per_shard()
-        weight = {i: float(self._shards[i].spec.capacity_tokens) for i in live}
+        kv = self._load.kv_tokens_per_shard()
+        weight = {i: float(shards[i].spec.capacity_tokens) for i in live}
         mean = sum(kv[i] for i in live) / sum(weight.values())
         if mean <= 0:
             return None
@@ -177,19 +142,19 @@ class MigrationPlanning(CoreTables):
         if kv[hot] / weight[hot] <= factor * mean:
             return None
         cands = []
-        for sid in self._shards[hot].seqs:
-            seq = self._running[sid]
-            if seq.kv < 1 or self._step - seq.moved_step < REBALANCE_COOLDOWN_STEPS:
+        for sid in shards[hot].seqs:
+            seq = running[sid]
+            if seq.kv < 1 or step - seq.moved_step < REBALANCE_COOLDOWN_STEPS:
                 continue
             after = max((kv[hot] - seq.kv) / weight[hot], (kv[cool] + seq.kv) / weight[cool])
             if after < kv[hot] / weight[hot]:
                 within = (kv[hot] - seq.kv) / weight[hot] <= factor * mean
                 cands.append((not within, seq.kv if within else after, sid))
-        need = self._commitment  # the target must have room for it as placement counts room
+        need = self._load.commitment  # the target must have room for it as placement counts room
         for _, _, sid in sorted(cands):
-            seq = self._running[sid]
-            load = self._loads(self._step, 1.0)[cool]
-            if load.reserved + need(seq, self._shards[cool].spec.block_size) <= load.capacity:
+            seq = running[sid]
+            load = self._load.loads(step, 1.0)[cool]
+            if load.reserved + need(seq, shards[cool].spec.block_size) <= load.capacity:
                 if seq.inflight is not None:  # in a step: it moves at a later step boundary
                     self._park(seq)
                     return None
@@ -200,4 +165,4 @@ class MigrationPlanning(CoreTables):
         """A move wants this sequence at a step boundary: it is not planned ahead until it moves
         (planned ahead step after step, a sequence would never be out of a step)."""
         if seq.inflight is not None:
-            self._parked.add(seq.req.seq_id)
+            self._tables.parked.add(seq.req.seq_id)

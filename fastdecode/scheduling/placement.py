@@ -6,6 +6,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fastdecode.contract import PlannedSeq
+
 
 @dataclass(frozen=True)
 class ShardLoad:
@@ -68,32 +70,44 @@ def split_mini_batches(items: Sequence[tuple[int, float]]) -> list[int]:
     gap. Odd leftovers go where the global count stays within one. The R-part of a mini-batch takes
     as long as its slowest shard, so balancing per shard is what keeps both halves equal.
     """
+    # (runs every step over every planned sequence: plain floats and ints, no tuples compared)
     out = [0] * len(items)
     by_shard: dict[int, list[tuple[float, int]]] = defaultdict(list)
     for i, (shard, c) in enumerate(items):
         by_shard[shard].append((-c, i))  # sorted: heaviest first, then in order
-    count = [0, 0]
+    count0 = count1 = 0  # items in mini-batch 0 and 1
     for shard in sorted(by_shard):
         idx = sorted(by_shard[shard])
-        cost = [0.0, 0.0]
+        cost0 = cost1 = 0.0  # this shard's cost in mini-batch 0 and 1
         for k in range(0, len(idx) - 1, 2):
             (heavy_c, heavy), (light_c, light) = idx[k], idx[k + 1]
-            a = 0 if (cost[0], count[0]) <= (cost[1], count[1]) else 1
-            out[heavy], out[light] = a, 1 - a
-            cost[a] -= heavy_c
-            cost[1 - a] -= light_c
-            count[0] += 1
-            count[1] += 1
+            # the heavier to the mini-batch with less cost here (then fewer items), the lighter to the other
+            if cost0 < cost1 or (cost0 == cost1 and count0 <= count1):
+                out[light] = 1
+                cost0 -= heavy_c
+                cost1 -= light_c
+            else:
+                out[heavy] = 1
+                cost1 -= heavy_c
+                cost0 -= light_c
+            count0 += 1
+            count1 += 1
         if len(idx) % 2:
-            last = idx[-1][1]
-            a = 0 if cost[0] <= cost[1] else 1
-            if count[a] > count[1 - a]:
+            a = 0 if cost0 <= cost1 else 1
+            if (count0 > count1) if a == 0 else (count1 > count0):
                 a = 1 - a
-            out[last] = a
-            count[a] += 1
+            out[idx[-1][1]] = a
+            count0 += 1 - a
+            count1 += a
     return out
 
 
 def attention_cost(new_tokens: int, start_pos: int) -> float:
     """Cached tokens attended by a chunk of new tokens starting at start_pos (causal)."""
     return new_tokens * start_pos + new_tokens * (new_tokens + 1) / 2
+
+
+def row_costs(rows: Sequence[PlannedSeq]) -> list[tuple[int, float]]:
+    """Each planned row's (shard, attention_cost), as split_mini_batches takes them. The formula is
+    attention_cost's, written out: this runs for every row of every step."""
+    return [(p.shard, (n := len(p.token_ids)) * p.start_pos + n * (n + 1) / 2) for p in rows]

@@ -8,15 +8,28 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fastdecode.contract import chain_hashes
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.placement import ShardLoad
 from fastdecode.scheduling.tables import NAME_SEED, CoreTables, SeqEntry, ShardEntry
 from fastdecode.scheduling.types import Step
 
 
-class PrefixPlacement(CoreTables):
-    """SchedulerCore's prefix placement (a mixin over the core's tables)."""
+class PrefixPlacement:
+    """SchedulerCore's prefix placement over the core's tables: which prefix blocks each shard holds
+    or is computing (`ShardEntry.prefixes`, `SeqEntry.names`/`claimed`), and the reservations that
+    found cached tokens (`prefix_hits`, `cached_tokens`)."""
 
-    def _names(self, seq: SeqEntry, block_size: int) -> list[bytes]:
+    def __init__(
+        self, tables: CoreTables, *, sharing: bool, affinity: float, geometry: KVGeometry | None
+    ) -> None:
+        self._tables = tables
+        self.sharing = sharing
+        self.affinity = affinity  # how much longer a prefix placement weighs against balance
+        self._geometry = geometry  # a windowed model's geometry (None: every layer full)
+        self.prefix_hits = 0  # reservations that found cached prefix tokens
+        self.cached_tokens = 0  # ... and how many, in all
+
+    def names(self, seq: SeqEntry, block_size: int) -> list[bytes]:
         """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded).
         Tokens are only ever appended, so a name once computed stays right: only blocks filled since
         are hashed (one a block, not the whole history every step)."""
@@ -35,22 +48,22 @@ class PrefixPlacement(CoreTables):
         seq.names = (block_size, n, chain_hashes(seed, seq.tokens, block_size))
         return seq.names[2]
 
-    def _shares(self, seq: SeqEntry) -> bool:
+    def shares(self, seq: SeqEntry) -> bool:
         """Whether the sequence takes part in prefix sharing. Not when gpu_dense must see its whole
         prompt: prompt logprobs score every prompt position at prefill, and penalties and grammars
         keep the token history on the dense side (as vLLM skips its prefix cache for prompt logprobs)."""
         sp = seq.req.sampling
-        return self._sharing and not (sp.prompt_logprobs or sp.needs_history)
+        return self.sharing and not (sp.prompt_logprobs or sp.needs_history)
 
-    def _prefix_match(self, seq: SeqEntry, shard: int) -> tuple[int, int]:
+    def match(self, seq: SeqEntry, shard: int) -> tuple[int, int]:
         """(blocks ready, blocks ready or being computed) of the sequence's prefix on a shard, of
         those a shard would share (the block of its last token is always its own)."""
-        sh = self._shards[shard]
-        if not self._shares(seq) or not sh.healthy or not sh.prefixes:
+        sh = self._tables.shards[shard]
+        if not self.shares(seq) or not sh.healthy or not sh.prefixes:
             return 0, 0
         bs = sh.spec.block_size
         ready = known = 0
-        for h in self._names(seq, bs)[: (len(seq.tokens) - 1) // bs]:
+        for h in self.names(seq, bs)[: (len(seq.tokens) - 1) // bs]:
             owner = sh.prefixes.get(h, False)
             if owner is False or owner == seq.req.seq_id:
                 break
@@ -58,49 +71,62 @@ class PrefixPlacement(CoreTables):
             ready += owner is None and ready == known - 1
         return ready, known
 
-    def _whole_prefix_shard(
+    def whole_prefix_shard(
         self, seq: SeqEntry, need: int, loads: list[ShardLoad], matches: list[tuple[int, int]]
     ) -> int | None:
         """The shard holding ready every block the sequence could share (all of its prompt but the
         last token's block), when it has room: a copy of a prompt (the n choices of one OpenAI
         request) goes where its KV is, as a fork would, instead of computing it again on an emptier
         shard. Requests that share only a system prompt differ in later blocks: balance places them."""
-        if not self._shares(seq) or self._affinity <= 0:
+        if not self.shares(seq) or self.affinity <= 0:
             return None
-        for j, ((ready, _), sh) in enumerate(zip(matches, self._shards, strict=True)):
+        for j, ((ready, _), sh) in enumerate(zip(matches, self._tables.shards, strict=True)):
             s = loads[j]
             whole = (len(seq.tokens) - 1) // sh.spec.block_size
             if ready and ready == whole and s.available and s.reserved + need <= s.capacity:
                 return j
         return None
 
-    def _awaits_prefix(self, seq: SeqEntry) -> bool:
+    def awaits(self, seq: SeqEntry) -> bool:
         """Its prefix is being computed on a shard right now and no shard holds as much of it ready:
         waiting the few steps of that prefill beats computing and storing it a second time."""
-        if not self._shares(seq):
+        if not self.shares(seq):
             return False
-        matches = [self._prefix_match(seq, j) for j in range(len(self._shards))]
+        matches = [self.match(seq, j) for j in range(len(self._tables.shards))]
         return max(k for _, k in matches) > max(r for r, _ in matches)
 
-    def _prefix_ready(self, seq: SeqEntry) -> None:
+    def claim(self, seq: SeqEntry, sh: ShardEntry) -> None:
+        """The sequence was just placed on `sh`: it will hold its prefix blocks once its prefill is
+        in (those it finds cached, at once), and is computing those no one else is (it claims them)."""
+        names = self.names(seq, sh.spec.block_size)
+        seq.claimed = len(names)  # only these can name it as their owner (ready)
+        for h in names:
+            if h in sh.prefixes:
+                sh.prefixes.move_to_end(h)
+            else:
+                sh.prefixes[h] = seq.req.seq_id
+        while len(sh.prefixes) > sh.spec.capacity_tokens // sh.spec.block_size:
+            sh.prefixes.popitem(last=False)
+
+    def ready(self, seq: SeqEntry) -> None:
         """The blocks the sequence was computing that its shard now holds (every layer written)."""
-        if not self._sharing or seq.shard is None or not seq.claimed:
+        if not self.sharing or seq.shard is None or not seq.claimed:
             return  # it claimed no block at its placement, or every claimed one is in
-        sh = self._shards[seq.shard]
+        sh = self._tables.shards[seq.shard]
         sid = seq.req.seq_id
         done = seq.kv // sh.spec.block_size
-        for h in self._names(seq, sh.spec.block_size)[: min(done, seq.claimed)]:
+        for h in self.names(seq, sh.spec.block_size)[: min(done, seq.claimed)]:
             if sh.prefixes.get(h) == sid:
                 sh.prefixes[h] = None
         if done >= seq.claimed:
             seq.claimed = 0
 
-    def _forget_pending(self, seq: SeqEntry, sh: ShardEntry) -> None:
+    def forget_pending(self, seq: SeqEntry, sh: ShardEntry) -> None:
         """The sequence leaves the shard: what it had not finished computing will not be there."""
-        if not self._sharing:
+        if not self.sharing:
             return
         sid = seq.req.seq_id
-        for h in self._names(seq, sh.spec.block_size):
+        for h in self.names(seq, sh.spec.block_size):
             if sh.prefixes.get(h) == sid:
                 del sh.prefixes[h]
         seq.claimed = 0
@@ -110,14 +136,14 @@ class PrefixPlacement(CoreTables):
         their prefix caches: their prefill starts there (a chunk wholly cached leaves the step), and
         the blocks they read from the cache no longer count against the shard per sequence. Call
         after the reservations of `step` succeeded; run the step it returns."""
-        marks = self._inflight.get(step.step, {})
+        marks = self._tables.inflight.get(step.step, {})
         planned = {p.seq_id: p for p in step.seqs}
         drop: list[str] = []
         for sid, c in cached.items():
-            seq = self._running.get(sid)
+            seq = self._tables.running.get(sid)
             if c <= 0 or seq is None or seq.shard is None:
                 continue
-            sh = self._shards[seq.shard]
+            sh = self._tables.shards[seq.shard]
             c = min(c, len(seq.tokens) - 1)  # a shard shares no more (its last token is computed)
             seq.cached = c
             # (a windowed model's sequence lets go of cached blocks as its window passes them: it

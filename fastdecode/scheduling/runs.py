@@ -3,14 +3,15 @@ in a row at gpu_dense, each step fed the token the one before sampled, and its k
 the one result. The scheduler's work per plan (the plan, the messages, the events) is then spread
 over k tokens, as vLLM's multi-step scheduling did; the price is that the stop rules see a plan's
 tokens only after it (a stopped sequence wastes up to k-1 rows) and that new requests join at plan
-boundaries. Pure Python, no gRPC: a mixin over the core's tables (fastdecode/scheduling/tables.py).
+boundaries. Pure Python, no gRPC: a collaborator of the core's (fastdecode/scheduling/core.py).
 """
 
 from __future__ import annotations
 
 from fastdecode.contract import TokenLogprob
 from fastdecode.runtime.errors import InternalError
-from fastdecode.scheduling.tables import RATIO_SMOOTHING, CoreTables, SeqEntry
+from fastdecode.scheduling.load import LoadModel
+from fastdecode.scheduling.tables import SeqEntry
 from fastdecode.scheduling.types import (
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -23,8 +24,16 @@ from fastdecode.scheduling.types import (
 )
 
 
-class DecodeRuns(CoreTables):
-    def _run_steps(self, req: Request, generated: int) -> int:
+class DecodeRuns:
+    """Several decode steps a plan: how many a row runs (at most `decode_steps`), and a run's
+    tokens applied through the stop rules (the EOS ids `eos`; a stop moves the load model's ratio)."""
+
+    def __init__(self, decode_steps: int, eos: frozenset[int], load: LoadModel) -> None:
+        self.decode_steps = decode_steps  # decode steps a plan runs a sampling sequence for, at most
+        self._eos = eos
+        self._load = load
+
+    def steps(self, req: Request, generated: int) -> int:
         """Decode steps to plan for a sampling sequence with `generated` tokens so far (in flight
         included): never past its max_tokens. One where the tokens after a stop would not follow on:
         a chunk scoring its prompt, and a grammar told to ignore EOS (gpu_dense stops a grammar's row
@@ -32,9 +41,9 @@ class DecodeRuns(CoreTables):
         sp = req.sampling
         if sp.prompt_logprobs or (sp.grammar and req.ignore_eos):
             return 1
-        return max(1, min(self._decode_steps, req.max_tokens - generated))
+        return max(1, min(self.decode_steps, req.max_tokens - generated))
 
-    def _apply_run(
+    def apply(
         self,
         seq: SeqEntry,
         steps: int,
@@ -75,7 +84,7 @@ class DecodeRuns(CoreTables):
             return _failed(seq, toks, lps, step_no, err)
         generated = len(tokens) - n_prompt
         if reason is not None:
-            self._ratio += RATIO_SMOOTHING * (generated / req.max_tokens - self._ratio)
+            self._load.finished(generated, req.max_tokens)
         return TokenEvent(
             req.seq_id,
             toks,

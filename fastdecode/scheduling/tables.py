@@ -1,15 +1,14 @@
 """The rows of SchedulerCore's tables, one per sequence and one per shard, the constants they
-follow, and `CoreTables`, the tables themselves as every part of the core sees them (the core's
-seams, migration, prefixes, load and membership, work on them; SchedulerCore owns and fills them).
-Pure Python, no gRPC."""
+follow, and `CoreTables`, the tables themselves: SchedulerCore makes one and hands it to each of its
+collaborators (membership, migration, the load model, prefixes, preemption and releases), which
+work on the shared rows and keep their own state beside them. Pure Python, no gRPC."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from fastdecode.runtime.geometry import KVGeometry
-from fastdecode.scheduling.admission import AdmissionPolicy
+from fastdecode.runtime.errors import NotFound
 from fastdecode.scheduling.types import Request, ShardSpec
 
 # Steps a shard takes no new sequence after refusing a reservation (or until it frees something):
@@ -67,6 +66,11 @@ class ShardEntry:
     # prefix blocks it holds (None) or one of its sequences is computing (that id), least recent first
     prefixes: OrderedDict[bytes, str | None] = field(default_factory=OrderedDict)
 
+    @property
+    def serving(self) -> bool:
+        """Healthy and neither draining nor removed: it takes new sequences."""
+        return self.healthy and self.state == SHARD_SERVING
+
 
 @dataclass(slots=True)  # not frozen: one is made per planned sequence every step (frozen is ~3x the cost)
 class Inflight:
@@ -78,29 +82,27 @@ class Inflight:
 
 
 class CoreTables:
-    """What SchedulerCore holds (set in its __init__); the core's seams are mixins over it."""
+    """The tables every part of the core works on: the shards, the waiting and running sequences,
+    each step out's marks, and the step clock. The containers are made once and never replaced, so
+    every collaborator may keep a reference to them."""
 
-    _shards: list[ShardEntry]  # by index; a removed shard keeps its place
-    _waiting: OrderedDict[str, SeqEntry]
-    _running: OrderedDict[str, SeqEntry]  # admission order
-    _inflight: dict[int, dict[str, Inflight]]  # per planned step
-    _decode_steps: int  # decode steps a plan runs a sampling sequence for, at most
-    _eos: frozenset[int]
-    _releases: list[tuple[str, int]]
-    # releases held until a step still carrying the sequence is applied (a shard fails a whole item
-    # naming a sequence it no longer holds): by that step, (seq_id, shard, blocks it holds there)
-    _held_releases: dict[int, list[tuple[str, int, int]]]
-    _parked: set[str]  # in a step, wanted at a step boundary (a move): not planned ahead meanwhile
-    _admission: AdmissionPolicy
-    _step: int
-    _ratio: float  # running estimate of generated / max_tokens
-    _lookahead: int
-    _sharing: bool
-    _affinity: float
-    _geometry: KVGeometry | None  # a windowed model's geometry (None: every layer full)
-    _recoveries: int
-    _finished: int
-    preemptions: int
-    prefix_hits: int
-    cached_tokens: int
-    migrations: int
+    def __init__(self) -> None:
+        self.shards: list[ShardEntry] = []  # by index; a removed shard keeps its place
+        self.waiting: OrderedDict[str, SeqEntry] = OrderedDict()
+        self.running: OrderedDict[str, SeqEntry] = OrderedDict()  # admission order
+        self.inflight: dict[int, dict[str, Inflight]] = {}  # per planned step: its sequences' marks
+        self.parked: set[str] = set()  # in a step, wanted at a step boundary (a move): not planned ahead
+        self.step = 0  # the next step to plan
+
+    def shard(self, index: int) -> ShardEntry:
+        """The shard at `index`; NotFound for one the core never had."""
+        if not 0 <= index < len(self.shards):
+            raise NotFound(f"unknown shard {index}")
+        return self.shards[index]
+
+    def running_seq(self, seq_id: str) -> SeqEntry:
+        """A running sequence; NotFound for one that is not running."""
+        seq = self.running.get(seq_id)
+        if seq is None:
+            raise NotFound(f"unknown running sequence {seq_id!r}")
+        return seq

@@ -168,10 +168,11 @@ def test_block_names_grow_with_the_tokens_as_a_whole_chain_names_them() -> None:
     assert seq.claimed == 3  # its 3 full prompt blocks are being computed by it
     for tok in range(100, 113):  # 13 generated tokens: crosses block boundaries
         core.apply(step, {"a": (tok, 0.0)})
-        assert core._names(seq, BS) == chain_hashes(NAME_SEED, seq.tokens, BS)
+        assert core.prefixes.names(seq, BS) == chain_hashes(NAME_SEED, seq.tokens, BS)
         step = core.next_step()
         assert step is not None
     assert seq.claimed == 0  # its prefill is in: nothing it computes is pending any more
-    names = core._names(seq, BS)
+    names = core.prefixes.names(seq, BS)
     assert all(core._shards[0].prefixes[h] is None for h in names[:3])
-    assert core._names(seq, 2) == chain_hashes(NAME_SEED, seq.tokens, 2)  # another block size: rehashed
+    # another block size: rehashed
+    assert core.prefixes.names(seq, 2) == chain_hashes(NAME_SEED, seq.tokens, 2)

@@ -1,0 +1,153 @@
+"""A step's rows, as the core plans them: each placed sequence's `PlannedSeq` in admission order (a
+plan-ahead row for one whose chunk in flight samples its last token, a planned row for one holding
+tokens its shard has not seen), the blocks each row grows its sequence by, and, once that growth
+fits (preemption.py), the rows split into the two mini-batches and sealed into a `Step`. Pure
+Python, no gRPC: a collaborator of the core's (fastdecode/scheduling/core.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastdecode.scheduling.load import LoadModel
+from fastdecode.scheduling.placement import row_costs, split_mini_batches
+from fastdecode.scheduling.runs import DecodeRuns
+from fastdecode.scheduling.scoring import chunk_scoring
+from fastdecode.scheduling.tables import CoreTables, Inflight
+from fastdecode.scheduling.types import PlannedSeq, Reservation, Step
+
+
+@dataclass(slots=True)
+class Rows:
+    """A step's rows as planning works them out, before their growth is fitted: the rows in
+    admission order, each one's mark, and the blocks each chunk grows its sequence by, per sequence
+    (`grow`) and per shard (`need`)."""
+
+    planned: list[PlannedSeq]
+    marks: dict[str, Inflight]
+    grow: dict[str, int]
+    need: list[int]
+
+
+class RowPlanner:
+    """Plans the rows of each step over the core's tables: whether sequences are planned one step
+    ahead (`plan_ahead`) and the prefill tokens a step takes (`prefill_budget`)."""
+
+    def __init__(
+        self, tables: CoreTables, load: LoadModel, runs: DecodeRuns, *, plan_ahead: bool, prefill_budget: int
+    ) -> None:
+        self._tables = tables
+        self._load = load
+        self._runs = runs
+        self.plan_ahead = plan_ahead
+        self.prefill_budget = prefill_budget
+
+    def rows(self, step_no: int) -> Rows:
+        """Each placed sequence's row of the step, in admission order: a plan-ahead row for one whose
+        chunk in flight samples its last token, a planned row for one holding tokens its shard has
+        not seen; and each row's growth, the blocks it grows its sequence by."""
+        # This loop runs every step over every running sequence: attributes are read once into
+        # locals, and a decode (one token) takes no share of the prefill budget.
+        shards = self._tables.shards
+        rows = Rows([], {}, {}, [0] * len(shards))
+        planned, marks, grow, need = rows.planned, rows.marks, rows.grow, rows.need
+        bs = [sh.spec.block_size for sh in shards]
+        windowed, held_blocks = self._load.geometry is not None, self._load.held_blocks
+        ahead, parked, budget = self.plan_ahead, self._tables.parked, self.prefill_budget
+        multistep, run_steps = self._runs.decode_steps > 1, self._runs.steps
+        ahead_row, chunk_row = PlannedSeq.ahead, PlannedSeq.chunk
+        for sid, seq in self._tables.running.items():
+            shard = seq.shard
+            if shard is None or seq.moving is not None:
+                continue
+            tokens, kv, req = seq.tokens, seq.kv, seq.req
+            ntok = len(tokens)
+            if seq.inflight is not None:
+                # A plan-ahead row: its chunk in flight samples its last token (then kv counts the
+                # positions of all but the last token it samples), after which it is not at
+                # max_tokens, and nothing wants it at a step boundary. It goes on with that token,
+                # which only gpu_dense knows yet; otherwise it waits for its results.
+                generated = ntok - len(req.prompt) + seq.flying  # with the tokens in flight
+                if not ahead or kv != ntok + seq.flying - 1 or generated >= req.max_tokens:
+                    continue
+                if req.sampling.prompt_logprobs or sid in parked:
+                    continue
+                n, sample = 1, True
+                steps = run_steps(req, generated) if multistep else 1
+                p = ahead_row(
+                    sid, shard, kv, req.sampling, sample_index=req.sample_offset + generated, steps=steps
+                )
+            else:
+                # A planned row: the next tokens its shard has not seen (a prompt chunk, a recomputed
+                # history, the token it sampled last: a decode, which always goes).
+                n = ntok - kv
+                if n <= 0:
+                    continue
+                generated = ntok - len(req.prompt)
+                if generated <= 0 or n > 1:  # a prefill chunk: within the step's budget
+                    if budget <= 0:
+                        continue
+                    n = min(n, budget)
+                    budget -= n
+                sample = kv + n == ntok
+                steps = run_steps(req, generated) if sample and multistep else 1
+                if req.sampling.prompt_logprobs:
+                    sampling, next_token = chunk_scoring(seq, n)
+                else:
+                    sampling, next_token = req.sampling, None
+                p = chunk_row(
+                    sid,
+                    shard,
+                    tokens[kv : kv + n],
+                    kv,
+                    sampling,
+                    sample=sample,
+                    sample_index=req.sample_offset + generated,
+                    next_token=next_token,
+                    steps=steps,
+                )
+            planned.append(p)
+            blocks = seq.blocks
+            marks[sid] = Inflight(seq.epoch, sample, kv, blocks, steps)
+            # Its growth. The KV positions written once the step ran: all but its last sampled
+            # token's. The shard keeps the blocks it reserved for the prompt (history) until a window
+            # passes them: a windowed model's sequence can hold fewer blocks after the chunk.
+            seq.kv = written = kv + n + steps - 1
+            seq.inflight, seq.flying = step_no, steps
+            end = written if written > ntok else ntok
+            after = held_blocks(end, kv, bs[shard]) if windowed else -(-end // bs[shard])
+            if after > blocks or (windowed and after < blocks):
+                grow[sid] = after - blocks
+                need[shard] += after - blocks
+        return rows
+
+    def unplan(self, rows: Rows) -> None:
+        """The rows worked out are not sent: each sequence is back where it was (the step out
+        carries every sequence planned ahead)."""
+        inflight = self._tables.inflight
+        out = max(inflight)
+        for p in rows.planned:
+            seq = self._tables.running[p.seq_id]
+            seq.kv, seq.inflight = rows.marks[p.seq_id].start_pos, out if p.use_last_sample else None
+            seq.flying = inflight[out][p.seq_id].steps if p.use_last_sample else 1
+
+    def seal(
+        self,
+        step_no: int,
+        rows: Rows,
+        reserve: list[Reservation],
+        release: list[tuple[str, int]],
+        preempted: list[str],
+        ended: list[str],
+    ) -> Step:
+        """The step: its rows split into the two mini-batches, with the reservations, releases,
+        preemptions and ends since the last one; the rows' marks are kept until it is applied."""
+        planned = rows.planned
+        split = split_mini_batches(row_costs(planned))
+        for p, mb in zip(planned, split, strict=True):
+            p.mini_batch = mb
+        if rows.marks:
+            self._tables.inflight[step_no] = rows.marks
+        self._tables.step += 1
+        return Step(
+            step=step_no, seqs=planned, reserve=reserve, release=release, preempted=preempted, ended=ended
+        )

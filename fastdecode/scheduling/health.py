@@ -162,6 +162,10 @@ class ShardHealth:
                 )
             if state.sequences == 0:  # a restarted or freed, empty shard
                 track.healthy = True
+                # A restarted process's R is unknown (its counters start again): neutral until it is
+                # measured anew, not the speed it had when it was lost (placement would shun it).
+                track.r = None
+                self.core.set_speed(index, 1.0)
                 self.core.shard_recovered(index)
                 log.info("shard %d (%s) is back", index, track.link.address)
                 self.wake.set()

@@ -231,6 +231,25 @@ def test_shards_lost_to_a_failed_stream_come_back_and_requests_complete() -> Non
     asyncio.run(main())
 
 
+def test_a_shard_back_after_a_loss_starts_at_a_neutral_speed() -> None:
+    """A shard measured slow, then lost and back (a restarted process): its old speed would keep
+    placement away from it; it starts at 1.0 again until it is measured anew."""
+
+    async def main() -> None:
+        shards = [FakeShard("fake:2"), FakeShard("fake:3")]
+        driver = driver_with(*shards)
+        await driver.connect()
+        assert driver.core is not None
+        driver.core.set_speed(1, 0.05)
+        driver.shards[1].r = 20.0
+        driver._shard_lost(1, "killed")
+        await driver.probe_shards()
+        assert driver.shards[1].healthy
+        assert driver.core._shards[1].spec.speed == 1.0 and driver.shards[1].r is None
+
+    asyncio.run(main())
+
+
 def test_not_ready_without_a_healthy_shard() -> None:
     async def main() -> None:
         shards = [FakeShard("fake:2"), FakeShard("fake:3")]

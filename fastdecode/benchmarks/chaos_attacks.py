@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from fastdecode.benchmarks.chaos_probes import _client, _Outcome, probe_summary
+from fastdecode.benchmarks.common import proc_status_bytes
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import UpProcess, launch_up, state_credentials
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
@@ -213,13 +214,7 @@ def shards_down_probe(
 
 def _rss_bytes(pid: int) -> int:
     """A process's resident memory (VmRSS), 0 when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return proc_status_bytes(pid) or 0
 
 
 def huge_geometry_probe(

@@ -54,10 +54,10 @@ def big_specs() -> dict[str, dict[str, str]]:
 
 
 def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    from fastdecode.benchmarks.common import proc_status_bytes
+
+    rss = proc_status_bytes(pid)
+    return float("nan") if rss is None else rss / (1 << 20)
 
 
 def _send(target: str, structured: dict[str, str], max_tokens: int = 4) -> tuple[str, float]:

@@ -27,6 +27,18 @@ GIB = 1 << 30
 T = TypeVar("T")
 
 
+def proc_status_bytes(pid: int, field: str = "VmRSS") -> int | None:
+    """A /proc/PID/status memory field in bytes (VmRSS: resident now; VmHWM: its high-water
+    mark); None when the process is gone or the field is missing."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

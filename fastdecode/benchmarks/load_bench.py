@@ -28,20 +28,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fastdecode.benchmarks.common import bench_workdir
+from fastdecode.benchmarks.common import bench_workdir, proc_status_bytes
 from fastdecode.benchmarks.fleet_bench import percentile, prompts_for
 from fastdecode.benchmarks.transport import ensure_model
 
 
 def peak_rss_bytes(pid: int) -> int | None:
     """The process's resident-set high-water mark (Linux), None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return proc_status_bytes(pid, "VmHWM")
 
 
 async def _load(

@@ -6,7 +6,6 @@ tests/integration/test_gateway_process.py. The timings are the bench's to report
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,24 +14,14 @@ from fastdecode.benchmarks.chaos_grammar import (
     heavy_grammar_probe,
     slow_build_probe,
 )
-from fastdecode.benchmarks.chaos_probes import _client, _Outcome
-from fastdecode.tools.fleet import UpProcess, launch_up
+from fastdecode.tools.fleet import launch_up
+from tests.support.load import stream_load
 
 PROMPTS = [[0, 17, 300, 45], [0, 99, 5, 1200, 77]]
 GEN_LEN = 24
 
 
-def _load(up: UpProcess) -> dict[int, _Outcome]:
-    out: dict[int, _Outcome] = {}
-    threads = [
-        threading.Thread(target=_client, args=(up.target, [p], GEN_LEN, 120.0, out, i), daemon=True)
-        for i, p in enumerate(PROMPTS)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    return out
+_load = stream_load(PROMPTS, GEN_LEN)
 
 
 def test_grammar_probes_on_a_tiny_fleet(model_factory: Callable[[str], Path], tmp_path: Path) -> None:

@@ -22,11 +22,11 @@ import grpc
 import pytest
 
 from fastdecode.benchmarks.chaos_limits import bad_words_probe, huge_bad_words  # what bench chaos sends
-from fastdecode.benchmarks.chaos_probes import _client, _Outcome
 from fastdecode.client import Client, InvalidRequestError
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import Fleet, UpProcess
 from fastdecode.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.support.load import stream_load
 
 
 @pytest.fixture(scope="module")
@@ -181,18 +181,7 @@ def test_the_bench_chaos_bad_words_probe(fleet: Fleet) -> None:
     up = UpProcess(proc=None, state=state, model=fleet.model, log=Path())  # type: ignore[arg-type]
     prompts = [[0, 17, 300, 45], [0, 99, 5, 1200, 77]]
 
-    def load(up: UpProcess) -> dict[int, _Outcome]:
-        out: dict[int, _Outcome] = {}
-        threads = [
-            threading.Thread(target=_client, args=(up.target, [p], 120, 60.0, out, i), daemon=True)
-            for i, p in enumerate(prompts)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        return out
-
+    load = stream_load(prompts, 120, 60.0)
     result = bad_words_probe(up, load, load(up), 120, sends=6)
     assert result["oversized_inputs"] == result["oversized_refused_400"] == 6, result
     assert result["crashed"] == 0 and result["completed"] == result["tokens_equal_fault_free"] == 2, result

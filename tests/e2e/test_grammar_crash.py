@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from fastdecode.benchmarks.chaos_attacks import lark_chain, ref_chain  # the crash inputs bench chaos sends
+from fastdecode.benchmarks.chaos_attacks import lark_chain, ref_chain
+from fastdecode.benchmarks.common import proc_status_bytes  # the crash inputs bench chaos sends
 from fastdecode.client import Client, InvalidRequestError
 from fastdecode.tools.fleet import Fleet
 from tests.support import pid_alive
@@ -198,7 +199,7 @@ def test_a_slow_matcher_build_is_a_400_through_every_door_and_stalls_no_stream(f
     doors.append(grpc_door)
     with Client(fleet.gateway.address, timeout=120) as client:
         expected = [client.generate(token_ids=p, max_tokens=40).token_ids for p in PROMPTS]
-        rss = _rss_kib(dense.pid)
+        rss = proc_status_bytes(dense.pid) or 0
         gaps: list[float] = []
 
         def stream(p: list[int]) -> list[int]:
@@ -222,12 +223,5 @@ def test_a_slow_matcher_build_is_a_400_through_every_door_and_stalls_no_stream(f
         assert max(gaps) < 10.0, max(gaps)  # a bound far from any host's noise: the build took minutes
         assert max(seconds) < 30.0, seconds  # the build limit (1 s) and a worker's start, on a shared host
         # (the build alone would take minutes, and gpu_dense's step would have waited on it)
-        assert _rss_kib(dense.pid) - rss < 200_000
+        assert (proc_status_bytes(dense.pid) or 0) - rss < 200 << 20
         assert dense.proc.poll() is None
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for {pid}")

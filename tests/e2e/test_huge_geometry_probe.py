@@ -4,29 +4,18 @@ a second with the shard's RSS flat, and every request ends with the fault-free t
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from fastdecode.benchmarks.chaos_attacks import huge_geometry_probe
-from fastdecode.benchmarks.chaos_probes import _client, _Outcome
-from fastdecode.tools.fleet import UpProcess, launch_up
+from fastdecode.tools.fleet import launch_up
+from tests.support.load import stream_load
 
 PROMPTS = [[0, 17, 300, 45], [0, 99, 5, 1200, 77], [0, 600], [0, 7, 250, 1800]]
 GEN_LEN = 200  # the load lasts seconds: the Reserves land mid-decode
 
 
-def _load(up: UpProcess) -> dict[int, _Outcome]:
-    out: dict[int, _Outcome] = {}
-    threads = [
-        threading.Thread(target=_client, args=(up.target, [p], GEN_LEN, 120.0, out, i), daemon=True)
-        for i, p in enumerate(PROMPTS)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    return out
+_load = stream_load(PROMPTS, GEN_LEN)
 
 
 def test_huge_geometry_reserves_under_load_are_refused_at_once(

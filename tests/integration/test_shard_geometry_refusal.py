@@ -6,10 +6,12 @@ before; a geometry of nonsense is INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import grpc
 
+from fastdecode.benchmarks.common import proc_status_bytes
 from fastdecode.runtime.rpc import aio_channel
 from fastdecode.runtime.settings import ShardSettings
 from fastdecode.v1 import kv_attention_pb2 as pb
@@ -23,8 +25,7 @@ SECRET = "issue-54-fleet-secret-0123456789"
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return proc_status_bytes(os.getpid()) or 0
 
 
 def reserve(geometry: pb.KVGeometry, seq_id: str) -> pb.ReserveRequest:

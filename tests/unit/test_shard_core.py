@@ -5,11 +5,13 @@ is allocated."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
+from fastdecode.benchmarks.common import proc_status_bytes
 from fastdecode.kv import memory
 from fastdecode.kv.shard import ShardCore
 from fastdecode.kv.store import KVStore
@@ -65,8 +67,7 @@ HUGE = ((1 << 31) - 1,) * 3  # every field at int32's top: one Reserve of it too
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return proc_status_bytes(os.getpid()) or 0
 
 
 @pytest.mark.parametrize("held", ["fresh", "idle", "busy"])

@@ -9,7 +9,7 @@ NATIVE_SRC := $(wildcard services/gpu_dense/exchange/native/*) protos/fastdecode
 
 .PHONY: setup demo test test-fast lint protos bench gpu-check clean
 
-$(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp fastdecode/kv/csrc/vec_job.inc
+$(STAMP): pyproject.toml setup.py fastdecode/kv/csrc/attention.cpp fastdecode/kv/csrc/vec_job.inc fastdecode/kv/csrc/amx_job.inc
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned, so nothing can resolve a CUDA build; then the project builds its

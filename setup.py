@@ -32,7 +32,8 @@ def _extension_build() -> dict[str, object]:
     ext = CppExtension(
         "fastdecode.kv._attention",
         ["fastdecode/kv/csrc/attention.cpp"],
-        depends=["fastdecode/kv/csrc/vec_job.inc"],  # included once per ISA path: a change rebuilds
+        # included once per ISA path (amx_job.inc once): a change to either rebuilds
+        depends=["fastdecode/kv/csrc/vec_job.inc", "fastdecode/kv/csrc/amx_job.inc"],
         extra_compile_args=flags,
         extra_link_args=["-fopenmp"],
     )

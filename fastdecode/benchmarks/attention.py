@@ -7,6 +7,10 @@ chunks taken from a shared counter), interleaved with the attention runs so both
 noise. Without the extension (torch backend on an SDK-only install) it falls back to torch.sum
 and says so in `memory_probe`. Headline: effective_gbps / memory_gbps.
 
+`positions` > 1 attends that many new positions per sequence (speculative decoding's k+1, causal
+among them) and also times one position on the same store, interleaved: `vs_one_position` is the
+same-run time ratio (one pass over the KV for all of them costs about one position's time).
+
 `isa` forces the kernel's ISA level for the run (default: what it picked from CPUID) and `path`
 says which level attended this dtype (a dtype keeps a level only where it wins). `baseline_isa`
 times the same store under a second level interleaved with the first, so `vs_baseline` (its time
@@ -100,15 +104,19 @@ def run_attention_bench(
     isa: str | None = None,
     baseline_isa: str | None = None,
     clock: str = "wall",
+    positions: int = 1,
 ) -> dict[str, object]:
-    """Median time of one decode attend per layer over B sequences (the new token included).
+    """Median time of one decode attend per layer over B sequences (the new tokens included).
 
     Each sequence holds length-1 cached tokens and decodes one more at position length-1 (the same
-    slot every repeat, so the length stays fixed). The cache is filled with KVStore.write (not
+    slot every repeat, so the length stays fixed); with `positions` = N, N new tokens at positions
+    length-N .. length-1 (so both read the same keys). The cache is filled with KVStore.write (not
     timed: the values do not change the cost of a decode step).
     """
-    if min(batch, heads, kv_heads, head_dim, layers, repeats) < 1 or context < 2:
-        raise InvalidInput("batch, heads, kv_heads, head_dim, layers, repeats >= 1 and context >= 2")
+    if min(batch, heads, kv_heads, head_dim, layers, repeats, positions) < 1 or context < 2:
+        raise InvalidInput(
+            "batch, heads, kv_heads, head_dim, layers, repeats, positions >= 1 and context >= 2"
+        )
     if heads % kv_heads:
         raise InvalidInput(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     if kv_dtype not in KV_DTYPES:
@@ -126,6 +134,8 @@ def run_attention_bench(
     gen = torch.Generator().manual_seed(seed)
     with torch_threads(threads) as nthreads, kernel_isa(backend, isa) as (chosen, use):
         lens = sequence_lengths(lengths, batch, context, seed)
+        if positions > min(lens):
+            raise InvalidInput(f"positions ({positions}) exceed the shortest sequence ({min(lens)} tokens)")
         block = 16
         per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_element(dtype, head_dim)
         capacity = int(sum(-(-n // block) * block for n in lens) * per_token) + (1 << 16)
@@ -137,29 +147,41 @@ def run_attention_bench(
                 if n > 1:
                     kv = torch.randn(n - 1, kv_heads, head_dim, generator=gen)
                     store.write(layer, sid, 0, kv, kv)
-        q = torch.randn(batch, heads, head_dim, generator=gen)
-        k = torch.randn(batch, kv_heads, head_dim, generator=gen)
-        v = torch.randn(batch, kv_heads, head_dim, generator=gen)
-        ones, starts = [1] * batch, [n - 1 for n in lens]
+        counts = sorted({1, positions})  # one position is the same-run reference for several
 
-        def step() -> None:
-            for layer in range(layers):
-                store.attend(layer, AttendBatch(ids, ones, starts, q, k, v))
+        def make_step(n: int) -> Callable[[], None]:
+            rows = batch * n
+            q = torch.randn(rows, heads, head_dim, generator=gen)
+            k = torch.randn(rows, kv_heads, head_dim, generator=gen)
+            v = torch.randn(rows, kv_heads, head_dim, generator=gen)
+            items = AttendBatch(ids, [n] * batch, [length - n for length in lens], q, k, v)
 
+            def step() -> None:
+                for layer in range(layers):
+                    store.attend(layer, items)
+
+            return step
+
+        steps = {n: make_step(n) for n in counts}
         probe, probe_name, probe_bytes, probe_huge = bandwidth_probe(memory_bytes, tick)
+        # (0: the run's level, 1: the baseline's; new positions per sequence), so a level can be
+        # its own baseline (the noise floor of a same-run ratio)
         levels = [chosen] + ([baseline_isa] if baseline_isa else [])
+        runs = [(i, n) for i in range(len(levels)) for n in counts]
         for _ in range(2):  # warm-up: first touches, thread pool start
-            for level in levels:
-                use(level)
-                step()
+            for i, n in runs:
+                use(levels[i])
+                steps[n]()
             probe()
-        attn_s, base_s, mem_s = [], [], []
-        for i in range(repeats):
-            # interleaved, the order alternating, so both levels see the same noise
-            for level in levels if i % 2 == 0 else levels[::-1]:
-                use(level)
-                (attn_s if level == chosen else base_s).append(time_once(step, tick) / layers)
+        times: dict[tuple[int, int], list[float]] = {run: [] for run in runs}
+        mem_s = []
+        for r in range(repeats):
+            # interleaved, the order alternating, so every run sees the same noise
+            for i, n in runs if r % 2 == 0 else runs[::-1]:
+                use(levels[i])
+                times[i, n].append(time_once(steps[n], tick) / layers)
             mem_s.append(probe())
+        attn_s, base_s = times[0, positions], times.get((1, positions), [])
         use(chosen)
         kv_bytes = int(sum(lens) * 2 * kv_heads * head_dim * kv_bytes_per_element(dtype, head_dim))
         per_layer = median(attn_s)
@@ -182,6 +204,7 @@ def run_attention_bench(
             "threads": nthreads,
             "clock": clock,
             "repeats": repeats,
+            "positions": positions,
             "kv_bytes_per_layer": kv_bytes,
             "attend_ms_per_layer": per_layer * 1e3,
             "attend_ms_min": min(attn_s) * 1e3,
@@ -198,6 +221,14 @@ def run_attention_bench(
             "memory_huge_page_share": probe_huge,
             "ratio": effective / memory,
             "target_ratio": 0.8,
+            **(
+                {
+                    "one_position_ms_per_layer": median(times[0, 1]) * 1e3,
+                    "vs_one_position": per_layer / median(times[0, 1]),
+                }
+                if positions > 1
+                else {}
+            ),
             **(
                 baseline_fields(baseline_isa, base_s, per_layer, kv_dtype, head_dim, use, chosen)
                 if base_s

@@ -35,8 +35,8 @@ from fastdecode.cli.bench import ATTN_KV_DTYPES, bench, emit, json_option, run_b
 @click.option(
     "--isa",
     default=None,
-    help="Native kernel ISA level for the run: scalar, avx2, avx512, avx512_vnni, avx512_bf16 (default: "
-    "the highest the CPU has).",
+    help="Native kernel ISA level for the run: scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx "
+    "(default: the highest the CPU has).",
 )
 @click.option(
     "--clock",
@@ -51,6 +51,14 @@ from fastdecode.cli.bench import ATTN_KV_DTYPES, bench, emit, json_option, run_b
     help="Also time this ISA level, interleaved with --isa's runs: vs_baseline is the same-run time ratio.",
 )
 @click.option(
+    "--positions",
+    type=int,
+    default=1,
+    show_default=True,
+    help="New positions per sequence (speculative decoding's k+1, causal among them); above 1, one "
+    "position is timed too, interleaved: vs_one_position is the same-run time ratio.",
+)
+@click.option(
     "--memory-mib",
     type=int,
     default=1024,
@@ -62,6 +70,8 @@ def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
 
     effective_gbps = bytes of K and V read per layer / median time per layer; ratio =
     effective_gbps / memory_gbps (target >= 0.8), both measured interleaved with the same threads.
+    --positions N attends N new positions per sequence (a speculative verification step) beside
+    one, interleaved: vs_one_position (target <= 1.3 at 4: one pass over the KV for all of them).
     """
     from fastdecode.benchmarks.attention import run_attention_bench
 

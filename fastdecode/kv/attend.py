@@ -159,7 +159,7 @@ class Attention:
                 if self.grouped:
                     out = self._attend_grouped(layer, batch)
                 elif not self.quantized and not self.softcap:
-                    out = self._attend_uniform_decode(layer, batch)
+                    out = self._attend_uniform(layer, batch)
                 if out is None:
                     out = self._attend_each(layer, batch)
         if self.prefix is not None and layer == self.num_layers - 1:
@@ -216,14 +216,16 @@ class Attention:
         )
         return o.to(q.dtype)  # attend() records the new lengths
 
-    def _attend_uniform_decode(self, layer: int, batch: AttendBatch) -> torch.Tensor | None:
-        """One batched SDPA when all sequences decode at one position from evenly spaced runs.
+    def _attend_uniform(self, layer: int, batch: AttendBatch) -> torch.Tensor | None:
+        """One batched SDPA when every sequence brings the same n new tokens (a decode step, or a
+        speculative verification of k + 1 positions) at one position, from evenly spaced runs: one
+        pass over all the sequences' keys for all their query rows.
 
         Returns None (caller loops per sequence) when the call does not have that shape.
         """
         seq_ids, start_pos, q, k, v = batch.seq_ids, batch.start_pos, batch.q, batch.k, batch.v
-        rows = len(seq_ids)
-        if rows < 2 or q.shape[0] != rows:  # every sequence brings exactly one token
+        rows, n = len(seq_ids), batch.num_tokens[0]
+        if rows < 2 or any(m != n for m in batch.num_tokens):
             return None
         start = start_pos[0]
         seqs = [self.seqs[sid] for sid in seq_ids]
@@ -235,7 +237,7 @@ class Attention:
             if pos != start or not seq.contiguous or seq.blocks[0] * self.block_size != base0 + i * step:
                 return None
         # Block runs are disjoint and each holds >= end tokens (grown above), so step >= end: no overlap.
-        end = start + 1
+        end = start + n
         kvh, dim = self.num_kv_heads, self.head_dim
         views = []
         for pool in (self.k, self.v):
@@ -248,17 +250,30 @@ class Attention:
                 )
             )
         keys, values = views
-        keys[:, :, start] = k.transpose(0, 1)  # [KVH, B, D]; copy_ casts to the pool dtype
-        values[:, :, start] = v.transpose(0, 1)
+        # [B * n, KVH, D] -> [KVH, B, n, D]; copy_ casts to the pool dtype
+        keys[:, :, start:end] = k.reshape(rows, n, kvh, dim).permute(2, 0, 1, 3)
+        values[:, :, start:end] = v.reshape(rows, n, kvh, dim).permute(2, 0, 1, 3)
         for seq in seqs:
             seq.lengths[layer] = max(seq.lengths[layer], end)
         heads = q.shape[1]
-        # Decode needs no mask; the query heads sharing one kv head ride as that head's query rows.
-        qs = q.to(self.dtype).reshape(rows, kvh, heads // kvh, dim)
+        group = heads // kvh
+        # The query heads sharing one kv head, at every new position, ride as that head's query
+        # rows (group-major): [B, KVH, G * n, D]. A decode needs no mask; n positions see the
+        # cache and the new positions up to their own.
+        qs = q.to(self.dtype).reshape(rows, n, kvh, group, dim).permute(0, 2, 3, 1, 4)
+        mask = None
+        if n > 1:
+            mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).repeat(group, 1)
         o = F.scaled_dot_product_attention(
-            qs, keys.transpose(0, 1), values.transpose(0, 1), scale=1.0 / math.sqrt(dim)
+            qs.reshape(rows, kvh, group * n, dim),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=1.0 / math.sqrt(dim),
         )
-        return o.reshape(rows, heads * dim).to(q.dtype)
+        # [B, KVH, G, n, D] -> [B, n, KVH, G, D] -> [B * n, H * D]
+        o = o.reshape(rows, kvh, group, n, dim).permute(0, 3, 1, 2, 4)
+        return o.reshape(rows * n, heads * dim).to(q.dtype)
 
     def _attend_each(self, layer: int, batch: AttendBatch) -> torch.Tensor:
         q, k, v = batch.q, batch.k, batch.v

@@ -4,8 +4,9 @@ The extension is built at install time (setup.py). `load()` returns the module o
 NativeUnavailable with one line saying why and how to build it; nothing falls back silently.
 
 The kernel picks its ISA level from CPUID when it loads (scalar, avx2, avx512, avx512_vnni,
-avx512_bf16; docs/kernel.md). FASTDECODE_KERNEL_ISA=<level> forces one for the process (A/B runs,
-or a host whose vector units throttle); a level the CPU lacks stops `load()` with one clear line.
+avx512_bf16, amx: AMX tiles where the OS grants them; docs/kernel.md). FASTDECODE_KERNEL_ISA=<level>
+forces one for the process (A/B runs, or a host whose vector units throttle); a level the CPU lacks
+stops `load()` with one clear line.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def forced() -> bool:
 
 def path(dtype: str, head_dim: int) -> str:
     """The level that attends a KV dtype (a KV_DTYPES name) at a head dim under the current ISA:
-    picked from CPUID, a dtype runs on a level only where it measured faster than avx2; forced, on
-    the forced level (a lower one where the head dim does not divide its loads)."""
+    picked from CPUID, a dtype runs on a level only where it measured faster than avx2 (on amx, a
+    job with few query rows, group x new positions, still runs on avx2: attention.cpp's
+    amx_min_rows); forced, on the forced level (a lower one where the head dim does not divide its
+    loads)."""
     return load().path(dtype, head_dim)

@@ -24,7 +24,9 @@ def naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Te
 def filled(heads: int, kv_heads: int, lengths: list[int], dtype: torch.dtype = torch.float32):
     torch.manual_seed(3)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    store = KVStore(2, kv_heads, 8, capacity_bytes=64 * 16 * 2 * 2 * kv_heads * 8 * itemsize, dtype=dtype)
+    # the torch backend: the batched path is its own (the native kernel is the default backend)
+    cap = 64 * 16 * 2 * 2 * kv_heads * 8 * itemsize
+    store = KVStore(2, kv_heads, 8, capacity_bytes=cap, dtype=dtype, backend="torch")
     hist = {}
     for i, n in enumerate(lengths):
         sid = f"s{i}"
@@ -70,3 +72,44 @@ def test_uneven_decode_falls_back_and_agrees_with_batched() -> None:
     sub = [ids[0], ids[2]]
     again = uneven.attend(1, AttendBatch(sub, [1, 1], [9, 9], q[[0, 2]], k[[0, 2]], v[[0, 2]]))
     torch.testing.assert_close(again, out[[0, 2]], atol=1e-6, rtol=1e-5)
+
+
+def naive_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """q [n, H, D] at positions start.. over keys/values [start + n, KVH, D], causal -> [n, H*D]."""
+    return torch.stack([naive(q[t], keys[: start + t + 1], values[: start + t + 1]) for t in range(len(q))])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("n", [2, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uniform_positions_are_one_batched_pass_and_causal(
+    heads: int, kv_heads: int, n: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A speculative verification step (k + 1 = n new positions per sequence, equal lengths) takes
+    the batched path too: one SDPA over every sequence's keys, each position seeing the cache and
+    the new positions up to its own."""
+    store, hist = filled(heads, kv_heads, [9] * 5, dtype)
+    monkeypatch.setattr(store, "_attend_each", lambda *a: pytest.fail("per-sequence path taken"))
+    ids = list(hist)
+    extra = {s: (torch.randn(n, kv_heads, 8), torch.randn(n, kv_heads, 8)) for s in ids}
+    q = torch.randn(5 * n, heads, 8)
+    k = torch.cat([extra[s][0] for s in ids])
+    v = torch.cat([extra[s][1] for s in ids])
+    out = store.attend(1, AttendBatch(ids, [n] * 5, [9] * 5, q, k, v))
+    assert out.shape == (5 * n, heads * 8) and out.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, s in enumerate(ids):
+        keys = torch.cat([hist[s][0][:9], extra[s][0]]).to(dtype)
+        values = torch.cat([hist[s][1][:9], extra[s][1]]).to(dtype)
+        ref = naive_causal(q[i * n : (i + 1) * n], keys, values, 9)
+        torch.testing.assert_close(out[i * n : (i + 1) * n], ref, atol=tol, rtol=tol)
+    assert all(store.seqs[s].lengths == [9, 9 + n] for s in ids)
+    # the same call through the per-sequence path (one sequence at a time) agrees
+    monkeypatch.undo()
+    again = torch.cat(
+        [
+            store.attend(0, AttendBatch([s], [n], [9], q[i * n : (i + 1) * n], extra[s][0], extra[s][1]))
+            for i, s in enumerate(ids)
+        ]
+    )
+    torch.testing.assert_close(again, out, atol=tol, rtol=tol)

@@ -4,9 +4,11 @@ Two tolerances per KV dtype:
 - KERNEL_TOL: the kernel's own arithmetic (fp32 online softmax, polynomial exp) against fp64
   attention over the values the pool actually holds (rounded to fp16/bf16, or int8/float8 * scale).
   The same for every float dtype and float8: the kernel widens in registers (exactly) and computes
-  in fp32; on the avx512_bf16 level bf16 keys meet q split into two bf16 halves (~16 significant
-  bits), an error within the same tolerance. int8 keys
-  meet q rounded to int16 per row (an integer dot product), an error that grows with the scores:
+  in fp32; on the avx512_bf16 and amx levels bf16 keys meet q split into three bf16 parts (q's 24
+  bits), and on amx (bf16, float16, int8, float8 rows widened to bf16 exactly) the weights are
+  rounded to bf16 hi + lo (16 bits) before they meet V, errors within the same tolerance. int8 keys
+  on the vector levels meet q rounded to int16 per row (an integer dot product; on amx q's three
+  bf16 parts), an error that grows with the scores:
   ~3e-5 at unit variance, ~2e-4 with scores spread by 30; int8 storage itself costs 100x more.
 - STORAGE_TOL: against fp64 attention over the original fp32 k, v, i.e. including what storing
   them in the pool's dtype costs (unit-variance random q, k, v; documented in docs/kernel.md).
@@ -30,7 +32,7 @@ kernel = native.load()  # the native backend's tests must run it: a missing buil
 KERNEL_TOL = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "int8": 5e-4, "float8_e4m3": 2e-5}
 STORAGE_TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2.5e-2, "int8": 4e-2, "float8_e4m3": 0.15}
 DTYPES = list(KV_DTYPES)
-VECTOR_ISAS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16")
+VECTOR_ISAS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 
 
 @pytest.fixture
@@ -448,3 +450,28 @@ def test_float8_wide_ranges_every_level(isa_level: str, q_scale: float) -> None:
     tol = KERNEL_TOL["float8_e4m3"] * 1e-3  # the values are 1e-3 of unit size
     for got in outs:
         torch.testing.assert_close(got, exact, atol=tol, rtol=KERNEL_TOL["float8_e4m3"])
+
+
+@pytest.mark.parametrize("isa_level", ("scalar",) + VECTOR_ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, block_size",
+    [(8, 2, 64, 16), (32, 8, 128, 16), (8, 1, 128, 3), (16, 2, 64, 48), (32, 1, 256, 32)],
+)
+def test_speculative_positions_every_level(
+    isa_level: str, dtype: str, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """A verification step of speculative decoding: k + 1 new positions per sequence (2 to 8, and a
+    plain decode beside them), causal among themselves, over caches across tile and block edges; the
+    query rows of a KV head (group x positions: 4 to 256, so one or several blocks of 16 rows on the
+    amx level) attend in one pass over its keys. Every level and dtype matches fp64, then a second
+    step from where the accepted prefix left off (the rejected positions are written over)."""
+    gen = torch.Generator().manual_seed(DTYPES.index(dtype) * 1000 + heads * 10 + block_size)
+    lengths = {"a": 1, "b": 16, "c": 31, "d": 100, "e": 300}
+    store = make(dtype, kv_heads, head_dim, sum(lengths.values()) + 400, block_size=block_size)
+    hist = fill(store, lengths, gen)
+    calls = [[("a", 0, 4), ("b", 15, 5), ("c", 30, 2), ("d", 99, 8), ("e", 299, 1)]]
+    calls.append([("a", 2, 4), ("b", 17, 4), ("c", 31, 4), ("d", 101, 4), ("e", 300, 4)])
+    # the kernel's arithmetic only: with up to 64 rows of 128 a call, float8's storage error alone
+    # passes STORAGE_TOL somewhere in about 1 call of 30 (what storing costs is checked above)
+    run_and_check(store, calls, heads, hist, dtype, gen, storage=False)

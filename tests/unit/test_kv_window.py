@@ -1,8 +1,9 @@
 """Sliding windows and the logit soft-cap in both attention backends, against an fp64 reference.
 
 The native kernel (every KV dtype, every ISA level this CPU has) and the torch backend attend decode
-steps and causal prefill chunks that start mid-cache, where each query token of a chunk has its own
-window start; scores are q . k / sqrt(D), then cap * tanh(score / cap), then the mask.
+steps, causal prefill chunks that start mid-cache and speculative verification steps (k + 1
+positions per sequence), where each query token of a chunk has its own window start; scores are
+q . k / sqrt(D), then cap * tanh(score / cap), then the mask.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def _run(store: KVStore, layer: int, tol: float, window: int, cap: float, gen: t
         [("a", 52, 38), ("b", 0, 45), ("c", 0, 3)],
         [("a", 90, 1), ("b", 45, 1), ("c", 3, 1)],  # decode
         [("a", 91, 1), ("b", 46, 17), ("c", 4, 1)],  # decode beside a chunk
+        [("a", 92, 4), ("b", 63, 5), ("c", 5, 4)],  # speculative verification: k + 1 positions each
     ]
     for call in calls:
         total = sum(n for *_, n in call)

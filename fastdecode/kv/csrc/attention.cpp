@@ -8,22 +8,30 @@
 // (token, KV head).
 //
 // Work is split over (sequence, KV head, chunk of <= kQChunk query tokens) jobs, longest first,
-// taken from an atomic counter by torch's intra-op threads (at::parallel_for, so the shard's
-// torch.set_num_threads applies). Each job walks its keys in tiles (tile_of): scores for the whole
-// tile first (8 keys per dot pass), one vectorized exp, then the weighted sum of V with the
-// accumulator in registers (bfloat16 rows are read 16 at a time as even and odd halves: two bit
-// operations instead of a widening shuffle per 8 values); while it sums V it prefetches the next
-// tile's K and V rows, one key per key summed, into L2 (a tile of fp32 K and V is 16 KiB at D=64,
-// so a tile ahead in L1 evicted the tile being read: T1 was 0.88x the time of T0 on Zen 4 and
-// within noise on Zen 3). Denormals flush to zero while a job runs.
+// so a job's K and V are read once for all its query rows: the query heads of its KV head at each
+// of its new positions (a decode's one, a speculative verification's k + 1, a prefill chunk's),
+// each seeing the cache and the new positions up to its own. Jobs are taken from an atomic
+// counter by torch's intra-op threads (at::parallel_for, so the shard's torch.set_num_threads
+// applies). Each vector job walks its keys in tiles (tile_of): scores for the whole tile first (8
+// keys per dot pass), one vectorized exp, then the weighted sum of V with the accumulator in
+// registers (bfloat16 rows are read 16 at a time as even and odd halves: two bit operations
+// instead of a widening shuffle per 8 values), one query row after another over the tile while it
+// is in L1 (so its arithmetic grows with the rows: 4 positions at GQA 4 took 2.5-2.7x one's time);
+// while it sums V it prefetches the next tile's K and V rows, one key per key summed, into L2 (a
+// tile of fp32 K and V is 16 KiB at D=64, so a tile ahead in L1 evicted the tile being read: T1 was
+// 0.88x the time of T0 on Zen 4 and within noise on Zen 3). Denormals flush to zero while a job
+// runs.
 //
 // Paths (isa levels, each needing the CPU features of the ones below it): scalar, avx2
 // (AVX2+FMA+F16C), avx512 (F/BW/VL/DQ: 512-bit loads, FMAs and widenings), avx512_vnni (int8 keys
-// dotted with vpdpwssd), avx512_bf16 (bf16 keys dotted with vdpbf16ps against q split in two bf16
-// halves). The vector job (vec_job.inc) is compiled once per path under that path's target pragma,
-// so no -march is needed; the highest level the CPU has is picked at load time from CPUID, and each
-// dtype then uses the highest path at or below it that measured faster than the one below
-// (kKeep, figures in docs/kernel.md). set_isa forces a level (tests, A/B benches).
+// dotted with vpdpwssd), avx512_bf16 (bf16 keys dotted with vdpbf16ps against q split in three bf16
+// parts), amx (AMX-TILE + AMX-BF16, granted by the OS: bf16, fp16, int8 and fp8 rows widened to
+// bf16 exactly, keys scored and values summed for up to 16 query rows per tile multiply,
+// amx_job.inc; fp32 as avx512_bf16). The vector job (vec_job.inc) is compiled once per path under
+// that path's target pragma, so no -march is needed; the highest level the CPU has is picked at
+// load time from CPUID, and each dtype then uses the highest path at or below it that measured
+// faster than the one below (kKeep, figures in docs/kernel.md; on amx only jobs with enough query
+// rows, amx_min_rows). set_isa forces a level (tests, A/B benches).
 //
 // Two per-layer options (Mistral, Gemma 2/3): a sliding window W (a query at position p sees keys
 // p - W + 1 .. p; first_key() is the one place that lower bound is computed, and a job starts its
@@ -49,6 +57,10 @@
 #define FD_X86 1
 #include <immintrin.h>
 #endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace fd {
 
@@ -56,6 +68,11 @@ enum Kind : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kF8 = 4 };
 constexpr int kKinds = 5;
 // int8 and float8 rows carry one fp32 scale per (token, KV head): x ~= code * scale.
 constexpr bool scaled(int kind) { return kind == kI8 || kind == kF8; }
+// The dtypes the amx level's job reads: rows that widen to bfloat16 exactly, in one part (bf16;
+// int8 codes, |c| <= 127; float8 codes, 3 mantissa bits, as value * 2^-120) or two (float16: 11
+// bits = 8 + 3). float32 (three parts, 9 products to keep its precision) stays on the vector path.
+constexpr bool amx_kind(int kind) { return kind == kBF16 || kind == kF16 || kind == kI8 || kind == kF8; }
+constexpr int parts_of(int kind) { return kind == kF16 ? 2 : 1; }
 constexpr float kF8Max = 448.f;  // e4m3's largest finite value: scale = absmax / 448
 // e4m3's smallest normal. Codes are stored without subnormals (below it a value rounds to 0 or
 // +-2^-6, at most 2^-7 * scale off, as fastdecode/kv/memory.py's quantize_float8): the vector paths
@@ -832,6 +849,17 @@ inline __m256 score8(const float* q, const void* kb, const int64_t* off, int64_t
 
 #pragma GCC pop_options
 }  // namespace v5b
+
+// AMX (tiles of bf16 products): KV that widens to bfloat16 exactly (amx_kind) scored and summed for
+// up to 16 query rows per tile multiply (amx_job.inc); float32 runs v5b's job on this level.
+namespace amx {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-bf16")
+
+#include "amx_job.inc"
+
+#pragma GCC pop_options
+}  // namespace amx
 #pragma GCC diagnostic pop
 #endif  // FD_X86
 
@@ -847,8 +875,8 @@ float stream_sum_scalar(const float* x, int64_t n) {
 // ---- dispatch ---------------------------------------------------------------------------------
 // Levels in the order CPUs gain them (every AVX-512 BF16 CPU so far has VNNI; every VNNI one has
 // F/BW/VL/DQ): a level needs its features and those of the levels below it.
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kIsas = 5 };
-const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16"};
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Bf16 = 4, kAmx = 5, kIsas = 6 };
+const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"};
 
 // The highest level each dtype uses when the level is picked from CPUID (float32, float16, bfloat16,
 // int8, float8): a level is kept for a dtype only where `bench attention --isa L --baseline-isa
@@ -861,12 +889,51 @@ const char* const kIsaNames[kIsas] = {"scalar", "avx2", "avx512", "avx512_vnni",
 // 0.97x: within the noise (avx2 against itself read 0.995-1.06x). float8 avx512 0.96x and 0.93x
 // while its codes went through float16 and vcvtph2ps (a conversion 32 at a time instead of 16);
 // widened by a shift and a mask (f8_to_f32_bits), avx512 0.986x and 0.995x: back to avx2.
-constexpr int kKeep[kKinds] = {kAvx2, kAvx2, kAvx2, kAvx2, kAvx2};
+// amx (2026-12-05, same host class, one thread, uniform lengths): its tile multiplies cost the
+// same for 1 to 16 query rows of a job (GQA group x new positions), so it wins with rows and loses
+// on a lone row. Against avx2, Llama-3-8B's 32:8 x 128, B=32 at 4096: bf16 decode (4 rows) 0.74-0.77x
+// and 4 positions 0.30-0.32x; float16 1.21x, 0.48x; int8 1.03x, 0.38x; float8 0.73x, 0.26x. B=16
+// at 2048, by rows: bf16 D=128 1: 1.27x, 2: 1.08-1.16x, 3: 0.97x, 4: 0.82-0.84x; D=64 1: 2.1x,
+// 2: 1.5-1.7x, 4: 0.99-1.06x, 6: 0.78x, 8: 0.45-0.51x; float16 (two bf16 parts) D=128 2: 1.63-1.68x,
+// 4: 1.22x, 8: 0.79x, D=64 4: 1.55x, 8: 0.76x; int8 2: 1.74-1.88x, 4: 1.10x, 8: 0.55-0.58x;
+// float8 2: 1.27x, 4: 0.72-0.74x, 8: 0.37-0.40x. Picked from CPUID, a job with fewer rows than
+// amx_min_rows runs on avx2 (kBelowAmx), as does every dtype on a CPU without amx; forced, every
+// job on amx. float32 keeps avx2 (no amx job).
+constexpr int kKeep[kKinds] = {kAvx2, kAmx, kAmx, kAmx, kAmx};
+constexpr int kBelowAmx = kAvx2;  // the level each dtype keeps below amx (the table above)
+
+// The fewest query rows of a job that amx attends when picked from CPUID: the crossovers above
+// (bf16 rows x D >= 384: 3 rows at D = 128, 6 at 64).
+constexpr int64_t amx_min_rows(int kind, int64_t D) {
+  switch (kind) {
+    case kBF16: return (384 + D - 1) / D;
+    case kF8: return 3;
+    case kI8: return 5;
+    default: return 7;  // float16
+  }
+}
+
+// AMX's tile state is off for a Linux process until it asks for it (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without that, a tile instruction faults.
+bool amx_permitted() {
+  static const bool ok = [] {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
 
 bool cpu_has(int level) {
 #ifdef FD_X86
   __builtin_cpu_init();
   switch (level) {
+    case kAmx:
+      if (!(__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted())) return false;
+      [[fallthrough]];
     case kAvx512Bf16:
       if (!__builtin_cpu_supports("avx512bf16")) return false;
       [[fallthrough]];
@@ -916,14 +983,18 @@ void set_isa(const std::string& name) {
       g_forced = true;
       return;
     }
-  TORCH_CHECK(false, "isa must be one of auto, scalar, avx2, avx512, avx512_vnni, avx512_bf16; got '", name,
-              "'");
+  TORCH_CHECK(false, "isa must be one of auto, scalar, avx2, avx512, avx512_vnni, avx512_bf16, amx; got '",
+              name, "'");
 }
 
 // Whether a level's vector job serves a dtype at head dim D (its loads step by 8, 16 or 32
 // elements; int8's int32 dot overflows past D = 512).
 bool fits(int level, int kind, int64_t D) {
   if (level == kScalar) return true;
+  if (level == kAmx) {
+    if (amx_kind(kind)) return D % 32 == 0;  // tiles take 32 elements of D
+    level = kAvx512Bf16;
+  }
   const int64_t step = level == kAvx2 ? (kind == kBF16 || kind == kI8 ? 16 : 8)
                                       : (kind == kBF16 || kind == kI8 || kind == kF8 ? 32 : 16);
   return D % step == 0 && (kind != kI8 || D <= 512);
@@ -931,7 +1002,8 @@ bool fits(int level, int kind, int64_t D) {
 
 // The level that serves a dtype at head dim D under the current isa.
 int path_of(int kind, int64_t D) {
-  int level = g_forced.load() ? g_isa.load() : std::min(g_isa.load(), kKeep[kind]);
+  const int cpu = g_isa.load(), keep = kKeep[kind] == kAmx && cpu < kAmx ? kBelowAmx : kKeep[kind];
+  int level = g_forced.load() ? cpu : std::min(cpu, keep);
   while (level > kScalar && !fits(level, kind, D)) --level;
   return level;
 }
@@ -949,6 +1021,7 @@ template <int K>
 JobFn job_fn(int level) {
 #ifdef FD_X86
   switch (level) {
+    case kAmx: if constexpr (amx_kind(K)) return amx::job<K>; [[fallthrough]];
     case kAvx512Bf16: if constexpr (K == kBF16) return v5b::job<K>; [[fallthrough]];
     case kAvx512Vnni: if constexpr (K == kI8) return v5n::job<K>; [[fallthrough]];
     case kAvx512: return v5::job<K>;
@@ -958,6 +1031,16 @@ JobFn job_fn(int level) {
 #endif
   (void)level;
   return job_scalar<K>;
+}
+
+JobFn job_for(int kind, int level) {
+  switch (kind) {
+    case kF32: return job_fn<kF32>(level);
+    case kF16: return job_fn<kF16>(level);
+    case kBF16: return job_fn<kBF16>(level);
+    case kI8: return job_fn<kI8>(level);
+    default: return job_fn<kF8>(level);
+  }
 }
 
 Kind kind_of(const at::Tensor& pool) {
@@ -1132,15 +1215,22 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
 
   const int level = path_of(kind, D);
-  JobFn fn = nullptr;
-  switch (kind) {
-    case kF32: fn = job_fn<kF32>(level); break;
-    case kF16: fn = job_fn<kF16>(level); break;
-    case kBF16: fn = job_fn<kBF16>(level); break;
-    case kI8: fn = job_fn<kI8>(level); break;
-    case kF8: fn = job_fn<kF8>(level); break;
+  const JobFn fn = job_for(kind, level);
+  // amx: jobs with few query rows on the vector path instead, unless amx was forced
+  const bool tiles = level == kAmx && amx_kind(kind);
+  JobFn few = fn;
+  int64_t min_rows = 0;
+  if (tiles && !g_forced.load()) {
+    int below = kBelowAmx;
+    while (below > kScalar && !fits(below, kind, D)) --below;
+    few = job_for(kind, below);
+    min_rows = amx_min_rows(kind, D);
   }
-  const int64_t scratch = kQChunk * (H / KVH) * (3 * D + 3) + kTile + 8;  // vec_job.inc's layout
+  // vec_job.inc's layout and amx_job.inc's (blocks of 16 rows of a job's <= kQChunk * G)
+  int64_t scratch = kQChunk * (H / KVH) * (3 * D + 3) + kTile + 8;
+#ifdef FD_X86
+  if (tiles) scratch = std::max(scratch, amx::scratch_floats((kQChunk * (H / KVH) + 15) / 16, D));
+#endif
   std::atomic<int64_t> next{0};
   const int64_t njobs = static_cast<int64_t>(jobs.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), njobs);
@@ -1151,6 +1241,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // denormal range, and each multiply by one costs a microcode assist (~100 cycles).
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);
+    if (tiles) amx::begin();
 #endif
     for (int64_t w = w0; w < w1; ++w) {
       // Each worker claims its next job before running the current one, so the current job can
@@ -1158,11 +1249,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       int warm = 0;
       for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < njobs;) {
         const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
-        warm = fn(a, jobs[i], j < njobs ? &jobs[j] : nullptr, warm, buf.data());
+        const Job& jb = jobs[i];
+        warm = ((jb.t1 - jb.t0) * a.G >= min_rows ? fn : few)(a, jb, j < njobs ? &jobs[j] : nullptr, warm, buf.data());
         i = j;
       }
     }
 #ifdef FD_X86
+    if (tiles) amx::end();
     _mm_setcsr(csr);
 #endif
   });
@@ -1205,7 +1298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vscale"), py::arg("table"), py::arg("table_off"), py::arg("start"), py::arg("ntok"),
         py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("stream_read", &fd::stream_read, "sum a float32 tensor with attend's threads (bandwidth yardstick)");
-  m.def("isa", &fd::isa, "isa level in use: scalar, avx2, avx512, avx512_vnni or avx512_bf16");
+  m.def("isa", &fd::isa, "isa level in use: scalar, avx2, avx512, avx512_vnni, avx512_bf16 or amx");
   m.def("set_isa", &fd::set_isa,
         "force an isa level the CPU has for every dtype (tests, A/B benches; an error if it lacks it), "
         "or 'auto': the CPUID pick with each dtype on its kept level");

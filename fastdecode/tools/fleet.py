@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -454,7 +455,26 @@ def state_credentials(state: dict) -> TLSFiles:
     return TLSFiles(secret=load_fleet_secret(None, Path(path)) if path else None)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a process that binds it later. Drawn below the kernel's ephemeral range
+    where there is room: a port the kernel hands out (bind to 0) can go to another process's
+    outgoing connection before ours binds it, which failed a start-up 20 s later."""
+    low = _ephemeral_low()
+    for _ in range(64) if low > 12_000 else ():
+        port = random.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -36,6 +36,19 @@ def _setting(cls: type[BaseSettings], name: str, **extra: Any) -> Any:
     )
 
 
+def _check_kv_events(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A bad address is refused at its flag, not by a scheduler that fails to start."""
+    from fastdecode.runtime.endpoints import parse_pub_endpoint
+    from fastdecode.runtime.errors import InvalidInput
+
+    if value is not None:
+        try:
+            parse_pub_endpoint(value)
+        except InvalidInput as e:
+            raise click.BadParameter(e.message.split(": ", 1)[1], param_hint="'--kv-events'") from None
+    return value
+
+
 def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
     for opt in reversed(
         [
@@ -70,6 +83,13 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             _setting(SchedulerSettings, "prefix_sharing"),
             _setting(SchedulerSettings, "plan_ahead"),
             _setting(SchedulerSettings, "decode_steps"),
+            click.option(
+                "--kv-events",
+                default=None,
+                metavar="tcp://HOST:PORT",
+                callback=_check_kv_events,
+                help=SchedulerSettings.model_fields["kv_events"].description,
+            ),
             click.option(
                 "--host-shard",
                 is_flag=True,
@@ -182,6 +202,7 @@ def _make_fleet(
     geometry: str | None = None,
     plan_ahead: str = "on",
     decode_steps: int = 1,
+    kv_events: str | None = None,
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.dense.emulated import is_emulated, load_emulated
@@ -228,6 +249,7 @@ def _make_fleet(
             plan_ahead,
             "--decode-steps",
             str(decode_steps),
+            *(["--kv-events", kv_events] if kv_events else []),
         ],
         dense_args=dense_args,
         env=dict(env or {}),
@@ -283,6 +305,7 @@ def up(
     prefix_sharing: str,
     plan_ahead: str,
     decode_steps: int,
+    kv_events: str | None,
     host_shard: bool,
     pipeline: str,
     port: int,
@@ -324,6 +347,7 @@ def up(
         geometry=geometry,
         plan_ahead=plan_ahead,
         decode_steps=decode_steps,
+        kv_events=kv_events,
     )
     fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:

@@ -29,6 +29,22 @@ ROLES = ("system", "user", "assistant", "tool")
 _MARKER = re.compile("\ue000([0-9]+)\ue001")  # a message's content in render_spans' skeleton
 
 
+# What chat_template_kwargs may not set: the variables the gateway itself passes to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", *SPECIAL_TOKEN_KEYS})
+MAX_TEMPLATE_KWARGS = 64
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any]) -> str | None:
+    """Why a request's chat_template_kwargs cannot be passed to the template (None: they can)."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        return f"{len(kwargs)} entries; the limit is {MAX_TEMPLATE_KWARGS}"
+    taken = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        return f"{', '.join(taken)}: set by the gateway, not by chat_template_kwargs"
+    bad = next((k for k in kwargs if not k.isidentifier()), None)
+    return None if bad is None else f"{bad[:40]!r} is not a template variable name"
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -109,19 +125,20 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[tuple[int, int]] | None]:
         """The prompt and where each message's content lies in it (character spans), so that its
         text can be tokenized as text (special-token strings included). The template is rendered
         with a marker in place of each content and once as is; None when the two disagree (a
         template that inspects or reshapes content): the caller then cannot tell content apart."""
-        prompt = self.render(messages, add_generation_prompt, tools)
+        prompt = self.render(messages, add_generation_prompt, tools, extra)
         contents = [m.get("content") for m in messages]
         marked = [
             {**m, "content": f"\ue000{i}\ue001"} if isinstance(c, str) else m
             for i, (m, c) in enumerate(zip(messages, contents, strict=True))
         ]
         try:
-            skeleton = self.render(marked, add_generation_prompt, tools)
+            skeleton = self.render(marked, add_generation_prompt, tools, extra)
         except InvalidInput:
             return prompt, None
         out: list[str] = []
@@ -145,13 +162,16 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text for `messages` (and `tools`, for a template that renders them); a template's
-        own complaint (raise_exception, a missing key) is the request's fault: InvalidInput."""
+        """The prompt text for `messages` (and `tools`, for a template that renders them); `extra`:
+        the request's chat_template_kwargs (e.g. enable_thinking), checked by check_template_kwargs.
+        A template's own complaint (raise_exception, a missing key) is the request's fault: InvalidInput."""
         # As transformers: keys whose value is None are dropped (templates test for presence).
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(
+                **(extra or {}),
                 messages=plain,
                 add_generation_prompt=add_generation_prompt,
                 **({"tools": list(tools)} if tools else {}),

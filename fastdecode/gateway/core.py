@@ -139,7 +139,7 @@ class GenerationChunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # on every chunk (a stream's running usage)
     completion_tokens: int = 0
     cached_tokens: int = 0  # of the prompt tokens, those served from a shared prefix cache
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
@@ -448,7 +448,7 @@ class GatewayCore:
                 received += ev.token_ids
                 delta = out.push(ev.token_ids)
                 finish = "stop" if delta.stopped else ev.finish_reason
-                chunk = GenerationChunk(delta.text, list(delta.token_ids))
+                chunk = GenerationChunk(delta.text, list(delta.token_ids), prompt_tokens=n_prompt)
                 if logprobs:  # taken ids are a prefix of the event's
                     chunk.logprobs = [
                         TokenLogprob(t, ev.logprobs[i], ev.top[i] if i < len(ev.top) else ())

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastdecode.contract import MAX_TOP_LOGPROBS
-from fastdecode.gateway.chat import ROLES, ChatTemplate
+from fastdecode.gateway.chat import ROLES, ChatTemplate, check_template_kwargs
 from fastdecode.gateway.text import MAX_LOGIT_BIAS_ENTRIES, GenerateParams, strings_in, unencodable
 from fastdecode.gateway.tools import (
     ToolRequest,
@@ -89,6 +89,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+    # vLLM's extension: with include_usage, the usage so far on every chunk, not just at the end
+    continuous_usage_stats: bool = False
 
 
 class RequestBody(BaseModel):
@@ -168,6 +170,9 @@ class ChatBody(RequestBody):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
 
 
 MAX_N = 16  # choices per request
@@ -370,14 +375,20 @@ def chat_request(
     outside = [
         t for m in messages for k, v in m.items() if k not in ("role", "content") for t in strings_in(v)
     ]
+    extra = body.chat_template_kwargs
+    if extra is not None:
+        why = check_template_kwargs(extra)
+        if why is not None:
+            raise _invalid(f"chat_template_kwargs: {why}", "chat_template_kwargs")
+        outside += strings_in(extra)
+    gen = body.add_generation_prompt
     if template_renders_tools(template.source):
         listed = [t.as_openai() for t in tools.tools] if tools is not None else None
         outside += strings_in(listed or [])
-        prompt, spans = template.render_spans(template_messages(messages), tools=listed)
+        prompt, spans = template.render_spans(template_messages(messages), gen, listed, extra)
     else:
-        prompt, spans = template.render_spans(
-            fallback_messages(messages, tools.tools if tools is not None else ())
-        )
+        fallback = fallback_messages(messages, tools.tools if tools is not None else ())
+        prompt, spans = template.render_spans(fallback, gen, extra=extra)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     structured = structured_output(body)
     forced = tools.structured() if tools is not None else None

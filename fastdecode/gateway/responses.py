@@ -14,6 +14,7 @@ from typing import Any
 
 from fastdecode.contract import TokenLogprob
 from fastdecode.gateway.core import GenerationChunk
+from fastdecode.gateway.reasoning import ReasoningStream
 from fastdecode.gateway.tools import ToolCallStream
 
 
@@ -120,6 +121,11 @@ class ResponseShape:
         self.echo = echo  # completions' echo: the prompt text, sent before the completion
         self.index = index  # the choice this shape writes (n > 1)
         self.tools = tools  # chat with tools: the text becomes content and tool_calls
+        # stream_options.continuous_usage_stats: the usage so far on every chunk (as vLLM)
+        self.continuous_usage = False
+        self.reasoning: ReasoningStream | None = None  # chat with a reasoning parser: reasoning_content
+        self.prompt_tokens = 0
+        self._completion_tokens = 0
         self._parts: list[str] = []  # a whole answer's text, logprobs and last chunk (take)
         self._logprobs: list[dict[str, Any]] = []
         self._last: GenerationChunk | None = None
@@ -130,18 +136,22 @@ class ResponseShape:
     def choice(
         self, text: str, last: GenerationChunk, logprobs: dict[str, Any] | None = None
     ) -> dict[str, Any]:
+        thought = None
+        if self.chat and self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
+        shown = {"reasoning_content": thought} if thought is not None else {}
         if self.chat and self.tools is not None:
             self.tools.feed(text)
             self.tools.finish()
             reason = self.tools.finish_reason(last.finish_reason or "")
             return {
                 "index": self.index,
-                "message": self.tools.message(),
+                "message": self.tools.message() | shown,
                 "logprobs": logprobs,
                 "finish_reason": reason,
             }
         if self.chat:
-            choice = {"index": self.index, "message": {"role": "assistant", "content": text}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text} | shown}
         else:
             choice = {"index": self.index, "text": (self.echo or "") + text}
         return choice | {"logprobs": logprobs, "finish_reason": last.finish_reason}
@@ -162,9 +172,12 @@ class ResponseShape:
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
     ) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text:
                 delta["content"] = text
             if tool_calls:
@@ -175,9 +188,27 @@ class ResponseShape:
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {**self._head(obj), "choices": [choice]}
-        if self.include_usage:
+        if self.continuous_usage:
+            out["usage"] = self.running_usage()
+        elif self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk has it, null but in the last one
         return sse(out)
+
+    def role_chunk(self, first: GenerationChunk) -> bytes:
+        """A chat stream's first chunk (the role), its running usage from the first generation chunk."""
+        self.prompt_tokens = first.prompt_tokens
+        return self.chunk(None, None, role=True)
+
+    def running_usage(self) -> dict[str, int]:
+        """This choice's usage so far: the prompt and the tokens generated up to this chunk."""
+        p, c = self.prompt_tokens, self._completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def count(self, c: GenerationChunk) -> None:
+        """Advance the running usage by one generation chunk (before its events are written)."""
+        self.prompt_tokens = c.prompt_tokens or self.prompt_tokens
+        done = c.completion_tokens if c.finish_reason else self._completion_tokens + len(c.token_ids)
+        self._completion_tokens = done
 
     def usage_chunk(self, *lasts: GenerationChunk) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -216,24 +247,35 @@ class ResponseShape:
 
     def event(self, c: GenerationChunk) -> bytes:
         """The SSE event(s) of one streamed chunk."""
+        self.count(c)
         text = c.text
         if self.echo is not None:  # the prompt leads the first chunk
             text, self.echo = self.echo + text, None
         lp = join_logprobs(self.logprobs_of(c)) if self.logprobs is not None else None
+        thought = ""
+        if self.chat and self.reasoning is not None:  # the thinking apart; tools see the content only
+            thought, text = self.reasoning.feed(text)
+            if c.finish_reason:
+                more_thought, more = self.reasoning.finish()
+                thought, text = thought + more_thought, text + more
+            if not (thought or text or lp or c.finish_reason):
+                return b""  # all held back (maybe part of a tag)
         if self.tools is not None:
             content, calls = self.tools.feed(text)
             if c.finish_reason:
                 more, more_calls = self.tools.finish()
                 content, calls = content + more, calls + more_calls
             out = b""
-            if content or calls or lp:
-                out = self.chunk(content or None, None, logprobs=lp, tool_calls=calls or None)
+            if content or calls or lp or thought:
+                out = self.chunk(
+                    content or None, None, logprobs=lp, tool_calls=calls or None, reasoning=thought
+                )
             if c.finish_reason:
                 out += self.chunk(None, self.tools.finish_reason(c.finish_reason))
             return out
-        if self.chat and text and c.finish_reason:  # OpenAI sends the finish on an empty delta
-            return self.chunk(text, None, logprobs=lp) + self.chunk(None, c.finish_reason)
-        return self.chunk(text, c.finish_reason, logprobs=lp)
+        if self.chat and (text or thought) and c.finish_reason:  # OpenAI sends the finish on an empty delta
+            return self.chunk(text, None, logprobs=lp, reasoning=thought) + self.chunk(None, c.finish_reason)
+        return self.chunk(text, c.finish_reason, logprobs=lp, reasoning=thought)
 
 
 async def merge_choices(

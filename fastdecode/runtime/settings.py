@@ -206,6 +206,15 @@ class SchedulerSettings(ServiceSettings):
         description="How much more loaded (relative share) than the best-balanced shard a shard "
         "holding a request's longest cached prefix may be and still get it; 0: balance only.",
     )
+    kv_events: str | None = Field(
+        None,
+        description="Publish the prefix blocks the shards hold as vLLM's KV events (ZMQ PUB, msgpack) "
+        "for KV-aware routers: tcp://*:PORT binds, tcp://HOST:PORT connects (docs/prefix-caching.md).",
+    )
+    kv_events_topic: str = Field("", description="ZMQ topic of the KV events (vLLM's default: none).")
+    kv_events_seed: str = Field(
+        "0", description="The KV events' block hash seed: the router's (vLLM's PYTHONHASHSEED)."
+    )
     w_limit: float | None = Field(
         None, gt=0, description="W_lim in KV tokens for stabilized admission (derived if unset)."
     )
@@ -321,6 +330,11 @@ class GatewaySettings(ServiceSettings):
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto",
         description="How chat answers become tool_calls; auto: from the chat template and the model family.",
+    )
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
+        "auto",
+        description="How chat answers split into reasoning_content (<think>...</think>) and content; "
+        "auto: qwen3 for the Qwen3 family, deepseek_r1 for DeepSeek-R1's template, else none.",
     )
     grammar_workers: int = Field(
         2,

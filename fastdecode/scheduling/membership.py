@@ -72,7 +72,7 @@ class Membership:
         for sid in moved:
             self.unplace(running[sid])
         sh.blocks, sh.seqs = 0, set()
-        sh.prefixes.clear()
+        self._prefixes.clear(sh)
         self._releases.drop_on(shard)
         self.recoveries += len(moved)
         self.capacity_changed()
@@ -90,7 +90,7 @@ class Membership:
         if sh.state == SHARD_REMOVED:
             return
         sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = True, 0, set(), 0
-        sh.prefixes.clear()
+        self._prefixes.clear(sh)
         self.capacity_changed()
 
     def drain_shard(self, shard: int) -> None:
@@ -116,7 +116,7 @@ class Membership:
         if sh.seqs and sh.healthy:
             raise FailedPrecondition(f"shard {shard} still holds {len(sh.seqs)} sequences")
         sh.state, sh.healthy, sh.blocks, sh.seqs = SHARD_REMOVED, False, 0, set()
-        sh.prefixes.clear()
+        self._prefixes.clear(sh)
         self._releases.drop_on(shard)
         self.capacity_changed()
 
@@ -124,7 +124,7 @@ class Membership:
         """A removed shard is back (empty, a restarted process on its address): it serves again."""
         sh = self._tables.shard(shard)
         sh.state, sh.healthy, sh.blocks, sh.seqs, sh.blocked_until = SHARD_SERVING, True, 0, set(), 0
-        sh.prefixes.clear()
+        self._prefixes.clear(sh)
         self.capacity_changed()
 
     def shard_state(self, shard: int) -> str:

@@ -5,13 +5,39 @@ Python, no gRPC."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from fastdecode.contract import chain_hashes
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.placement import ShardLoad
 from fastdecode.scheduling.tables import NAME_SEED, CoreTables, SeqEntry, ShardEntry
 from fastdecode.scheduling.types import Step
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """Full blocks of one sequence that a shard now holds: `names[i]` for i in `blocks` (ascending),
+    block i holding `tokens[i * block_size:(i + 1) * block_size]`. `tokens` and `names` are the
+    sequence's own lists: read them in the callback, do not keep them."""
+
+    shard: int
+    tokens: Sequence[int]
+    names: Sequence[bytes]  # the names of every full block of the sequence, from its first
+    blocks: list[int]
+    block_size: int
+    salt: str  # the request's cache salt ("" without one)
+
+
+class PrefixListener(Protocol):
+    """Told of the prefix registry's changes (the KV events adapter publishes them): blocks a shard
+    holds ready, and blocks it no longer holds (evicted from the registry, or the shard lost,
+    recovered empty or removed). Called synchronously from the step loop: be quick."""
+
+    def stored(self, blocks: StoredBlocks) -> None: ...
+
+    def removed(self, shard: int, names: list[bytes]) -> None: ...
 
 
 class PrefixPlacement:
@@ -28,6 +54,7 @@ class PrefixPlacement:
         self._geometry = geometry  # a windowed model's geometry (None: every layer full)
         self.prefix_hits = 0  # reservations that found cached prefix tokens
         self.cached_tokens = 0  # ... and how many, in all
+        self.listener: PrefixListener | None = None  # told of stores and removals (--kv-events)
 
     def names(self, seq: SeqEntry, block_size: int) -> list[bytes]:
         """Names of the full blocks of the sequence's tokens (as a shard names them, locally seeded).
@@ -105,8 +132,13 @@ class PrefixPlacement:
                 sh.prefixes.move_to_end(h)
             else:
                 sh.prefixes[h] = seq.req.seq_id
+        gone: list[bytes] = []
         while len(sh.prefixes) > sh.spec.capacity_tokens // sh.spec.block_size:
-            sh.prefixes.popitem(last=False)
+            h, owner = sh.prefixes.popitem(last=False)
+            if owner is None:  # a block being computed was never announced as held
+                gone.append(h)
+        if gone and self.listener is not None:
+            self.listener.removed(self._index(sh), gone)
 
     def ready(self, seq: SeqEntry) -> None:
         """The blocks the sequence was computing that its shard now holds (every layer written)."""
@@ -115,11 +147,27 @@ class PrefixPlacement:
         sh = self._tables.shards[seq.shard]
         sid = seq.req.seq_id
         done = seq.kv // sh.spec.block_size
-        for h in self.names(seq, sh.spec.block_size)[: min(done, seq.claimed)]:
+        names = self.names(seq, sh.spec.block_size)
+        stored: list[int] = []
+        for i, h in enumerate(names[: min(done, seq.claimed)]):
             if sh.prefixes.get(h) == sid:
                 sh.prefixes[h] = None
+                stored.append(i)
+        if stored and self.listener is not None:
+            bs, salt = sh.spec.block_size, seq.req.cache_salt
+            self.listener.stored(StoredBlocks(seq.shard, seq.tokens, names, stored, bs, salt))
         if done >= seq.claimed:
             seq.claimed = 0
+
+    def _index(self, sh: ShardEntry) -> int:
+        return next(i for i, o in enumerate(self._tables.shards) if o is sh)  # rows compare by value
+
+    def clear(self, sh: ShardEntry) -> None:
+        """The shard holds no prefix block any more (lost, recovered empty, removed or rejoined)."""
+        held = [h for h, owner in sh.prefixes.items() if owner is None]
+        sh.prefixes.clear()
+        if held and self.listener is not None:
+            self.listener.removed(self._index(sh), held)
 
     def forget_pending(self, seq: SeqEntry, sh: ShardEntry) -> None:
         """The sequence leaves the shard: what it had not finished computing will not be there."""

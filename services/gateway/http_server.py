@@ -18,6 +18,14 @@ from fastdecode.protocol import REQUEST_ID_KEY
 from fastdecode.runtime.errors import Status, Unavailable
 from fastdecode.runtime.settings import GatewaySettings
 from services.gateway.openai_api import GENERATION_PATHS, OpenAIApp, error_response
+from services.gateway.tokenize_api import AUTHENTICATED_PATHS
+
+
+def _credentials(headers: dict[bytes, bytes]) -> bytes:
+    """The Authorization header, or Anthropic's `x-api-key` header as a bearer token."""
+    auth = headers.get(b"authorization", b"")
+    key = headers.get(b"x-api-key", b"")
+    return auth if auth or not key else b"Bearer " + key
 
 
 class _Front:
@@ -33,9 +41,11 @@ class _Front:
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes]) -> tuple[APIError, int] | None:
         path: str = scope.get("path", "")
-        if self.tenants.enabled and path.startswith("/v1/"):
-            if self.tenants.tenant_of(headers.get(b"authorization", b"")) is None:
-                message = "missing or invalid bearer token (header Authorization: Bearer <token>)"
+        if self.tenants.enabled and (path.startswith("/v1/") or path in AUTHENTICATED_PATHS):
+            if self.tenants.tenant_of(_credentials(headers)) is None:
+                message = (
+                    "missing or invalid bearer token (header Authorization: Bearer <token>, or x-api-key)"
+                )
                 return APIError(Status.UNAUTHENTICATED, message, error_code="invalid_api_key"), 401
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body:
@@ -69,9 +79,9 @@ class _Front:
                 err, status = refused
                 if scope.get("path") in GENERATION_PATHS:
                     self.core.metrics.answered(err.status, "http")
-                await error_response(err, status)(scope, receive, send_with_id)
+                await error_response(err, status, scope.get("path", ""))(scope, receive, send_with_id)
                 return
-            tenant = self.tenants.tenant_of(headers.get(b"authorization", b"")) or ""
+            tenant = self.tenants.tenant_of(_credentials(headers)) or ""
             with tenant_scope(tenant):  # its metrics and its prefix-cache namespace
                 try:
                     await self.app(scope, receive, send_with_id)
@@ -83,7 +93,7 @@ class _Front:
                     if cut is None:
                         raise
                     if not started:
-                        await error_response(cut)(scope, receive, send_with_id)
+                        await error_response(cut, path=scope.get("path", ""))(scope, receive, send_with_id)
 
 
 # ---- the server --------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from fastdecode.gateway.auth import current_tenant
@@ -62,6 +64,43 @@ TENANT_TOKENS = Counter(
     "Tokens per tenant; kind: prompt or generated",
     ["tenant", "kind"],
 )
+
+# The fleet's load, from the scheduler (services/gateway/router_probes.py FleetWatch): the Model
+# Server Protocol gauges a router in front of several fleets reads, under our names and under the
+# names llm-d's endpoint picker reads by default (vLLM's), so it needs no flags.
+FLEET_RUNNING = Gauge("fastdecode_gateway_fleet_requests_running", "Sequences decoding in the fleet")
+FLEET_WAITING = Gauge("fastdecode_gateway_fleet_requests_waiting", "Sequences waiting for admission")
+FLEET_KV_USAGE = Gauge(
+    "fastdecode_gateway_fleet_kv_cache_usage_ratio", "Share of all serving shards' KV capacity in use (0..1)"
+)
+LORA_LABELS = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+FLEET_LORA = Gauge(
+    "fastdecode_gateway_lora_requests_info",
+    "LoRA adapters of running and waiting requests (labels, comma-separated; none yet); value: update time",
+    LORA_LABELS,
+)
+VLLM_RUNNING = Gauge("vllm:num_requests_running", "Sequences decoding (fastdecode: the whole fleet)")
+VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Sequences waiting (fastdecode: the whole fleet)")
+VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (fastdecode: all shards)")
+VLLM_GPU_CACHE = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (vLLM's older name)")
+VLLM_LORA = Gauge("vllm:lora_requests_info", "Running and waiting LoRA adapters", LORA_LABELS)
+
+
+def export_fleet_load(running: int, waiting: int, kv_usage: float) -> None:
+    """Set the fleet's load gauges (our names and vLLM's)."""
+    for g, v in (
+        (FLEET_RUNNING, running),
+        (VLLM_RUNNING, running),
+        (FLEET_WAITING, waiting),
+        (VLLM_WAITING, waiting),
+        (FLEET_KV_USAGE, kv_usage),
+        (VLLM_KV_USAGE, kv_usage),
+        (VLLM_GPU_CACHE, kv_usage),
+    ):
+        g.set(v)
+    now = time.time()  # vLLM's value: the router reads the newest series
+    FLEET_LORA.labels("", "", "0").set(now)  # no adapters: empty lists, as vLLM with none loaded
+    VLLM_LORA.labels("", "", "0").set(now)
 
 
 APIS = ("grpc", "http")

@@ -5,7 +5,8 @@ An adapter, like the gRPC servicer next to it: requests become `GenerateParams`
 Errors leave in OpenAI's shape with the HTTP status from fastdecode.gateway.openai.HTTP_STATUS.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template), GET
-/v1/models, GET /v1/models/{id}, and GET /health (no token: 200 while serving, 503 otherwise).
+/v1/models, GET /v1/models/{id}, GET /health (no token: 200 while serving, 503 otherwise); vLLM's
+/tokenize (tokenize_api.py) and Anthropic's /v1/messages (messages_api.py) register themselves.
 """
 
 from __future__ import annotations
@@ -36,19 +37,27 @@ from fastdecode.gateway.openai import (
     error_body,
     validation_error,
 )
+from fastdecode.gateway.reasoning import ReasoningStream, choose_reasoning_parser
 from fastdecode.gateway.responses import LogprobsShape, ResponseShape, merge_choices, sse
 from fastdecode.gateway.text import GenerateParams, check_params
 from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas, choose_parser
 from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
 from fastdecode.runtime.settings import GatewaySettings
+from services.gateway.hangup import unless_hung_up
+from services.gateway.messages_api import MESSAGES_PREFIX, MessagesRoutes, messages_error_response
+from services.gateway.router_probes import register_router_probes
+from services.gateway.tokenize_api import TokenizeRoutes
 
 log = logging.getLogger("fastdecode.gateway.http")
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", MESSAGES_PREFIX})
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def error_response(e: ServiceError, status_override: int | None = None) -> JSONResponse:
+def error_response(e: ServiceError, status_override: int | None = None, path: str = "") -> JSONResponse:
+    """OpenAI's error shape; Anthropic's on the Messages API's paths."""
+    if path.startswith(MESSAGES_PREFIX):
+        return messages_error_response(e, status_override)
     status, body = error_body(e)
     headers = {"WWW-Authenticate": "Bearer"} if e.status is Status.UNAUTHENTICATED else None
     return JSONResponse(body, status_code=status_override or status, headers=headers)
@@ -68,12 +77,6 @@ def _on(app: FastAPI, kind: type[E], handle: Callable[[Request, E], Awaitable[Re
     app.add_exception_handler(kind, handler)
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client hangs up (the body is already read: receive() waits for that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 # ---- the app -----------------------------------------------------------------------------------
 class OpenAIApp:
     """Routes and handlers around one GatewayCore."""
@@ -88,7 +91,9 @@ class OpenAIApp:
             self.template_error = str(e)
             log.warning("chat completions are off: %s", e)
         source = self.template.source if self.template is not None else ""
-        self.tool_parser = choose_parser(settings.tool_call_parser, source, core.config.model_type)
+        family = core.config.model_type
+        self.tool_parser = choose_parser(settings.tool_call_parser, source, family)
+        self.reasoning_parser = choose_reasoning_parser(settings.reasoning_parser, family, source)
         app = FastAPI(
             title="FastDecode gateway (OpenAI-compatible)",
             docs_url=None,
@@ -105,7 +110,10 @@ class OpenAIApp:
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        register_router_probes(app, core)  # /get_load, /get_server_info, /metrics ... (router_probes.py)
         self.app = app
+        TokenizeRoutes(self)  # vLLM's /tokenize and /detokenize (tokenize_api.py)
+        MessagesRoutes(self)  # Anthropic's Messages API on the same app (messages_api.py)
 
     # -- errors (each answered request counted once: generate() counts what it ran)
     def _rejected(self, request: Request, e: ServiceError) -> None:
@@ -114,12 +122,12 @@ class OpenAIApp:
 
     async def _on_error(self, request: Request, e: ServiceError) -> Response:
         self._rejected(request, e)
-        return error_response(e)
+        return error_response(e, path=request.url.path)
 
     async def _on_validation(self, request: Request, e: RequestValidationError) -> Response:
         err = validation_error(e.errors())
         self._rejected(request, err)
-        return error_response(err)  # FastAPI's 422 becomes OpenAI's 400
+        return error_response(err, path=request.url.path)  # FastAPI's 422 becomes OpenAI's 400
 
     async def _on_http(self, request: Request, e: HTTPException) -> Response:
         err = APIError(
@@ -127,12 +135,12 @@ class OpenAIApp:
             f"{request.method} {request.url.path}: {e.detail}",
         )
         self._rejected(request, err)
-        return error_response(err, status_override=e.status_code)
+        return error_response(err, e.status_code, request.url.path)
 
     async def _on_internal(self, request: Request, e: Exception) -> Response:
         err = as_service_error(e, log)  # logs the traceback
         self._rejected(request, err)
-        return error_response(err)
+        return error_response(err, path=request.url.path)
 
     # -- routes
     async def health(self) -> Response:
@@ -154,10 +162,10 @@ class OpenAIApp:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, model_id: str) -> Response:
-        self._check_model(model_id)
+        self.check_model(model_id)
         return JSONResponse(self._model_card())
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.core.model_id:
             raise APIError(
                 Status.NOT_FOUND,
@@ -167,7 +175,7 @@ class OpenAIApp:
             )
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         params = completion_params(body)
         echo = None
         if body.echo:  # the prompt as sent, or the text of its token ids
@@ -180,7 +188,7 @@ class OpenAIApp:
         return await self._run(request, params, body, chat=False, echo=echo)
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
-        self._check_model(body.model)
+        self.check_model(body.model)
         if self.template is None:
             raise cannot_chat(self.core.model_id, self.template_error)
         try:
@@ -201,7 +209,9 @@ class OpenAIApp:
         tools: ToolRequest | None = None,
     ) -> Response:
         rid: str = request.state.request_id
-        include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        opts = body.stream_options if body.stream else None
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         n = body.n or 1
 
         def shape(i: int) -> ResponseShape:
@@ -213,7 +223,11 @@ class OpenAIApp:
             calls = ToolCallStream.of(tools, self.tool_parser) if tools is not None else None
             # the caller's own id in the response, never the gateway's suffixed one for a reused id
             shown = getattr(request.state, "public_id", rid)
-            return ResponseShape(chat, shown, self.core.model_id, include_usage, lp, echo, i, calls)
+            out = ResponseShape(chat, shown, self.core.model_id, include_usage, lp, echo, i, calls)
+            out.continuous_usage = continuous
+            if isinstance(body, ChatBody):
+                out.reasoning = ReasoningStream.of(self.reasoning_parser, body.chat_template_kwargs)
+            return out
 
         # n choices are n sequences (each prefills the prompt), one seed stream each
         shapes = [shape(i) for i in range(n)]
@@ -253,18 +267,8 @@ class OpenAIApp:
                 await asyncio.gather(*(self._collect(p, s) for p, s in zip(producers, shapes, strict=True)))
             )
 
-        # A client that hangs up cancels the generation (and frees its KV) instead of letting it run on.
-        work = asyncio.ensure_future(collect())
-        hangup = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hangup.cancel()
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-        if work.cancelled():
+        work = await unless_hung_up(request, collect())
+        if work is None:
             return Response(status_code=499)  # nobody is listening
         try:
             done = work.result()
@@ -282,8 +286,8 @@ class OpenAIApp:
         async with contextlib.aclosing(merge_choices(firsts, producers)) as chunks:
             try:
                 if shapes[0].chat:
-                    for shape in shapes:
-                        yield shape.chunk(None, None, role=True)
+                    for shape, first in zip(shapes, firsts, strict=True):
+                        yield shape.role_chunk(first)
                 async for i, c in chunks:
                     lasts[i] = c
                     if shapes[i].wants_event(c):

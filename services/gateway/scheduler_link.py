@@ -239,6 +239,10 @@ class GrpcSchedulerLink:
             return e.message
         return st.not_ready_reason or None
 
+    async def stats(self, timeout: float) -> scheduler_pb2.SchedulerStats:
+        """The scheduler's GetStats: the fleet's load for the router probes and gauges (router_probes.py)."""
+        return await self._stats(timeout)
+
     @maps_rpc_errors(mapper=_not_ready)
     async def _stats(self, timeout: float) -> scheduler_pb2.SchedulerStats:
         return await self.stub.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=timeout)

@@ -24,6 +24,7 @@ from fastdecode.runtime.settings import GatewaySettings
 from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.v1 import gateway_pb2 as pb
 from fastdecode.wire.gateway import chunk_to_proto, model_card_to_proto, params_from_proto
+from services.gateway.fleet_load import fleet_watch
 from services.gateway.metrics import GATEWAY_REQUESTS, PrometheusGatewayMetrics
 from services.gateway.scheduler_link import GrpcSchedulerLink
 
@@ -234,6 +235,8 @@ async def serve(settings: GatewaySettings) -> None:
     if http is not None:
         await http.start()
     await core.check_scheduler()
+    watch = fleet_watch(core)
+    await watch.refresh()  # the load gauges are right from the first scrape
     core.ready = True
     await server.announce(
         settings.host, settings.metrics_port, settings.ready_file, http_port=http.port if http else None
@@ -249,8 +252,10 @@ async def serve(settings: GatewaySettings) -> None:
         f"on, {len(tenants.names())} tenants" if tenants.enabled else "off",
     )
     readiness = asyncio.create_task(_readiness(server, core, settings.readiness_interval))
+    load_watch = asyncio.create_task(watch.run())
     await server.stopping.wait()
     readiness.cancel()
+    load_watch.cancel()
     log.info("draining %d requests in flight", core.inflight)
     await server.stop(drain=core.drain, cut_off=core.cut_off)
     if http is not None:

@@ -135,6 +135,11 @@ async def serve(settings: SchedulerSettings) -> None:
     driver = service.driver
     if not driver.shards:
         raise InvalidInput("the scheduler needs at least one shard (--shards HOST:PORT,...)")
+    events = None
+    if settings.kv_events:  # a bad address is one clear error, before anything starts
+        from services.scheduler.kv_events import KVEventPublisher
+
+        events = KVEventPublisher(settings.kv_events, settings.kv_events_topic, settings.kv_events_seed)
     server = Server(
         [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name],
         settings.host,
@@ -146,6 +151,10 @@ async def serve(settings: SchedulerSettings) -> None:
     server.install_signal_handlers(settings.supervisor_pid)
     await server.start()
     await driver.connect()
+    if events is not None and driver.core is not None:
+        driver.core.prefixes.listener = events
+        events.flush()
+        log.info("KV events on %s", events.endpoint)
     tasks = [asyncio.create_task(driver.step_loop()), asyncio.create_task(driver.health_loop())]
     await server.announce(settings.host, settings.metrics_port, settings.ready_file)
     tasks.append(asyncio.create_task(_readiness(server, driver, settings.health_interval)))
@@ -166,3 +175,6 @@ async def serve(settings: SchedulerSettings) -> None:
     await server.stop(drain=driver.drain, cut_off=driver.cut_off)
     for t in tasks:
         t.cancel()
+    if events is not None:
+        events.flush()
+        events.close()

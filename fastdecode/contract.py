@@ -131,6 +131,9 @@ class PlannedSeq:
     # Decode steps this row runs in a row within the one plan (the scheduler's --decode-steps): each
     # step after the first feeds it the token the one before sampled, one position further on.
     steps: int = 1
+    # Speculative drafts (the scheduler's --speculative): token_ids is [the last token] + `drafts`
+    # drafted tokens; gpu_dense verifies them in this one step and answers 1 to drafts + 1 tokens.
+    drafts: int = 0
 
     # Named builders for the scheduler's two kinds of row. They take keywords where the meaning is
     # not plain, and call the constructor positionally: a class called with keywords pays for a
@@ -148,11 +151,24 @@ class PlannedSeq:
         sample_index: int,
         next_token: int | None = None,
         steps: int = 1,
+        drafts: int = 0,
     ) -> PlannedSeq:
         """A row that feeds tokens the scheduler knows (a prefill chunk, a recomputed history, the
-        token a decode step sampled) at positions start_pos..; mini-batch 0 until the step is split."""
+        token a decode step sampled, with the drafts that follow it) at positions start_pos..;
+        mini-batch 0 until the step is split."""
         return cls(
-            seq_id, shard, 0, token_ids, start_pos, sampling, sample, sample_index, next_token, False, steps
+            seq_id,
+            shard,
+            0,
+            token_ids,
+            start_pos,
+            sampling,
+            sample,
+            sample_index,
+            next_token,
+            False,
+            steps,
+            drafts,
         )
 
     @classmethod

@@ -28,6 +28,10 @@ DATA_PLANE_OPTIONS: list[tuple[str, int]] = [("grpc.http2.lookahead_bytes", 8 <<
 # stopped sequence wastes at most this many less one.
 MAX_DECODE_STEPS = 16
 
+# Most speculative drafts one decode row may carry (`drafts` in dense.proto's StepPlan): a row of
+# k + 1 positions costs the shards about one read of its KV while the kernel stays memory-bound.
+MAX_DRAFTS = 15
+
 # The gateway's request id rides in this metadata key on every call made for a request; a call made
 # for several sequences at once (Reserve, Release) names them all, comma-separated.
 REQUEST_ID_KEY = "x-request-id"

@@ -83,6 +83,8 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             _setting(SchedulerSettings, "prefix_sharing"),
             _setting(SchedulerSettings, "plan_ahead"),
             _setting(SchedulerSettings, "decode_steps"),
+            _setting(SchedulerSettings, "speculative"),
+            _setting(SchedulerSettings, "num_speculative_tokens"),
             click.option(
                 "--kv-events",
                 default=None,
@@ -203,12 +205,16 @@ def _make_fleet(
     plan_ahead: str = "on",
     decode_steps: int = 1,
     kv_events: str | None = None,
+    speculative: str = "off",
+    num_speculative_tokens: int = 3,
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.dense.emulated import is_emulated, load_emulated
     from fastdecode.runtime.errors import InvalidInput
     from fastdecode.tools.fleet import Fleet
 
+    if speculative != "off" and decode_steps > 1:
+        raise InvalidInput("--speculative needs --decode-steps 1: both give a row several tokens")
     path = resolve_model(model)  # before any service starts: a bad model is one clear line
     dense_args: list[str] = []
     if is_emulated(device):  # an unknown profile or a geometry that does not fit: one line, now
@@ -250,6 +256,10 @@ def _make_fleet(
             "--decode-steps",
             str(decode_steps),
             *(["--kv-events", kv_events] if kv_events else []),
+            "--speculative",
+            speculative,
+            "--num-speculative-tokens",
+            str(num_speculative_tokens),
         ],
         dense_args=dense_args,
         env=dict(env or {}),
@@ -305,6 +315,8 @@ def up(
     prefix_sharing: str,
     plan_ahead: str,
     decode_steps: int,
+    speculative: str,
+    num_speculative_tokens: int,
     kv_events: str | None,
     host_shard: bool,
     pipeline: str,
@@ -348,6 +360,8 @@ def up(
         plan_ahead=plan_ahead,
         decode_steps=decode_steps,
         kv_events=kv_events,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
     )
     fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:

@@ -3,9 +3,10 @@ step runs are `fastdecode.contract.PlannedSeq`, the one type across the step bou
 behind a `ShardPlane` (what a plane can do beyond it declared by `LayerPlane`), and the device's waits
 behind a `Device` (fastdecode/dense/plane.py)."""
 
+from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.plane import Answered, Device, LayerPlane, ShardPlane, StepCancelled
-from fastdecode.dense.runner import AttendItem, Outcome, StepRunner, Timings
+from fastdecode.dense.runner import AttendItem, StepRunner
 
 __all__ = [
     "Answered",

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from fastdecode.contract import LAST_SAMPLE, PlannedSeq
-from fastdecode.dense.runner import Outcome, StepRunner, Timings
+from fastdecode.dense.outcome import Outcome, Timings
+from fastdecode.dense.runner import StepRunner
 
 
 async def run_steps(

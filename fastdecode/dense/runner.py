@@ -17,7 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import torch
@@ -27,10 +27,12 @@ from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.handoff import Staging, copy_into
 from fastdecode.dense.layer_loop import Layers, LayerThreads, Meter, on_loop
+from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.plane import Answered, Device, LayerPlane, PlainPlane, ShardPlane, SyncDevice, declares
 from fastdecode.dense.sampling import penalize, sample, top_logprobs
 from fastdecode.dense.structured import GrammarBank
+from fastdecode.dense.verify import check_drafts, verify_rows
 from fastdecode.kv import AttendBatch
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
@@ -59,40 +61,6 @@ class AttendItem:
     def batch(self) -> AttendBatch:
         """What the shard attends: the item without its shard's index."""
         return AttendBatch(self.seq_ids, self.num_tokens, self.start_pos, self.q, self.k, self.v)
-
-
-@dataclass
-class Outcome:
-    token_id: int = -1
-    logprob: float = 0.0
-    error: BaseException | None = None
-    top: tuple[tuple[int, float], ...] = ()  # the sampled position's top alternatives, when asked
-    prompt: list[TokenLogprob] = field(default_factory=list)  # scored positions start_pos+1..
-    after: list[Outcome] = field(default_factory=list)  # the row's later decode steps (multistep.py)
-
-
-@dataclass
-class Timings:
-    s_part_seconds: float = 0.0  # S-part and sampling compute
-    s_part_cpu_seconds: float = 0.0  # CPU of the step's thread in it: wall less preemption by others
-    shard_wait_seconds: float = 0.0  # step time not covered by S-part work
-    step_seconds: float = 0.0
-    attend_seconds: float = 0.0  # time mini-batches spent awaiting the shards, summed over them
-    pipelined: bool = False  # whether this step ran two mini-batches
-    # CPU of the LM head and sampling, all of the process's threads while it runs (on an emulated
-    # device, the host's stand-in for sampling a GPU does on the device: fastdecode/dense/emulated.py)
-    head_cpu_seconds: float = 0.0
-    round_trips: int = 0  # Attend items sent: one shard's share of one layer of one mini-batch
-
-    @property
-    def overlap_ratio(self) -> float:
-        """Share of the shorter half (S-part or attention) hidden behind the other: 0 when they ran one
-        after the other (no pipeline), 1 when the step took only as long as the longer half."""
-        shorter = min(self.s_part_seconds, self.attend_seconds)
-        if shorter <= 0:
-            return 0.0
-        hidden = self.s_part_seconds + self.attend_seconds - self.step_seconds
-        return min(1.0, max(0.0, hidden / shorter))
 
 
 @dataclass
@@ -185,6 +153,8 @@ class StepRunner:
             raise InvalidInput(f"positions outside [0, {c.max_position_embeddings})")
         if s.next_token is not None and not 0 <= s.next_token < c.vocab_size:
             raise InvalidInput(f"next_token_id outside the vocabulary [0, {c.vocab_size})")
+        if s.drafts:
+            check_drafts(s)
         if checked is not None and id(s.sampling) in checked:
             return  # a step's sequences share their SamplingParams (wire/dense.py): checked once
         s.sampling.validate()
@@ -463,6 +433,12 @@ class StepRunner:
                     meter,
                 )
             row += len(s.token_ids)
+        if any(s.drafts for s in seqs):  # a row with drafts: its last drafts + 1 positions
+            sel, row = [], 0
+            for s in seqs:
+                row += len(s.token_ids)
+                sel += range(row - 1 - s.drafts, row)
+            last = torch.tensor(sel, device=hidden.device)
         return hidden.index_select(0, last)
 
     async def run(
@@ -521,9 +497,15 @@ class StepRunner:
                 else:
                     allowed[sid] = m
         rows = [i for i, s in enumerate(ordered) if s.sample and s.seq_id not in self._failures]
-        if rows:
+        if not hiddens:  # no row was valid
+            rows = []
+        else:
             hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
-            idx = torch.tensor(rows, device=hidden.device)
+        at = rows  # each sampling row's position in hidden
+        if rows and any(s.drafts for s in ordered):  # rows with drafts are verified apart (verify.py)
+            rows, at = verify_rows(self.model, hidden, ordered, rows, outcomes, self._meters[0])
+        if rows:
+            idx = torch.tensor(at, device=hidden.device)
 
             def head() -> tuple[list[int], list[float], dict[int, tuple[tuple[int, float], ...]]]:
                 logits = self.model.logits(hidden.index_select(0, idx))
@@ -561,7 +543,9 @@ class StepRunner:
         for sid, err in self._failures.items():
             outcomes[sid] = Outcome(error=err)
         self.last_samples = {
-            sid: o.token_id for sid, o in outcomes.items() if o.error is None and o.token_id >= 0
+            sid: (o.after[-1] if o.after else o).token_id
+            for sid, o in outcomes.items()
+            if o.error is None and o.token_id >= 0
         }
         step = time.perf_counter() - t0
         if pipeline and all(split) and self.chooser is not None and valid:

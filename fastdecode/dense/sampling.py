@@ -20,8 +20,10 @@ from fastdecode.runtime.errors import InvalidInput
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over the seed space
 
 
-def _row_seed(seed: int, index: int) -> int:
-    return ((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+def row_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded row's draw for the token at `index` (its sample_index)."""
+    mixed = ((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
 def penalize(
@@ -105,7 +107,7 @@ def sample(
 
     `processed`: the logits to draw from when they differ from the model's (penalties, a grammar
     mask); the logprobs stay those of `logits`."""
-    n, vocab = logits.shape
+    n = logits.shape[0]
     if len(params) != n or len(sample_index) != n:
         raise InvalidInput("one SamplingParams and sample_index per row required")
     model = logits = logits.float()
@@ -115,21 +117,7 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        sub = logits.index_select(0, idx)
-        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        sub = sub / temp[:, None]
-        top_k = torch.tensor([params[i].top_k or vocab for i in rows], device=logits.device).clamp(max=vocab)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
-        sorted_logits, order = sub.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        drop = ranks >= top_k[:, None]
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        # min_p: below min_p x the most likely token's probability (after temperature, top-k)
-        min_p = torch.tensor([params[i].min_p for i in rows], device=logits.device)
-        drop |= probs < min_p[:, None] * probs[:, :1]
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        probs, order = _filtered(logits.index_select(0, idx), [params[i] for i in rows])
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
@@ -137,11 +125,44 @@ def sample(
             if p.seed is None:
                 noise[j].exponential_()
             else:
-                gen = torch.Generator(device=logits.device).manual_seed(_row_seed(p.seed, sample_index[i]))
-                noise[j].exponential_(generator=gen)
+                noise[j].exponential_(generator=row_generator(p.seed, sample_index[i], logits.device))
         choice = (probs / noise).argmax(dim=-1)
         tokens[idx] = order.gather(1, choice[:, None]).squeeze(1)
     return tokens, chosen_logprobs(model, tokens, best if logits is model else None)
+
+
+def _filtered(sub: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled rows' distributions after temperature, top-k, top-p and min-p, in descending order of
+    the logits: (probabilities [N, V], the token of each place [N, V])."""
+    dev, vocab = sub.device, sub.shape[1]
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    sub = sub / temp[:, None]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev).clamp(max=vocab)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    sorted_logits, order = sub.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    # min_p: below min_p x the most likely token's probability (after temperature, top-k)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    return torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1), order
+
+
+def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution as `sample` draws from it ([N, V] fp32): one-hot at the argmax for a
+    greedy row. What speculative verification weighs drafts against (fastdecode/dense/verify.py)."""
+    logits = logits.float()
+    out = torch.zeros_like(logits)
+    out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        probs, order = _filtered(logits.index_select(0, idx), [params[i] for i in rows])
+        out[idx] = torch.zeros_like(probs).scatter_(1, order, probs)
+    return out
 
 
 def chosen_logprobs(

@@ -150,10 +150,11 @@ class Attention:
         with torch.inference_mode():
             if self._native is not None:
                 out = self._attend_native(layer, batch)
+                # A write at start_pos holds the sequence up to its end, not past it: positions
+                # after it were rejected drafts (speculative decoding) and are rolled back, so no
+                # count, export or publish reads them; the next write overwrites them.
                 for seq, end in zip(seqs, ends, strict=True):
-                    held = seq.lengths
-                    if held[layer] < end:
-                        held[layer] = end
+                    seq.lengths[layer] = end
             else:
                 out = None
                 if self.grouped:
@@ -254,7 +255,7 @@ class Attention:
         keys[:, :, start:end] = k.reshape(rows, n, kvh, dim).permute(2, 0, 1, 3)
         values[:, :, start:end] = v.reshape(rows, n, kvh, dim).permute(2, 0, 1, 3)
         for seq in seqs:
-            seq.lengths[layer] = max(seq.lengths[layer], end)
+            seq.lengths[layer] = end  # past end: rolled back (attend's note)
         heads = q.shape[1]
         group = heads // kvh
         # The query heads sharing one kv head, at every new position, ride as that head's query
@@ -308,7 +309,7 @@ class Attention:
                 kp[:, new] = knew.to(self.dtype)
                 vp[:, new] = vnew.to(self.dtype)
                 keys, values = kp[:, idx], vp[:, idx]
-            seq.lengths[layer] = max(seq.lengths[layer], end)
+            seq.lengths[layer] = end  # past end: rolled back (attend's note)
             qn = q[row : row + n].to(compute)
             if self.softcap:  # (a store without windows: only the soft-cap)
                 o = self._scores_softmax(qn, keys, values, start, 0, scale)
@@ -364,7 +365,7 @@ class Attention:
             else:
                 kp[:, new], vp[:, new] = knew.to(self.dtype), vnew.to(self.dtype)
                 keys, values = kp[:, idx], vp[:, idx]
-            seq.lengths[layer] = max(seq.lengths[layer], end)
+            seq.lengths[layer] = end  # past end: rolled back (attend's note)
             qn = q[row : row + n].to(compute)
             o = self._scores_softmax(qn, keys, values, start, window, 1 / math.sqrt(dim), lo)
             out[row : row + n] = o.reshape(n, heads * dim).to(q.dtype)

@@ -164,13 +164,16 @@ class ShardCore:
         return AttendResult(o, seconds, sum(keys) * store.bytes_per_token // store.num_layers, cpu)
 
     # ---- live migration ----------------------------------------------------------------------
-    def export_sequence(self, seq_id: str) -> tuple[SequenceHeader, Iterator[LayerRows]]:
+    def export_sequence(self, seq_id: str, tokens: int = 0) -> tuple[SequenceHeader, Iterator[LayerRows]]:
         """One sequence's KV: its header, and its layers, each copied out of the pool only when
         asked for (one layer in memory at a time). NotFound at once, before any layer, when the
-        sequence is not held here."""
+        sequence is not held here. `tokens` > 0: the positions the scheduler counts; what lies past
+        them (a verified row's rejected drafts) is rolled back first, so it never moves."""
         store = self.store
         if store is None or seq_id not in store.seqs:
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")
+        if tokens:
+            store.truncate(seq_id, tokens)
         header = SequenceHeader(
             seq_id,
             store.num_layers,

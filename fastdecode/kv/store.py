@@ -519,6 +519,16 @@ class KVStore(WindowGroups, Attention):
         seq.tables.clear()
         self._tables.clear()
 
+    def truncate(self, seq_id: str, tokens: int) -> None:
+        """Hold the sequence's first `tokens` positions only (a verified row's rejected drafts lay
+        past them). FailedPrecondition when it holds fewer in some layer."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"sequence {seq_id!r} is not held by this shard")
+        if tokens < 0 or tokens > min(seq.lengths):
+            raise FailedPrecondition(f"sequence {seq_id!r} holds {min(seq.lengths)} positions, not {tokens}")
+        seq.lengths[:] = [tokens] * len(seq.lengths)
+
     def write(self, layer: int, seq_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, KVH, D] at positions start.. of one sequence without attending
         (benchmarks and tests fill long caches this way; decode appends through attend)."""

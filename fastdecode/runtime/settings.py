@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fastdecode.protocol import MAX_DECODE_STEPS
+from fastdecode.protocol import MAX_DECODE_STEPS, MAX_DRAFTS
 from fastdecode.runtime.fleet_secret import FleetSecret, load_fleet_secret
 from fastdecode.runtime.logs import configure_logging
 
@@ -236,6 +236,19 @@ class SchedulerSettings(ServiceSettings):
         "token the one before sampled: the scheduler's work per plan is spread over them (vLLM's "
         "multi-step scheduling), its stop rules see them after the plan, new requests join between plans.",
     )
+    speculative: Literal["off", "ngram", "suffix"] = Field(
+        "off",
+        description="Speculative decoding without a draft model (docs/speculative.md): ngram drafts by "
+        "prompt lookup over the request's tokens, suffix from suffix tries over them and its tenant's "
+        "recent outputs; gpu_dense verifies a row's drafts in one step, the shards in one read of its "
+        "KV. Greedy tokens are unchanged, sampled ones keep their distribution. Plans one step at a "
+        "time (no plan-ahead); needs --decode-steps 1.",
+    )
+    num_speculative_tokens: int = Field(
+        3, ge=1, le=MAX_DRAFTS, description="Most drafts a decode row carries (vLLM's meaning)."
+    )
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest n-gram looked up (vLLM's).")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest n-gram looked up (vLLM's).")
     health_interval: float = Field(1.0, gt=0, description="Seconds between shard health probes.")
     step_timeout: float = Field(120.0, gt=0, description="Seconds one step may take at gpu_dense.")
     startup_timeout: float = Field(300.0, gt=0, description="Seconds to wait for gpu_dense at start.")
@@ -273,6 +286,14 @@ class SchedulerSettings(ServiceSettings):
     migrate_share: float = Field(
         0.3, gt=0, le=1, description="Most share of the wall time rebalancing moves may take."
     )
+
+    @model_validator(mode="after")
+    def _speculation_fits(self) -> SchedulerSettings:
+        if self.speculative != "off" and self.decode_steps > 1:
+            raise ValueError("--speculative needs --decode-steps 1: both give a row several tokens")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("--prompt-lookup-min must not exceed --prompt-lookup-max")
+        return self
 
 
 class GatewaySettings(ServiceSettings):

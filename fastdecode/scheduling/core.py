@@ -66,6 +66,7 @@ from fastdecode.runtime.errors import (
 )
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling.admission import AdmissionPolicy, Candidate, NaiveAdmission
+from fastdecode.scheduling.drafts import Drafting
 from fastdecode.scheduling.load import LoadModel
 from fastdecode.scheduling.membership import Membership
 from fastdecode.scheduling.migration import MigrationPlanning, Move
@@ -95,6 +96,7 @@ from fastdecode.scheduling.types import (
     Step,
     TokenEvent,
 )
+from fastdecode.spec import Proposer
 
 
 class SchedulerCore:
@@ -117,6 +119,7 @@ class SchedulerCore:
         kv_geometry: KVGeometry | None = None,
         plan_ahead: bool = False,
         decode_steps: int = 1,
+        proposer: Proposer | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
@@ -128,6 +131,10 @@ class SchedulerCore:
             raise InvalidInput(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")
         if prefix_affinity < 0:
             raise InvalidInput("prefix_affinity must be >= 0")
+        if proposer is not None and (decode_steps > 1 or plan_ahead):
+            # A row in flight with drafts leaves its next position unknown until verified, so it
+            # cannot be planned ahead; several decode steps and drafts both give a row several tokens.
+            raise InvalidInput("speculative decoding plans one step at a time, with decode_steps 1")
         self._vocab_size = vocab_size
         # windowed layers (the model's geometry): a sequence holds, and attends over, less than its
         # length; without windows every count is the sequence's length
@@ -147,8 +154,14 @@ class SchedulerCore:
         self.membership = Membership(tables, self._admission, self.migration, self.prefixes, self.releases)
         self.preemption = Preemption(tables, self.membership, self.releases)
         self.runs = DecodeRuns(decode_steps, self._eos, self.load)
+        self.drafting = Drafting(proposer) if proposer is not None else None
         self.planner = RowPlanner(
-            tables, self.load, self.runs, plan_ahead=plan_ahead, prefill_budget=prefill_token_budget
+            tables,
+            self.load,
+            self.runs,
+            plan_ahead=plan_ahead,
+            prefill_budget=prefill_token_budget,
+            drafting=self.drafting,
         )
         for spec in shards:
             self.membership.add_shard(spec)
@@ -364,8 +377,11 @@ class SchedulerCore:
                 if scored:  # a prefill chunk that is not the last: only its prompt logprobs go out
                     events.append(self._event(seq, [], [], None, step_no, prompt_logprobs=scored))
                 continue  # its KV is in, nothing to sample
-            if mark.steps > 1 and res is not None:  # several decode steps ran it (runs.py)
-                ev = self.runs.apply(seq, mark.steps, res, scored, step_no)
+            if (mark.steps > 1 or mark.drafts) and res is not None:  # several tokens (runs.py, drafts.py)
+                if mark.drafts and self.drafting is not None:
+                    ev = self.drafting.apply(seq, mark.drafts, res, scored, step_no, self.runs)
+                else:
+                    ev = self.runs.apply(seq, mark.steps, res, scored, step_no)
                 events.append(ev)
                 if ev.finish_reason is not None:
                     self._leave(seq)
@@ -453,6 +469,8 @@ class SchedulerCore:
             sh.blocked_until = 0  # it has room again
             self.prefixes.forget_pending(seq, sh)
         self.releases.release(seq)
+        if self.drafting is not None:
+            self.drafting.forget(sid)
         self._tables.parked.discard(sid)
         seq.shard, seq.reserved_on, seq.blocks, seq.shared = None, None, 0, 0
         self._finished += finished
@@ -501,6 +519,7 @@ class SchedulerCore:
             expected_ratio=self.load.ratio,
             shards=shards,
             migrations=self.migration.migrations,
+            spec=self.drafting.counts if self.drafting is not None else (0, 0, 0, 0),
         )
 
     @property

@@ -59,6 +59,7 @@ from fastdecode.scheduling.types import (
     Step,
     TokenEvent,
 )
+from fastdecode.spec import proposer_for
 
 log = logging.getLogger("fastdecode.scheduler")
 
@@ -182,8 +183,12 @@ class SchedulerDriver(Migrations, ShardHealth):
             prefix_sharing=s.prefix_sharing == "on",
             prefix_affinity=s.prefix_affinity,
             kv_geometry=self.info.geometry,
-            plan_ahead=s.plan_ahead == "on",
+            # a row with drafts in flight leaves its next position unknown: no planning ahead
+            plan_ahead=s.plan_ahead == "on" and s.speculative == "off",
             decode_steps=s.decode_steps,
+            proposer=proposer_for(
+                s.speculative, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
+            ),
         )
         for i in removed:
             self.core.remove_shard(i)

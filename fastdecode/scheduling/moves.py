@@ -145,7 +145,9 @@ class Migrations:
         source, target = self.shards[move.source], self.shards[move.target]
         t0 = time.perf_counter()
         try:
-            r = await source.link.migrate_out(move.seq_id, target.link.address, self.s.migrate_timeout)
+            r = await source.link.migrate_out(
+                move.seq_id, target.link.address, move.tokens, self.s.migrate_timeout
+            )
             ok, nbytes = True, r.bytes
         except ServiceError as e:
             ok, nbytes = False, 0

@@ -112,8 +112,9 @@ class ShardLink(Protocol):
     async def release(self, seq_ids: list[str] | None, timeout: float) -> None:
         """Free the named sequences (None: all)."""
 
-    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
-        """The shard copies the sequence's KV to the shard at `target` and keeps its own copy."""
+    async def migrate_out(self, seq_id: str, target: str, tokens: int, timeout: float) -> MigrationResult:
+        """The shard copies the sequence's first `tokens` KV positions (what the scheduler counts; past
+        them it rolls back rejected drafts) to the shard at `target` and keeps its own copy."""
 
     async def retire(self, timeout: float) -> None:
         """The shard was removed: it stops serving and exits."""

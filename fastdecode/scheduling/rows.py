@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastdecode.scheduling.drafts import Drafting
 from fastdecode.scheduling.load import LoadModel
 from fastdecode.scheduling.placement import row_costs, split_mini_batches
 from fastdecode.scheduling.runs import DecodeRuns
@@ -33,11 +34,19 @@ class RowPlanner:
     ahead (`plan_ahead`) and the prefill tokens a step takes (`prefill_budget`)."""
 
     def __init__(
-        self, tables: CoreTables, load: LoadModel, runs: DecodeRuns, *, plan_ahead: bool, prefill_budget: int
+        self,
+        tables: CoreTables,
+        load: LoadModel,
+        runs: DecodeRuns,
+        *,
+        plan_ahead: bool,
+        prefill_budget: int,
+        drafting: Drafting | None = None,
     ) -> None:
         self._tables = tables
         self._load = load
         self._runs = runs
+        self._drafting = drafting  # None: no speculative drafts
         self.plan_ahead = plan_ahead
         self.prefill_budget = prefill_budget
 
@@ -55,6 +64,8 @@ class RowPlanner:
         ahead, parked, budget = self.plan_ahead, self._tables.parked, self.prefill_budget
         multistep, run_steps = self._runs.decode_steps > 1, self._runs.steps
         ahead_row, chunk_row = PlannedSeq.ahead, PlannedSeq.chunk
+        draft = self._drafting.drafts if self._drafting is not None else None
+        drafts: list[int] = []
         for sid, seq in self._tables.running.items():
             shard = seq.shard
             if shard is None or seq.moving is not None:
@@ -94,20 +105,27 @@ class RowPlanner:
                     sampling, next_token = chunk_scoring(seq, n)
                 else:
                     sampling, next_token = req.sampling, None
+                # a decode row: the last token, then what drafting expects to follow it
+                if draft is not None and n == 1 and generated > 0:
+                    drafts = draft(sid, tokens, req.sampling, req.max_tokens - generated - 1, req.cache_salt)
                 p = chunk_row(
                     sid,
                     shard,
-                    tokens[kv : kv + n],
+                    tokens[kv : kv + n] + drafts if drafts else tokens[kv : kv + n],
                     kv,
                     sampling,
                     sample=sample,
                     sample_index=req.sample_offset + generated,
                     next_token=next_token,
                     steps=steps,
+                    drafts=len(drafts),
                 )
             planned.append(p)
             blocks = seq.blocks
-            marks[sid] = Inflight(seq.epoch, sample, kv, blocks, steps)
+            marks[sid] = Inflight(seq.epoch, sample, kv, blocks, steps, len(drafts))
+            if drafts:
+                n += len(drafts)
+                drafts = []
             # Its growth. The KV positions written once the step ran: all but its last sampled
             # token's. The shard keeps the blocks it reserved for the prompt (history) until a window
             # passes them: a windowed model's sequence can hold fewer blocks after the chunk.

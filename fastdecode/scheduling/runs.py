@@ -50,18 +50,14 @@ class DecodeRuns:
         res: DenseAnswer,
         scored: list[TokenLogprob],
         step_no: int,
+        *,
+        exact: bool = True,
     ) -> TokenEvent:
-        """A sequence's tokens of a plan that ran it `steps` decode steps: the stop rules on each in
-        turn; the tokens after the one that stopped it are dropped. The event finishes it (the caller
-        lets it leave) when it stopped, reached max_tokens, or its result is not what was planned."""
-        if isinstance(res, SampledRun):
-            toks, lps, tops = res.token_ids, res.logprobs, res.top
-        elif isinstance(res, Sampled):
-            toks, lps, tops = [res.token_id], [res.logprob], [res.top]
-        elif isinstance(res[0], int):
-            toks, lps, tops = [res[0]], [res[1]], []
-        else:
-            toks, lps, tops = res[0], res[1], []
+        """A sequence's tokens of a plan that ran it `steps` decode steps (or verified steps - 1
+        drafts: then 1 to `steps` tokens, not `exact`ly steps): the stop rules on each in turn; the
+        tokens after the one that stopped it are dropped. The event finishes it (the caller lets it
+        leave) when it stopped, reached max_tokens, or its result is not what was planned."""
+        toks, lps, tops = tokens_of(res)
         if not toks or toks[0] < 0 or len(toks) > steps or len(lps) != len(toks):
             err = InternalError(f"no result for a sequence planned for {steps} decode steps")
             return _failed(seq, [], [], step_no, err)
@@ -77,7 +73,7 @@ class DecodeRuns:
             if reason is not None:
                 toks, lps, tops = toks[: i + 1], lps[: i + 1], tops[: i + 1]
                 break
-        if reason is None and len(toks) < steps:
+        if reason is None and exact and len(toks) < steps:
             # gpu_dense stops a row early only at a grammar's EOS: the sequence would go on from KV
             # positions its plan ahead did not count on
             err = InternalError(f"gpu_dense ran {len(toks)} of the {steps} decode steps planned")
@@ -99,6 +95,17 @@ class DecodeRuns:
             list(tops) if req.sampling.top_logprobs else [],
             scored,
         )
+
+
+def tokens_of(res: DenseAnswer) -> tuple[list[int], list[float], list[tuple[tuple[int, float], ...]]]:
+    """A row's answer in any of its shapes as (tokens, logprobs, top alternatives)."""
+    if isinstance(res, SampledRun):
+        return res.token_ids, res.logprobs, res.top
+    if isinstance(res, Sampled):
+        return [res.token_id], [res.logprob], [res.top]
+    if isinstance(res[0], int):
+        return [res[0]], [res[1]], []
+    return res[0], res[1], []  # type: ignore[return-value]
 
 
 def _failed(seq: SeqEntry, toks: list[int], lps: list[float], step_no: int, err: InternalError) -> TokenEvent:

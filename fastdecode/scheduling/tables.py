@@ -79,6 +79,7 @@ class Inflight:
     start_pos: int  # where the planned chunk starts: a step the shard refused is retried from here
     blocks: int  # blocks held before the chunk grew the sequence
     steps: int = 1  # decode steps planned for it in this step (--decode-steps): tokens it samples
+    drafts: int = 0  # speculative drafts its row carries (--speculative): it yields 1 to drafts + 1 tokens
 
 
 class CoreTables:

@@ -179,6 +179,8 @@ class SchedulerStats:
     expected_ratio: float  # expected share of max_tokens a sequence generates
     shards: list[ShardStats]
     migrations: int = 0  # sequences moved live (KV copied to another shard)
+    # speculative decoding: rows with drafts, drafts carried, drafts kept, tokens those rows yielded
+    spec: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 @dataclass(frozen=True)

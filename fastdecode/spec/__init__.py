@@ -30,6 +30,16 @@ from fastdecode.spec.ngram import NgramConfig, NgramProposer, NgramState, propos
 from fastdecode.spec.suffix import SuffixConfig, SuffixProposer, SuffixState
 from fastdecode.spec.suffix_tree import Draft, SuffixTrie
 
+
+def proposer_for(method: str, k: int, lookup_min: int = 1, lookup_max: int = 4) -> Proposer | None:
+    """The drafting method a setting names ("off", "ngram", "suffix"), drafting up to k tokens."""
+    if method == "ngram":
+        return NgramProposer(NgramConfig(k, lookup_min, lookup_max))
+    if method == "suffix":
+        return SuffixProposer(SuffixConfig(k))
+    return None
+
+
 __all__ = [
     "Draft",
     "DraftState",
@@ -42,4 +52,5 @@ __all__ = [
     "SuffixState",
     "SuffixTrie",
     "propose_ngram",
+    "proposer_for",
 ]

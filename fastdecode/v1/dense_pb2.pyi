@@ -97,7 +97,7 @@ class PositionLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step", "pipeline", "ended", "seq_ids", "shards", "mini_batches", "start_pos", "token_counts", "token_ids", "sample", "sample_index", "use_last_sample", "samplings", "sampling_index", "next_token_ids", "steps")
+    __slots__ = ("step", "pipeline", "ended", "seq_ids", "shards", "mini_batches", "start_pos", "token_counts", "token_ids", "sample", "sample_index", "use_last_sample", "samplings", "sampling_index", "next_token_ids", "steps", "drafts")
     class NextTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class StepPlan(_message.Message):
     SAMPLING_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     pipeline: bool
     ended: _containers.RepeatedScalarFieldContainer[str]
@@ -137,7 +138,8 @@ class StepPlan(_message.Message):
     sampling_index: _containers.RepeatedScalarFieldContainer[int]
     next_token_ids: _containers.ScalarMap[int, int]
     steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., pipeline: _Optional[bool] = ..., ended: _Optional[_Iterable[str]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[int]] = ..., mini_batches: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sample_index: _Optional[_Iterable[int]] = ..., use_last_sample: _Optional[_Iterable[bool]] = ..., samplings: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., sampling_index: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Mapping[int, int]] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., pipeline: _Optional[bool] = ..., ended: _Optional[_Iterable[str]] = ..., seq_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[int]] = ..., mini_batches: _Optional[_Iterable[int]] = ..., start_pos: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., sample_index: _Optional[_Iterable[int]] = ..., use_last_sample: _Optional[_Iterable[bool]] = ..., samplings: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., sampling_index: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Mapping[int, int]] = ..., steps: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("positions",)

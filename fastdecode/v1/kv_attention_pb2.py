@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fastdecode.v1 import tensor_pb2 as fastdecode_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n fastdecode/v1/kv_attention.proto\x12\rfastdecode.v1\x1a\x1a\x66\x61stdecode/v1/tensor.proto\"3\n\x11MigrateOutRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\"D\n\x12MigrateOutResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xb6\x02\n\x07KVChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12+\n\x08geometry\x18\x02 \x01(\x0b\x32\x19.fastdecode.v1.KVGeometry\x12&\n\x08kv_dtype\x18\x03 \x01(\x0e\x32\x14.fastdecode.v1.DType\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\r\n\x05layer\x18\x05 \x01(\x05\x12 \n\x01k\x18\x06 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12 \n\x01v\x18\x07 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12&\n\x07k_scale\x18\x08 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12&\n\x07v_scale\x18\t \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12\x13\n\x0b\x66irst_token\x18\n \x01(\x03\"/\n\x0eImportResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\x0f\n\rRetireRequest\"#\n\x0eRetireResponse\x12\x11\n\tsequences\x18\x01 \x01(\x05\"{\n\nKVGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x15\n\rlayer_windows\x18\x04 \x03(\x05\x12\x1a\n\x12\x61ttn_logit_softcap\x18\x05 \x01(\x02\"\xd0\x01\n\rAttendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x0f\n\x07seq_ids\x18\x03 \x03(\t\x12\x12\n\nnum_tokens\x18\x04 \x03(\x05\x12\x11\n\tstart_pos\x18\x05 \x03(\x03\x12 \n\x01q\x18\x06 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12 \n\x01k\x18\x07 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12 \n\x01v\x18\x08 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\"\x87\x01\n\x0e\x41ttendResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12 \n\x01o\x18\x02 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.fastdecode.v1.ItemError\x12\x16\n\x0e\x61ttend_seconds\x18\x04 \x01(\x01\"`\n\x13SequenceReservation\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x32 \x03(\x03\x12\x12\n\ncache_salt\x18< \x01(\t\"\x83\x01\n\x0eReserveRequest\x12+\n\x08geometry\x18\x01 \x01(\x0b\x32\x19.fastdecode.v1.KVGeometry\x12\x35\n\tsequences\x18\x02 \x03(\x0b\x32\".fastdecode.v1.SequenceReservation\x12\r\n\x05model\x18\x32 \x01(\t\"=\n\x0fReserveResponse\x12\x13\n\x0b\x66ree_tokens\x18\x01 \x01(\x03\x12\x15\n\rcached_tokens\x18\x32 \x03(\x03\".\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xa8\x04\n\nShardStats\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\x11\n\tsequences\x18\x02 \x01(\x05\x12\x13\n\x0btokens_held\x18\x03 \x01(\x03\x12\x17\n\x0ftokens_reserved\x18\x04 \x01(\x03\x12\x12\n\nbytes_used\x18\x05 \x01(\x03\x12\x16\n\x0e\x62ytes_capacity\x18\x06 \x01(\x03\x12\x1e\n\x16\x61ttention_busy_seconds\x18\x07 \x01(\x01\x12\x14\n\x0c\x61ttend_items\x18\x08 \x01(\x03\x12\x13\n\x0b\x66ree_tokens\x18\t \x01(\x03\x12&\n\x08kv_dtype\x18\n \x01(\x0e\x32\x14.fastdecode.v1.DType\x12\x12\n\nconfigured\x18\x0b \x01(\x08\x12\x1c\n\x14\x61ttended_token_pairs\x18\x0c \x01(\x01\x12\x12\n\nblock_size\x18\r \x01(\x05\x12\x15\n\rblocks_in_use\x18\x0e \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x0f \x01(\x03\x12\x19\n\x11host_busy_seconds\x18\x10 \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x32 \x01(\x03\x12\x13\n\x0bprefix_hits\x18\x33 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x34 \x01(\x03\x12\x18\n\x10prefix_evictions\x18\x35 \x01(\x03\x12\x1c\n\x14prefix_cached_blocks\x18\x36 \x01(\x03\x12\x1b\n\x13prefix_shared_bytes\x18\x37 \x01(\x03\"<\n\x0b\x46illRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"&\n\x0c\x46illResponse\x12\x16\n\x0etokens_written\x18\x01 \x01(\x03\x32\xd3\x04\n\x0bKVAttention\x12I\n\x06\x41ttend\x12\x1c.fastdecode.v1.AttendRequest\x1a\x1d.fastdecode.v1.AttendResponse(\x01\x30\x01\x12H\n\x07Reserve\x12\x1d.fastdecode.v1.ReserveRequest\x1a\x1e.fastdecode.v1.ReserveResponse\x12H\n\x07Release\x12\x1d.fastdecode.v1.ReleaseRequest\x1a\x1e.fastdecode.v1.ReleaseResponse\x12?\n\x05Stats\x12\x1b.fastdecode.v1.StatsRequest\x1a\x19.fastdecode.v1.ShardStats\x12Q\n\nMigrateOut\x12 .fastdecode.v1.MigrateOutRequest\x1a!.fastdecode.v1.MigrateOutResponse\x12I\n\x0eImportSequence\x12\x16.fastdecode.v1.KVChunk\x1a\x1d.fastdecode.v1.ImportResponse(\x01\x12\x45\n\x06Retire\x12\x1c.fastdecode.v1.RetireRequest\x1a\x1d.fastdecode.v1.RetireResponse\x12?\n\x04\x46ill\x12\x1a.fastdecode.v1.FillRequest\x1a\x1b.fastdecode.v1.FillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n fastdecode/v1/kv_attention.proto\x12\rfastdecode.v1\x1a\x1a\x66\x61stdecode/v1/tensor.proto\"C\n\x11MigrateOutRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\"D\n\x12MigrateOutResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xb6\x02\n\x07KVChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12+\n\x08geometry\x18\x02 \x01(\x0b\x32\x19.fastdecode.v1.KVGeometry\x12&\n\x08kv_dtype\x18\x03 \x01(\x0e\x32\x14.fastdecode.v1.DType\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\r\n\x05layer\x18\x05 \x01(\x05\x12 \n\x01k\x18\x06 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12 \n\x01v\x18\x07 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12&\n\x07k_scale\x18\x08 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12&\n\x07v_scale\x18\t \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12\x13\n\x0b\x66irst_token\x18\n \x01(\x03\"/\n\x0eImportResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\x0f\n\rRetireRequest\"#\n\x0eRetireResponse\x12\x11\n\tsequences\x18\x01 \x01(\x05\"{\n\nKVGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x15\n\rlayer_windows\x18\x04 \x03(\x05\x12\x1a\n\x12\x61ttn_logit_softcap\x18\x05 \x01(\x02\"\xd0\x01\n\rAttendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x0f\n\x07seq_ids\x18\x03 \x03(\t\x12\x12\n\nnum_tokens\x18\x04 \x03(\x05\x12\x11\n\tstart_pos\x18\x05 \x03(\x03\x12 \n\x01q\x18\x06 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12 \n\x01k\x18\x07 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12 \n\x01v\x18\x08 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\"\x87\x01\n\x0e\x41ttendResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12 \n\x01o\x18\x02 \x01(\x0b\x32\x15.fastdecode.v1.Tensor\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.fastdecode.v1.ItemError\x12\x16\n\x0e\x61ttend_seconds\x18\x04 \x01(\x01\"`\n\x13SequenceReservation\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x32 \x03(\x03\x12\x12\n\ncache_salt\x18< \x01(\t\"\x83\x01\n\x0eReserveRequest\x12+\n\x08geometry\x18\x01 \x01(\x0b\x32\x19.fastdecode.v1.KVGeometry\x12\x35\n\tsequences\x18\x02 \x03(\x0b\x32\".fastdecode.v1.SequenceReservation\x12\r\n\x05model\x18\x32 \x01(\t\"=\n\x0fReserveResponse\x12\x13\n\x0b\x66ree_tokens\x18\x01 \x01(\x03\x12\x15\n\rcached_tokens\x18\x32 \x03(\x03\".\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xa8\x04\n\nShardStats\x12\x10\n\x08shard_id\x18\x01 \x01(\x05\x12\x11\n\tsequences\x18\x02 \x01(\x05\x12\x13\n\x0btokens_held\x18\x03 \x01(\x03\x12\x17\n\x0ftokens_reserved\x18\x04 \x01(\x03\x12\x12\n\nbytes_used\x18\x05 \x01(\x03\x12\x16\n\x0e\x62ytes_capacity\x18\x06 \x01(\x03\x12\x1e\n\x16\x61ttention_busy_seconds\x18\x07 \x01(\x01\x12\x14\n\x0c\x61ttend_items\x18\x08 \x01(\x03\x12\x13\n\x0b\x66ree_tokens\x18\t \x01(\x03\x12&\n\x08kv_dtype\x18\n \x01(\x0e\x32\x14.fastdecode.v1.DType\x12\x12\n\nconfigured\x18\x0b \x01(\x08\x12\x1c\n\x14\x61ttended_token_pairs\x18\x0c \x01(\x01\x12\x12\n\nblock_size\x18\r \x01(\x05\x12\x15\n\rblocks_in_use\x18\x0e \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x0f \x01(\x03\x12\x19\n\x11host_busy_seconds\x18\x10 \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x32 \x01(\x03\x12\x13\n\x0bprefix_hits\x18\x33 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x34 \x01(\x03\x12\x18\n\x10prefix_evictions\x18\x35 \x01(\x03\x12\x1c\n\x14prefix_cached_blocks\x18\x36 \x01(\x03\x12\x1b\n\x13prefix_shared_bytes\x18\x37 \x01(\x03\"<\n\x0b\x46illRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"&\n\x0c\x46illResponse\x12\x16\n\x0etokens_written\x18\x01 \x01(\x03\x32\xd3\x04\n\x0bKVAttention\x12I\n\x06\x41ttend\x12\x1c.fastdecode.v1.AttendRequest\x1a\x1d.fastdecode.v1.AttendResponse(\x01\x30\x01\x12H\n\x07Reserve\x12\x1d.fastdecode.v1.ReserveRequest\x1a\x1e.fastdecode.v1.ReserveResponse\x12H\n\x07Release\x12\x1d.fastdecode.v1.ReleaseRequest\x1a\x1e.fastdecode.v1.ReleaseResponse\x12?\n\x05Stats\x12\x1b.fastdecode.v1.StatsRequest\x1a\x19.fastdecode.v1.ShardStats\x12Q\n\nMigrateOut\x12 .fastdecode.v1.MigrateOutRequest\x1a!.fastdecode.v1.MigrateOutResponse\x12I\n\x0eImportSequence\x12\x16.fastdecode.v1.KVChunk\x1a\x1d.fastdecode.v1.ImportResponse(\x01\x12\x45\n\x06Retire\x12\x1c.fastdecode.v1.RetireRequest\x1a\x1d.fastdecode.v1.RetireResponse\x12?\n\x04\x46ill\x12\x1a.fastdecode.v1.FillRequest\x1a\x1b.fastdecode.v1.FillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fastdecode.v1.kv_attention_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MIGRATEOUTREQUEST']._serialized_start=79
-  _globals['_MIGRATEOUTREQUEST']._serialized_end=130
-  _globals['_MIGRATEOUTRESPONSE']._serialized_start=132
-  _globals['_MIGRATEOUTRESPONSE']._serialized_end=200
-  _globals['_KVCHUNK']._serialized_start=203
-  _globals['_KVCHUNK']._serialized_end=513
-  _globals['_IMPORTRESPONSE']._serialized_start=515
-  _globals['_IMPORTRESPONSE']._serialized_end=562
-  _globals['_RETIREREQUEST']._serialized_start=564
-  _globals['_RETIREREQUEST']._serialized_end=579
-  _globals['_RETIRERESPONSE']._serialized_start=581
-  _globals['_RETIRERESPONSE']._serialized_end=616
-  _globals['_KVGEOMETRY']._serialized_start=618
-  _globals['_KVGEOMETRY']._serialized_end=741
-  _globals['_ATTENDREQUEST']._serialized_start=744
-  _globals['_ATTENDREQUEST']._serialized_end=952
-  _globals['_ATTENDRESPONSE']._serialized_start=955
-  _globals['_ATTENDRESPONSE']._serialized_end=1090
-  _globals['_SEQUENCERESERVATION']._serialized_start=1092
-  _globals['_SEQUENCERESERVATION']._serialized_end=1188
-  _globals['_RESERVEREQUEST']._serialized_start=1191
-  _globals['_RESERVEREQUEST']._serialized_end=1322
-  _globals['_RESERVERESPONSE']._serialized_start=1324
-  _globals['_RESERVERESPONSE']._serialized_end=1385
-  _globals['_RELEASEREQUEST']._serialized_start=1387
-  _globals['_RELEASEREQUEST']._serialized_end=1433
-  _globals['_RELEASERESPONSE']._serialized_start=1435
-  _globals['_RELEASERESPONSE']._serialized_end=1470
-  _globals['_STATSREQUEST']._serialized_start=1472
-  _globals['_STATSREQUEST']._serialized_end=1486
-  _globals['_SHARDSTATS']._serialized_start=1489
-  _globals['_SHARDSTATS']._serialized_end=2041
-  _globals['_FILLREQUEST']._serialized_start=2043
-  _globals['_FILLREQUEST']._serialized_end=2103
-  _globals['_FILLRESPONSE']._serialized_start=2105
-  _globals['_FILLRESPONSE']._serialized_end=2143
-  _globals['_KVATTENTION']._serialized_start=2146
-  _globals['_KVATTENTION']._serialized_end=2741
+  _globals['_MIGRATEOUTREQUEST']._serialized_end=146
+  _globals['_MIGRATEOUTRESPONSE']._serialized_start=148
+  _globals['_MIGRATEOUTRESPONSE']._serialized_end=216
+  _globals['_KVCHUNK']._serialized_start=219
+  _globals['_KVCHUNK']._serialized_end=529
+  _globals['_IMPORTRESPONSE']._serialized_start=531
+  _globals['_IMPORTRESPONSE']._serialized_end=578
+  _globals['_RETIREREQUEST']._serialized_start=580
+  _globals['_RETIREREQUEST']._serialized_end=595
+  _globals['_RETIRERESPONSE']._serialized_start=597
+  _globals['_RETIRERESPONSE']._serialized_end=632
+  _globals['_KVGEOMETRY']._serialized_start=634
+  _globals['_KVGEOMETRY']._serialized_end=757
+  _globals['_ATTENDREQUEST']._serialized_start=760
+  _globals['_ATTENDREQUEST']._serialized_end=968
+  _globals['_ATTENDRESPONSE']._serialized_start=971
+  _globals['_ATTENDRESPONSE']._serialized_end=1106
+  _globals['_SEQUENCERESERVATION']._serialized_start=1108
+  _globals['_SEQUENCERESERVATION']._serialized_end=1204
+  _globals['_RESERVEREQUEST']._serialized_start=1207
+  _globals['_RESERVEREQUEST']._serialized_end=1338
+  _globals['_RESERVERESPONSE']._serialized_start=1340
+  _globals['_RESERVERESPONSE']._serialized_end=1401
+  _globals['_RELEASEREQUEST']._serialized_start=1403
+  _globals['_RELEASEREQUEST']._serialized_end=1449
+  _globals['_RELEASERESPONSE']._serialized_start=1451
+  _globals['_RELEASERESPONSE']._serialized_end=1486
+  _globals['_STATSREQUEST']._serialized_start=1488
+  _globals['_STATSREQUEST']._serialized_end=1502
+  _globals['_SHARDSTATS']._serialized_start=1505
+  _globals['_SHARDSTATS']._serialized_end=2057
+  _globals['_FILLREQUEST']._serialized_start=2059
+  _globals['_FILLREQUEST']._serialized_end=2119
+  _globals['_FILLRESPONSE']._serialized_start=2121
+  _globals['_FILLRESPONSE']._serialized_end=2159
+  _globals['_KVATTENTION']._serialized_start=2162
+  _globals['_KVATTENTION']._serialized_end=2757
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MigrateOutRequest(_message.Message):
-    __slots__ = ("seq_id", "target")
+    __slots__ = ("seq_id", "target", "tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     target: str
-    def __init__(self, seq_id: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+    tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., target: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
     __slots__ = ("tokens", "bytes", "seconds")

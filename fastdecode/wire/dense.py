@@ -132,6 +132,7 @@ def plan_to_proto(
         if p.next_token is not None:
             next_tokens[row] = p.next_token
     steps = [p.steps for p in seqs]
+    drafts = [p.drafts for p in seqs]
     return dense_pb2.StepPlan(
         step=step,
         pipeline=pipeline,
@@ -149,6 +150,7 @@ def plan_to_proto(
         sampling_index=index,
         next_token_ids=next_tokens,
         steps=steps if any(n > 1 for n in steps) else (),
+        drafts=drafts if any(drafts) else (),
     )
 
 
@@ -180,6 +182,9 @@ def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
     steps = list(plan.steps) or [1] * n
     if len(steps) != n or (n and not 1 <= min(steps) <= max(steps) <= MAX_DECODE_STEPS):
         raise InvalidInput(f"step plan {plan.step}: steps must be one per row, in [1, {MAX_DECODE_STEPS}]")
+    drafts = list(plan.drafts) or [0] * n
+    if len(drafts) != n or any(not 0 <= d < c for d, c in zip(drafts, counts, strict=True) if d):
+        raise InvalidInput(f"step plan {plan.step}: drafts must be one per row, each below its token count")
     last = list(plan.use_last_sample)
     out = []
     pos = 0
@@ -194,13 +199,14 @@ def planned_seqs_from_proto(plan: dense_pb2.StepPlan) -> list[PlannedSeq]:
         last,
         index,
         steps,
+        drafts,
         strict=True,
     )
-    for row, (sid, shard, mb, start, count, sample, s_index, ahead, si, k) in enumerate(rows):
+    for row, (sid, shard, mb, start, count, sample, s_index, ahead, si, k, d) in enumerate(rows):
         toks = [LAST_SAMPLE] if ahead else flat[pos : pos + count]
         pos += count
         nxt = next_tokens.get(row)
-        out.append(PlannedSeq(sid, shard, mb, toks, start, table[si], sample, s_index, nxt, ahead, k))
+        out.append(PlannedSeq(sid, shard, mb, toks, start, table[si], sample, s_index, nxt, ahead, k, d))
     return out
 
 

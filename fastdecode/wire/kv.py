@@ -70,10 +70,10 @@ def attend_batch(req: kv_pb.AttendRequest) -> AttendBatch:
 
 
 # ---- live migration ---------------------------------------------------------------------------------
-def export_chunks(core: ShardCore, seq_id: str) -> Iterator[kv_pb.KVChunk]:
-    """One sequence's KV as ImportSequence chunks: a header, then one chunk per layer. NotFound at
-    once, before any chunk, when the sequence is not held here."""
-    header, layers = core.export_sequence(seq_id)
+def export_chunks(core: ShardCore, seq_id: str, tokens: int = 0) -> Iterator[kv_pb.KVChunk]:
+    """One sequence's KV (its first `tokens` positions; 0: all) as ImportSequence chunks: a header,
+    then one chunk per layer. NotFound at once, before any chunk, when the sequence is not held here."""
+    header, layers = core.export_sequence(seq_id, tokens)
     return _chunks(header, layers)
 
 

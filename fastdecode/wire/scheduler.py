@@ -123,6 +123,7 @@ def scheduler_stats_to_proto(driver: SchedulerDriver) -> scheduler_pb2.Scheduler
         not_ready_reason=not_ready_reason or "",
         migrations=st.migrations,
     )
+    out.spec_rows, out.spec_drafts, out.spec_accepted, out.spec_emitted = st.spec
     for sh in st.shards:
         out.shards.add(
             shard=sh.shard,

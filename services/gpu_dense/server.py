@@ -15,7 +15,7 @@ from fastdecode.contract import PlannedSeq
 from fastdecode.dense import PipelineChooser, StepRunner
 from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
 from fastdecode.dense.multistep import run_steps, summed
-from fastdecode.dense.runner import Outcome, Timings
+from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime import codec

@@ -153,7 +153,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
         self, request: pb.MigrateOutRequest, context: grpc.aio.ServicerContext
     ) -> pb.MigrateOutResponse:
         t0 = time.perf_counter()
-        chunks = wire.export_chunks(self.core, request.seq_id)
+        chunks = wire.export_chunks(self.core, request.seq_id, request.tokens)
         if ":" not in request.target:
             raise InvalidInput(f"migration target must be HOST:PORT, got {request.target!r}")
         resp = await self._send(request.target, request.seq_id, chunks, context.time_remaining())

@@ -149,8 +149,8 @@ class GrpcShardLink:
         )
 
     @maps_rpc_errors(prefix=lambda self, *_: f"shard {self.address}: ")
-    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
-        req = kv_attention_pb2.MigrateOutRequest(seq_id=seq_id, target=target)
+    async def migrate_out(self, seq_id: str, target: str, tokens: int, timeout: float) -> MigrationResult:
+        req = kv_attention_pb2.MigrateOutRequest(seq_id=seq_id, target=target, tokens=tokens)
         r = await self.stub.MigrateOut(req, timeout=timeout, metadata=request_metadata(seq_id))
         return MigrationResult(int(r.tokens), int(r.bytes), float(r.seconds))
 

@@ -44,6 +44,15 @@ MIGRATION_SECONDS = Histogram(
     "Wall time of one live migration (the moving sequence's pause)",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
+SPEC_DRAFTS = Counter(
+    "fastdecode_spec_draft_tokens",
+    "Speculative drafts decode rows carried, and of them those verification kept",
+    ["outcome"],
+)
+SPEC_ROWS = Counter("fastdecode_spec_rows", "Decode rows that carried speculative drafts")
+SPEC_EMITTED = Counter(
+    "fastdecode_spec_emitted_tokens", "Tokens rows with drafts yielded (kept drafts + the target's own)"
+)
 BATCH_SIZE = Histogram(
     "fastdecode_scheduler_batch_size",
     "Sequences per step",
@@ -57,6 +66,9 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
         # report at start-up.
         for outcome in ("ok", "failed"):
             MIGRATIONS.labels(outcome)
+        for outcome in ("proposed", "accepted"):
+            SPEC_DRAFTS.labels(outcome)
+        self._spec = (0, 0, 0, 0)
 
     def shard_lost(self, recovered_sequences: int) -> None:
         SHARD_LOSSES.inc()
@@ -88,3 +100,9 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
                 SHARD_USAGE.labels(str(sh.shard)).set(sh.reserved_tokens / sh.capacity_tokens)
         for decision, count in decisions_delta.items():
             ADMISSIONS.labels(decision).inc(count)
+        rows, drafts, kept, emitted = (now - was for now, was in zip(stats.spec, self._spec, strict=True))
+        self._spec = stats.spec
+        SPEC_ROWS.inc(rows)
+        SPEC_DRAFTS.labels("proposed").inc(drafts)
+        SPEC_DRAFTS.labels("accepted").inc(kept)
+        SPEC_EMITTED.inc(emitted)

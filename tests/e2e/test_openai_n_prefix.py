@@ -24,7 +24,7 @@ import openai
 import pytest
 import torch
 
-from fastdecode.dense.sampling import _row_seed
+from fastdecode.dense.sampling import row_generator
 from fastdecode.tools.fleet import UpProcess
 from tests.support import FleetFactory, metric_total, scrape
 
@@ -52,7 +52,7 @@ TOP = 20  # the top logprobs asked for: the race's contenders at a parting
 def race(seed: int, t: int, top: list) -> list[float]:
     """p / E for the top tokens of draw t of a seeded row: the sampler's exponential race, its noise
     rebuilt from the seed (noise r goes to the token of rank r)."""
-    gen = torch.Generator().manual_seed(_row_seed(seed, t))
+    gen = row_generator(seed, t, torch.device("cpu"))
     noise = torch.empty(VOCAB).exponential_(generator=gen)[: len(top)].tolist()
     return [math.exp(c.logprob) / e for c, e in zip(top, noise, strict=True)]
 

@@ -75,6 +75,21 @@ def test_bench_migrate_tiny(model_factory: Callable[..., Path]) -> None:
     assert r["rebalance_factor"] == 1.1 and r["rebalance_migrations"] >= 0
 
 
+def test_bench_spec_tiny(model_factory: Callable[..., Path]) -> None:
+    """Two fleets (off, ngram) on the tiny model: the same greedy tokens, fewer steps and KV bytes a
+    token where drafts were kept, and a bad --modes is one usage line."""
+    args = ["--model", str(model_factory("llama")), "-B", "2", "--max-tokens", "24", "--modes", "off,ngram"]
+    r = _bench("spec", *args)
+    assert r["ngram_same_tokens"] is True and r["off_tokens"] == r["ngram_tokens"] == 48
+    assert 1.0 <= r["ngram_tau"] <= 4.0 and 0.0 <= r["ngram_drafts_kept"] <= 1.0
+    if r["ngram_drafts_kept"] > 0:  # a random model's output repeats: lookups find it
+        assert r["ngram_steps_per_token"] < r["off_steps_per_token"]
+        assert r["ngram_kv_bytes_per_token_ratio"] < 1.0
+    _finite(r, {"off_tokens_per_s", "ngram_tokens_per_s", "ngram_speedup"})
+    res = CliRunner().invoke(main, ["bench", "spec", "--modes", "off,eagle"])
+    assert res.exit_code == 2 and "--modes" in res.output and "Traceback" not in res.output
+
+
 def test_a_failing_bench_prints_one_line(tmp_path: Path) -> None:
     """Whatever ends a benchmark (here: no checkpoint where --model points) is one line, exit 1."""
     res = CliRunner().invoke(main, ["bench", "load", "--model", str(tmp_path / "nothing"), "--json"])

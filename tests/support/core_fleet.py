@@ -105,6 +105,18 @@ class Fleet:
                 del kv[p.start_pos :]
             assert p.start_pos == len(kv), f"{p.seq_id}: start_pos {p.start_pos} but {len(kv)} cached"
             chunk = [last[p.seq_id]] if p.use_last_sample else p.token_ids
+            if p.drafts:  # verified as gpu_dense does: kept while they equal the model's choice
+                if not self._grow(p.shard, p.seq_id, len(kv) + len(chunk)):
+                    self.refused.append(p.seq_id)
+                    self.refusals += 1
+                    results[p.seq_id] = ResourceExhausted("KV pool full")
+                    continue
+                kv.extend(chunk)  # every position is written, then the rejected ones rolled back
+                toks = self._verify(p, kv)
+                del kv[p.start_pos + len(toks) :]
+                results[p.seq_id] = (toks, [-0.25] * len(toks)) if len(toks) > 1 else (toks[0], -0.25)
+                self.last[p.seq_id] = toks[-1]
+                continue
             toks: list[int] = []
             for j in range(p.steps):  # several decode steps: each fed the token the one before sampled
                 if not self._grow(p.shard, p.seq_id, len(kv) + len(chunk)):
@@ -126,6 +138,17 @@ class Fleet:
         for j in range(len(self.kv)):
             assert self._blocks(j) <= self.cap[j], f"shard {j} over capacity"
         return results
+
+    def _verify(self, p: PlannedSeq, kv: list[int]) -> list[int]:
+        """A row's drafts up to the first the model disagrees with, then the model's own token."""
+        toks: list[int] = []
+        for j in range(p.drafts + 1):
+            n = p.sample_index + j + 1
+            tok = EOS if self.eos_at.get(p.seq_id) == n else model(kv[: p.start_pos + 1 + j], n - 1)
+            toks.append(tok)
+            if j == p.drafts or p.token_ids[1 + j] != tok:
+                return toks
+        return toks
 
     def _grow(self, shard: int, sid: str, tokens: int) -> bool:
         """Blocks for `tokens` KV positions of sid, a block at a time (False: the pool is full)."""

@@ -183,7 +183,7 @@ class FakeShard:
         for sid in seq_ids or ():
             self.held.pop(sid, None)
 
-    async def migrate_out(self, seq_id: str, target: str, timeout: float) -> MigrationResult:
+    async def migrate_out(self, seq_id: str, target: str, tokens: int, timeout: float) -> MigrationResult:
         if not self.serving:
             raise Unavailable(f"shard {self.address} is down")
         if self.migrate_error is not None:

@@ -153,7 +153,7 @@ def test_fill_synthetic_writes_every_layer_linearly() -> None:
 
 
 def test_step_timings_carry_the_mode_and_the_s_part_cpu() -> None:
-    from fastdecode.dense.runner import Timings
+    from fastdecode.dense.outcome import Timings
     from fastdecode.wire.dense import timings_to_proto
 
     t = Timings(s_part_seconds=0.2, s_part_cpu_seconds=0.15, step_seconds=0.3, pipelined=True)

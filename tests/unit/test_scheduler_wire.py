@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
-from fastdecode.dense.runner import Outcome
+from fastdecode.dense.outcome import Outcome
 from fastdecode.gateway.core import UpstreamEvent
 from fastdecode.runtime.errors import InternalError, InvalidInput, ResourceExhausted, Status, Unavailable
 from fastdecode.scheduling.types import Step, TokenEvent

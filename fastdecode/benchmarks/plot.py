@@ -130,3 +130,38 @@ def plot_split_bench(result: dict[str, Any], path: str | Path) -> Path:
     out = Path(path)
     split_bench_figure(result).savefig(out, format="png", dpi=100)
     return out
+
+
+def spec_bench_figure(result: dict[str, Any]) -> Figure:
+    """`bench spec`: tokens/s per mode (left), the share of drafts kept at each draft position (right)."""
+    from matplotlib.figure import Figure
+
+    modes = [m for m in ("off", "off_ahead", "ngram", "suffix") if f"{m}_tokens_per_s" in result]
+    fig = Figure(figsize=(11, 4.2))
+    left, right = fig.subplots(1, 2)
+    left.bar(modes, [_num(result, f"{m}_tokens_per_s") for m in modes], color="#4c72b0")
+    left.set_ylabel("tokens/s")
+    left.set_title("throughput")
+    for m in modes:
+        kept = result.get(f"{m}_kept_at_position")
+        if kept:
+            right.plot(
+                range(1, len(kept) + 1), [math.nan if k is None else k for k in kept], marker="o", label=m
+            )
+    right.set_xlabel("draft position")
+    right.set_ylabel("share kept")
+    right.set_ylim(0, 1)
+    right.set_title("acceptance per position")
+    if right.lines:
+        right.legend()
+    fig.suptitle(
+        f"bench spec: {result.get('model', '?')}, batch {result.get('batch', '?')}, "
+        f"{result.get('max_tokens', '?')} tokens, k = {result.get('k', '?')}"
+    )
+    return fig
+
+
+def plot_spec_bench(result: dict[str, Any], path: str | Path) -> Path:
+    out = Path(path)
+    spec_bench_figure(result).savefig(out, format="png", dpi=100)
+    return out

@@ -16,11 +16,13 @@ prompt-lookup drafting is made for. Reported per mode, with ratios to `off` meas
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 from fastdecode.benchmarks.common import bench_workdir
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.metrics import metric_total, scrape
 
 # off-ahead: no drafts, planning one step ahead (the default without drafts, which drafts turn off)
@@ -51,8 +53,36 @@ TASKS = (
 )
 
 
-def _chat(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+def load_prompts(model: Path, prompts_file: Path | None, batch: int) -> list[str]:
+    """B prompt texts: the built-in quote-and-edit tasks, or the conversations of a JSONL file (each
+    line {"messages": [...]} or a bare list of messages), rendered by the checkpoint's chat template
+    and taken in turn."""
+    from fastdecode.gateway.chat import ChatTemplate
+
+    template = ChatTemplate.from_pretrained(model)
+    if template is None:
+        raise InvalidInput(f"{model} has no chat template: bench spec sends chat prompts")
+    if prompts_file is None:
+        convs: list[list[dict[str, Any]]] = [[{"role": "user", "content": t}] for t in TASKS]
+    else:
+        convs = []
+        for n, line in enumerate(prompts_file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidInput(f"{prompts_file}:{n}: not JSON ({e.msg})") from None
+            messages = item.get("messages") if isinstance(item, dict) else item
+            if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+                raise InvalidInput(
+                    f'{prompts_file}:{n}: want {{"messages": [{{"role": ..., "content": ...}}]}}'
+                )
+            convs.append(messages)
+        if not convs:
+            raise InvalidInput(f"{prompts_file}: no conversations")
+    texts = [template.render(c) for c in convs]
+    return [texts[i % len(texts)] for i in range(batch)]
 
 
 async def _run(target: str, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float]:
@@ -80,9 +110,18 @@ def _counters(fleet: Any) -> dict[str, float]:
         "spec_drafts": st.spec_drafts,
         "spec_accepted": st.spec_accepted,
         "spec_emitted": st.spec_emitted,
+        "offered_at": list(st.spec_offered_at),
+        "kept_at": list(st.spec_kept_at),
         "kv_bytes": kv_bytes,
         "round_trips": trips,
     }
+
+
+def _zip_at(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    n = len(after["offered_at"])
+    pad = [0] * n
+    ob, kb = (before["offered_at"] or pad), (before["kept_at"] or pad)
+    return list(zip(ob, after["offered_at"], kb, after["kept_at"], strict=True))
 
 
 def run_spec_bench(
@@ -93,10 +132,11 @@ def run_spec_bench(
     shards: int = 2,
     device: str = "cpu",
     modes: tuple[str, ...] = MODES,
+    prompts_file: Path | None = None,
 ) -> dict[str, Any]:
     from fastdecode.tools.fleet import Fleet
 
-    prompts = [_chat(TASKS[i % len(TASKS)]) for i in range(batch)]
+    prompts = load_prompts(model, prompts_file, batch)
     result: dict[str, Any] = {"model": model.name, "batch": batch, "max_tokens": max_tokens, "k": k}
     tokens_off: list[list[int]] | None = None
     with bench_workdir("spec") as work:
@@ -113,7 +153,8 @@ def run_spec_bench(
                 before = _counters(fleet)
                 tokens, seconds = asyncio.run(_run(fleet.gateway.address, prompts, max_tokens))
                 after = _counters(fleet)
-            d = {key: after[key] - before[key] for key in after}
+            at = [(o1 - o0, k1 - k0) for o0, o1, k0, k1 in _zip_at(before, after)]
+            d = {key: after[key] - before[key] for key in after if not key.endswith("_at")}
             name = mode.replace("-", "_")  # off-ahead's keys: off_ahead_...
             n = sum(len(t) for t in tokens)
             result[f"{name}_tokens_per_s"] = n / seconds
@@ -124,6 +165,9 @@ def run_spec_bench(
             if spec != "off":
                 result[f"{name}_tau"] = d["spec_emitted"] / max(d["spec_rows"], 1)
                 result[f"{name}_drafts_kept"] = d["spec_accepted"] / max(d["spec_drafts"], 1)
+                # the share of rows offering a j-th draft that kept it (a draft is kept only after
+                # the ones before it were)
+                result[f"{name}_kept_at_position"] = [round(k / o, 4) if o else None for o, k in at]
             if tokens_off is None and mode == "off":
                 tokens_off = tokens
             elif tokens_off is not None:

@@ -25,7 +25,15 @@ from fastdecode.cli.bench import bench, emit, json_option, run_bench
     help="Comma-separated --speculative values; off is the baseline (one step at a time, as with drafts), "
     "off-ahead the default setup without drafts (planning ahead).",
 )
-def spec_cmd(as_json: bool, model: str | None, modes: str, **kw: Any) -> None:
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help='JSONL of conversations ({"messages": [...]} a line), in turn; default: quote-and-edit tasks.',
+)
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG here.")
+def spec_cmd(as_json: bool, model: str | None, modes: str, plot: str | None, **kw: Any) -> None:
     """Quote-and-edit requests on a fleet per --speculative mode: tokens/s, steps, tau, drafts kept, KV
     bytes and round trips per generated token, and whether greedy tokens equal the off run's."""
     from fastdecode.benchmarks.spec_bench import MODES, run_spec_bench
@@ -37,5 +45,9 @@ def spec_cmd(as_json: bool, model: str | None, modes: str, **kw: Any) -> None:
     path = Path(model) if model else default_model_dir()
     result = run_bench(lambda: run_spec_bench(path, modes=chosen, **kw))
     emit(result, as_json, "spec: speculative decoding against the same fleet without it")
+    if plot:
+        from fastdecode.benchmarks.plot import plot_spec_bench
+
+        click.echo(f"plot written to {plot_spec_bench(result, plot)}", err=True)  # stdout stays JSON
     if any(v is False for k, v in result.items() if k.endswith("_same_tokens")):
         raise SystemExit(1)

@@ -520,6 +520,7 @@ class SchedulerCore:
             shards=shards,
             migrations=self.migration.migrations,
             spec=self.drafting.counts if self.drafting is not None else (0, 0, 0, 0),
+            spec_at=(d.offered_at[:], d.kept_at[:]) if (d := self.drafting) is not None else ([], []),
         )
 
     @property

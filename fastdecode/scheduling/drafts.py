@@ -40,6 +40,9 @@ class Drafting:
         self.proposed = 0  # drafts those rows carried
         self.accepted = 0  # of them, kept
         self.emitted = 0  # tokens those rows yielded (kept drafts and the target's own)
+        # per draft position j: rows that offered a j-th draft, and those that kept it
+        self.offered_at = [0] * self.k
+        self.kept_at = [0] * self.k
 
     def drafts(
         self, seq_id: str, tokens: list[int], sampling: SamplingParams, room: int, tenant: str
@@ -85,6 +88,9 @@ class Drafting:
         self.proposed += drafts
         self.accepted += emitted - 1
         self.emitted += emitted
+        for j in range(min(drafts, self.k)):
+            self.offered_at[j] += 1
+            self.kept_at[j] += j < emitted - 1
 
     def forget(self, seq_id: str) -> None:
         """The sequence left: its state goes (a tenant's shared index keeps what it learnt)."""

@@ -181,6 +181,8 @@ class SchedulerStats:
     migrations: int = 0  # sequences moved live (KV copied to another shard)
     # speculative decoding: rows with drafts, drafts carried, drafts kept, tokens those rows yielded
     spec: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # per draft position: rows that offered a draft there, and those that kept it
+    spec_at: tuple[list[int], list[int]] = ([], [])
 
 
 @dataclass(frozen=True)

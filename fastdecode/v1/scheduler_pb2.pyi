@@ -149,7 +149,7 @@ class ShardLoad(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., expected_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., state: _Optional[str] = ..., waiting_to_move: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission", "not_ready_reason", "preemptions", "migrations", "migrated_bytes", "migration_seconds", "migrations_failed", "spec_rows", "spec_drafts", "spec_accepted", "spec_emitted")
+    __slots__ = ("running", "waiting", "steps", "finished", "recoveries", "shards", "kv_load_tokens", "w_limit", "admission", "not_ready_reason", "preemptions", "migrations", "migrated_bytes", "migration_seconds", "migrations_failed", "spec_rows", "spec_drafts", "spec_accepted", "spec_emitted", "spec_offered_at", "spec_kept_at")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,8 @@ class SchedulerStats(_message.Message):
     SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     SPEC_EMITTED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_OFFERED_AT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_KEPT_AT_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     steps: int
@@ -188,4 +190,6 @@ class SchedulerStats(_message.Message):
     spec_drafts: int
     spec_accepted: int
     spec_emitted: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ..., not_ready_reason: _Optional[str] = ..., preemptions: _Optional[int] = ..., migrations: _Optional[int] = ..., migrated_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., migrations_failed: _Optional[int] = ..., spec_rows: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., spec_emitted: _Optional[int] = ...) -> None: ...
+    spec_offered_at: _containers.RepeatedScalarFieldContainer[int]
+    spec_kept_at: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., recoveries: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardLoad, _Mapping]]] = ..., kv_load_tokens: _Optional[float] = ..., w_limit: _Optional[float] = ..., admission: _Optional[str] = ..., not_ready_reason: _Optional[str] = ..., preemptions: _Optional[int] = ..., migrations: _Optional[int] = ..., migrated_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., migrations_failed: _Optional[int] = ..., spec_rows: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., spec_emitted: _Optional[int] = ..., spec_offered_at: _Optional[_Iterable[int]] = ..., spec_kept_at: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -124,6 +124,8 @@ def scheduler_stats_to_proto(driver: SchedulerDriver) -> scheduler_pb2.Scheduler
         migrations=st.migrations,
     )
     out.spec_rows, out.spec_drafts, out.spec_accepted, out.spec_emitted = st.spec
+    out.spec_offered_at.extend(st.spec_at[0])
+    out.spec_kept_at.extend(st.spec_at[1])
     for sh in st.shards:
         out.shards.add(
             shard=sh.shard,

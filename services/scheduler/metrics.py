@@ -49,6 +49,11 @@ SPEC_DRAFTS = Counter(
     "Speculative drafts decode rows carried, and of them those verification kept",
     ["outcome"],
 )
+SPEC_KEPT_AT = Counter(
+    "fastdecode_spec_position_drafts",
+    "Per draft position (0 first): drafts offered there, and of them those kept",
+    ["position", "outcome"],
+)
 SPEC_ROWS = Counter("fastdecode_spec_rows", "Decode rows that carried speculative drafts")
 SPEC_EMITTED = Counter(
     "fastdecode_spec_emitted_tokens", "Tokens rows with drafts yielded (kept drafts + the target's own)"
@@ -69,6 +74,7 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
         for outcome in ("proposed", "accepted"):
             SPEC_DRAFTS.labels(outcome)
         self._spec = (0, 0, 0, 0)
+        self._spec_at: dict[int, tuple[int, int]] = {}
 
     def shard_lost(self, recovered_sequences: int) -> None:
         SHARD_LOSSES.inc()
@@ -102,6 +108,11 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
             ADMISSIONS.labels(decision).inc(count)
         rows, drafts, kept, emitted = (now - was for now, was in zip(stats.spec, self._spec, strict=True))
         self._spec = stats.spec
+        for j, (o, k) in enumerate(zip(*stats.spec_at, strict=True)):
+            was_o, was_k = self._spec_at.get(j, (0, 0))
+            SPEC_KEPT_AT.labels(str(j), "proposed").inc(o - was_o)
+            SPEC_KEPT_AT.labels(str(j), "accepted").inc(k - was_k)
+            self._spec_at[j] = (o, k)
         SPEC_ROWS.inc(rows)
         SPEC_DRAFTS.labels("proposed").inc(drafts)
         SPEC_DRAFTS.labels("accepted").inc(kept)

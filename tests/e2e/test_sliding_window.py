@@ -121,3 +121,55 @@ def test_a_lost_shard_recomputes_windowed_sequences(
         assert sched.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5).recoveries > 0
     finally:
         f.stop()
+
+
+def test_speculation_on_windowed_layers_with_a_shared_prefix_and_a_lost_shard(
+    mistral_window: Path, hf_greedy: Callable, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--speculative ngram on the windowed model: rows of drafts attend with each query's window, a
+    prompt sharing a finished one's prefix reads its cached blocks, and kill -9 of a shard while rows
+    with drafts decode there costs a re-prefill, not a token: all equal transformers'."""
+    f = Fleet(
+        model=mistral_window,
+        shards=2,
+        device="cpu",
+        kv_capacity=64 << 20,
+        workdir=tmp_path_factory.mktemp("window-spec"),
+        scheduler_args=[
+            "--health-interval",
+            "0.3",
+            "--speculative",
+            "ngram",
+            "--num-speculative-tokens",
+            "4",
+        ],
+        env={"FASTDECODE_PREFILL_TOKEN_BUDGET": "16"},
+    )
+    f.start()
+    try:
+        assert f.gateway and f.scheduler
+        sched = scheduler_pb2_grpc.SchedulerStub(sync_channel(f.scheduler.address, f.peer_credentials))
+        with Client(f.gateway.address) as client:
+            client.generate(token_ids=PROMPTS[0], max_tokens=4)
+            long = PROMPTS[0] + [5, 6, 7, 1500, 9]
+            out = client.generate(token_ids=long, max_tokens=MAX_NEW)
+            assert out.usage.cached_tokens == 32 and out.token_ids == hf_greedy(
+                mistral_window, tuple(long), MAX_NEW
+            )
+        with Client(f.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(client.generate, token_ids=p, max_tokens=40) for p in PROMPTS]
+            stub = kv_attention_pb2_grpc.KVAttentionStub(sync_channel(f.kv[1].address, f.peer_credentials))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # rows with drafts decode on shard 1
+                stats = stub.Stats(kv_attention_pb2.StatsRequest(), timeout=5)
+                if stats.attend_items > 40 * 4 and stats.sequences:
+                    break
+                time.sleep(0.02)
+            os.kill(f.kv[1].pid, signal.SIGKILL)
+            outs = [fut.result(timeout=180) for fut in futures]
+        for prompt, out in zip(PROMPTS, outs, strict=True):
+            assert out.token_ids == hf_greedy(mistral_window, tuple(prompt), 40)
+        st = sched.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
+        assert st.recoveries > 0 and st.spec_rows > 0
+    finally:
+        f.stop()

@@ -75,19 +75,32 @@ def test_bench_migrate_tiny(model_factory: Callable[..., Path]) -> None:
     assert r["rebalance_factor"] == 1.1 and r["rebalance_migrations"] >= 0
 
 
-def test_bench_spec_tiny(model_factory: Callable[..., Path]) -> None:
-    """Two fleets (off, ngram) on the tiny model: the same greedy tokens, fewer steps and KV bytes a
-    token where drafts were kept, and a bad --modes is one usage line."""
+def test_bench_spec_tiny(model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """Two fleets (off, ngram) on the tiny model over a JSONL of conversations: the same greedy tokens,
+    fewer steps and KV bytes a token where drafts were kept, acceptance per draft position, a plot;
+    a bad --modes or prompts file is one line."""
+    convs = tmp_path / "convs.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": "Repeat: a b c a b c a b c"}]},
+        [{"role": "user", "content": "Hi"}],
+    ]
+    convs.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     args = ["--model", str(model_factory("llama")), "-B", "2", "--max-tokens", "24", "--modes", "off,ngram"]
-    r = _bench("spec", *args)
+    r = _bench("spec", *args, "--prompts", str(convs), "--plot", str(tmp_path / "spec.png"))
+    assert (tmp_path / "spec.png").stat().st_size > 0
     assert r["ngram_same_tokens"] is True and r["off_tokens"] == r["ngram_tokens"] == 48
     assert 1.0 <= r["ngram_tau"] <= 4.0 and 0.0 <= r["ngram_drafts_kept"] <= 1.0
+    kept = r["ngram_kept_at_position"]
+    assert len(kept) == 3 and all(k is None or 0.0 <= k <= 1.0 for k in kept)
     if r["ngram_drafts_kept"] > 0:  # a random model's output repeats: lookups find it
         assert r["ngram_steps_per_token"] < r["off_steps_per_token"]
         assert r["ngram_kv_bytes_per_token_ratio"] < 1.0
     _finite(r, {"off_tokens_per_s", "ngram_tokens_per_s", "ngram_speedup"})
     res = CliRunner().invoke(main, ["bench", "spec", "--modes", "off,eagle"])
     assert res.exit_code == 2 and "--modes" in res.output and "Traceback" not in res.output
+    convs.write_text('{"messages": "not a list"}\n')
+    res = CliRunner().invoke(main, ["bench", "spec", *args, "--prompts", str(convs)])
+    assert res.exit_code == 1 and "convs.jsonl:1" in res.output and "Traceback" not in res.output
 
 
 def test_a_failing_bench_prints_one_line(tmp_path: Path) -> None:

@@ -136,3 +136,51 @@ def test_drafts_on_rows_whose_processors_need_them_are_refused(
     assert isinstance(o.error, InvalidInput) and why in str(o.error)
     bad = PlannedSeq.chunk("s", 0, [1, 5], 0, SamplingParams(), sample=True, sample_index=0, drafts=2)
     assert isinstance(asyncio.run(runner.run([bad]))[0]["s"].error, InvalidInput)
+
+
+def _chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample chi-square test of homogeneity over the buckets counted in a and b: the p-value."""
+    table = torch.stack([a, b]).double()
+    keep = table.sum(0) > 0
+    table = table[:, keep]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    dof = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def test_sampled_tokens_with_drafts_are_distributed_as_without(model_factory: Callable) -> None:
+    """Temperature 1: the first token a verified row yields, over 3000 rows whose drafts are right or
+    wrong at random, against 3000 plain draws from the same logits: a chi-square test over ten buckets
+    of equal probability cannot tell them apart (p > 0.01); a skewed sampler would be told apart."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdecode.dense.sampling import sample
+    from fastdecode.dense.verify import verify
+
+    path = model_factory("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        logits = hf(torch.tensor([[1, 5, 9, 3, 7]])).logits[0, -2:].float()  # two positions' rows
+    n, d = 3000, 1
+    torch.manual_seed(1234)
+    sp = SamplingParams(temperature=1.0)
+    probs = torch.softmax(logits[0], -1)
+    likely = torch.multinomial(probs, n, replacement=True)  # drafts the model would often take
+    noise = torch.randint(0, logits.shape[1], (n,))
+    drafts = torch.where(torch.rand(n) < 0.5, likely, noise)
+    rows = [
+        PlannedSeq.chunk(f"s{i}", 0, [1, int(drafts[i])], 0, sp, sample=True, sample_index=0, drafts=d)
+        for i in range(n)
+    ]
+    hidden = logits.repeat(n, 1)  # each row's two positions: after its last token, after its draft
+    first = torch.tensor([toks[0][0] for toks in verify(lambda h: h, hidden, rows, ())])
+    plain, _ = sample(logits[:1].repeat(n, 1), [sp] * n, [0] * n)
+    order = probs.argsort(descending=True)
+    cum = probs[order].cumsum(0)
+    bucket_of = torch.empty_like(order)
+    bucket_of[order] = torch.clamp((cum * 10).long(), max=9)  # ten buckets of about equal mass
+    count = lambda toks: torch.bincount(bucket_of[toks], minlength=10)  # noqa: E731
+    assert _chi_square_p(count(first), count(plain)) > 0.01
+    skewed = torch.where(torch.rand(n) < 0.3, order[0].expand(n), plain)  # too often the top token
+    assert _chi_square_p(count(skewed), count(plain)) < 0.01

@@ -98,3 +98,24 @@ def test_speculative_with_several_decode_steps_is_refused_in_one_line(model_fact
     cmd += ["--speculative", "ngram", "--decode-steps", "4"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--decode-steps 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_speculation_with_int8_kv_keeps_the_tokens_of_int8_kv_without_it(
+    model_factory: Callable, fleet_factory: Callable
+) -> None:
+    """int8 KV scales each token's entry on its own, so rows of drafts, and their rollback, store
+    what one token at a time stores: the greedy tokens equal the same fleet's without drafts."""
+    model = model_factory("llama")
+    outs = []
+    for spec in ("off", "ngram"):
+        args = ("--kv-dtype", "int8", "--speculative", spec, "--plan-ahead", "off")
+        up = fleet_factory(model, *args, private=True, timeout=180)
+        try:
+            with Client(up.target) as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(client.generate, token_ids=p, max_tokens=40) for p in PROMPTS_8]
+                outs.append([f.result(timeout=120).token_ids for f in futures])
+            if spec != "off":
+                assert _stats(up).spec_accepted > 0
+        finally:
+            up.stop()
+    assert outs[0] == outs[1]

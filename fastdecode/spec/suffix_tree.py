@@ -320,6 +320,10 @@ class SuffixTrie:
             if limit <= 0:
                 continue
             tokens, probs = self._path(node, below, m, limit, min_token_prob)
+            if not tokens and node.children is None:
+                # one occurrence, and nothing after it (the context itself): every longer match
+                # is that occurrence too
+                break
             score = sum(probs)
             if tokens and score >= best[2]:
                 best = (tokens, probs, score, m)

@@ -357,6 +357,16 @@ class GatewaySettings(ServiceSettings):
         description="How chat answers split into reasoning_content (<think>...</think>) and content; "
         "auto: qwen3 for the Qwen3 family, deepseek_r1 for DeepSeek-R1's template, else none.",
     )
+    responses_store: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="Responses kept per tenant for /v1/responses' store: true (GET, cancel, delete, "
+        "previous_response_id); 0 (default): off, store is taken as false.",
+    )
+    responses_store_ttl: float = Field(
+        3600.0, gt=0, description="Seconds a stored response is kept (with --responses-store)."
+    )
     grammar_workers: int = Field(
         2,
         ge=1,

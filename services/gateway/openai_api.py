@@ -6,7 +6,7 @@ Errors leave in OpenAI's shape with the HTTP status from fastdecode.gateway.open
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template), GET
 /v1/models, GET /v1/models/{id}, GET /health (no token: 200 while serving, 503 otherwise); vLLM's
-/tokenize (tokenize_api.py) and Anthropic's /v1/messages (messages_api.py) register themselves.
+/tokenize (tokenize_api.py), /v1/messages (messages_api.py), /v1/responses (responses_api.py) register.
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unav
 from fastdecode.runtime.settings import GatewaySettings
 from services.gateway.hangup import unless_hung_up
 from services.gateway.messages_api import MESSAGES_PREFIX, MessagesRoutes, messages_error_response
+from services.gateway.responses_api import RESPONSES_PATH, ResponsesRoutes
 from services.gateway.router_probes import register_router_probes
 from services.gateway.tokenize_api import TokenizeRoutes
 
 log = logging.getLogger("fastdecode.gateway.http")
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", MESSAGES_PREFIX})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", MESSAGES_PREFIX, RESPONSES_PATH})
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+E = TypeVar("E", bound=Exception)
 
 
 def error_response(e: ServiceError, status_override: int | None = None, path: str = "") -> JSONResponse:
@@ -61,9 +63,6 @@ def error_response(e: ServiceError, status_override: int | None = None, path: st
     status, body = error_body(e)
     headers = {"WWW-Authenticate": "Bearer"} if e.status is Status.UNAUTHENTICATED else None
     return JSONResponse(body, status_code=status_override or status, headers=headers)
-
-
-E = TypeVar("E", bound=Exception)
 
 
 def _on(app: FastAPI, kind: type[E], handle: Callable[[Request, E], Awaitable[Response]]) -> None:
@@ -114,6 +113,7 @@ class OpenAIApp:
         self.app = app
         TokenizeRoutes(self)  # vLLM's /tokenize and /detokenize (tokenize_api.py)
         MessagesRoutes(self)  # Anthropic's Messages API on the same app (messages_api.py)
+        ResponsesRoutes(self)  # OpenAI's Responses API, /v1/responses (responses_api.py)
 
     # -- errors (each answered request counted once: generate() counts what it ran)
     def _rejected(self, request: Request, e: ServiceError) -> None:

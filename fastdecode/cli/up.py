@@ -304,6 +304,22 @@ def _make_fleet(
     show_default=True,
     help="Restart a service that dies, on the same address with backoff (at most 5 times in 5 minutes).",
 )
+@click.option(
+    "--replicas",
+    type=click.IntRange(1, 16),
+    default=1,
+    show_default=True,
+    help="Fleets behind one router (docs/routing.md): --http-port is then the router's, each replica's "
+    "gateway takes ports of its own.",
+)
+@click.option("--router", type=click.Choice(["vllm-router"]), default="vllm-router", show_default=True)
+@click.option(
+    "--router-policy",
+    type=click.Choice(["cache_aware", "round_robin", "power_of_two", "consistent_hash", "random"]),
+    default="cache_aware",
+    show_default=True,
+    help="cache_aware: a prompt goes where its prefix was served (its KV blocks cached there).",
+)
 def up(
     model: str | None,
     shards: int,
@@ -328,6 +344,9 @@ def up(
     log_json: bool,
     http_port: int | None,
     restart: str,
+    replicas: int,
+    router: str,
+    router_policy: str,
 ) -> None:
     """Start gateway, scheduler, gpu_dense and N kv_attention shards as processes; stop on SIGINT/SIGTERM."""
     import signal
@@ -342,27 +361,29 @@ def up(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    fleet = _make_fleet(
-        model,
-        shards,
-        port,
-        device,
-        kv_capacity,
-        kv_dtype,
-        admission,
-        pipeline,
-        auth_token,
-        http_port,
-        env={"FASTDECODE_LOG_JSON": "1"} if log_json else None,  # the services' ServiceSettings.log_json
-        prefix_sharing=prefix_sharing,
-        host_shard=host_shard,
-        geometry=geometry,
-        plan_ahead=plan_ahead,
-        decode_steps=decode_steps,
-        kv_events=kv_events,
-        speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-    )
+    options = {
+        "env": {"FASTDECODE_LOG_JSON": "1"} if log_json else None,  # the services' ServiceSettings.log_json
+        "prefix_sharing": prefix_sharing,
+        "host_shard": host_shard,
+        "geometry": geometry,
+        "plan_ahead": plan_ahead,
+        "decode_steps": decode_steps,
+        "kv_events": kv_events,
+        "speculative": speculative,
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    args = (model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token)
+    if replicas > 1:  # N fleets, each on ports of its own, and the router on --http-port
+        from fastdecode.cli.replicas import serve_replicas
+
+        def replica() -> Any:
+            f = _make_fleet(*args[:2], 0, *args[3:], 0, **options)
+            f.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
+            return f
+
+        serve_replicas(replica, replicas, router, router_policy, http_port, state_file, restart, stop)
+        return
+    fleet = _make_fleet(*args, http_port, **options)
     fleet.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
     try:
         with startup_progress() as on_progress:  # None (no output) when stderr is not a terminal

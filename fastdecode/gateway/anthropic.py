@@ -12,12 +12,19 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fastdecode.gateway.core import GenerationChunk
-from fastdecode.gateway.openai import APIError, ChatBody, error_body, validation_error
+from fastdecode.gateway.openai import (
+    APIError,
+    ChatBody,
+    TextBody,
+    chat_body_from,
+    error_body,
+    validation_error,
+)
 from fastdecode.gateway.reasoning import ReasoningStream
-from fastdecode.gateway.text import unencodable
+from fastdecode.gateway.responses import sse_event
 from fastdecode.gateway.tools import ToolCallStream
 from fastdecode.runtime.errors import ServiceError, Status
 
@@ -78,17 +85,7 @@ class Tool(BaseModel):
     type: str | None = None  # "custom" or absent; Anthropic's server tools are not served
 
 
-class CountTokensBody(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        where = unencodable(data)
-        if where is not None:
-            raise ValueError(f"{where} is not valid Unicode text (a lone surrogate cannot be encoded)")
-        return data
-
+class CountTokensBody(TextBody):
     model: str
     messages: list[Message] = Field(..., min_length=1)
     system: str | list[Block] | None = None
@@ -249,21 +246,15 @@ def chat_body(body: CountTokensBody) -> ChatBody:
             "top_k": body.top_k,
             "stop": body.stop_sequences,
         }
-    try:
-        return ChatBody.model_validate({k: v for k, v in data.items() if v is not None})
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
+    return chat_body_from(data)
 
 
 # ---- chunks -> a Message -----------------------------------------------------------------------
-def _event(name: str, obj: dict[str, Any]) -> bytes:
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {name}\ndata: {data}\n\n".encode()
 
 
 def error_event(e: ServiceError) -> bytes:
     """An error after the 200: Anthropic's `error` event."""
-    return _event("error", error_body_of(e)[1])
+    return sse_event("error", error_body_of(e)[1])
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
@@ -365,24 +356,26 @@ class MessageShape:
     # -- streaming
     def start(self, first: GenerationChunk) -> bytes:
         self.prompt_tokens = first.prompt_tokens
-        return _event(
+        return sse_event(
             "message_start", {"type": "message_start", "message": self._message([], None)}
-        ) + _event("ping", {"type": "ping"})
+        ) + sse_event("ping", {"type": "ping"})
 
     def _close(self) -> bytes:
         if self.block is None:
             return b""
         self.block = None
-        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def _open(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
         self.block, self.index = kind, self.index + 1
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return out + _event("content_block_start", start)
+        return out + sse_event("content_block_start", start)
 
     def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
-        return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+        return sse_event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
 
     def events(self, c: GenerationChunk) -> bytes:
         """The SSE events of one generation chunk (the last one closes the message)."""
@@ -435,5 +428,7 @@ class MessageShape:
         out += self._close()
         reason, sequence = self._stop(last)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        out += _event("message_delta", {"type": "message_delta", "delta": delta, "usage": self._usage(last)})
-        return out + _event("message_stop", {"type": "message_stop"})
+        out += sse_event(
+            "message_delta", {"type": "message_delta", "delta": delta, "usage": self._usage(last)}
+        )
+        return out + sse_event("message_stop", {"type": "message_stop"})

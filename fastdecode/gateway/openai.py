@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fastdecode.contract import MAX_TOP_LOGPROBS
 from fastdecode.gateway.chat import ROLES, ChatTemplate, check_template_kwargs
@@ -72,6 +72,15 @@ def error_body(e: ServiceError) -> tuple[int, dict[str, Any]]:
     }
 
 
+def chat_body_from(data: dict[str, Any]) -> ChatBody:
+    """A chat request another API's body was translated into (Messages, Responses): its unset (None)
+    fields dropped, checked as a chat request's (a 400 naming the field)."""
+    try:
+        return ChatBody.model_validate({k: v for k, v in data.items() if v is not None})
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
 def validation_error(errors: Sequence[Any]) -> APIError:
     """FastAPI's 422 (the body does not parse or fit the types) as OpenAI's 400 naming the field."""
     first = errors[0] if errors else {}
@@ -93,11 +102,14 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class RequestBody(BaseModel):
-    # Unknown fields are ignored, as vLLM does (SDKs add new ones); the unsupported fields that would
-    # change the answer are declared below and refused when set.
-    # Strict: a boolean is not an integer, nor a string a number (`max_tokens: true`, `n: "2"` and
-    # `logprobs: "yes"` are 400s, as in OpenAI's API), where pydantic's lax mode would convert them.
+class TextBody(BaseModel):
+    """What every HTTP API's request body shares (OpenAI's, Anthropic's Messages, Responses).
+
+    Unknown fields are ignored, as vLLM does (SDKs add new ones); the unsupported fields that would
+    change the answer are declared and refused when set. Strict: a boolean is not an integer, nor a
+    string a number (`max_tokens: true`, `n: "2"` and `logprobs: "yes"` are 400s, as in OpenAI's
+    API), where pydantic's lax mode would convert them."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
@@ -110,6 +122,8 @@ class RequestBody(BaseModel):
             raise ValueError(f"{where} is not valid Unicode text (a lone surrogate cannot be encoded)")
         return data
 
+
+class RequestBody(TextBody):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None

@@ -9,17 +9,24 @@ Imports no web framework: services/gateway/responses_api.py serves these.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
 from fastdecode.gateway.core import GenerationChunk
-from fastdecode.gateway.openai import MAX_CONTENT_PARTS, MAX_MESSAGES, APIError, ChatBody, validation_error
+from fastdecode.gateway.openai import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    APIError,
+    ChatBody,
+    TextBody,
+    chat_body_from,
+    validation_error,
+)
 from fastdecode.gateway.reasoning import ReasoningStream
-from fastdecode.gateway.text import unencodable
+from fastdecode.gateway.responses import sse_event
 from fastdecode.gateway.tools import ToolCallStream
 from fastdecode.runtime.errors import ServiceError, Status
 
@@ -42,19 +49,9 @@ def new_id(prefix: str) -> str:
 
 
 # ---- request bodies ----------------------------------------------------------------------------
-class ResponsesBody(BaseModel):
+class ResponsesBody(TextBody):
     """The fields served; unknown ones are ignored (SDKs add new ones), the ones that would change the
     answer and are not served are declared and refused when set (refuse_unserved)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        where = unencodable(data)
-        if where is not None:
-            raise ValueError(f"{where} is not valid Unicode text (a lone surrogate cannot be encoded)")
-        return data
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -257,16 +254,12 @@ def chat_body(body: ResponsesBody, items: list[dict[str, Any]]) -> ChatBody:
         "top_k": body.top_k,
         "chat_template_kwargs": body.chat_template_kwargs,
     }
-    try:
-        return ChatBody.model_validate({k: v for k, v in data.items() if v is not None})
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
+    return chat_body_from(data)
 
 
 # ---- chunks -> a Response ----------------------------------------------------------------------
 def _event(kind: str, obj: dict[str, Any]) -> bytes:
-    data = json.dumps({"type": kind} | obj, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n".encode()
+    return sse_event(kind, {"type": kind} | obj)
 
 
 class ResponseShape:

@@ -23,6 +23,12 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def sse_event(name: str, obj: dict[str, Any]) -> bytes:
+    """A named server-sent event (Anthropic's Messages and OpenAI's Responses name theirs)."""
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {data}\n\n".encode()
+
+
 def _usage(*lasts: GenerationChunk) -> dict[str, Any]:
     """As OpenAI counts n choices: the prompt once, the completions' tokens summed. The prompt,
     counted once, was cached as far as the choice that found least of it cached (the one that

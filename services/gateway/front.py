@@ -11,6 +11,9 @@ from fastapi import FastAPI
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GatewayCore
 
+# every streamed answer's headers: no cache, and no buffering by a proxy (nginx) in front
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 
 class OpenAIFront(Protocol):
     app: FastAPI

@@ -29,6 +29,7 @@ from fastdecode.gateway.reasoning import ReasoningStream
 from fastdecode.gateway.text import GenerateParams, check_params, tokenize_request
 from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas
 from fastdecode.runtime.errors import ServiceError, Status, as_service_error
+from services.gateway.front import SSE_HEADERS
 from services.gateway.hangup import unless_hung_up
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fastdecode.gateway.http")
 
 MESSAGES_PREFIX = "/v1/messages"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def messages_error_response(e: ServiceError, status_override: int | None = None) -> JSONResponse:

@@ -43,6 +43,7 @@ from fastdecode.gateway.text import GenerateParams, check_params
 from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas, choose_parser
 from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
 from fastdecode.runtime.settings import GatewaySettings
+from services.gateway.front import SSE_HEADERS
 from services.gateway.hangup import unless_hung_up
 from services.gateway.messages_api import MESSAGES_PREFIX, MessagesRoutes, messages_error_response
 from services.gateway.responses_api import RESPONSES_PATH, ResponsesRoutes
@@ -52,7 +53,6 @@ from services.gateway.tokenize_api import TokenizeRoutes
 log = logging.getLogger("fastdecode.gateway.http")
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", MESSAGES_PREFIX, RESPONSES_PATH})
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 E = TypeVar("E", bound=Exception)
 
 

@@ -32,6 +32,7 @@ from fastdecode.gateway.response_store import ResponseStore, Stored
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas
 from fastdecode.runtime.errors import ServiceError, Status, as_service_error
+from services.gateway.front import SSE_HEADERS
 from services.gateway.hangup import unless_hung_up
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fastdecode.gateway.http")
 
 RESPONSES_PATH = "/v1/responses"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _END = object()
 CANCEL_WAIT_S = 5.0
 

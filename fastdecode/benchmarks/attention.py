@@ -40,6 +40,7 @@ from fastdecode.kv import (
 )
 from fastdecode.kv import native as native_kernel
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import KVGeometry
 
 LENGTHS = ("uniform", "mixed")
 
@@ -139,7 +140,8 @@ def run_attention_bench(
         block = 16
         per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_element(dtype, head_dim)
         capacity = int(sum(-(-n // block) * block for n in lens) * per_token) + (1 << 16)
-        store = KVStore(layers, kv_heads, head_dim, capacity, dtype=dtype, block_size=block, backend=backend)
+        geometry = KVGeometry(layers, kv_heads, head_dim)
+        store = KVStore(geometry, capacity, dtype=dtype, block_size=block, backend=backend)
         ids = [f"bench-{i}" for i in range(batch)]
         for sid, n in zip(ids, lens, strict=True):
             store.reserve(sid, n)

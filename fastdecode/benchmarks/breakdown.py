@@ -28,14 +28,16 @@ import torch
 from fastdecode.benchmarks.common import bench_workdir, median, run_async
 from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.dense import AttendItem, ShardPlane
+from fastdecode.kv import AttendBatch
 from fastdecode.model import ModelConfig
 from fastdecode.runtime import codec
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.runtime.serving import SHARD_PLANES, registered
 from fastdecode.tools.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
-from fastdecode.wire.kv import attend_request
+from fastdecode.wire.kv import attend_request, geometry_to_proto
 
 PlaneFactory = Callable[[list[str]], ShardPlane]
 WINDOW = 16  # round trips per set of sequences
@@ -93,7 +95,7 @@ def pieces(cfg: ModelConfig, batch: int, repeats: int = 200) -> dict[str, float]
     """The in-process parts of one round trip, each timed alone (ms, medians)."""
     q, k, v = _tensors(cfg, batch)
     ids = [f"s{i}" for i in range(batch)]
-    item = AttendItem(0, ids, [1] * batch, [512] * batch, q, k, v)
+    item = AttendBatch(ids, [1] * batch, [512] * batch, q, k, v)
     wire = attend_request(0, item, 1)
     o = torch.randn(batch, cfg.num_attention_heads * cfg.head_dim)
     resp = kv_pb.AttendResponse(request_id=1)
@@ -128,7 +130,7 @@ def start_shards(
 
 
 def _reserve(cfg: ModelConfig, shards: list[ServiceProcess], ids: list[list[str]], tokens: int) -> None:
-    geometry = kv_pb.KVGeometry(num_layers=1, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    geometry = geometry_to_proto(KVGeometry(1, cfg.num_key_value_heads, cfg.head_dim))
     for svc, part in zip(shards, ids, strict=True):
         ch = sync_channel(svc.address)
         kv_grpc.KVAttentionStub(ch).Release(kv_pb.ReleaseRequest(all=True), timeout=10)
@@ -188,12 +190,14 @@ def round_trips(
                 items = [
                     AttendItem(
                         i,
-                        ids[i],
-                        [1] * len(ids[i]),
-                        [pos] * len(ids[i]),
-                        q[r[0] : r[-1] + 1],
-                        k[r[0] : r[-1] + 1],
-                        v[r[0] : r[-1] + 1],
+                        AttendBatch(
+                            ids[i],
+                            [1] * len(ids[i]),
+                            [pos] * len(ids[i]),
+                            q[r[0] : r[-1] + 1],
+                            k[r[0] : r[-1] + 1],
+                            v[r[0] : r[-1] + 1],
+                        ),
                     )
                     for i, r in enumerate(per)
                 ]

@@ -31,10 +31,12 @@ import grpc
 
 from fastdecode.benchmarks.chaos_probes import _client, _Outcome, probe_summary
 from fastdecode.benchmarks.common import proc_status_bytes
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import UpProcess, launch_up, state_credentials
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
+from fastdecode.wire.kv import geometry_to_proto
 
 
 def ref_chain(n: int = 1000) -> dict[str, Any]:
@@ -134,7 +136,7 @@ def pool_rebuild_probe(
             client.generate(token_ids=shared, max_tokens=2)
     creds = state_credentials(state)
     bogus = kv_pb.ReserveRequest(
-        geometry=kv_pb.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=2),
+        geometry=geometry_to_proto(KVGeometry(1, 1, 2)),
         sequences=[kv_pb.SequenceReservation(seq_id="chaos-rebuild", max_tokens=16)],
     )
     codes: list[str] = []
@@ -233,7 +235,7 @@ def huge_geometry_probe(
     creds = state_credentials(state)
     top = (1 << 31) - 1
     huge = kv_pb.ReserveRequest(
-        geometry=kv_pb.KVGeometry(num_layers=top, num_kv_heads=top, head_dim=top),
+        geometry=geometry_to_proto(KVGeometry(top, top, top)),
         sequences=[kv_pb.SequenceReservation(seq_id="chaos-huge-geometry", max_tokens=16)],
     )
     shards = [(k["address"], int(k["pid"])) for k in state["kv_attention"]]

@@ -23,11 +23,13 @@ from typing import Any
 
 import grpc
 
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import UpProcess, launch_up
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc
+from fastdecode.wire.kv import geometry_to_proto
 
 
 @dataclass
@@ -143,7 +145,7 @@ def hostile_calls(state: dict[str, Any]) -> list[str]:
             _code(lambda: list(stub.Submit(scheduler_pb2.SubmitRequest(prompt_token_ids=[0, 1]), timeout=10)))
         )
     bogus = kv_pb.ReserveRequest(
-        geometry=kv_pb.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=2),
+        geometry=geometry_to_proto(KVGeometry(1, 1, 2)),
         sequences=[kv_pb.SequenceReservation(seq_id="intruder", max_tokens=16)],
     )
     for k in state["kv_attention"]:

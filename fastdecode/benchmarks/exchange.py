@@ -25,15 +25,16 @@ from fastdecode.benchmarks.echo import grpc_echo_s, tcp_echo_s
 from fastdecode.benchmarks.transport import DEFAULT_SERVICE_ENV, process_cpu_seconds
 from fastdecode.dense import AttendItem
 from fastdecode.dense.handoff import worker_kind
+from fastdecode.kv import AttendBatch
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, ServiceError
-from fastdecode.runtime.geometry import Geometry
+from fastdecode.runtime.geometry import Geometry, KVGeometry
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.runtime.serving import SHARD_PLANES, registered
 from fastdecode.tools.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
-from fastdecode.wire.kv import attend_request
+from fastdecode.wire.kv import attend_request, geometry_to_proto
 
 MB = 1e6
 
@@ -73,7 +74,7 @@ def _fill(
     gen: torch.Generator,
 ) -> None:
     """Reserve every sequence for one layer and put `context` random tokens in its cache."""
-    kv_geo = kv_pb.KVGeometry(num_layers=1, num_kv_heads=g.kv_heads, head_dim=g.head_dim)
+    kv_geo = geometry_to_proto(KVGeometry(1, g.kv_heads, g.head_dim))
     per_token = (g.heads + 2 * g.kv_heads) * g.head_dim * dtype.itemsize
     group = max(1, (32 << 20) // max(1, context * per_token))  # ~32 MB per fill message
     for svc, part in zip(shards, ids, strict=False):
@@ -145,12 +146,14 @@ def _round_trips(
                 items = [
                     AttendItem(
                         i,
-                        ids[i],
-                        [1] * len(ids[i]),
-                        [pos] * len(ids[i]),
-                        q[bounds[i] : bounds[i + 1]],
-                        k[bounds[i] : bounds[i + 1]],
-                        v[bounds[i] : bounds[i + 1]],
+                        AttendBatch(
+                            ids[i],
+                            [1] * len(ids[i]),
+                            [pos] * len(ids[i]),
+                            q[bounds[i] : bounds[i + 1]],
+                            k[bounds[i] : bounds[i + 1]],
+                            v[bounds[i] : bounds[i + 1]],
+                        ),
                     )
                     for i in range(n)
                 ]
@@ -189,10 +192,10 @@ def _wire_sizes(
     q, k, v = tensors
     out = back = 0
     lo = 0
-    for i, part in enumerate(ids):
+    for part in ids:
         hi = lo + len(part)
-        item = AttendItem(i, part, [1] * len(part), [pos] * len(part), q[lo:hi], k[lo:hi], v[lo:hi])
-        out += len(attend_request(0, item, 1 << 40))
+        batch = AttendBatch(part, [1] * len(part), [pos] * len(part), q[lo:hi], k[lo:hi], v[lo:hi])
+        out += len(attend_request(0, batch, 1 << 40))
         o = torch.empty(len(part), g.heads * g.head_dim, dtype=q.dtype)
         back += len(codec.serialize_with(kv_pb.AttendResponse(request_id=1 << 40, attend_seconds=1.0), o=o))
         lo = hi

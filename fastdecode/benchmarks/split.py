@@ -60,6 +60,7 @@ from fastdecode.model.dense import resolve_device
 from fastdecode.planning.planner import SplitParts, best_host_share, split_ideal_ratio, split_step_s
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import aio_channel
 from fastdecode.tools.fleet import (
     ServiceProcess,
@@ -67,9 +68,9 @@ from fastdecode.tools.fleet import (
     stop_processes,
 )
 from fastdecode.v1 import dense_pb2_grpc
-from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.wire import dense as dense_wire
+from fastdecode.wire.kv import geometry_to_proto
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 PIPELINE_MODES = ("auto", "on", "off")
@@ -180,9 +181,7 @@ async def _point(
     stubs = [kv_grpc.KVAttentionStub(ch) for ch in channels]
     dense: ServiceProcess | None = None
     dense_ch = None
-    geometry = kv_pb.KVGeometry(
-        num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim
-    )
+    geometry = geometry_to_proto(KVGeometry(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim))
     try:
         t0 = time.perf_counter()
 

@@ -27,6 +27,7 @@ from fastdecode.dense import AttendItem, StepRunner
 from fastdecode.dense.structured import GrammarBank
 from fastdecode.kv import KVStore
 from fastdecode.model.dense import DenseModel
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.grammar import Structured, compile_grammar
 from fastdecode.runtime.tokenizer import Tokenizer
 
@@ -68,7 +69,9 @@ def run(model_dir: Path, batch: int = 32, steps: int = 24, device: str = "cpu") 
     c = model.config
     tok = Tokenizer.from_pretrained(model_dir)
     prompt = tok.encode(PROMPT, add_special_tokens=False)
-    store = KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1 << 30, torch.float32)
+    store = KVStore(
+        KVGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim), 1 << 30, torch.float32
+    )
     bank = GrammarBank(model_dir / "tokenizer.json", c.vocab_size, c.eos_token_ids)
     runner = StepRunner(model, _LocalShard(store), grammars=bank)
     grammar = compile_grammar(Structured("json_schema", json.dumps(SCHEMA)))

@@ -26,6 +26,7 @@ from fastdecode.kv import AttendBatch
 from fastdecode.model import ModelConfig
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, ServiceError
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import aio_channel
 from fastdecode.tools import checkpoint
 from fastdecode.tools.checkpoint import default_model_dir
@@ -34,6 +35,7 @@ from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.wire import dense as dense_wire
+from fastdecode.wire.kv import geometry_to_proto
 
 _SETTLE_S = 0.02
 # libgomp's workers spin ~300k iterations after each parallel region before sleeping; two
@@ -76,9 +78,7 @@ def process_kernel_seconds(pid: int) -> float:
 
 
 def _geometry(c: ModelConfig) -> kv_pb.KVGeometry:
-    return kv_pb.KVGeometry(
-        num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim
-    )
+    return geometry_to_proto(KVGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim))
 
 
 async def _fill_shard(

@@ -19,6 +19,7 @@ from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.kv.memory import host_available_bytes
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.geometry import KVGeometry
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -130,8 +131,10 @@ class LocalEngine:
             kv_capacity_bytes = min(
                 64 * c.max_position_embeddings * c.kv_bytes_per_token(itemsize), host_available_bytes() // 2
             )
-        self.kv = KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_capacity_bytes, kv_dtype)
-        # The store still reserves and accounts; a model with windows or a soft-cap attends here.
+        # The store, of full layers, still reserves and accounts; a model with windows or a soft-cap
+        # attends here.
+        full = KVGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        self.kv = KVStore(full, kv_capacity_bytes, kv_dtype)
         self.windowed = (
             WindowedAttention(c.layer_windows, c.attn_logit_softcap, c.num_hidden_layers)
             if any(c.layer_windows) or c.attn_logit_softcap

@@ -45,22 +45,13 @@ log = logging.getLogger("fastdecode.gpu_dense.runner")
 MAX_HISTORIES = 4096
 
 
-@dataclass
+@dataclass(slots=True)
 class AttendItem:
-    """One shard's share of one layer of one mini-batch."""
+    """One shard's share of one layer of one mini-batch: the shard's index and what it attends
+    (built per layer and group: slots, and the batch's tensors are views of the layer's rows)."""
 
     shard: int
-    seq_ids: list[str]
-    num_tokens: list[int]
-    start_pos: list[int]
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def batch(self) -> AttendBatch:
-        """What the shard attends: the item without its shard's index."""
-        return AttendBatch(self.seq_ids, self.num_tokens, self.start_pos, self.q, self.k, self.v)
+    batch: AttendBatch
 
 
 @dataclass
@@ -76,6 +67,13 @@ class _Group:
         self.seq_ids = [s.seq_id for s in self.seqs]
         self.num_tokens = [len(s.token_ids) for s in self.seqs]
         self.start_pos = [s.start_pos for s in self.seqs]
+
+    def item(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttendItem:
+        """This shard's item of a layer: its rows of q, k and v (views, no copy)."""
+        r = self.rows
+        return AttendItem(
+            self.shard, AttendBatch(self.seq_ids, self.num_tokens, self.start_pos, q[r], k[r], v[r])
+        )
 
 
 class StepRunner:
@@ -354,24 +352,10 @@ class StepRunner:
                     self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(st, q, k, v), meter)
             if st is None:  # items of this layer's tensors
                 live = [g for g in groups if g.error is None]
-                items = [
-                    AttendItem(g.shard, g.seq_ids, g.num_tokens, g.start_pos, q[g.rows], k[g.rows], v[g.rows])
-                    for g in live
-                ]
+                items = [g.item(q, k, v) for g in live]
             elif not items or any(g.error is not None for g in live):  # the step's, in the staging
                 live = [g for g in groups if g.error is None]
-                items = [
-                    AttendItem(
-                        g.shard,
-                        g.seq_ids,
-                        g.num_tokens,
-                        g.start_pos,
-                        st.q[g.rows],
-                        st.k[g.rows],
-                        st.v[g.rows],
-                    )
-                    for g in live
-                ]
+                items = [g.item(st.q, st.k, st.v) for g in live]
             meter.trips += len(items)
             answer: Answered | None = NOTHING
             if items:

@@ -19,7 +19,7 @@ from fastdecode.kv.memory import quantize
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 
 
-@dataclass
+@dataclass(slots=True)
 class AttendBatch:
     """One attend call's sequences, packed in order: sequence i brings num_tokens[i] new tokens at
     positions start_pos[i].., their rows of q [T, H, D] and k, v [T, KVH, D] (T = sum(num_tokens))."""

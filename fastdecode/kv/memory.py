@@ -9,13 +9,12 @@ import math
 import mmap
 import os
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fastdecode.runtime.errors import InvalidInput, ResourceExhausted
-from fastdecode.runtime.geometry import check_kv_bounds
+from fastdecode.runtime.geometry import KVGeometry, check_kv_bounds
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -54,14 +53,10 @@ class PoolPlan:
 
 
 def plan_pool(
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
+    geometry: KVGeometry,
     block_size: int,
     dtype: torch.dtype,
     capacity_bytes: int,
-    layer_windows: Sequence[int] = (),
-    softcap: float = 0.0,
     freed_bytes: int = 0,
 ) -> PoolPlan:
     """The pool of this geometry in `capacity_bytes`, or the refusal: InvalidInput for a field out
@@ -72,6 +67,7 @@ def plan_pool(
         raise InvalidInput(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype}")
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise InvalidInput(f"KV block size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+    num_layers, num_kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
     if min(num_layers, num_kv_heads, head_dim) < 1:
         raise InvalidInput(
             f"KV geometry must be positive: {num_layers} layers, {num_kv_heads} KV heads, head dim {head_dim}"
@@ -85,8 +81,9 @@ def plan_pool(
             f"{block_size * per_token} bytes for one block of {block_size} tokens ({dtype}); this "
             f"shard's KV pool holds {capacity_bytes}"
         )
-    check_kv_bounds(num_layers, num_kv_heads, head_dim, layer_windows, softcap)
-    counts = Counter(layer_windows).values() if any(layer_windows) else (num_layers,)
+    windows = geometry.layer_windows
+    check_kv_bounds(num_layers, num_kv_heads, head_dim, windows, geometry.attn_logit_softcap)
+    counts = Counter(windows).values() if any(windows) else (num_layers,)
     group_size = math.gcd(*counts)
     block_bytes = 2 * group_size * num_kv_heads * row_bytes * block_size
     plan = PoolPlan(row_bytes, per_token, group_size, block_bytes, capacity_bytes // block_bytes)

@@ -22,6 +22,7 @@ from fastdecode.kv.attend import AttendBatch
 from fastdecode.kv.memory import plan_pool
 from fastdecode.kv.store import KVStore, ReserveItem
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
+from fastdecode.runtime.geometry import KVGeometry
 
 log = logging.getLogger("fastdecode.kv_attention")
 
@@ -39,13 +40,9 @@ class SequenceHeader:
     """What a migrated sequence's KV is: its geometry, storage dtype and the tokens it holds."""
 
     seq_id: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    geometry: KVGeometry
     dtype: torch.dtype
     tokens: int
-    layer_windows: tuple[int, ...] = ()  # per layer (0 = full); () = full everywhere
-    softcap: float = 0.0
 
 
 @dataclass
@@ -73,61 +70,38 @@ class ShardCore:
         # attends on (services/gpu_dense/exchange/host_shard.py); they count in its measured speed
         self.host_busy_seconds = 0.0
 
-    def store_for(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        layer_windows: Sequence[int] = (),
-        softcap: float = 0.0,
-    ) -> KVStore:
-        geometry = (num_layers, num_kv_heads, head_dim)
-        windows = tuple(layer_windows)
+    def store_for(self, geometry: KVGeometry) -> KVStore:
         if self.store is None:
             self.store = KVStore(
-                *geometry,
-                self.kv_capacity,
-                self.dtype,
-                self.block_size,
-                backend=self.backend,
-                layer_windows=windows,
-                softcap=softcap,
+                geometry, self.kv_capacity, self.dtype, self.block_size, backend=self.backend
             )
             log.info(
                 "KV pool: %d tokens (%d bytes) of geometry %s",
                 self.store.capacity_tokens,
                 self.store.capacity_bytes,
-                geometry,
+                self.store.geometry,
             )
-        elif not self.store.geometry_matches(*geometry, windows, softcap):
+        elif not self.store.geometry_matches(geometry):
             s = self.store
             # A geometry out of range or whose pool does not fit is refused first, the same way
             # whether this shard is busy or idle, and leaves the pool it has as it was.
-            plan_pool(
-                *geometry, self.block_size, self.dtype, self.kv_capacity, windows, softcap, s.capacity_bytes
-            )
-            have = (s.num_layers, s.num_kv_heads, s.head_dim, s.layer_windows, s.softcap)
+            plan_pool(geometry, self.block_size, self.dtype, self.kv_capacity, s.capacity_bytes)
             if s.seqs:
-                raise InvalidInput(
-                    f"this shard holds KV of geometry {have}, not {(*geometry, windows, softcap)}"
-                )
+                raise InvalidInput(f"this shard holds KV of geometry {s.geometry}, not {geometry}")
             # Empty: the pool is rebuilt for the new geometry, so one odd reservation on an idle shard
             # (a stray client, a test) cannot pin it to a geometry the fleet does not use.
-            log.warning("KV pool holds nothing: rebuilding it from geometry %s for %s", have, geometry)
+            log.warning("KV pool holds nothing: rebuilding it from geometry %s for %s", s.geometry, geometry)
             self.store = None
-            return self.store_for(*geometry, windows, softcap)
+            return self.store_for(geometry)
         return self.store
 
     def reserve(
-        self,
-        geometry: tuple[int, int, int] | tuple[int, int, int, Sequence[int], float],
-        sequences: Sequence[ReserveItem],
-        model: str = "",
+        self, geometry: KVGeometry, sequences: Sequence[ReserveItem], model: str = ""
     ) -> tuple[int, list[int]]:
         """Reserve every sequence or none: (seq_id, tokens), (seq_id, tokens, token_ids), the token ids
         for prefix sharing, or (seq_id, tokens, token_ids, cache_salt). Returns the free tokens left
         and each one's cached tokens."""
-        store = self.store_for(*geometry)
+        store = self.store_for(geometry)
         cached = store.reserve_many(list(sequences), model)
         return store.free_tokens, cached
 
@@ -174,16 +148,7 @@ class ShardCore:
             raise NotFound(f"sequence {seq_id!r} is not held by this shard")
         if tokens:
             store.truncate(seq_id, tokens)
-        header = SequenceHeader(
-            seq_id,
-            store.num_layers,
-            store.num_kv_heads,
-            store.head_dim,
-            store.dtype,
-            min(store.seqs[seq_id].lengths),
-            store.layer_windows,
-            store.softcap,
-        )
+        header = SequenceHeader(seq_id, store.geometry, store.dtype, min(store.seqs[seq_id].lengths))
         return header, self._layers(store, seq_id)
 
     @staticmethod
@@ -197,9 +162,7 @@ class ShardCore:
     ) -> tuple[int, int]:
         """Receive one sequence, every layer; it is held only once the last layer is in, and an
         import that fails or ends early frees its blocks. Returns (tokens, bytes)."""
-        store = self.store_for(
-            header.num_layers, header.num_kv_heads, header.head_dim, header.layer_windows, header.softcap
-        )
+        store = self.store_for(header.geometry)
         if header.dtype != store.dtype:
             raise FailedPrecondition(f"KV arrives as {header.dtype}, this shard stores {store.dtype}")
         seq_id, nbytes, count = header.seq_id, 0, 0

@@ -47,6 +47,7 @@ from fastdecode.kv.memory import SCALED_DTYPES, huge_page_empty, plan_pool, quan
 from fastdecode.kv.prefix import PrefixCache
 from fastdecode.kv.windows import WindowGroups
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
+from fastdecode.runtime.geometry import KVGeometry
 
 BACKENDS = ("native", "torch")
 
@@ -57,33 +58,23 @@ ReserveItem = tuple[str, int] | tuple[str, int, list[int]] | tuple[str, int, lis
 class KVStore(WindowGroups, Attention):
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        geometry: KVGeometry,
         capacity_bytes: int,
         dtype: torch.dtype = torch.float32,
         block_size: int = 16,
         backend: str = "native",
         prefix_sharing: bool = True,
-        layer_windows: Sequence[int] = (),
-        softcap: float = 0.0,
     ) -> None:
         # Every field and what the pool takes, in Python integers, before anything is allocated: a
         # geometry of (2^31-1)^3 is refused here, not by the OOM killer.
-        plan = plan_pool(
-            num_layers, num_kv_heads, head_dim, block_size, dtype, capacity_bytes, layer_windows, softcap
-        )
+        plan = plan_pool(geometry, block_size, dtype, capacity_bytes)
         if backend not in BACKENDS:
             raise InvalidInput(f"attention backend must be one of {list(BACKENDS)}, got {backend!r}")
         # Fails here, with one line naming the fix, when the extension is not built.
         self._native = native.load() if backend == "native" else None
         self.backend = backend
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        # per layer: keys a query sees (0: all); () when no layer has a window
-        self.layer_windows: tuple[int, ...] = tuple(layer_windows) if any(layer_windows) else ()
-        self.softcap = float(softcap)
+        # windows () when no layer has one; the fields below are read from it
+        self.geometry = geometry.canonical()
         self.dtype = dtype
         self.block_size = block_size
         self.quantized = dtype in SCALED_DTYPES
@@ -95,10 +86,10 @@ class KVStore(WindowGroups, Attention):
         self.capacity_bytes = plan.pool_bytes
         slots = self.num_blocks * block_size
         # Untouched pages: memory is committed as sequences write (2 MiB at a time, huge pages).
-        lg = self.group_size
-        self.k = huge_page_empty((lg, num_kv_heads, slots, head_dim), dtype)
-        self.v = huge_page_empty((lg, num_kv_heads, slots, head_dim), dtype)
-        scale_shape = (lg, num_kv_heads, slots) if self.quantized else (0,)
+        lg, kvh, dim = self.group_size, self.num_kv_heads, self.head_dim
+        self.k = huge_page_empty((lg, kvh, slots, dim), dtype)
+        self.v = huge_page_empty((lg, kvh, slots, dim), dtype)
+        scale_shape = (lg, kvh, slots) if self.quantized else (0,)
         self.k_scale = huge_page_empty(scale_shape, torch.float32)
         self.v_scale = huge_page_empty(scale_shape, torch.float32)
         self.alloc = BlockAllocator(self.num_blocks)
@@ -172,22 +163,30 @@ class KVStore(WindowGroups, Attention):
     def bytes_used(self) -> int:
         return self.tokens_held * self.bytes_per_token
 
-    def geometry_matches(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        layer_windows: Sequence[int] = (),
-        softcap: float = 0.0,
-    ) -> bool:
-        windows = tuple(layer_windows) if any(layer_windows) else ()
-        return (num_layers, num_kv_heads, head_dim, windows, float(softcap)) == (
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.layer_windows,
-            self.softcap,
-        )
+    # The geometry's fields, as the store's mixins and its readers use them.
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.geometry.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.geometry.head_dim
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer, the keys a query sees (0: all); () when no layer has a window."""
+        return self.geometry.layer_windows
+
+    @property
+    def softcap(self) -> float:
+        return self.geometry.attn_logit_softcap
+
+    def geometry_matches(self, geometry: KVGeometry) -> bool:
+        return geometry.canonical() == self.geometry
 
     def window(self, layer: int) -> int:
         """Keys a query of `layer` sees, itself included (0: every key before it)."""

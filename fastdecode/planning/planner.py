@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.runtime.errors import InvalidInput
-from fastdecode.runtime.geometry import check_windows, window_held, window_mean_held
+from fastdecode.runtime.geometry import KVGeometry, check_windows, window_held, window_mean_held
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 EFFICIENCY_GAIN = 0.05  # "stops improving": the next measured batch size gains less than this
@@ -517,7 +517,7 @@ def measure_attention(
     steps = repeats + warmup
     per_token = 2 * num_kv_heads * (head_dim + 1) * 4  # room for any KV dtype, int8's scales included
     capacity = int(per_token * batch * (context + steps + 1) * 2) + (1 << 20)
-    kv = KVStore(1, num_kv_heads, head_dim, capacity, dtype=kv_dtype or torch.float32)
+    kv = KVStore(KVGeometry(1, num_kv_heads, head_dim), capacity, dtype=kv_dtype or torch.float32)
     ids = [f"m{i}" for i in range(batch)]
     for s in ids:
         kv.reserve(s, context + steps + 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastdecode.runtime.errors import InvalidInput
 
@@ -21,10 +21,24 @@ class KVGeometry:
     attn_logit_softcap: float = 0.0  # score = cap * tanh(score / cap); 0 = none
 
     def __post_init__(self) -> None:
+        # Cheap checks only (the count before any window is read); the bounds, which refuse a
+        # geometry a pool cannot hold, are check_kv_bounds', after the pool's capacity check.
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
-            raise InvalidInput(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
-        if any(w < 0 for w in self.layer_windows) or self.attn_logit_softcap < 0:
-            raise InvalidInput("layer windows and the logit soft-cap must be >= 0")
+            raise InvalidInput(
+                f"KV geometry: {len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+        if any(w < 0 for w in self.layer_windows):
+            raise InvalidInput(f"KV geometry: each layer window must be in [0, {MAX_WINDOW}]")
+        if self.attn_logit_softcap < 0:
+            raise InvalidInput(
+                f"KV geometry: attn_logit_softcap must be finite and >= 0, got {self.attn_logit_softcap}"
+            )
+
+    def canonical(self) -> KVGeometry:
+        """This geometry spelled one way (windows a tuple, () when no layer has one; the cap a float),
+        so that two spellings of one geometry compare equal."""
+        windows = tuple(self.layer_windows) if any(self.layer_windows) else ()
+        return replace(self, layer_windows=windows, attn_logit_softcap=float(self.attn_logit_softcap))
 
     def bytes_per_token(self, itemsize: int) -> int:
         """K and V, every layer, every KV head."""

@@ -10,7 +10,6 @@ and read by fastdecode.runtime.rpc (`item_error`, `error_from_item`)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from google.protobuf.message import DecodeError
@@ -24,23 +23,20 @@ from fastdecode.scheduling.ports import ShardState
 from fastdecode.scheduling.types import Reservation
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 
-if TYPE_CHECKING:  # annotations only
-    from fastdecode.dense import AttendItem
 
-
-def item_fields(item: AttendItem) -> bytes:
+def item_fields(batch: AttendBatch) -> bytes:
     """The AttendRequest fields an item keeps over a step's layers (its sequences), as wire bytes."""
     return kv_pb.AttendRequest(
-        seq_ids=item.seq_ids, num_tokens=item.num_tokens, start_pos=item.start_pos
+        seq_ids=batch.seq_ids, num_tokens=batch.num_tokens, start_pos=batch.start_pos
     ).SerializeToString()
 
 
-def attend_request(layer: int, item: AttendItem, request_id: int, fields: bytes | None = None) -> bytes:
+def attend_request(layer: int, batch: AttendBatch, request_id: int, fields: bytes | None = None) -> bytes:
     """One item's AttendRequest as wire bytes, q, k and v encoded straight into them (one copy).
-    `fields`: item_fields(item), when the caller keeps them for the item's next layers."""
+    `fields`: item_fields(batch), when the caller keeps them for the item's next layers."""
     head = kv_pb.AttendRequest(request_id=request_id, layer=layer)
-    prefix = item_fields(item) if fields is None else fields
-    return codec.serialize_with(head, prefix, q=item.q, k=item.k, v=item.v)
+    prefix = item_fields(batch) if fields is None else fields
+    return codec.serialize_with(head, prefix, q=batch.q, k=batch.k, v=batch.v)
 
 
 def parse_response(data: bytes) -> tuple[kv_pb.AttendResponse, torch.Tensor | None]:
@@ -80,13 +76,7 @@ def export_chunks(core: ShardCore, seq_id: str, tokens: int = 0) -> Iterator[kv_
 def _chunks(header: SequenceHeader, layers: Iterator[LayerRows]) -> Iterator[kv_pb.KVChunk]:
     yield kv_pb.KVChunk(
         seq_id=header.seq_id,
-        geometry=kv_pb.KVGeometry(
-            num_layers=header.num_layers,
-            num_kv_heads=header.num_kv_heads,
-            head_dim=header.head_dim,
-            layer_windows=header.layer_windows,
-            attn_logit_softcap=header.softcap,
-        ),
+        geometry=geometry_to_proto(header.geometry),
         kv_dtype=codec.wire_dtype(header.dtype),
         tokens=header.tokens,
     )
@@ -103,17 +93,8 @@ async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -
     header = await anext(chunks, None)
     if header is None or not header.seq_id or header.tokens < 1:
         raise InvalidInput("an import starts with a header chunk naming the sequence and its tokens")
-    layers_, kv_heads, head_dim, windows, softcap = geometry_from_proto(header.geometry)
-    head = SequenceHeader(
-        header.seq_id,
-        layers_,
-        kv_heads,
-        head_dim,
-        codec.torch_dtype(header.kv_dtype),
-        header.tokens,
-        windows,
-        softcap,
-    )
+    geometry = geometry_from_proto(header.geometry)
+    head = SequenceHeader(header.seq_id, geometry, codec.torch_dtype(header.kv_dtype), header.tokens)
 
     async def layers() -> AsyncIterator[LayerRows]:
         async for c in chunks:
@@ -125,14 +106,26 @@ async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -
     return await core.import_sequence(head, layers())
 
 
-# ---- stats and reservations -------------------------------------------------------------------------
-def geometry_from_proto(g: kv_pb.KVGeometry) -> tuple[int, int, int, tuple[int, ...], float]:
-    """A Reserve's or an import's geometry for ShardCore (which checks every field and what its pool
-    takes before allocating). The windows are copied out only when there can be that many layers:
-    a message may carry millions of them."""
+# ---- geometry, stats and reservations ---------------------------------------------------------------
+def geometry_from_proto(g: kv_pb.KVGeometry) -> KVGeometry:
+    """A Reserve's or an import's geometry, the one way it leaves the wire. KVGeometry checks only
+    what is cheap (windows against layers, signs); ShardCore checks every field and what its pool
+    takes before allocating, so that (2^31-1)^3 is refused by its size. The windows are copied out
+    only when there can be that many layers: a message may carry millions of them."""
     if len(g.layer_windows) > MAX_KV_LAYERS:
         raise InvalidInput(f"KV geometry: {len(g.layer_windows)} layer windows, at most {MAX_KV_LAYERS}")
-    return g.num_layers, g.num_kv_heads, g.head_dim, tuple(g.layer_windows), g.attn_logit_softcap
+    return KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, tuple(g.layer_windows), g.attn_logit_softcap)
+
+
+def geometry_to_proto(geometry: KVGeometry) -> kv_pb.KVGeometry:
+    """A geometry for a Reserve or a migration's header, the one way it goes on the wire."""
+    return kv_pb.KVGeometry(
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        layer_windows=geometry.layer_windows,
+        attn_logit_softcap=geometry.attn_logit_softcap,
+    )
 
 
 def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
@@ -179,13 +172,7 @@ def shard_state_from_proto(st: kv_pb.ShardStats) -> ShardState:
 def reserve_request(geometry: KVGeometry, seqs: Sequence[Reservation], model: str) -> kv_pb.ReserveRequest:
     return kv_pb.ReserveRequest(
         model=model,
-        geometry=kv_pb.KVGeometry(
-            num_layers=geometry.num_layers,
-            num_kv_heads=geometry.num_kv_heads,
-            head_dim=geometry.head_dim,
-            layer_windows=geometry.layer_windows,
-            attn_logit_softcap=geometry.attn_logit_softcap,
-        ),
+        geometry=geometry_to_proto(geometry),
         sequences=[
             kv_pb.SequenceReservation(
                 seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids, cache_salt=s.cache_salt

@@ -22,12 +22,14 @@ from fastdecode.dense.engine import LocalEngine
 from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.model import ModelConfig
 from fastdecode.runtime.errors import NotFound, Unavailable
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import aio_channel, sync_channel
 from fastdecode.runtime.settings import DenseSettings
 from fastdecode.tools.fleet import free_port, start_service
 from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
+from fastdecode.wire.kv import geometry_to_proto
 from services.gpu_dense.exchange.host_shard import HostShard, HostShardPlane
 from tests.integration.test_data_plane import MAX_NEW, DataPlane
 from tests.integration.test_shard_links import EchoShard, _item, _plane
@@ -42,12 +44,14 @@ def _hosted_item(index: int, seed: int, seq_ids: list[str] = IDS) -> AttendItem:
     n = len(seq_ids)
     return AttendItem(
         index,
-        list(seq_ids),
-        [1] * n,
-        [0] * n,
-        torch.randn(n, HEADS, DIM, generator=g),
-        torch.randn(n, KV_HEADS, DIM, generator=g),
-        torch.randn(n, KV_HEADS, DIM, generator=g),
+        AttendBatch(
+            list(seq_ids),
+            [1] * n,
+            [0] * n,
+            torch.randn(n, HEADS, DIM, generator=g),
+            torch.randn(n, KV_HEADS, DIM, generator=g),
+            torch.randn(n, KV_HEADS, DIM, generator=g),
+        ),
     )
 
 
@@ -67,17 +71,19 @@ def test_hosted_items_attend_in_process_beside_remote_ones(kind: str, tmp_path: 
         stub = pb_grpc.KVAttentionStub(ch)
         try:
             # reserved through the hosted shard's own gRPC port, as the scheduler does
-            geometry = pb.KVGeometry(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM)
+            geometry = geometry_to_proto(KVGeometry(LAYERS, KV_HEADS, DIM))
             seqs = [pb.SequenceReservation(seq_id=s, max_tokens=8) for s in IDS]
             await stub.Reserve(pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=10)
-            ref = KVStore(LAYERS, KV_HEADS, DIM, 1 << 20, torch.float32)
+            ref = KVStore(KVGeometry(LAYERS, KV_HEADS, DIM), 1 << 20, torch.float32)
             for s in IDS:
                 ref.reserve(s, 8)
             for layer in range(LAYERS):
                 item = _hosted_item(1, layer)
                 out = await plane.attend_layer(0, layer, [_item(0, 1.0), item])
                 assert torch.equal(out[0], torch.full((2, 12), 2.0))  # the remote shard's answer
-                want = ref.attend(layer, AttendBatch(IDS, [1, 1], [0, 0], item.q, item.k, item.v))
+                want = ref.attend(
+                    layer, AttendBatch(IDS, [1, 1], [0, 0], item.batch.q, item.batch.k, item.batch.v)
+                )
                 assert torch.allclose(out[1], want, atol=1e-6), layer
             # only hosted items: no inner plane involved
             only = await plane.attend_layer(1, 0, [_hosted_item(1, 7)])

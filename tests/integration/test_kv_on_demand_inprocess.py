@@ -15,6 +15,7 @@ from fastdecode.dense.engine import pack, run_layers
 from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import ResourceExhausted
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
 
 BLOCK = 4
@@ -39,7 +40,9 @@ def run(
     per_block = BLOCK * c.kv_bytes_per_token(4)
     stores = [
         KVStore(
-            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, store_blocks * per_block, block_size=BLOCK
+            KVGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim),
+            store_blocks * per_block,
+            block_size=BLOCK,
         )
         for _ in range(2)
     ]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fastdecode.dense import AttendItem
+from fastdecode.kv import AttendBatch
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, Unavailable
 from fastdecode.v1 import kv_attention_pb2 as pb
@@ -53,7 +54,7 @@ class EchoShard(pb_grpc.KVAttentionServicer):
 def _item(shard: int, value: float) -> AttendItem:
     q = torch.full((2, 3, 4), value)
     kv = torch.zeros(2, 1, 4)
-    return AttendItem(shard, ["a", "b"], [1, 1], [0, 0], q, kv, kv)
+    return AttendItem(shard, AttendBatch(["a", "b"], [1, 1], [0, 0], q, kv, kv))
 
 
 PLANES = ["in-order", "concurrent", "workers-1", "workers-2", "native-1", "native-2"]
@@ -126,7 +127,7 @@ def test_links_answer_time_out_and_recover(kind: str) -> None:
 
 @pytest.mark.parametrize("layer", [0])
 def test_request_carries_the_item(layer: int) -> None:
-    req = pb.AttendRequest.FromString(attend_request(layer, _item(0, 1.5), 9))
+    req = pb.AttendRequest.FromString(attend_request(layer, _item(0, 1.5).batch, 9))
     assert req.request_id == 9
     assert list(req.seq_ids) == ["a", "b"] and list(req.num_tokens) == [1, 1] and req.layer == layer
     assert torch.equal(codec.decode(req.q), torch.full((2, 3, 4), 1.5))

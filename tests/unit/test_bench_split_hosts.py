@@ -13,6 +13,7 @@ from fastdecode.benchmarks.split import crossover, run_split_bench
 from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.planning.planner import SplitParts, best_host_share, split_ideal_ratio, split_step_s
 from fastdecode.runtime.errors import InvalidInput, NotFound
+from fastdecode.runtime.geometry import KVGeometry
 
 
 def test_cpu_set_parsing() -> None:
@@ -135,7 +136,7 @@ def test_crossover_is_the_smallest_context_won() -> None:
 
 
 def test_fill_synthetic_writes_every_layer_linearly() -> None:
-    store = KVStore(3, 2, 8, 1 << 20, torch.bfloat16, block_size=16)
+    store = KVStore(KVGeometry(3, 2, 8), 1 << 20, torch.bfloat16, block_size=16)
     store.reserve("a", 40)
     store.reserve("b", 40)
     assert store.fill_synthetic(["a", "b"], 33, seed=1) == 33

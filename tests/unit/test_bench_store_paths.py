@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fastdecode.kv import AttendBatch, KVStore
+from fastdecode.runtime.geometry import KVGeometry
 
 
 def naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -26,7 +27,7 @@ def filled(heads: int, kv_heads: int, lengths: list[int], dtype: torch.dtype = t
     itemsize = torch.empty((), dtype=dtype).element_size()
     # the torch backend: the batched path is its own (the native kernel is the default backend)
     cap = 64 * 16 * 2 * 2 * kv_heads * 8 * itemsize
-    store = KVStore(2, kv_heads, 8, capacity_bytes=cap, dtype=dtype, backend="torch")
+    store = KVStore(KVGeometry(2, kv_heads, 8), capacity_bytes=cap, dtype=dtype, backend="torch")
     hist = {}
     for i, n in enumerate(lengths):
         sid = f"s{i}"

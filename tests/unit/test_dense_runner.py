@@ -18,6 +18,7 @@ from fastdecode.dense.engine import LocalEngine
 from fastdecode.kv import KVStore
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import Unavailable
+from fastdecode.runtime.geometry import KVGeometry
 
 
 class InProcessShards:
@@ -27,7 +28,9 @@ class InProcessShards:
         c = model.config
         self.num_shards = n
         self.stores = [
-            KVStore(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64 << 20, torch.float32)
+            KVStore(
+                KVGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim), 64 << 20, torch.float32
+            )
             for _ in range(n)
         ]
         self.dead: set[int] = set()

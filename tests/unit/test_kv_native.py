@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from fastdecode.kv import KV_DTYPES, AttendBatch, KVStore, native
 from fastdecode.kv.memory import kv_bytes_per_element, quantize_float8
 from fastdecode.runtime.errors import FailedPrecondition
+from fastdecode.runtime.geometry import KVGeometry
 
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
 
@@ -86,7 +87,7 @@ def make(
 ) -> KVStore:
     per_token = 2 * layers * kv_heads * head_dim * kv_bytes_per_element(KV_DTYPES[dtype], head_dim)
     cap = int(per_token * (tokens + 64 * block_size)) + 4096
-    return KVStore(layers, kv_heads, head_dim, cap, KV_DTYPES[dtype], block_size, backend=backend)
+    return KVStore(KVGeometry(layers, kv_heads, head_dim), cap, KV_DTYPES[dtype], block_size, backend=backend)
 
 
 def run_and_check(
@@ -285,10 +286,10 @@ def test_missing_extension_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(native, "_error", None)
     monkeypatch.setattr(native.importlib, "import_module", fail)
     with pytest.raises(FailedPrecondition) as e:
-        KVStore(1, 1, 8, 1 << 20, backend="native")
+        KVStore(KVGeometry(1, 1, 8), 1 << 20, backend="native")
     msg = str(e.value)
     assert "\n" not in msg and "native attention kernel unavailable" in msg and "make setup" in msg
-    KVStore(1, 1, 8, 1 << 20, backend="torch")  # the reference still works
+    KVStore(KVGeometry(1, 1, 8), 1 << 20, backend="torch")  # the reference still works
 
 
 def test_int8_wide_heads_do_not_overflow_the_integer_dot() -> None:
@@ -377,7 +378,7 @@ def test_isa_environment_override(monkeypatch: pytest.MonkeyPatch, level: str, o
     monkeypatch.setattr(native, "_error", None)
     try:
         if ok:
-            store = KVStore(1, 1, 64, 1 << 20)
+            store = KVStore(KVGeometry(1, 1, 64), 1 << 20)
             assert native.isa() == level and native.path("bfloat16", 64) == level
             store.reserve("a", 4)
             q, k, v = (torch.randn(3, 1, 64) for _ in range(3))
@@ -385,7 +386,7 @@ def test_isa_environment_override(monkeypatch: pytest.MonkeyPatch, level: str, o
             torch.testing.assert_close(o.double(), reference(q, k, v, 0), atol=2e-5, rtol=2e-5)
         else:
             with pytest.raises(native.NativeUnavailable) as e:
-                KVStore(1, 1, 64, 1 << 20)
+                KVStore(KVGeometry(1, 1, 64), 1 << 20)
             msg = str(e.value)
             assert msg.startswith(f"{native.ISA_ENV}={level}: isa must be one of") and "\n" not in msg
     finally:

@@ -13,15 +13,17 @@ from fastdecode.contract import chain_hashes, prefix_seed
 from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.kv.prefix import PrefixCache
 from fastdecode.runtime.errors import ResourceExhausted
+from fastdecode.runtime.geometry import KVGeometry
 
 BS = 4
 LAYERS, KVH, HD = 2, 1, 2
 
 
 def _store(blocks: int, sharing: bool = True, backend: str = "native", **kw) -> KVStore:
-    probe = KVStore(LAYERS, KVH, HD, 1 << 20, block_size=BS, backend=backend)
+    geometry = KVGeometry(LAYERS, KVH, HD)
+    probe = KVStore(geometry, 1 << 20, block_size=BS, backend=backend)
     return KVStore(
-        LAYERS, KVH, HD, blocks * BS * probe.bytes_per_token, block_size=BS, backend=backend,
+        geometry, blocks * BS * probe.bytes_per_token, block_size=BS, backend=backend,
         prefix_sharing=sharing, **kw,
     )  # fmt: skip
 
@@ -142,7 +144,9 @@ def test_attention_over_shared_blocks_equals_unshared(backend: str, dtype: torch
     layers, kvh, hd, heads = 2, 2, 8, 4
     outs = []
     for sharing in (False, True):
-        store = KVStore(layers, kvh, hd, 1 << 20, dtype, BS, backend=backend, prefix_sharing=sharing)
+        store = KVStore(
+            KVGeometry(layers, kvh, hd), 1 << 20, dtype, BS, backend=backend, prefix_sharing=sharing
+        )
         prompt = list(range(13))
         res = []
         for sid in ("a", "b"):  # the same tokens: the same q, k, v at every position

@@ -11,6 +11,7 @@ import torch
 from fastdecode.kv import AttendBatch, BlockAllocator, KVStore, huge_page_empty, huge_page_share
 from fastdecode.kv.memory import mapping_of
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
+from fastdecode.runtime.geometry import KVGeometry
 
 
 def naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
@@ -27,7 +28,9 @@ def naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 
 def make_store(kv_heads: int = 2, tokens: int = 4096, dtype: torch.dtype = torch.float32) -> KVStore:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return KVStore(3, kv_heads, 8, capacity_bytes=tokens * 2 * 3 * kv_heads * 8 * itemsize, dtype=dtype)
+    return KVStore(
+        KVGeometry(3, kv_heads, 8), capacity_bytes=tokens * 2 * 3 * kv_heads * 8 * itemsize, dtype=dtype
+    )
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (4, 1)])  # MHA, GQA, MQA
@@ -265,7 +268,7 @@ def _vm_flags(t: torch.Tensor) -> set[str]:
 def test_kv_pools_are_advised_for_huge_pages() -> None:
     """The pools sit on memory advised MADV_HUGEPAGE: the kernel walks each head's rows a block at
     a time, and on 4 KiB pages every block is a TLB miss (bf16 layers took 1.26x as long)."""
-    store = KVStore(2, 4, 64, 16 << 20, dtype=torch.bfloat16)
+    store = KVStore(KVGeometry(2, 4, 64), 16 << 20, dtype=torch.bfloat16)
     assert store.k.shape == (2, 4, store.num_blocks * 16, 64) and store.k.dtype == torch.bfloat16
     assert store.k.is_contiguous() and store.v.data_ptr() != store.k.data_ptr()
     store.reserve("a", 40)

@@ -15,6 +15,7 @@ import torch
 
 from fastdecode.kv import KV_DTYPES, AttendBatch, KVStore, native
 from fastdecode.kv.memory import kv_bytes_per_element
+from fastdecode.runtime.geometry import KVGeometry
 
 kernel = native.load()
 ISAS = native.isas()  # every level this CPU can run, scalar first
@@ -66,16 +67,12 @@ def make(
 ) -> KVStore:
     per_token = 2 * len(windows) * kvh * dim * kv_bytes_per_element(KV_DTYPES[dtype], dim)
     return KVStore(
-        len(windows),
-        kvh,
-        dim,
+        KVGeometry(len(windows), kvh, dim, windows, cap),
         int(per_token * 4096),
         KV_DTYPES[dtype],
         16,
         backend=backend,
         prefix_sharing=False,
-        layer_windows=windows,
-        softcap=cap,
     )
 
 

@@ -23,7 +23,7 @@ GEMMA = (8, 8, 8, 8, 8, 0)  # five windowed layers to one global, as Gemma 3
 
 
 def _store(backend: str, windows: tuple[int, ...] = GEMMA, dtype: torch.dtype = torch.float32) -> KVStore:
-    return KVStore(len(windows), KVH, DIM, 1 << 22, dtype, BS, backend=backend, layer_windows=windows)
+    return KVStore(KVGeometry(len(windows), KVH, DIM, windows), 1 << 22, dtype, BS, backend=backend)
 
 
 def test_groups_share_one_allocator_and_count_tokens_on_every_layer() -> None:
@@ -32,7 +32,7 @@ def test_groups_share_one_allocator_and_count_tokens_on_every_layer() -> None:
     assert s.prefix is None  # windowed: no prefix sharing
     two = _store("native", (0, 0, 5, 5, 5, 5))  # gcd(2, 4) = 2 layers a group
     assert (two.group_size, two.num_groups, two.group_windows) == (2, 3, [0, 5, 5])
-    plain = KVStore(6, KVH, DIM, 1 << 22, torch.float32, BS)
+    plain = KVStore(KVGeometry(6, KVH, DIM), 1 << 22, torch.float32, BS)
     assert abs(plain.capacity_tokens - s.capacity_tokens) <= BS  # same bytes, same tokens (to a block)
     s.reserve("a", 10)
     assert s.tokens_held == 0 and s.free_tokens == s.capacity_tokens - 12  # 3 blocks in each of 6 groups
@@ -82,7 +82,7 @@ def test_more_sequences_fit_at_the_same_capacity() -> None:
     cap = 6 * 2 * KVH * DIM * 4 * 640  # 640 tokens of full attention
     counts = []
     for windows in ((0,) * 6, GEMMA):
-        store = KVStore(6, KVH, DIM, cap, torch.float32, BS, layer_windows=windows)
+        store = KVStore(KVGeometry(6, KVH, DIM, windows), cap, torch.float32, BS)
         n = 0
         while store.free_tokens >= 64:
             store.reserve(f"s{n}", 1)
@@ -95,7 +95,7 @@ def test_more_sequences_fit_at_the_same_capacity() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_migration_sends_the_window_and_the_copy_attends_the_same(dtype: torch.dtype) -> None:
     src, dst = ShardCore(1 << 22, dtype, BS), ShardCore(1 << 22, dtype, BS)
-    geometry = (6, KVH, DIM, list(GEMMA), 30.0)
+    geometry = KVGeometry(6, KVH, DIM, GEMMA, 30.0)
     src.reserve(geometry, [("s", 30)])
     gen = torch.Generator().manual_seed(2)
     for pos, n in ((0, 30), (30, 1), (31, 1)):
@@ -137,7 +137,7 @@ def test_prefix_sharing_reads_the_window_a_finished_prefix_left_cached(backend: 
     """One group cache per layer group: a second sequence with the same prompt finds the full layers'
     blocks and the windowed layers' last window still cached (let go by the first, idle, not
     evicted), computes only the rest, and every query still sees exactly its window."""
-    store = KVStore(6, KVH, DIM, 1 << 22, torch.float32, BS, backend=backend, layer_windows=GEMMA)
+    store = KVStore(KVGeometry(6, KVH, DIM, GEMMA), 1 << 22, torch.float32, BS, backend=backend)
     gen = torch.Generator().manual_seed(5)
     emb = torch.randn(6, 64, 2, KVH, DIM, generator=gen)  # per layer: k, v of a token ...
     pos_emb = torch.randn(6, 128, 2, KVH, DIM, generator=gen)  # ... plus its position's

@@ -12,6 +12,7 @@ import torch
 from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.kv.shard import ShardCore
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling import Request, SchedulerCore, ShardSpec
 from fastdecode.scheduling.driver import SchedulerDriver
@@ -24,7 +25,7 @@ LAYERS, KVH, HEADS, DIM = 3, 2, 4, 8
 
 
 def _filled(dtype: torch.dtype, tokens: int, backend: str = "torch") -> tuple[KVStore, list]:
-    store = KVStore(LAYERS, KVH, DIM, 1 << 20, dtype, block_size=4, backend=backend)
+    store = KVStore(KVGeometry(LAYERS, KVH, DIM), 1 << 20, dtype, block_size=4, backend=backend)
     store.reserve("other", 5)  # the sequence does not start at slot 0
     store.reserve("s", tokens)
     g = torch.Generator().manual_seed(0)
@@ -39,7 +40,7 @@ def _filled(dtype: torch.dtype, tokens: int, backend: str = "torch") -> tuple[KV
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_export_import_then_attend_gives_the_same_output(dtype: torch.dtype) -> None:
     src, _ = _filled(dtype, 11)
-    dst = KVStore(LAYERS, KVH, DIM, 1 << 20, dtype, block_size=4, backend="torch")
+    dst = KVStore(KVGeometry(LAYERS, KVH, DIM), 1 << 20, dtype, block_size=4, backend="torch")
     dst.reserve("x", 9)  # different slots on the target
     dst.begin_import("s", 11)
     with pytest.raises(FailedPrecondition):  # not held before the last layer
@@ -59,7 +60,7 @@ def test_export_import_then_attend_gives_the_same_output(dtype: torch.dtype) -> 
 
 def test_an_unfinished_import_frees_its_blocks_and_a_full_pool_refuses() -> None:
     src, _ = _filled(torch.float32, 10)
-    dst = KVStore(LAYERS, KVH, DIM, 1 << 20, torch.float32, block_size=4, backend="torch")
+    dst = KVStore(KVGeometry(LAYERS, KVH, DIM), 1 << 20, torch.float32, block_size=4, backend="torch")
     free = dst.free_tokens
     dst.begin_import("s", 10)
     dst.import_layer("s", 0, src.export_layer("s", 0))
@@ -83,7 +84,7 @@ async def _stream(chunks: Iterable) -> AsyncIterator:
 
 def test_shard_core_chunk_stream_round_trip_and_a_broken_stream() -> None:
     src = ShardCore(1 << 20, torch.bfloat16, 4, backend="torch")
-    src.reserve((LAYERS, KVH, DIM), [("s", 7)])
+    src.reserve(KVGeometry(LAYERS, KVH, DIM), [("s", 7)])
     for layer in range(LAYERS):
         src.store.write(layer, "s", 0, torch.randn(7, KVH, DIM), torch.randn(7, KVH, DIM))
     dst = ShardCore(1 << 20, torch.bfloat16, 4, backend="torch")

@@ -17,10 +17,11 @@ from fastdecode.kv.shard import ShardCore
 from fastdecode.kv.store import KVStore
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, NotFound, ResourceExhausted
+from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.v1 import kv_attention_pb2 as pb
-from fastdecode.wire.kv import attend_batch, geometry_from_proto
+from fastdecode.wire.kv import attend_batch, geometry_from_proto, geometry_to_proto
 
-REAL, BOGUS = (2, 2, 8), (1, 1, 2)
+REAL, BOGUS = KVGeometry(2, 2, 8), KVGeometry(1, 1, 2)
 
 
 def core() -> ShardCore:
@@ -32,7 +33,7 @@ def test_a_reservation_of_another_geometry_is_invalid_while_sequences_are_held()
     c.reserve(REAL, [("a", 8)])
     with pytest.raises(InvalidInput, match="geometry"):
         c.reserve(BOGUS, [("intruder", 8)])
-    assert c.store is not None and c.store.geometry_matches(*REAL) and list(c.store.seqs) == ["a"]
+    assert c.store is not None and c.store.geometry_matches(REAL) and list(c.store.seqs) == ["a"]
 
 
 def test_an_idle_shard_is_not_pinned_by_a_bogus_reservation() -> None:
@@ -40,7 +41,7 @@ def test_an_idle_shard_is_not_pinned_by_a_bogus_reservation() -> None:
     c.reserve(BOGUS, [("intruder", 8)])
     assert c.release(None) == [True]  # the scheduler frees what a shard it took back holds
     c.reserve(REAL, [("a", 8)])  # the fleet's geometry rebuilds the empty pool
-    assert c.store is not None and c.store.geometry_matches(*REAL)
+    assert c.store is not None and c.store.geometry_matches(REAL)
 
 
 def test_attend_errors_name_no_sequence_id() -> None:
@@ -63,7 +64,8 @@ def test_attend_errors_name_no_sequence_id() -> None:
 
 
 # ---- a geometry is checked before its pool is allocated -----------------------------------
-HUGE = ((1 << 31) - 1,) * 3  # every field at int32's top: one Reserve of it took 23 GB and the OOM killer
+# every field at int32's top: one Reserve of it took 23 GB and the OOM killer
+HUGE = KVGeometry(*((1 << 31) - 1,) * 3)
 
 
 def rss_bytes() -> int:
@@ -86,7 +88,7 @@ def test_the_int32_geometry_is_refused_at_once_before_any_allocation(held: str) 
     if held == "fresh":
         assert c.store is None
     else:  # the pool it had stays, and so does what it holds
-        assert c.store is not None and c.store.geometry_matches(*REAL)
+        assert c.store is not None and c.store.geometry_matches(REAL)
         assert list(c.store.seqs) == ([] if held == "idle" else ["a"])
 
 
@@ -108,8 +110,8 @@ def test_the_int32_geometry_is_refused_at_once_before_any_allocation(held: str) 
 )
 def test_each_geometry_field_out_of_range_is_invalid_and_named(geometry: tuple, needle: str) -> None:
     c = ShardCore(64 << 20, torch.float32, 16, backend="torch")
-    with pytest.raises(InvalidInput) as info:
-        c.reserve(geometry, [("a", 8)])
+    with pytest.raises(InvalidInput) as info:  # a window or cap below 0 already as a KVGeometry
+        c.reserve(KVGeometry(*geometry), [("a", 8)])
     assert needle in info.value.message and c.store is None
 
 
@@ -129,7 +131,7 @@ def test_a_pool_of_one_block_on_every_layer_fits_and_one_byte_less_does_not(
     layers, kvh, dim, bs = 4, 2, 8, 16
     row = dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
     need = bs * 2 * layers * kvh * row
-    geometry = (layers, kvh, dim, windows, 0.0)
+    geometry = KVGeometry(layers, kvh, dim, tuple(windows))
     with pytest.raises(ResourceExhausted):
         ShardCore(need - 1, dtype, bs, backend="torch").reserve(geometry, [("a", 1)])
     c = ShardCore(need, dtype, bs, backend="torch")
@@ -144,15 +146,14 @@ def test_a_pool_larger_than_the_hosts_available_memory_is_refused(monkeypatch: p
         c.reserve(REAL, [("a", 8)])
     assert c.store is None
     # an idle pool a rebuild lets go counts as available (KVStore checks again once it is gone)
-    plan = memory.plan_pool(*BOGUS, 16, torch.float32, 1 << 20, freed_bytes=1 << 20)
+    plan = memory.plan_pool(BOGUS, 16, torch.float32, 1 << 20, freed_bytes=1 << 20)
     assert plan.pool_bytes == 1 << 20
 
 
 def test_plan_pool_is_what_the_store_builds() -> None:
-    geometry = (6, 2, 8)
-    windows = (512, 512, 512, 512, 512, 0)
-    plan = memory.plan_pool(*geometry, 16, torch.bfloat16, 1 << 20, windows)
-    store = KVStore(*geometry, 1 << 20, torch.bfloat16, 16, backend="torch", layer_windows=windows)
+    geometry = KVGeometry(6, 2, 8, (512, 512, 512, 512, 512, 0))
+    plan = memory.plan_pool(geometry, 16, torch.bfloat16, 1 << 20)
+    store = KVStore(geometry, 1 << 20, torch.bfloat16, 16, backend="torch")
     assert (plan.num_blocks, plan.pool_bytes, plan.bytes_per_token, plan.group_size) == (
         store.num_blocks,
         store.capacity_bytes,
@@ -166,4 +167,5 @@ def test_the_wire_copies_no_more_windows_than_layers_can_be() -> None:
     with pytest.raises(InvalidInput, match="5000 layer windows"):
         geometry_from_proto(g)
     g = pb.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, layer_windows=[3, 0], attn_logit_softcap=30)
-    assert geometry_from_proto(g) == (2, 2, 8, (3, 0), 30.0)
+    assert geometry_from_proto(g) == KVGeometry(2, 2, 8, (3, 0), 30.0)
+    assert geometry_from_proto(geometry_to_proto(KVGeometry(2, 2, 8, (3, 0), 30.0))) == geometry_from_proto(g)

@@ -12,9 +12,10 @@ import torch
 from prometheus_client import REGISTRY
 
 from fastdecode.kv.shard import ShardCore
+from fastdecode.runtime.geometry import KVGeometry
 from services.kv_attention.metrics import ShardMetrics
 
-GEOMETRY = (2, 2, 8)
+GEOMETRY = KVGeometry(2, 2, 8)
 PROMPT = list(range(1, 65))  # four 16-token blocks
 
 
@@ -37,7 +38,7 @@ def test_a_pool_rebuild_keeps_the_counters_monotonic(caplog: pytest.LogCaptureFi
     queries = _counter("fastdecode_kv_prefix_queries_total", shard)
     assert queries >= 3
     with caplog.at_level(logging.WARNING):
-        core.reserve((1, 1, 2), [("intruder", 16)])  # another geometry: the pool is rebuilt at 0
+        core.reserve(KVGeometry(1, 1, 2), [("intruder", 16)])  # another geometry: the pool is rebuilt at 0
         metrics.pool(core.store)
         core.release(["intruder"])
         metrics.pool(core.store)
@@ -75,7 +76,7 @@ def test_an_oversized_attend_reply_is_that_items_error() -> None:
     from services.kv_attention.server import KVAttentionService
 
     service = KVAttentionService(ShardSettings(kv_capacity=8 << 20, attention_backend="torch"))
-    service.core.reserve((1, 2, 8), [("a", 8)])
+    service.core.reserve(KVGeometry(1, 2, 8), [("a", 8)])
 
     def item(i: int) -> pb.AttendRequest:
         q, kv = torch.zeros(1, 4, 8), torch.zeros(1, 2, 8)

@@ -20,10 +20,8 @@ WINDOWS = (16, 16, 16, 16, 16, 0)
 def _run(windows: tuple[int, ...], capacity_bytes: int) -> tuple[int, int]:
     """Runs 16 requests to the end; returns (peak running sequences, chunks refused)."""
     layers = len(windows)
-    store = KVStore(
-        layers, KVH, DIM, capacity_bytes, torch.float32, BS, backend="native", layer_windows=windows
-    )
     geo = KVGeometry(layers, KVH, DIM, windows)
+    store = KVStore(geo, capacity_bytes, torch.float32, BS, backend="native")
     core = SchedulerCore(
         [ShardSpec(store.capacity_tokens, block_size=BS)], [EOS], kv_geometry=geo, prefill_token_budget=64
     )

@@ -129,13 +129,14 @@ class HostShardPlane(LayerPlane[AttendItem]):
     def _attend(self, layer: int, item: AttendItem) -> torch.Tensor | BaseException:
         cpu = torch.device("cpu")
         try:
+            b = item.batch
             batch = AttendBatch(
-                item.seq_ids,
-                item.num_tokens,
-                item.start_pos,
-                item.q.to(cpu).contiguous(),
-                item.k.to(cpu).contiguous(),
-                item.v.to(cpu).contiguous(),
+                b.seq_ids,
+                b.num_tokens,
+                b.start_pos,
+                b.q.to(cpu).contiguous(),
+                b.k.to(cpu).contiguous(),
+                b.v.to(cpu).contiguous(),
             )
             return self.host.service.attend_tensors(layer, batch)
         except ServiceError as e:

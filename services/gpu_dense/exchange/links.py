@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from fastdecode.dense import AttendItem, LayerPlane
+from fastdecode.kv import AttendBatch
 from fastdecode.protocol import DATA_PLANE_OPTIONS
 from fastdecode.runtime.errors import InvalidInput, NotFound, ServiceError, Unavailable
 from fastdecode.runtime.rpc import TLSFiles, aio_channel, code_from_int
@@ -60,7 +61,7 @@ class AttendLink:
             ATTEND_METHOD, request_serializer=None, response_deserializer=None
         )
         self._streams: dict[int, _Stream] = {}
-        self._fields: dict[int, tuple[AttendItem, bytes]] = {}  # per slot: the last item's fields
+        self._fields: dict[int, tuple[AttendBatch, bytes]] = {}  # per slot: the last item's fields
         self.removed = False  # RemoveShard: an item for it fails UNAVAILABLE, nothing is dialled
 
     @property
@@ -94,10 +95,10 @@ class AttendLink:
         if stream is None:
             stream = self._streams[slot] = _Stream(self._attend())
         request_id = next(_ids)
-        kept = self._fields.get(slot)
-        if kept is None or kept[0] is not item:  # a step's layers send the same item objects
-            kept = self._fields[slot] = (item, item_fields(item))
-        data = attend_request(layer, item, request_id, kept[1])
+        kept, batch = self._fields.get(slot), item.batch
+        if kept is None or kept[0] is not batch:  # a step's layers send the same item objects
+            kept = self._fields[slot] = (batch, item_fields(batch))
+        data = attend_request(layer, batch, request_id, kept[1])
         stream.since = time.monotonic()
         try:
             await stream.call.write(data)

@@ -72,21 +72,19 @@ def copy_in(
 ) -> tuple[Arena, list[ItemSlices]]:
     """Items that are not rows of a staging: q, k, v copied into the arena `key` (worker, slot),
     each with o's room after it, and their slices."""
-    need = sum(aligned(t.nbytes) for it in items for t in (it.q, it.k, it.v, it.q))
+    need = sum(aligned(t.nbytes) for it in items for t in (it.batch.q, it.batch.k, it.batch.v, it.batch.q))
     arena = pool.get(key, need)
     off = 0
     message = []
     for it in items:
-        slices = []
-        for t in (it.q, it.k, it.v):
+        b, slices = it.batch, []
+        for t in (b.q, b.k, b.v):
             slices.append(arena.put(off, t).astuple())
             off += aligned(t.nbytes)
-        room = aligned(it.q.nbytes)  # o: [T, H*D] in q's dtype, as many bytes as q
+        room = aligned(b.q.nbytes)  # o: [T, H*D] in q's dtype, as many bytes as q
         q, k, v = slices
         message.append(
-            ItemSlices(
-                it.shard, list(it.seq_ids), list(it.num_tokens), list(it.start_pos), q, k, v, off, room
-            )
+            ItemSlices(it.shard, list(b.seq_ids), list(b.num_tokens), list(b.start_pos), q, k, v, off, room)
         )
         off += room
     return arena, message
@@ -112,7 +110,9 @@ def slices_for(
         if all(a is b for a, b in zip(last.items, items, strict=True)):
             last.every = every
             return st.arena, None, last
-    staged = [[st.arena.slice_of(t) for t in (it.q, it.k, it.v)] for it in items] if st else []
+    staged = (
+        [[st.arena.slice_of(t) for t in (it.batch.q, it.batch.k, it.batch.v)] for it in items] if st else []
+    )
     if st is None or not all(x is not None for row in staged for x in row):
         sent.pop(slot, None)
         return (*copy_in(pool, key, items), None)
@@ -123,9 +123,9 @@ def slices_for(
         message.append(
             ItemSlices(
                 it.shard,
-                it.seq_ids,
-                it.num_tokens,
-                it.start_pos,
+                it.batch.seq_ids,
+                it.batch.num_tokens,
+                it.batch.start_pos,
                 q.astuple(),
                 k.astuple(),
                 v.astuple(),

@@ -24,6 +24,7 @@ import torch
 
 from fastdecode.dense import AttendItem
 from fastdecode.dense.handoff import Arena, Slice
+from fastdecode.kv import AttendBatch
 from fastdecode.runtime.errors import Status
 from fastdecode.runtime.loop import run_loop
 from fastdecode.runtime.rpc import status_of
@@ -92,12 +93,14 @@ class _WorkerLoop:
                     items = [
                         AttendItem(
                             self.local[it.shard],
-                            it.seq_ids,
-                            it.num_tokens,
-                            it.start_pos,
-                            arena.view(Slice(*it.q)),
-                            arena.view(Slice(*it.k)),
-                            arena.view(Slice(*it.v)),
+                            AttendBatch(
+                                it.seq_ids,
+                                it.num_tokens,
+                                it.start_pos,
+                                arena.view(Slice(*it.q)),
+                                arena.view(Slice(*it.k)),
+                                arena.view(Slice(*it.v)),
+                            ),
                         )
                         for it in slices
                     ]

@@ -18,22 +18,44 @@ from typing import Any
 from fastdecode.runtime.errors import ModelLoadError
 from fastdecode.runtime.geometry import KVGeometry
 
-# model_type -> the family's S-part traits (see ModelConfig.from_dict).
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-    "mixtral",
-    "qwen3_moe",
-    "olmoe",
-)
-_GEMMA = ("gemma2", "gemma3_text")
-_MOE = ("mixtral", "qwen3_moe", "olmoe")
-# Config keys naming a feature no family here implements: refused at load, never mid-generation.
+
+@dataclass(frozen=True)
+class Family:
+    """What a model family does differently, as data: config.json's keys are read alike for all
+    (ModelConfig.from_dict), and these traits say what a family makes of them."""
+
+    gemma: bool = False  # (1 + w) norms, sandwich norms, sqrt(hidden) embeddings, soft-caps, tied
+    qkv_bias: bool = False  # q, k, v biases always (Qwen2), whatever attention_bias says
+    o_bias: bool = False  # attention_bias biases o too (Llama, Gemma)
+    mlp_bias: bool = False  # the MLP's bias from mlp_bias (Llama)
+    qk_norm: str = ""  # "head" | "full" (see ModelConfig.qk_norm)
+    clip_qkv: bool = False  # OLMoE's clip_qkv
+    fused: bool = False  # Phi-3's qkv_proj and gate_up_proj
+    window_switch: bool = False  # a window only with use_sliding_window (the Qwen families)
+    # Where a classic config (no layer_types) puts its windows: "from_layer" (max_window_layers on),
+    # "pattern" (all but every window_pattern-th layer), "" (every layer)
+    classic_windows: str = ""
+    window_pattern: int = 0
+    moe: str = ""  # "" | "mixtral" (block_sparse_moe naming, top-k renormalized) | "mlp" (mlp.experts)
+    sparse_step: bool = False  # decoder_sparse_step, mlp_only_layers, moe_intermediate_size (Qwen3-MoE)
+    local_rope: bool = False  # window layers have a RoPE of their own (Gemma 3)
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(o_bias=True, mlp_bias=True),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias=True, window_switch=True, classic_windows="from_layer"),
+    "qwen3": Family(qk_norm="head", window_switch=True, classic_windows="from_layer"),
+    "gemma2": Family(gemma=True, o_bias=True, classic_windows="pattern", window_pattern=2),
+    "gemma3_text": Family(
+        gemma=True, o_bias=True, qk_norm="head", classic_windows="pattern", window_pattern=6, local_rope=True
+    ),
+    "phi3": Family(fused=True),
+    "mixtral": Family(moe="mixtral"),
+    "qwen3_moe": Family(qk_norm="head", window_switch=True, moe="mlp", sparse_step=True),
+    "olmoe": Family(qk_norm="full", clip_qkv=True, moe="mlp"),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 _UNSUPPORTED_KEYS = {
     "sinks": "attention sinks",
     "attention_sinks": "attention sinks",
@@ -160,7 +182,8 @@ class ModelConfig:
             if heads % kv_heads:
                 raise ModelLoadError(f"num_attention_heads {heads} not divisible by kv heads {kv_heads}")
             layers = int(cfg["num_hidden_layers"])
-            gemma = model_type in _GEMMA
+            fam = FAMILIES[model_type]
+            gemma = fam.gemma
             act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
             if gemma and act == "gelu":  # old Gemma configs say gelu and mean the tanh form
                 act = "gelu_pytorch_tanh"
@@ -169,8 +192,8 @@ class ModelConfig:
             attention_bias = bool(cfg.get("attention_bias", False))
             eos = _ids(cfg.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
             bos = cfg.get("bos_token_id", (generation or {}).get("bos_token_id"))
-            windows = _layer_windows(model_type, cfg, layers)
-            rope, rope_local = _ropes(model_type, cfg, head_dim)
+            windows = _layer_windows(fam, cfg, layers)
+            rope, rope_local = _ropes(fam, cfg, head_dim)
             scalar = float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma else float(head_dim)
             return cls(
                 model_type=model_type,
@@ -186,25 +209,23 @@ class ModelConfig:
                 vocab_size=int(cfg["vocab_size"]),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 # Qwen2 always has q/k/v bias and no o bias; Llama's attention_bias covers all four.
-                qkv_bias=model_type == "qwen2" or attention_bias,
-                o_bias=model_type in ("llama", "gemma2", "gemma3_text") and attention_bias,
-                mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+                qkv_bias=fam.qkv_bias or attention_bias,
+                o_bias=fam.o_bias and attention_bias,
+                mlp_bias=fam.mlp_bias and bool(cfg.get("mlp_bias", False)),
                 bos_token_id=int(bos) if bos is not None else None,
                 eos_token_ids=tuple(dict.fromkeys(eos)),
                 layer_windows=windows,
                 attn_logit_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
                 final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
                 rope_local=rope_local,
-                qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmoe": "full"}.get(
-                    model_type, ""
-                ),
+                qk_norm=fam.qk_norm,
                 gemma_norms=gemma,
                 hidden_act=act,
                 embed_scale=math.sqrt(hidden) if gemma else 1.0,
                 query_scale=math.sqrt(head_dim / scalar),
-                clip_qkv=float(cfg.get("clip_qkv") or 0.0) if model_type == "olmoe" else 0.0,
-                fused_projections=model_type == "phi3",
-                moe=_moe(model_type, cfg, layers),
+                clip_qkv=float(cfg.get("clip_qkv") or 0.0) if fam.clip_qkv else 0.0,
+                fused_projections=fam.fused,
+                moe=_moe(fam, cfg, layers),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -223,20 +244,20 @@ class ModelConfig:
         return cls.from_dict(cfg, gen)
 
 
-def _layer_windows(model_type: str, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+def _layer_windows(fam: Family, cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
     """Per-layer sliding windows as transformers applies them, from either spelling of the config."""
     window = int(cfg.get("sliding_window") or 0)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+    if fam.window_switch and not cfg.get("use_sliding_window", False):
         window = 0
     if window <= 0:
         return ()
     types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text") and types is None:
-        if model_type in ("qwen2", "qwen3"):  # classic: window on layers from max_window_layers on
+    if fam.classic_windows and types is None:
+        if fam.classic_windows == "from_layer":  # classic Qwen: window on layers from max_window_layers on
             first = int(cfg.get("max_window_layers", 28))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         else:  # classic Gemma: every layer but each pattern-th (2 for Gemma 2, 6 for Gemma 3)
-            pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
+            pattern = int(cfg.get("sliding_window_pattern") or fam.window_pattern)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if types is None:  # mistral, mixtral, phi3, qwen3_moe: one window on every layer
         return (window,) * layers
@@ -249,15 +270,15 @@ def _layer_windows(model_type: str, cfg: dict[str, Any], layers: int) -> tuple[i
     return out if any(out) else ()
 
 
-def _moe(model_type: str, cfg: dict[str, Any], layers: int) -> MoEConfig | None:
-    if model_type not in _MOE:
+def _moe(fam: Family, cfg: dict[str, Any], layers: int) -> MoEConfig | None:
+    if not fam.moe:
         return None
     # transformers 5 writes num_local_experts for every family; classic Qwen3-MoE and OLMoE num_experts.
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if experts <= 0 or not 0 < top_k <= experts:
         raise ModelLoadError(f"config.json: bad experts: {experts} experts, top-k {top_k}")
-    if model_type == "qwen3_moe":
+    if fam.sparse_step:
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or [])
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
@@ -268,9 +289,9 @@ def _moe(model_type: str, cfg: dict[str, Any], layers: int) -> MoEConfig | None:
         num_experts=experts,
         top_k=top_k,
         intermediate_size=inter,
-        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=fam.moe == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         layers=sparse,
-        naming="mixtral" if model_type == "mixtral" else "mlp",
+        naming=fam.moe,
     )
 
 
@@ -295,10 +316,10 @@ def _ids(value: Any) -> list[int]:
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def _ropes(model_type: str, cfg: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
+def _ropes(fam: Family, cfg: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
     """(RoPE of full-attention layers, RoPE of window layers when it differs)."""
     params = cfg.get("rope_parameters") or {}
-    if model_type != "gemma3_text":
+    if not fam.local_rope:
         return _rope(cfg, params, cfg.get("rope_scaling") or {}, head_dim), None
     # Gemma 3: transformers 5 keeps one parameter set per layer type; classic configs say rope_theta
     # (global, default 1M), rope_local_base_freq (default 10k) and rope_scaling (global layers only).

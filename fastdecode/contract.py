@@ -43,7 +43,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of seen tokens
     min_tokens: int = 0  # EOS and `suppress_ids` are masked until this many tokens were sampled
     suppress_ids: tuple[int, ...] = ()  # the request's stop token ids (EOS is the runner's to add)
-    grammar: str = ""  # an llguidance grammar the output must match (fastdecode.dense.structured)
+    grammar: str = ""  # an llguidance grammar the output must match (fastdecode.dense.grammar)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias) added to the logits
     min_p: float = 0.0  # vLLM's: tokens below min_p x the top token's probability are dropped
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (empty: all)

@@ -24,7 +24,7 @@ import torch
 from fastdecode.benchmarks.common import median
 from fastdecode.contract import PlannedSeq, SamplingParams
 from fastdecode.dense import AttendItem, StepRunner
-from fastdecode.dense.structured import GrammarBank
+from fastdecode.dense.grammar import GrammarBank
 from fastdecode.kv import KVStore
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.geometry import KVGeometry

@@ -25,13 +25,13 @@ import torch
 from fastdecode.contract import LAST_SAMPLE, PlannedSeq, TokenLogprob
 from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
+from fastdecode.dense.grammar import GrammarBank
 from fastdecode.dense.handoff import Staging, copy_into
 from fastdecode.dense.layer_loop import Layers, LayerThreads, Meter, on_loop
 from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.plane import Answered, Device, LayerPlane, PlainPlane, ShardPlane, SyncDevice, declares
 from fastdecode.dense.sampling import penalize, sample, top_logprobs
-from fastdecode.dense.structured import GrammarBank
 from fastdecode.dense.verify import check_drafts, verify_rows
 from fastdecode.kv import AttendBatch
 from fastdecode.model.dense import DenseModel

@@ -1,6 +1,6 @@
 """Grammar limits and compilation, torch-free: shared by the gateway (which compiles and validates a
 request's structured output in a worker process, fastdecode/gateway/grammar.py) and gpu_dense (which
-builds a matcher per grammar, fastdecode/dense/structured.py).
+builds a matcher per grammar, fastdecode/dense/grammar.py).
 
 Why limits before llguidance sees a spec: llguidance compiles schemas and grammars recursively, and
 a deep enough input (1,000 chained `$ref`s with properties, 3,000 chained Lark rules; both far

@@ -14,9 +14,9 @@ import torch
 from fastdecode.contract import PlannedSeq
 from fastdecode.dense import PipelineChooser, StepRunner
 from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
+from fastdecode.dense.grammar import GrammarBank
 from fastdecode.dense.multistep import run_steps, summed
 from fastdecode.dense.outcome import Outcome, Timings
-from fastdecode.dense.structured import GrammarBank
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, Unavailable

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import fastdecode.runtime.grammar as grammar
-from fastdecode.dense.structured import GrammarBank
+from fastdecode.dense.grammar import GrammarBank
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.grammar import (
     MAX_LARK_RULES,

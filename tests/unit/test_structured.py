@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdecode.dense.structured import GrammarBank, unpack_bitmask
+from fastdecode.dense.grammar import GrammarBank, unpack_bitmask
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.grammar import Structured, compile_grammar
 from fastdecode.runtime.tokenizer import Tokenizer

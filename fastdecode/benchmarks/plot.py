@@ -148,6 +148,7 @@ def spec_bench_figure(result: dict[str, Any]) -> Figure:
             right.plot(
                 range(1, len(kept) + 1), [math.nan if k is None else k for k in kept], marker="o", label=m
             )
+            right.set_xticks(range(1, len(kept) + 1))
     right.set_xlabel("draft position")
     right.set_ylabel("share kept")
     right.set_ylim(0, 1)

@@ -24,6 +24,12 @@ def _num(result: dict[str, Any], key: str) -> float:
     return float(value) if isinstance(value, int | float) else math.nan
 
 
+def _png(fig: Figure, path: str | Path) -> Path:
+    out = Path(path)
+    fig.savefig(out, format="png", dpi=100)
+    return out
+
+
 def plot_title(result: dict[str, Any]) -> str:
     model = Path(str(result.get("model", "?"))).name
     context = f"{result.get('prompt_len', '?')}+{result.get('gen_len', '?')}"
@@ -81,9 +87,7 @@ def fleet_bench_figure(result: dict[str, Any]) -> Figure:
 
 def plot_fleet_bench(result: dict[str, Any], path: str | Path) -> Path:
     """Write fleet_bench_figure(result) as a PNG at `path`."""
-    out = Path(path)
-    fleet_bench_figure(result).savefig(out, format="png", dpi=100)
-    return out
+    return _png(fleet_bench_figure(result), path)
 
 
 def split_bench_figure(result: dict[str, Any]) -> Figure:
@@ -127,9 +131,7 @@ def split_bench_figure(result: dict[str, Any]) -> Figure:
 
 
 def plot_split_bench(result: dict[str, Any], path: str | Path) -> Path:
-    out = Path(path)
-    split_bench_figure(result).savefig(out, format="png", dpi=100)
-    return out
+    return _png(split_bench_figure(result), path)
 
 
 def spec_bench_figure(result: dict[str, Any]) -> Figure:
@@ -163,6 +165,4 @@ def spec_bench_figure(result: dict[str, Any]) -> Figure:
 
 
 def plot_spec_bench(result: dict[str, Any], path: str | Path) -> Path:
-    out = Path(path)
-    spec_bench_figure(result).savefig(out, format="png", dpi=100)
-    return out
+    return _png(spec_bench_figure(result), path)

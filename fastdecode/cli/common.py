@@ -3,6 +3,7 @@ services' settings classes (fastdecode.runtime.settings), and running a service 
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -14,6 +15,14 @@ from pydantic_settings import BaseSettings
 
 from fastdecode.cli.errors import ErrorReportingGroup
 from fastdecode.runtime.loop import run_loop
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """`up`'s state file, whole or not at all: readers poll it while `up` rewrites it after a
+    restart, and a truncate-then-write let them read it empty."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)
 
 
 def settings_kwargs(**flags: Any) -> dict[str, Any]:

@@ -4,7 +4,6 @@ router routes around the replica it belonged to)."""
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from collections.abc import Callable
@@ -12,13 +11,8 @@ from pathlib import Path
 
 import click
 
+from fastdecode.cli.common import write_state
 from fastdecode.tools.fleet import Fleet
-
-
-def _write_state(path: Path, state: dict[str, object]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.replace(path)  # whole or not at all: readers poll it
 
 
 def serve_replicas(
@@ -47,7 +41,7 @@ def serve_replicas(
     failed = False
     try:
         if state_file:
-            _write_state(Path(state_file), group.state())
+            write_state(Path(state_file), group.state())
         for i, f in enumerate(group.fleets):
             assert f.gateway is not None
             click.echo(f"replica {i}: gateway {f.gateway.address}, HTTP http://{f.gateway.http}/v1", err=True)
@@ -68,7 +62,7 @@ def serve_replicas(
                 click.echo(f"error: {router} exited (log: {group.log_path}); stopping", err=True)
                 failed = True
             if changed and state_file:
-                _write_state(Path(state_file), group.state())
+                write_state(Path(state_file), group.state())
             if failed:
                 break
     finally:

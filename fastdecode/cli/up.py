@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import typing
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from typing import Any, Literal
 import click
 from pydantic_settings import BaseSettings
 
+from fastdecode.cli.common import write_state
 from fastdecode.runtime.settings import DenseSettings, SchedulerSettings, ShardSettings
 
 
@@ -110,14 +110,6 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
     ):
         f = opt(f)
     return f
-
-
-def _write_state(path: Path, state: dict[str, Any]) -> None:
-    """Whole or not at all: readers poll the file while `up` rewrites it after a restart, and a
-    truncate-then-write let them read it empty."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.replace(path)
 
 
 def _hide_token_from_ps(ctx: click.Context) -> None:
@@ -394,7 +386,7 @@ def up(
     failed = False
     try:
         if state_file:
-            _write_state(Path(state_file), fleet.state())
+            write_state(Path(state_file), fleet.state())
         click.echo(f"gateway listening on {fleet.gateway.address}", err=False)
         if fleet.gateway.http:
             click.echo(f"OpenAI-compatible HTTP on http://{fleet.gateway.http}/v1", err=False)
@@ -406,7 +398,7 @@ def up(
             for event in events:
                 click.echo(f"{'' if event.kind == 'restarted' else 'warning: '}{event.message}", err=True)
             if events and state_file:
-                _write_state(Path(state_file), fleet.state())
+                write_state(Path(state_file), fleet.state())
             gave_up = [e for e in events if e.kind == "gave-up"]
             if gave_up:
                 # The restart budget is spent: the fleet cannot be what the state file says. Stop it

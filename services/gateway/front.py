@@ -4,15 +4,21 @@ not import openai_api.py, which registers them."""
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from fastapi import FastAPI
 
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GatewayCore
+from fastdecode.gateway.openai import ChatBody, chat_request
+from fastdecode.gateway.text import GenerateParams
+from fastdecode.gateway.tools import ToolRequest, check_tool_schemas
+from fastdecode.runtime.errors import as_service_error
 
 # every streamed answer's headers: no cache, and no buffering by a proxy (nginx) in front
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+log = logging.getLogger("fastdecode.gateway.http")
 
 
 class OpenAIFront(Protocol):
@@ -26,3 +32,16 @@ class OpenAIFront(Protocol):
     def check_model(self, model: str | None) -> None:
         """NotFound for a model this gateway does not serve."""
         ...
+
+
+async def prepare_chat(api: OpenAIFront, body: ChatBody) -> tuple[GenerateParams, ToolRequest | None]:
+    """A chat request (from any of the HTTP APIs) as the prompt its template renders, with its tools
+    checked; the caller has checked that the template exists."""
+    try:
+        assert api.template is not None
+        params, tools = chat_request(body, api.template, api.core.limits.max_context)
+        if tools is not None:
+            await check_tool_schemas(tools, api.core.grammars.compile)
+    except Exception as e:  # noqa: BLE001 - the template's InvalidInput and the like
+        raise as_service_error(e, log) from None
+    return params, tools

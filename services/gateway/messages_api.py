@@ -24,12 +24,12 @@ from fastdecode.gateway.anthropic import (
     parse,
 )
 from fastdecode.gateway.core import GenerationChunk
-from fastdecode.gateway.openai import APIError, ChatBody, cannot_chat, chat_request
+from fastdecode.gateway.openai import APIError, ChatBody, cannot_chat
 from fastdecode.gateway.reasoning import ReasoningStream
 from fastdecode.gateway.text import GenerateParams, check_params, tokenize_request
-from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas
+from fastdecode.gateway.tools import ToolCallStream, ToolRequest
 from fastdecode.runtime.errors import ServiceError, Status, as_service_error
-from services.gateway.front import SSE_HEADERS
+from services.gateway.front import SSE_HEADERS, prepare_chat
 from services.gateway.hangup import unless_hung_up
 
 if TYPE_CHECKING:
@@ -63,14 +63,8 @@ class MessagesRoutes:
         return body
 
     async def _chat(self, body: CountTokensBody) -> tuple[ChatBody, GenerateParams, ToolRequest | None]:
-        try:
-            chat = chat_body(body)
-            assert self.api.template is not None
-            params, tools = chat_request(chat, self.api.template, self.api.core.limits.max_context)
-            if tools is not None:
-                await check_tool_schemas(tools, self.api.core.grammars.compile)
-        except Exception as e:  # noqa: BLE001 - the template's InvalidInput and the like
-            raise as_service_error(e, log) from None
+        chat = chat_body(body)
+        params, tools = await prepare_chat(self.api, chat)
         return chat, params, tools
 
     async def count_tokens(self, request: Request) -> Response:

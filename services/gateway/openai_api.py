@@ -31,7 +31,6 @@ from fastdecode.gateway.openai import (
     CompletionBody,
     RequestBody,
     cannot_chat,
-    chat_request,
     choice_params,
     completion_params,
     error_body,
@@ -40,10 +39,10 @@ from fastdecode.gateway.openai import (
 from fastdecode.gateway.reasoning import ReasoningStream, choose_reasoning_parser
 from fastdecode.gateway.responses import LogprobsShape, ResponseShape, merge_choices, sse
 from fastdecode.gateway.text import GenerateParams, check_params
-from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas, choose_parser
+from fastdecode.gateway.tools import ToolCallStream, ToolRequest, choose_parser
 from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unavailable, as_service_error
 from fastdecode.runtime.settings import GatewaySettings
-from services.gateway.front import SSE_HEADERS
+from services.gateway.front import SSE_HEADERS, prepare_chat
 from services.gateway.hangup import unless_hung_up
 from services.gateway.messages_api import MESSAGES_PREFIX, MessagesRoutes, messages_error_response
 from services.gateway.responses_api import RESPONSES_PATH, ResponsesRoutes
@@ -191,12 +190,7 @@ class OpenAIApp:
         self.check_model(body.model)
         if self.template is None:
             raise cannot_chat(self.core.model_id, self.template_error)
-        try:
-            params, tools = chat_request(body, self.template, self.core.limits.max_context)
-            if tools is not None:
-                await check_tool_schemas(tools, self.core.grammars.compile)
-        except Exception as e:  # noqa: BLE001 - the template's InvalidInput and the like
-            raise as_service_error(e, log) from None
+        params, tools = await prepare_chat(self, body)
         return await self._run(request, params, body, chat=True, tools=tools)
 
     async def _run(  # noqa: PLR0913 - one request's parts

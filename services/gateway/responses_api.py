@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fastdecode.gateway.auth import current_tenant
 from fastdecode.gateway.core import GenerationChunk
-from fastdecode.gateway.openai import APIError, ChatBody, cannot_chat, chat_request, error_body
+from fastdecode.gateway.openai import APIError, ChatBody, cannot_chat, error_body
 from fastdecode.gateway.openai_responses import (
     ResponsesBody,
     ResponseShape,
@@ -30,9 +30,9 @@ from fastdecode.gateway.openai_responses import (
 from fastdecode.gateway.reasoning import ReasoningStream
 from fastdecode.gateway.response_store import ResponseStore, Stored
 from fastdecode.gateway.text import GenerateParams
-from fastdecode.gateway.tools import ToolCallStream, ToolRequest, check_tool_schemas
-from fastdecode.runtime.errors import ServiceError, Status, as_service_error
-from services.gateway.front import SSE_HEADERS
+from fastdecode.gateway.tools import ToolCallStream, ToolRequest
+from fastdecode.runtime.errors import ServiceError, Status
+from services.gateway.front import SSE_HEADERS, prepare_chat
 from services.gateway.hangup import unless_hung_up
 
 if TYPE_CHECKING:
@@ -139,14 +139,8 @@ class ResponsesRoutes:
     async def _chat(
         self, body: ResponsesBody, items: list[dict[str, Any]]
     ) -> tuple[ChatBody, GenerateParams, ToolRequest | None]:
-        try:
-            chat = chat_body(body, items)
-            assert self.api.template is not None
-            params, tools = chat_request(chat, self.api.template, self.api.core.limits.max_context)
-            if tools is not None:
-                await check_tool_schemas(tools, self.api.core.grammars.compile)
-        except Exception as e:  # noqa: BLE001 - the template's InvalidInput and the like
-            raise as_service_error(e, log) from None
+        chat = chat_body(body, items)
+        params, tools = await prepare_chat(self.api, chat)
         return chat, params, tools
 
     async def create(self, request: Request) -> Response:

@@ -104,17 +104,7 @@ def test_a_lost_shard_recomputes_windowed_sequences(
     f.start()
     try:
         assert f.gateway
-        with Client(f.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(client.generate, token_ids=p, max_tokens=40) for p in PROMPTS]
-            stub = kv_attention_pb2_grpc.KVAttentionStub(sync_channel(f.kv[1].address, f.peer_credentials))
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # decoding past the window is under way on shard 1
-                stats = stub.Stats(kv_attention_pb2.StatsRequest(), timeout=5)
-                if stats.attend_items > 40 * 4 and stats.sequences:
-                    break
-                time.sleep(0.02)
-            os.kill(f.kv[1].pid, signal.SIGKILL)
-            outs = [fut.result(timeout=180) for fut in futures]
+        outs = _decode_and_kill_shard_1(f)
         for prompt, out in zip(PROMPTS, outs, strict=True):
             assert out.token_ids == hf_greedy(mistral_window, tuple(prompt), 40)
         sched = scheduler_pb2_grpc.SchedulerStub(sync_channel(f.scheduler.address, f.peer_credentials))
@@ -156,20 +146,27 @@ def test_speculation_on_windowed_layers_with_a_shared_prefix_and_a_lost_shard(
             assert out.usage.cached_tokens == 32 and out.token_ids == hf_greedy(
                 mistral_window, tuple(long), MAX_NEW
             )
-        with Client(f.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(client.generate, token_ids=p, max_tokens=40) for p in PROMPTS]
-            stub = kv_attention_pb2_grpc.KVAttentionStub(sync_channel(f.kv[1].address, f.peer_credentials))
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # rows with drafts decode on shard 1
-                stats = stub.Stats(kv_attention_pb2.StatsRequest(), timeout=5)
-                if stats.attend_items > 40 * 4 and stats.sequences:
-                    break
-                time.sleep(0.02)
-            os.kill(f.kv[1].pid, signal.SIGKILL)
-            outs = [fut.result(timeout=180) for fut in futures]
+        outs = _decode_and_kill_shard_1(f)
         for prompt, out in zip(PROMPTS, outs, strict=True):
             assert out.token_ids == hf_greedy(mistral_window, tuple(prompt), 40)
         st = sched.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
         assert st.recoveries > 0 and st.spec_rows > 0
     finally:
         f.stop()
+
+
+def _decode_and_kill_shard_1(f: Fleet) -> list:
+    """PROMPTS decoded 40 tokens each, with kill -9 of shard 1 once decoding past the window is under
+    way there; each request's outcome."""
+    assert f.gateway
+    with Client(f.gateway.address) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client.generate, token_ids=p, max_tokens=40) for p in PROMPTS]
+        stub = kv_attention_pb2_grpc.KVAttentionStub(sync_channel(f.kv[1].address, f.peer_credentials))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = stub.Stats(kv_attention_pb2.StatsRequest(), timeout=5)
+            if stats.attend_items > 40 * 4 and stats.sequences:
+                break
+            time.sleep(0.02)
+        os.kill(f.kv[1].pid, signal.SIGKILL)
+        return [fut.result(timeout=180) for fut in futures]

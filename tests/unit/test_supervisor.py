@@ -147,12 +147,12 @@ def test_unknown_policy_is_refused() -> None:
 def test_up_replaces_its_state_file_whole(tmp_path: Path) -> None:
     """`up` rewrites the state file after every restart while tests and tools poll it: the new
     content arrives by rename (a new inode), never by truncating the file readers have open."""
-    from fastdecode.cli.up import _write_state
+    from fastdecode.cli.common import write_state
 
     path = tmp_path / "fleet.json"
-    _write_state(path, {"gateway": {"pid": 1}})
+    write_state(path, {"gateway": {"pid": 1}})
     before = path.stat().st_ino
-    _write_state(path, {"gateway": {"pid": 2}})
+    write_state(path, {"gateway": {"pid": 2}})
     assert path.stat().st_ino != before
     assert json.loads(path.read_text()) == {"gateway": {"pid": 2}}
     assert [p.name for p in tmp_path.iterdir()] == ["fleet.json"]

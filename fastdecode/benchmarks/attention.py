@@ -25,6 +25,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,8 @@ from fastdecode.kv import (
     kv_bytes_per_element,
 )
 from fastdecode.kv import native as native_kernel
+from fastdecode.kv.memory import mapping_of
+from fastdecode.kv.persist import PoolFile
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
 
@@ -106,6 +109,7 @@ def run_attention_bench(
     baseline_isa: str | None = None,
     clock: str = "wall",
     positions: int = 1,
+    kv_dir: str | None = None,
 ) -> dict[str, object]:
     """Median time of one decode attend per layer over B sequences (the new tokens included).
 
@@ -142,16 +146,24 @@ def run_attention_bench(
         capacity = int(sum(-(-n // block) * block for n in lens) * per_token) + (1 << 16)
         geometry = KVGeometry(layers, kv_heads, head_dim)
         store = KVStore(geometry, capacity, dtype=dtype, block_size=block, backend=backend)
+        # --kv-dir: the same sequences in a pool mapped from a file there (a persistent shard's),
+        # timed interleaved with the anonymous one: vs_anonymous is the same-run ratio
+        stores = [store]
+        if kv_dir is not None:
+            base = Path(kv_dir) / "bench-attention"
+            stores.append(KVStore(geometry, capacity, dtype, block, backend=backend, pool_file=base))
         ids = [f"bench-{i}" for i in range(batch)]
         for sid, n in zip(ids, lens, strict=True):
-            store.reserve(sid, n)
+            for s in stores:
+                s.reserve(sid, n)
             for layer in range(layers):
                 if n > 1:
                     kv = torch.randn(n - 1, kv_heads, head_dim, generator=gen)
-                    store.write(layer, sid, 0, kv, kv)
+                    for s in stores:
+                        s.write(layer, sid, 0, kv, kv)
         counts = sorted({1, positions})  # one position is the same-run reference for several
 
-        def make_step(n: int) -> Callable[[], None]:
+        def make_step(n: int, s: KVStore) -> Callable[[], None]:
             rows = batch * n
             q = torch.randn(rows, heads, head_dim, generator=gen)
             k = torch.randn(rows, kv_heads, head_dim, generator=gen)
@@ -160,11 +172,14 @@ def run_attention_bench(
 
             def step() -> None:
                 for layer in range(layers):
-                    store.attend(layer, items)
+                    s.attend(layer, items)
 
             return step
 
-        steps = {n: make_step(n) for n in counts}
+        steps = {n: make_step(n, store) for n in counts}
+        if kv_dir is not None:  # the file's pool, keyed by -n (timed as one more run)
+            steps[-positions] = make_step(positions, stores[1])
+            counts = [*counts, -positions]
         probe, probe_name, probe_bytes, probe_huge = bandwidth_probe(memory_bytes, tick)
         # (0: the run's level, 1: the baseline's; new positions per sequence), so a level can be
         # its own baseline (the noise floor of a same-run ratio)
@@ -236,7 +251,26 @@ def run_attention_bench(
                 if base_s
                 else {}
             ),
+            **(persistent_fields(stores[1], times[0, -positions], per_layer) if kv_dir is not None else {}),
         }
+
+
+def persistent_fields(store: KVStore, times: list[float], per_layer: float) -> dict[str, object]:
+    """The pool mapped from a --kv-dir file against the anonymous one (same run, interleaved)."""
+    mapping = mapping_of(store.k)
+    rss = mapping.get("Rss", 0)
+    huge = mapping.get("ShmemPmdMapped", 0) + mapping.get("FilePmdMapped", 0)
+    file_ms = median(times)
+    assert store.pool is not None
+    out = {
+        "persistent_pool": str(store.pool.path),
+        "persistent_ms_per_layer": file_ms * 1e3,
+        "vs_anonymous": file_ms / per_layer,
+        "persistent_huge_page_share": huge / rss if rss else None,
+    }
+    store.close()
+    PoolFile.remove_files(store.pool.path)
+    return out
 
 
 def baseline_fields(

@@ -65,6 +65,13 @@ from fastdecode.cli.bench import ATTN_KV_DTYPES, bench, emit, json_option, run_b
     show_default=True,
     help="Yardstick buffer size.",
 )
+@click.option(
+    "--kv-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also time the same sequences in a pool mapped from a file here (a --kv-dir shard's), "
+    "interleaved: vs_anonymous is the same-run ratio (tmpfs with huge=within_size: huge pages).",
+)
 def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
     """One shard's decode attention (KVStore.attend) vs a streaming-read bandwidth yardstick.
 
@@ -77,6 +84,22 @@ def attention_cmd(as_json: bool, memory_mib: int, **kw: Any) -> None:
 
     result = run_bench(lambda: run_attention_bench(memory_bytes=memory_mib << 20, **kw))
     emit(result, as_json, "decode attention, one shard (KVStore.attend), medians")
+
+
+@bench.command("kv-crash")
+@json_option
+@click.option("--kills", type=click.IntRange(1, 100000), default=200, show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32")
+@click.option("--seed", type=int, default=0, show_default=True)
+def kv_crash_cmd(as_json: bool, **kw: Any) -> None:
+    """kill -9 a process appending to a persistent KV pool at random moments, --kills times: each
+    restart re-attaches the pool and every committed KV row must be the one written (wrong_rows 0)."""
+    from fastdecode.benchmarks.kv_crash import run_kv_crash
+
+    result = run_bench(lambda: run_kv_crash(**kw))
+    emit(result, as_json, "kv-crash: kill -9 during appends, re-attach, check every committed row")
+    if not result["ok"]:
+        raise SystemExit(1)
 
 
 @bench.command("kv-agreement")

@@ -51,6 +51,7 @@ class Attention:
     busy_seconds: float
     attend_calls: int
     _native: Any
+    journal: Any
     _tables: dict[int, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]
     # windowed stores (see KVStore._group_layers)
     grouped: bool
@@ -146,6 +147,8 @@ class Attention:
         for seq, start in zip(seqs, start_pos, strict=True):
             if start < seq.frozen * self.block_size:
                 self._unfreeze(seq, start)
+        if self.journal is not None:  # a persistent pool: the item's appends marked in flight
+            self.journal.begin(layer, seqs, ends)
         t0 = time.perf_counter()
         with torch.inference_mode():
             if self._native is not None:
@@ -163,6 +166,8 @@ class Attention:
                     out = self._attend_uniform(layer, batch)
                 if out is None:
                     out = self._attend_each(layer, batch)
+        if self.journal is not None:
+            self.journal.commit(layer, ends)
         if self.prefix is not None and layer == self.num_layers - 1:
             for seq in seqs:
                 self._publish(seq)

@@ -35,6 +35,23 @@ class BlockAllocator:
         self._lens: list[int] = [num_blocks] if num_blocks else []
         self.free = num_blocks
 
+    @classmethod
+    def without(cls, num_blocks: int, used: set[int]) -> BlockAllocator:
+        """An allocator whose free blocks are all but `used` (a pool found on file)."""
+        alloc = cls(0)
+        alloc.num_blocks, run = num_blocks, None
+        for b in range(num_blocks):
+            if b in used:
+                run = None
+            elif run is not None and alloc._starts[run] + alloc._lens[run] == b:
+                alloc._lens[run] += 1
+            else:
+                alloc._starts.append(b)
+                alloc._lens.append(1)
+                run = len(alloc._starts) - 1
+        alloc.free = num_blocks - len(used)
+        return alloc
+
     def allocate(self, n: int) -> list[int] | None:
         if n > self.free:
             return None

@@ -13,7 +13,7 @@ in least-recently-used order, until the store needs its room. Imports no gRPC.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class PrefixCache:
@@ -32,6 +32,9 @@ class PrefixCache:
         self.hits = 0  # ... and found at least one block
         self.hit_blocks = 0
         self.evictions = 0
+        # a persistent pool's journal (fastdecode/kv/persist.py): ("P", name, block) on insert,
+        # ("U", None, block) when a block leaves the cache
+        self.on_change: Callable[[str, bytes | None, int], None] | None = None
 
     def match(self, hashes: Iterable[bytes]) -> list[int]:
         """The blocks of the longest cached run of these names (no reference taken)."""
@@ -59,6 +62,19 @@ class PrefixCache:
         if h in self._block_of or block in self._hash_of:
             raise ValueError("block or name already cached")
         self._block_of[h], self._hash_of[block], self._refs[block] = block, h, 1
+        if self.on_change is not None:
+            self.on_change("P", h, block)
+
+    def restore(self, h: bytes, block: int, readers: int) -> None:
+        """A cached block found in a persistent pool, with the sequences that read it."""
+        self._block_of[h], self._hash_of[block], self._refs[block] = block, h, readers
+        if not readers:
+            self._idle[block] = None
+
+    def entries(self) -> list[tuple[int, bytes]]:
+        """(block, name) of every cached block, idle ones least recently used first, then the read."""
+        idle = [(b, self._hash_of[b]) for b in self._idle]
+        return idle + [(b, h) for b, h in self._hash_of.items() if b not in self._idle]
 
     def release(self, block: int) -> None:
         """One reader fewer; at none the block stays cached, most recently used."""
@@ -71,6 +87,8 @@ class PrefixCache:
         if self._refs.get(block) != 1:
             raise ValueError("only a block with one reader can leave the cache")
         del self._block_of[self._hash_of.pop(block)], self._refs[block]
+        if self.on_change is not None:
+            self.on_change("U", None, block)
 
     def evict(self, n: int) -> list[int]:
         """Up to n idle blocks, least recently used first, no longer cached: free for any use."""
@@ -78,6 +96,8 @@ class PrefixCache:
         while self._idle and len(out) < n:
             block, _ = self._idle.popitem(last=False)
             del self._block_of[self._hash_of.pop(block)], self._refs[block]
+            if self.on_change is not None:
+                self.on_change("U", None, block)
             out.append(block)
         self.evictions += len(out)
         return out

@@ -14,12 +14,14 @@ import logging
 import operator
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from fastdecode.kv.attend import AttendBatch
 from fastdecode.kv.memory import plan_pool
+from fastdecode.kv.persist import PoolFile, pool_header
 from fastdecode.kv.store import KVStore, ReserveItem
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 from fastdecode.runtime.geometry import KVGeometry
@@ -46,6 +48,16 @@ class SequenceHeader:
 
 
 @dataclass
+class Reattachment:
+    """Reattach's answer: where each kept sequence resumes, what was let go, what was torn."""
+
+    positions: dict[str, int] = field(default_factory=dict)
+    released: int = 0
+    torn_positions: int = 0
+    discarded: str = ""
+
+
+@dataclass
 class LayerRows:
     """One layer of a migrated sequence: k, v, k_scale, v_scale (the scales empty unless int8), of
     positions first.. (a windowed layer sends the blocks its window still sees; 0 otherwise)."""
@@ -58,22 +70,60 @@ class LayerRows:
 
 class ShardCore:
     def __init__(
-        self, kv_capacity: int, kv_dtype: torch.dtype, block_size: int, backend: str = "native"
+        self,
+        kv_capacity: int,
+        kv_dtype: torch.dtype,
+        block_size: int,
+        backend: str = "native",
+        pool_file: Path | None = None,
     ) -> None:
         self.kv_capacity = kv_capacity
         self.backend = backend
         self.dtype = kv_dtype
         self.block_size = block_size
+        self.pool_file = pool_file  # --kv-dir: the pool outlives this process
         self.store: KVStore | None = None  # built from the geometry of the first reservation
+        self.discarded = ""  # why a pool found on file was not reused (until a Reattach reports it)
+        self.torn_positions = 0  # what the restart found torn (until a Reattach reports it)
         self.attended_pairs = 0.0
         # hosted in gpu_dense (--host-shard): its pipelined S-part's seconds on the cores this shard
         # attends on (services/gpu_dense/exchange/host_shard.py); they count in its measured speed
         self.host_busy_seconds = 0.0
+        if pool_file is not None:
+            self._reopen(pool_file)
+
+    def _reopen(self, pool_file: Path) -> None:
+        """A pool left on file by an earlier process: mapped again, from the geometry it names."""
+        header = pool_header(pool_file)
+        if header is None:
+            return
+        try:
+            layers, heads, dim, windows, cap = header["geometry"]
+            geometry = KVGeometry(layers, heads, dim, tuple(windows), float(cap))
+            self.store_for(geometry)
+        except Exception as e:  # noqa: BLE001 - any unreadable header: the pool goes, the shard starts
+            self.discarded = f"unreadable header: {e}"
+            log.warning("KV pool %s discarded: %s", pool_file, self.discarded)
+            PoolFile.remove_files(pool_file)
+            self.store = None
+            return
+        assert self.store is not None
+        self.discarded = self.store.pool.discarded if self.store.pool is not None else ""
+        self.torn_positions = self.store.reattached.torn_positions
+
+    @property
+    def persistent(self) -> bool:
+        return self.pool_file is not None
 
     def store_for(self, geometry: KVGeometry) -> KVStore:
         if self.store is None:
             self.store = KVStore(
-                geometry, self.kv_capacity, self.dtype, self.block_size, backend=self.backend
+                geometry,
+                self.kv_capacity,
+                self.dtype,
+                self.block_size,
+                backend=self.backend,
+                pool_file=self.pool_file,
             )
             log.info(
                 "KV pool: %d tokens (%d bytes) of geometry %s",
@@ -91,9 +141,52 @@ class ShardCore:
             # Empty: the pool is rebuilt for the new geometry, so one odd reservation on an idle shard
             # (a stray client, a test) cannot pin it to a geometry the fleet does not use.
             log.warning("KV pool holds nothing: rebuilding it from geometry %s for %s", s.geometry, geometry)
+            s.close()
             self.store = None
             return self.store_for(geometry)
         return self.store
+
+    def _store_of(self, geometry: KVGeometry, model: str) -> KVStore:
+        """The store for this geometry holding KV of `model`: a persistent pool of another model's
+        weights is discarded (one log line), never read."""
+        store = self.store_for(geometry)
+        if store.pool is not None and model and store.model and store.model != model:
+            if store.seqs:
+                raise InvalidInput(f"this shard holds KV of model {store.model!r}, not {model!r}")
+            self.discarded = f"it holds KV of model {store.model!r}, the fleet serves {model!r}"
+            log.warning("KV pool %s discarded: %s", store.pool.path, self.discarded)
+            store.close()
+            PoolFile.remove_files(self.pool_file)  # type: ignore[arg-type]
+            self.store = None
+            store = self.store_for(geometry)
+        if model:
+            store.bind_model(model)
+        return store
+
+    def reattach(self, geometry: KVGeometry, model: str, keep: Sequence[str]) -> Reattachment:
+        """After a restart: keep the named sequences this shard still holds, free the rest, and say
+        where each kept one resumes (every layer holds it up to there)."""
+        store = self._store_of(geometry, model)
+        wanted = set(keep)
+        gone = [sid for sid in store.seqs if sid not in wanted]
+        for sid in gone:
+            store.release(sid)
+        out = Reattachment(released=len(gone), torn_positions=self.torn_positions, discarded=self.discarded)
+        out.positions = {sid: min(store.seqs[sid].lengths) for sid in keep if sid in store.seqs}
+        self.discarded, self.torn_positions = "", 0  # reported once
+        self.flush()
+        return out
+
+    def flush(self) -> None:
+        """Put what the last call changed on a persistent pool's journal."""
+        if self.store is not None and self.store.journal is not None:
+            self.store.journal.flush()
+            self.store.journal.compact(self.store)
+
+    def close(self) -> None:
+        """A clean stop: a persistent pool is left consistent and marked clean."""
+        if self.store is not None:
+            self.store.close()
 
     def reserve(
         self, geometry: KVGeometry, sequences: Sequence[ReserveItem], model: str = ""
@@ -101,8 +194,11 @@ class ShardCore:
         """Reserve every sequence or none: (seq_id, tokens), (seq_id, tokens, token_ids), the token ids
         for prefix sharing, or (seq_id, tokens, token_ids, cache_salt). Returns the free tokens left
         and each one's cached tokens."""
-        store = self.store_for(geometry)
-        cached = store.reserve_many(list(sequences), model)
+        store = self._store_of(geometry, model)
+        try:
+            cached = store.reserve_many(list(sequences), model)
+        finally:
+            self.flush()
         return store.free_tokens, cached
 
     def release(self, seq_ids: Sequence[str] | None) -> list[bool]:
@@ -110,13 +206,18 @@ class ShardCore:
         if self.store is None:
             return []
         ids = list(self.store.seqs) if seq_ids is None else list(seq_ids)
-        return [self.store.release(s) for s in ids]
+        freed = [self.store.release(s) for s in ids]
+        self.flush()
+        return freed
 
     def fill(self, seq_ids: Sequence[str], tokens: int, seed: int) -> int:
         """Random KV for held sequences, written straight into the pool (benchmarks)."""
         if self.store is None:
             raise FailedPrecondition("shard holds no sequences yet (nothing reserved)")
-        return self.store.fill_synthetic(list(seq_ids), tokens, seed)
+        try:
+            return self.store.fill_synthetic(list(seq_ids), tokens, seed)
+        finally:
+            self.flush()
 
     def attend(self, layer: int, batch: AttendBatch) -> AttendResult:
         """One item: append k and v, attend; raises domain errors. The wire's items arrive as views
@@ -175,7 +276,9 @@ class ShardCore:
                 count += 1
             if count != store.num_layers:
                 raise InvalidInput(f"import of {seq_id!r} ended after {count} of {store.num_layers} layers")
-            return store.commit_import(seq_id), nbytes
+            tokens = store.commit_import(seq_id)
+            self.flush()
+            return tokens, nbytes
         except BaseException:
             store.abort_import(seq_id)
             raise

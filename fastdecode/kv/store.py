@@ -34,8 +34,10 @@ Imports no gRPC.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -44,18 +46,21 @@ from fastdecode.kv import native
 from fastdecode.kv.attend import Attention
 from fastdecode.kv.blocks import BlockAllocator, SeqBlocks
 from fastdecode.kv.memory import SCALED_DTYPES, huge_page_empty, plan_pool, quantize
+from fastdecode.kv.migration import Migration
+from fastdecode.kv.persist import Journal, Layout, PoolCorrupt, PoolFile, Reattached, restore
 from fastdecode.kv.prefix import PrefixCache
 from fastdecode.kv.windows import WindowGroups
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound, ResourceExhausted
 from fastdecode.runtime.geometry import KVGeometry
 
 BACKENDS = ("native", "torch")
+log = logging.getLogger("fastdecode.kv_attention")
 
 # (seq_id, tokens), with its first token ids for prefix sharing, and with its cache salt
 ReserveItem = tuple[str, int] | tuple[str, int, list[int]] | tuple[str, int, list[int], str]
 
 
-class KVStore(WindowGroups, Attention):
+class KVStore(WindowGroups, Attention, Migration):
     def __init__(
         self,
         geometry: KVGeometry,
@@ -64,6 +69,7 @@ class KVStore(WindowGroups, Attention):
         block_size: int = 16,
         backend: str = "native",
         prefix_sharing: bool = True,
+        pool_file: Path | None = None,
     ) -> None:
         # Every field and what the pool takes, in Python integers, before anything is allocated: a
         # geometry of (2^31-1)^3 is refused here, not by the OOM killer.
@@ -85,13 +91,32 @@ class KVStore(WindowGroups, Attention):
         self.num_blocks = plan.num_blocks
         self.capacity_bytes = plan.pool_bytes
         slots = self.num_blocks * block_size
-        # Untouched pages: memory is committed as sequences write (2 MiB at a time, huge pages).
         lg, kvh, dim = self.group_size, self.num_kv_heads, self.head_dim
-        self.k = huge_page_empty((lg, kvh, slots, dim), dtype)
-        self.v = huge_page_empty((lg, kvh, slots, dim), dtype)
         scale_shape = (lg, kvh, slots) if self.quantized else (0,)
-        self.k_scale = huge_page_empty(scale_shape, torch.float32)
-        self.v_scale = huge_page_empty(scale_shape, torch.float32)
+        shapes = {
+            "k": ((lg, kvh, slots, dim), dtype),
+            "v": ((lg, kvh, slots, dim), dtype),
+            "k_scale": (scale_shape, torch.float32),
+            "v_scale": (scale_shape, torch.float32),
+        }
+        self.pool: PoolFile | None = None
+        self.journal: Journal | None = None
+        self.reattached = Reattached()
+        self.model = ""  # the fleet's model whose KV a persistent pool holds (the journal keeps it)
+        if pool_file is not None:  # mapped from a file that outlives the process
+            g = self.geometry
+            ident = {  # checked in this order: the first difference is the one the log line names
+                "version": 1,
+                "geometry": [g.num_layers, kvh, dim, list(g.layer_windows), g.attn_logit_softcap],
+                "dtype": str(dtype),
+                "block_size": block_size,
+                "num_blocks": self.num_blocks,
+            }
+            self.pool = PoolFile(pool_file, Layout(ident, g.num_layers, shapes))
+            self.k, self.v = self.pool.tensors["k"], self.pool.tensors["v"]
+            self.k_scale, self.v_scale = self.pool.tensors["k_scale"], self.pool.tensors["v_scale"]
+        else:  # untouched pages: memory is committed as sequences write (2 MiB at a time, huge pages)
+            self.k, self.v, self.k_scale, self.v_scale = (huge_page_empty(*shapes[n]) for n in shapes)
         self.alloc = BlockAllocator(self.num_blocks)
         self.seqs: dict[str, SeqBlocks] = {}
         # One prefix cache per layer group (a windowed store's groups cache their blocks apart: a
@@ -105,6 +130,52 @@ class KVStore(WindowGroups, Attention):
         self.busy_seconds = 0.0
         self.attend_calls = 0
         self._tables: dict[int, tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = {}
+        if self.pool is not None:
+            self._attach(self.pool)
+
+    def _attach(self, pool: PoolFile) -> None:
+        """Journal from here on, after taking back what the pool's files hold (a discarded or
+        inconsistent pool starts empty, with one log line)."""
+        self.journal = Journal(pool, self.num_groups)
+        if pool.recovered is not None:
+            try:
+                self.reattached = restore(self, pool, pool.recovered, self.journal)
+            except PoolCorrupt as e:
+                log.warning("KV pool %s discarded: %s", pool.path, e)
+                pool.discarded = str(e)
+                self.seqs.clear()
+                self.prefixes = [PrefixCache() for _ in self.prefixes]
+                self.prefix = self.prefixes[0] if self.prefixes and not self.grouped else None
+                self.alloc, self.model = BlockAllocator(self.num_blocks), ""
+                self.journal = Journal(pool, self.num_groups)
+                pool.lengths.zero_()
+        for g, cache in enumerate(self.prefixes):
+            cache.on_change = lambda kind, h, b, g=g: self.journal.prefix(g, kind, h, b)  # type: ignore[union-attr]
+        self.journal.compact(self, force=True)
+        r = self.reattached
+        if r.positions or r.prefix_blocks:
+            log.info(
+                "KV pool %s re-attached: %d sequences, %d prefix blocks; %d positions of %d sequences torn",
+                pool.path,
+                len(r.positions),
+                r.prefix_blocks,
+                r.torn_positions,
+                r.torn_sequences,
+            )
+
+    def bind_model(self, model: str) -> None:
+        """Name the model whose KV this pool holds (a persistent pool keeps it in its journal)."""
+        if model != self.model:
+            self.model = model
+            if self.journal is not None:
+                self.journal.model(model)
+
+    def close(self) -> None:
+        """A clean stop: a persistent pool's journal rewritten and its files marked clean."""
+        if self.journal is not None and self.pool is not None:
+            self.journal.compact(self, force=True)
+            self.pool.close()
+            self.journal = None
 
     @property
     def free_tokens(self) -> int:
@@ -254,6 +325,8 @@ class KVStore(WindowGroups, Attention):
         seq = SeqBlocks([], 0, [cached] * self.num_layers, True, hashes=hashes, frozen=len(shared))
         self._set_blocks(seq, shared + blocks)
         self.seqs[seq_id] = seq
+        if self.journal is not None:
+            self.journal.added(seq_id, seq)
         return cached
 
     @property
@@ -330,6 +403,8 @@ class KVStore(WindowGroups, Attention):
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return False
+        if self.journal is not None:
+            self.journal.dropped(seq)
         self._tables.clear()
         if self.grouped:  # the last block first: an idle prefix's tail is evicted before its head
             for g in range(self.num_groups):
@@ -367,6 +442,8 @@ class KVStore(WindowGroups, Attention):
                 self.alloc.release([mine])
                 seq.blocks[i], swapped = theirs, True
         seq.frozen = done
+        if self.journal is not None:  # frozen changed, tables maybe not
+            self.journal.changed(seq)
         if swapped:
             self._set_blocks(seq, seq.blocks)
 
@@ -399,29 +476,6 @@ class KVStore(WindowGroups, Attention):
         seq.frozen = first
         self._set_blocks(seq, blocks)
 
-    # ---- live migration: a sequence's rows out of one pool and into another --------------------
-    def export_layer(self, seq_id: str, layer: int) -> tuple[torch.Tensor, ...]:
-        """One layer of a sequence as stored: k, v [KVH, n, D] in the pool dtype (copies), plus int8's
-        or float8's scales [KVH, n] (empty otherwise). n is what every layer holds at a step boundary."""
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise NotFound(f"sequence {seq_id!r} is not held by this shard")
-        if not 0 <= layer < self.num_layers:
-            raise InvalidInput(f"layer {layer} outside [0, {self.num_layers})")
-        g, m = self._group_of[layer], self._member[layer]
-        slots = self._slots(seq, min(seq.lengths), g)[self.layer_first(seq_id, layer) :]
-        out = [self.k[m][:, slots].clone(), self.v[m][:, slots].clone()]
-        if self.quantized:
-            out += [self.k_scale[m][:, slots].clone(), self.v_scale[m][:, slots].clone()]
-        else:
-            out += [torch.empty(0), torch.empty(0)]
-        return tuple(out)
-
-    def layer_first(self, seq_id: str, layer: int) -> int:
-        """The first position export_layer sends: 0, or where a windowed layer's blocks begin."""
-        seq = self.seqs[seq_id]
-        return seq.dead[self._group_of[layer]] * self.block_size if self.grouped else 0
-
     def _slots(self, seq: SeqBlocks, n: int, g: int = 0) -> torch.Tensor:
         """Pool slots of positions 0..n-1 in group g's table (-1 blocks give negative slots)."""
         pos = torch.arange(n)
@@ -438,85 +492,12 @@ class KVStore(WindowGroups, Attention):
             else:
                 pool[m][:, slots] = rows.to(self.dtype)
 
-    def begin_import(self, seq_id: str, tokens: int) -> None:
-        """Take the blocks for an incoming sequence of `tokens`; it is not held (no Attend, no
-        Stats) until commit_import. ResourceExhausted when the pool has no room."""
-        if seq_id in self.seqs or seq_id in self._importing:
-            raise FailedPrecondition(f"sequence {seq_id!r} is already held by this shard")
-        if tokens < 1:
-            raise InvalidInput(f"an imported sequence holds >= 1 token, got {tokens}")
-        n = math.ceil(tokens / self.block_size)
-        # a windowed group takes only the blocks the next query (at `tokens`) sees
-        dead = [self._first_key(g, tokens) // self.block_size for g in range(self.num_groups)]
-        blocks = self._allocate(  # idle cached prefix blocks make room too
-            sum(n - d for d in dead)
-        )
-        if blocks is None:
-            raise ResourceExhausted(
-                f"KV pool full: {tokens} tokens to import, {self.free_tokens} free of {self.capacity_tokens}"
-            )
-        tables, i = [], 0
-        for d in dead:
-            tables.append([-1] * d + blocks[i : i + n - d])
-            i += n - d
-        seq = SeqBlocks(
-            [], 0, [0] * self.num_layers, True, more=tables[1:], dead=dead, gfrozen=[0] * len(dead)
-        )
-        self._set_blocks(seq, tables[0])
-        self._importing[seq_id] = seq
-
-    def import_layer(self, seq_id: str, layer: int, rows: Sequence[torch.Tensor], first: int = 0) -> int:
-        """Write one exported layer (k, v and int8's or float8's scales, of positions first..) of an import;
-        returns its bytes. A windowed layer keeps the rows its window still sees."""
-        seq = self._importing.get(seq_id)
-        if seq is None:
-            raise NotFound(f"no import of sequence {seq_id!r} in progress")
-        if not 0 <= layer < self.num_layers or seq.lengths[layer]:
-            raise InvalidInput(f"layer {layer} outside [0, {self.num_layers}) or sent twice")
-        k, v, ks, vs = rows
-        n = k.shape[1] if k.dim() == 3 else -1
-        shape = (self.num_kv_heads, n, self.head_dim)
-        if n < 1 or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != self.dtype:
-            raise InvalidInput(
-                f"layer rows must be {self.dtype} [{self.num_kv_heads}, n, {self.head_dim}], "
-                f"got {k.dtype} {list(k.shape)}"
-            )
-        g, m = self._group_of[layer], self._member[layer]
-        keep = (seq.dead[g] if self.grouped else 0) * self.block_size  # first position it holds
-        if v.dtype != self.dtype or first + n > len(self._tab(seq, g)) * self.block_size:
-            raise InvalidInput(f"v rows of {v.dtype} or {first + n} tokens do not fit the import")
-        if not 0 <= first <= keep:
-            raise InvalidInput(f"layer {layer} rows start at position {first}, the import needs {keep} on")
-        if self.quantized and (tuple(ks.shape) != shape[:2] or tuple(vs.shape) != shape[:2]):
-            raise InvalidInput(f"{self.dtype} rows need scales of shape {list(shape[:2])}")
-        slots = self._slots(seq, first + n, g)[keep:]
-        cut = keep - first
-        self.k[m][:, slots], self.v[m][:, slots] = k[:, cut:], v[:, cut:]
-        if self.quantized:
-            self.k_scale[m][:, slots], self.v_scale[m][:, slots] = ks[:, cut:].float(), vs[:, cut:].float()
-        seq.lengths[layer] = first + n
-        return sum(t.numel() * t.element_size() for t in rows)
-
-    def commit_import(self, seq_id: str) -> int:
-        """The last layer arrived: the sequence is held from now on. Returns its tokens."""
-        seq = self._importing.get(seq_id)
-        if seq is None:
-            raise NotFound(f"no import of sequence {seq_id!r} in progress")
-        if len(set(seq.lengths)) != 1 or not seq.lengths[0]:
-            raise InvalidInput(f"import of {seq_id!r} is missing layers (tokens per layer {seq.lengths})")
-        self.seqs[seq_id] = self._importing.pop(seq_id)
-        return seq.lengths[0]
-
-    def abort_import(self, seq_id: str) -> None:
-        """Free an unfinished import's blocks (the stream broke); unknown ids are ignored."""
-        seq = self._importing.pop(seq_id, None)
-        if seq is not None:
-            self.alloc.release(self._live(seq) if self.grouped else seq.blocks)
-
     def _blocks_changed(self, seq: SeqBlocks) -> None:
         """Call after changing a block table: drops the cached int32 tables the native kernel reads."""
         seq.tables.clear()
         self._tables.clear()
+        if self.journal is not None:
+            self.journal.changed(seq)
 
     def truncate(self, seq_id: str, tokens: int) -> None:
         """Hold the sequence's first `tokens` positions only (a verified row's rejected drafts lay
@@ -527,6 +508,8 @@ class KVStore(WindowGroups, Attention):
         if tokens < 0 or tokens > min(seq.lengths):
             raise FailedPrecondition(f"sequence {seq_id!r} holds {min(seq.lengths)} positions, not {tokens}")
         seq.lengths[:] = [tokens] * len(seq.lengths)
+        if self.journal is not None:
+            self.journal.sync(seq)
 
     def write(self, layer: int, seq_id: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, KVH, D] at positions start.. of one sequence without attending
@@ -551,6 +534,8 @@ class KVStore(WindowGroups, Attention):
             self._unfreeze(seq, start)
         self._put(layer, self._slots(seq, start + n, g)[start:], k, v)
         seq.lengths[layer] = max(seq.lengths[layer], start + n)
+        if self.journal is not None:
+            self.journal.sync(seq)
         if self.grouped and self.prefixes:
             self._publish_group(seq, g)
         elif layer == self.num_layers - 1:  # as attend: the last layer completes a position
@@ -581,6 +566,8 @@ class KVStore(WindowGroups, Attention):
                         if self._group_of[layer] == g:
                             self._put(layer, slots, k[first:], v[first:])
                             seq.lengths[layer] = tokens
+                if self.journal is not None:
+                    self.journal.sync(seq)
             return tokens
         for sid in seq_ids:
             for layer in range(self.num_layers):

@@ -38,6 +38,7 @@ class WindowGroups:
     v_scale: Any
     capacity_tokens: int
     free_tokens: int
+    journal: Any
     _geometry: tuple[int, int, int]
 
     def _allocate(self, n: int) -> list[int] | None: ...
@@ -141,6 +142,8 @@ class WindowGroups:
         seq.more, seq.dead, seq.gfrozen = tables[1:], floors, [m] * self.num_groups
         self._set_blocks(seq, tables[0])  # type: ignore[arg-type]
         self.seqs[seq_id] = seq
+        if self.journal is not None:
+            self.journal.added(seq_id, seq)
         return m * bs
 
     def _recycle(self, seq: SeqBlocks, g: int, start: int) -> None:
@@ -223,6 +226,8 @@ class WindowGroups:
                 p.acquire(theirs)
                 self.alloc.release([mine])
                 tab[i], changed = theirs, True
+        if done > seq.gfrozen[g] and self.journal is not None:
+            self.journal.changed(seq)
         seq.gfrozen[g] = max(seq.gfrozen[g], done)
         if changed:
             self._blocks_changed(seq)

@@ -266,6 +266,7 @@ def _generate_args(
     allowed_token_ids: Sequence[int] | None = None,
     bad_words: Sequence[str] | None = None,
     cache_salt: str | None = None,
+    lora: str | None = None,
 ) -> tuple[pb.GenerateRequest, float | None]:
     """The generate parameters, written once: `stream` and `generate` of both clients take these.
     Returns the request, with only what is given set, and the timeout. `logprobs`: each token's
@@ -275,7 +276,8 @@ def _generate_args(
     {"regex": ...}, {"choice": [...]} or {"grammar": Lark text}). `logit_bias` adds a bias in
     [-100, 100] to token ids' logits; vLLM's `min_p` drops tokens below min_p x the top one's
     probability; `allowed_token_ids` limits sampling to those ids; `bad_words` are never generated;
-    `cache_salt`: only requests with the same salt (and API key's tenant) share prefix-cache blocks."""
+    `cache_salt`: only requests with the same salt (and API key's tenant) share prefix-cache blocks;
+    `lora`: a LoRA adapter the fleet holds, by name (docs/lora.md)."""
     if prompt is not None and token_ids is not None:
         raise ValueError("give prompt or token_ids, not both")
     req = pb.GenerateRequest(
@@ -300,6 +302,8 @@ def _generate_args(
         req.structured.CopyFrom(_structured(structured))
     if cache_salt is not None:
         req.cache_salt = cache_salt
+    if lora is not None:
+        req.lora = lora
     if prompt is not None:
         req.prompt = prompt
     elif token_ids is not None:

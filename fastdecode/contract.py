@@ -50,6 +50,9 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: a sequence's last token is banned where the generated
     # tokens end with the rest of it (a one-token word always)
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # The LoRA adapter the sequence runs with, by name ("" the base model): it travels with the
+    # sequence's settings to every row gpu_dense runs for it (fastdecode.dense.loras).
+    lora: str = ""
 
     def validate(self) -> None:
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
@@ -190,6 +193,15 @@ class PlannedSeq:
 
 
 LAST_SAMPLE = -1  # the token of a step planned ahead: not known to the scheduler yet
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """A LoRA adapter gpu_dense holds: the name requests pick it by, where it was read, its rank."""
+
+    name: str
+    path: str
+    rank: int
 
 
 # ---- prefix blocks ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,6 +99,12 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 "share the scheduler places there, with no network hop (docs/split-hosts.md).",
             ),
             click.option(
+                "--enable-lora", is_flag=True, help=DenseSettings.model_fields["enable_lora"].description
+            ),
+            _setting(DenseSettings, "lora_modules"),
+            _setting(DenseSettings, "max_loras"),
+            _setting(DenseSettings, "max_lora_rank"),
+            click.option(
                 "--pipeline",
                 type=click.Choice(["auto", "on", "off"]),
                 default="auto",
@@ -179,6 +185,16 @@ def _check_kv_capacity(kv_capacity: int, kv_dtype: str, config: Any) -> None:
         )
 
 
+def _lora_args(enable: bool, modules: str, max_loras: int, max_rank: int) -> list[str]:
+    """gpu_dense's LoRA flags (docs/lora.md); --lora-modules without --enable-lora is refused here."""
+    if modules and not enable:
+        raise click.BadParameter("needs --enable-lora", param_hint="'--lora-modules'")
+    if not enable:
+        return []
+    modules_arg = ["--lora-modules", modules] if modules else []
+    return ["--enable-lora", *modules_arg, "--max-loras", str(max_loras), "--max-lora-rank", str(max_rank)]
+
+
 def _make_fleet(
     model: str | None,
     shards: int,
@@ -199,6 +215,7 @@ def _make_fleet(
     kv_events: str | None = None,
     speculative: str = "off",
     num_speculative_tokens: int = 3,
+    lora: Sequence[str] = (),
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.dense.emulated import is_emulated, load_emulated
@@ -253,7 +270,7 @@ def _make_fleet(
             "--num-speculative-tokens",
             str(num_speculative_tokens),
         ],
-        dense_args=dense_args,
+        dense_args=[*dense_args, *lora],
         env=dict(env or {}),
     )
 
@@ -327,6 +344,10 @@ def up(
     num_speculative_tokens: int,
     kv_events: str | None,
     host_shard: bool,
+    enable_lora: bool,
+    lora_modules: str,
+    max_loras: int,
+    max_lora_rank: int,
     pipeline: str,
     port: int,
     state_file: str | None,
@@ -363,6 +384,7 @@ def up(
         "kv_events": kv_events,
         "speculative": speculative,
         "num_speculative_tokens": num_speculative_tokens,
+        "lora": _lora_args(enable_lora, lora_modules, max_loras, max_lora_rank),
     }
     args = (model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token)
     if replicas > 1:  # N fleets, each on ports of its own, and the router on --http-port

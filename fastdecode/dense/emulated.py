@@ -40,6 +40,7 @@ import torch
 
 from fastdecode.dense.plane import Device
 from fastdecode.model.config import ModelConfig
+from fastdecode.model.lora import LoraBatch
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import GEOMETRIES, Geometry
 
@@ -374,7 +375,7 @@ class EmulatedModel(Device):
         return torch.empty(token_ids.shape[0], self.config.hidden_size, dtype=self.dtype, device=self.device)
 
     def pre_attention(
-        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, lora: LoraBatch | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Charges norm, QKV, RoPE and the copy of q, k, v to the host; returns host tensors
         (views of one synthetic pool: a copy off a GPU lands in fresh host memory, this costs none)."""
@@ -407,7 +408,9 @@ class EmulatedModel(Device):
             )
         return views
 
-    def post_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def post_attention(
+        self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor, lora: LoraBatch | None = None
+    ) -> torch.Tensor:  # no weights: no LoRA (gpu_dense refuses --enable-lora on an emulated device)
         _, _, o_copy, post = self._times(hidden.shape[0])
         self.clock.copy(o_copy)
         self.clock.compute(post)

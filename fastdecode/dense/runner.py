@@ -28,6 +28,7 @@ from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.grammar import GrammarBank
 from fastdecode.dense.handoff import Staging, copy_into
 from fastdecode.dense.layer_loop import Layers, LayerThreads, Meter, on_loop
+from fastdecode.dense.loras import LoraBank, resolve_row, step_batch
 from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.plane import Answered, Device, LayerPlane, PlainPlane, ShardPlane, SyncDevice, declares
@@ -35,7 +36,8 @@ from fastdecode.dense.sampling import penalize, sample, top_logprobs
 from fastdecode.dense.verify import check_drafts, verify_rows
 from fastdecode.kv import AttendBatch
 from fastdecode.model.dense import DenseModel
-from fastdecode.runtime.errors import FailedPrecondition, InvalidInput
+from fastdecode.model.lora import LoraAdapter
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 
 T = TypeVar("T")
 NOTHING = Answered([])  # a layer with no items to send (every group failed): no answers
@@ -83,8 +85,11 @@ class StepRunner:
         shards: LayerPlane[AttendItem] | ShardPlane[AttendItem],
         chooser: PipelineChooser | None = None,
         grammars: GrammarBank | None = None,
+        loras: LoraBank | None = None,
     ) -> None:
         self.model = model
+        self.loras = loras  # None: LoRA is off (a row naming an adapter fails FAILED_PRECONDITION)
+        self._adapters: dict[str, LoraAdapter] = {}  # this step's rows that run with an adapter
         self.grammars = grammars  # None: requests with a grammar fail (no tokenizer here)
         self.shards = shards
         # what the plane and the device can do, as they declare it (one that declares nothing: none)
@@ -153,6 +158,8 @@ class StepRunner:
             raise InvalidInput(f"next_token_id outside the vocabulary [0, {c.vocab_size})")
         if s.drafts:
             check_drafts(s)
+        if s.sampling.lora:  # resolved at validation: an unload mid-step changes no row of it
+            self._adapters[s.seq_id] = resolve_row(self.loras, s)  # type: ignore[assignment]
         if checked is not None and id(s.sampling) in checked:
             return  # a step's sequences share their SamplingParams (wire/dense.py): checked once
         s.sampling.validate()
@@ -318,10 +325,11 @@ class StepRunner:
         ids, pos, last = pack([SeqChunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
         groups = self._groups(seqs)
         num_layers = model.config.num_hidden_layers
+        lora = step_batch(seqs, self._adapters, model.device)
 
         def first() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             h = model.embed(ids)
-            return (h, *model.pre_attention(0, h, pos))
+            return (h, *model.pre_attention(0, h, pos, lora))
 
         hidden, q, k, v = self._compute(first, meter)
         # On a device whose results come later (an emulated one's clock), a plane that waits for the
@@ -397,10 +405,10 @@ class StepRunner:
                     attn = torch.zeros(h.shape[0], model.q_size, dtype=h.dtype, device=h.device)
                     for rows, o in parts:
                         attn[rows] = o.to(device=h.device, dtype=h.dtype)
-                h = model.post_attention(lyr, h, attn)
+                h = model.post_attention(lyr, h, attn, lora)
                 if lyr + 1 == num_layers:
                     return h, None, None, None
-                return (h, *model.pre_attention(lyr + 1, h, pos))
+                return (h, *model.pre_attention(lyr + 1, h, pos, lora))
 
             hidden, q, k, v = self._compute(post, meter)  # type: ignore[assignment]
             if not defer or layer + 1 == num_layers:
@@ -436,6 +444,7 @@ class StepRunner:
         self._meters = [Meter(), Meter(), Meter()]
         self._failures = {}
         self._prompt = {}
+        self._adapters = {}
         # (a step that fails leaves none: nothing follows on from it)
         last, self.last_samples = self.last_samples, {}
         outcomes: dict[str, Outcome] = {}
@@ -453,7 +462,7 @@ class StepRunner:
                 history[s.seq_id] = self._track(s)
                 valid.append(s)
                 outcomes[s.seq_id] = Outcome()
-            except (InvalidInput, FailedPrecondition) as e:
+            except (InvalidInput, FailedPrecondition, NotFound) as e:
                 outcomes[s.seq_id] = Outcome(error=e)
         # The grammar masks need only the tokens known now: computed on a worker thread (llguidance
         # drops the GIL) while the layers run, so their cost hides behind the step.

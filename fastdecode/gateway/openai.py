@@ -316,7 +316,8 @@ def _sampling(body: RequestBody, max_tokens: int | None) -> dict[str, Any]:
     }
 
 
-def completion_params(body: CompletionBody) -> GenerateParams:
+def completion_params(body: CompletionBody, lora: str = "") -> GenerateParams:
+    """The request's GenerateParams; `lora`: the adapter its `model` names (fastdecode.gateway.lora)."""
     refuse_unsupported(body)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -327,6 +328,7 @@ def completion_params(body: CompletionBody) -> GenerateParams:
     sampling["logprobs"] = body.logprobs
     sampling["prompt_logprobs"] = bool(body.echo and body.logprobs is not None)
     sampling["structured"] = structured_output(body)
+    sampling["lora"] = lora
     if isinstance(prompt, str):
         return GenerateParams(prompt=prompt, **sampling)
     return GenerateParams(token_ids=list(prompt), **sampling)  # type: ignore[arg-type]

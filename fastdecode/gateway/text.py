@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from fastdecode.contract import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from fastdecode.gateway.lora import adapter_salt
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.grammar import Structured
 from fastdecode.runtime.tokenizer import Tokenizer
@@ -80,6 +81,7 @@ class GenerateParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     cache_salt: str | None = None  # OpenAI's: only requests of the same salt share prefix-cache blocks
+    lora: str = ""  # the LoRA adapter the `model` field named ("" the base; fastdecode.gateway.lora)
     # Character spans of the prompt that are untrusted text (chat message content): special-token
     # strings there are tokenized as text unless the gateway allows them (--chat-special-tokens).
     text_spans: list[tuple[int, int]] | None = None
@@ -114,6 +116,7 @@ class ValidRequest:
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()  # the words' token sequences (bad_word_ids)
     cache_salt: str = ""  # the prefix-cache namespace (tenant and cache_salt, hashed; "" shared)
+    lora: str = ""  # the LoRA adapter it runs with ("" the base model)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -128,6 +131,7 @@ class ValidRequest:
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             suppress_ids=self.stop_token_ids if self.min_tokens else (),
+            lora=self.lora,
             grammar=self.grammar,
             logit_bias=self.logit_bias,
             min_p=self.min_p,
@@ -237,6 +241,8 @@ def check_params(p: GenerateParams, limits: Limits) -> None:
         raise InvalidInput(f"cache_salt must have 1-256 characters, got {len(p.cache_salt)}")
     if p.cache_salt is not None:
         check_text("cache_salt", p.cache_salt)
+    if len(p.lora) > 128:  # gpu_dense's names are at most 128 characters (fastdecode.dense.loras)
+        raise InvalidInput(f"lora must have at most 128 characters, got {len(p.lora)}", param="lora")
     if len(p.stop) > limits.max_stop:
         raise InvalidInput(f"{len(p.stop)} stop strings; the limit is {limits.max_stop}")
     check_text("stop", list(p.stop))
@@ -380,7 +386,8 @@ def resolve(
         min_p=float(p.min_p or 0.0),
         allowed_token_ids=tuple(dict.fromkeys(p.allowed_token_ids or ())),
         bad_words=tuple(bad_words),
-        cache_salt=cache_salt,
+        cache_salt=adapter_salt(cache_salt, p.lora),  # no KV shared across adapters
+        lora=p.lora,
     )
 
 

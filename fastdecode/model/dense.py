@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.model.config import ModelConfig
+from fastdecode.model.lora import LoraBatch
 from fastdecode.model.rope import rope_inv_freq
 from fastdecode.model.weights import load_weights
 from fastdecode.runtime.errors import InvalidInput
@@ -266,16 +267,22 @@ class DenseModel:
 
     @torch.inference_mode()
     def pre_attention(
-        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, lora: LoraBatch | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm, fused QKV, q/k norms, RoPE. Returns q [T, H, D], k [T, KVH, D], v [T, KVH, D], contiguous.
 
         q carries the model's attention scale relative to head_dim**-0.5 (Gemma's
-        query_pre_attn_scalar), which is all the attention side applies."""
+        query_pre_attn_scalar), which is all the attention side applies. `lora`: each row's adapter
+        updates of q, k and v (fastdecode.model.lora)."""
         c, w = self.config, self.layers[layer]
         gemma = c.gemma_norms
         x = rms_norm(hidden, w.input_norm, c.rms_norm_eps, gemma)
         qkv = F.linear(x, w.qkv_w, w.qkv_b)
+        if lora is not None:
+            qs, ks = self.q_size, self.q_size + self.kv_size
+            lora.add(qkv, x, layer, "q_proj", slice(0, qs))
+            lora.add(qkv, x, layer, "k_proj", slice(qs, ks))
+            lora.add(qkv, x, layer, "v_proj", slice(ks, None))
         t = hidden.shape[0]
         q = qkv[:, : self.q_size]
         k = qkv[:, self.q_size : self.q_size + self.kv_size]
@@ -296,20 +303,35 @@ class DenseModel:
         return q.contiguous(), self.rope(k, positions, layer).contiguous(), v.contiguous()
 
     @torch.inference_mode()
-    def post_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """O projection + residual, then the MLP block + residual (Gemma: each output normed first)."""
+    def post_attention(
+        self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
+        """O projection + residual, then the MLP block + residual (Gemma: each output normed first);
+        `lora`: each row's adapter updates of the O and MLP projections."""
         c, w = self.config, self.layers[layer]
         gemma = c.gemma_norms
-        o = F.linear(attn_out.to(hidden.dtype), w.o_w, w.o_b)
+        attn_out = attn_out.to(hidden.dtype)
+        o = F.linear(attn_out, w.o_w, w.o_b)
+        if lora is not None:
+            lora.add(o, attn_out, layer, "o_proj")
         if w.attn_out_norm is not None:
             o = rms_norm(o, w.attn_out_norm, c.rms_norm_eps, gemma)
         h = hidden + o
         x = rms_norm(h, w.post_norm, c.rms_norm_eps, gemma)
         if w.experts is not None:
             m = self._moe(x, w.experts)
-        else:
+        elif lora is None:
             gate, up = F.linear(x, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)  # type: ignore[arg-type]
             m = F.linear(self._act(gate) * up, w.down_w, w.down_b)  # type: ignore[arg-type]
+        else:
+            gate_up = F.linear(x, w.gate_up_w, w.gate_up_b)  # type: ignore[arg-type]
+            inter = gate_up.shape[-1] // 2
+            lora.add(gate_up, x, layer, "gate_proj", slice(0, inter))
+            lora.add(gate_up, x, layer, "up_proj", slice(inter, None))
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = self._act(gate) * up
+            m = F.linear(y, w.down_w, w.down_b)  # type: ignore[arg-type]
+            lora.add(m, y, layer, "down_proj")
         if w.mlp_out_norm is not None:
             m = rms_norm(m, w.mlp_out_norm, c.rms_norm_eps, gemma)
         return h + m

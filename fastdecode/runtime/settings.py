@@ -180,6 +180,17 @@ class DenseSettings(ServiceSettings):
         description="plan: two mini-batches whenever the step plan asks; auto: the plan allows, a "
         "measurement on live steps decides (fastdecode.dense.pipeline).",
     )
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters (vLLM's --enable-lora): loaded at start (--lora-modules) or at "
+        "run time (POST /v1/load_lora_adapter), picked per request by the `model` field (docs/lora.md).",
+    )
+    lora_modules: str = Field(
+        "",
+        description="NAME=PATH,NAME=PATH: PEFT adapter dirs loaded at start (needs --enable-lora).",
+    )
+    max_loras: int = Field(8, ge=1, le=1024, description="Most LoRA adapters loaded at once.")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank an adapter may have.")
     # Set by the supervisor: weight-loading progress for `fastdecode up`.
     progress_file: Path | None = Field(
         None, description="Weight-loading progress file.", json_schema_extra=_ENV_ONLY
@@ -329,6 +340,9 @@ class GatewaySettings(ServiceSettings):
     max_stop: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string.")
     connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for an unconnected scheduler.")
+    lora_load_timeout: float = Field(
+        120.0, gt=0, description="Seconds POST /v1/load_lora_adapter may take (gpu_dense reads the adapter)."
+    )
     readiness_interval: float = Field(
         1.0, gt=0, description="Seconds between looks at whether the fleet can generate (readiness)."
     )

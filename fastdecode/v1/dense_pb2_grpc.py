@@ -229,3 +229,176 @@ class Dense:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class LoraAdaptersStub:
+    """LoRA adapters (gpu_dense's --enable-lora), served by gpu_dense, which holds them, and by the
+    scheduler, which passes each call on to it (the gateway's /v1/load_lora_adapter,
+    /v1/unload_lora_adapter and /v1/models call the scheduler's). Load a PEFT adapter dir under a name
+    (INVALID_ARGUMENT, one line, for one this model cannot apply), unload one (NOT_FOUND if not
+    loaded), list them. A sequence picks one by SamplingParams.lora.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Load = channel.unary_unary(
+                '/fastdecode.v1.LoraAdapters/Load',
+                request_serializer=fastdecode_dot_v1_dot_dense__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.FromString,
+                _registered_method=True)
+        self.Unload = channel.unary_unary(
+                '/fastdecode.v1.LoraAdapters/Unload',
+                request_serializer=fastdecode_dot_v1_dot_dense__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/fastdecode.v1.LoraAdapters/List',
+                request_serializer=fastdecode_dot_v1_dot_dense__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.FromString,
+                _registered_method=True)
+
+
+class LoraAdaptersServicer:
+    """LoRA adapters (gpu_dense's --enable-lora), served by gpu_dense, which holds them, and by the
+    scheduler, which passes each call on to it (the gateway's /v1/load_lora_adapter,
+    /v1/unload_lora_adapter and /v1/models call the scheduler's). Load a PEFT adapter dir under a name
+    (INVALID_ARGUMENT, one line, for one this model cannot apply), unload one (NOT_FOUND if not
+    loaded), list them. A sequence picks one by SamplingParams.lora.
+    """
+
+    def Load(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LoraAdaptersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=fastdecode_dot_v1_dot_dense__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.SerializeToString,
+            ),
+            'Unload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unload,
+                    request_deserializer=fastdecode_dot_v1_dot_dense__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=fastdecode_dot_v1_dot_dense__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fastdecode.v1.LoraAdapters', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fastdecode.v1.LoraAdapters', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class LoraAdapters:
+    """LoRA adapters (gpu_dense's --enable-lora), served by gpu_dense, which holds them, and by the
+    scheduler, which passes each call on to it (the gateway's /v1/load_lora_adapter,
+    /v1/unload_lora_adapter and /v1/models call the scheduler's). Load a PEFT adapter dir under a name
+    (INVALID_ARGUMENT, one line, for one this model cannot apply), unload one (NOT_FOUND if not
+    loaded), list them. A sequence picks one by SamplingParams.lora.
+    """
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.LoraAdapters/Load',
+            fastdecode_dot_v1_dot_dense__pb2.LoadLoraAdapterRequest.SerializeToString,
+            fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.LoraAdapters/Unload',
+            fastdecode_dot_v1_dot_dense__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.LoraAdapters/List',
+            fastdecode_dot_v1_dot_dense__pb2.ListLoraAdaptersRequest.SerializeToString,
+            fastdecode_dot_v1_dot_dense__pb2.LoraAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x61stdecode/v1/gateway.proto\x12\rfastdecode.v1\"\x86\x06\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.fastdecode.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18( \x01(\x05H\x06\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18) \x01(\x08\x12\x18\n\x10presence_penalty\x18* \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18+ \x01(\x02\x12\x1f\n\x12repetition_penalty\x18, \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18- \x01(\x05\x12\x33\n\nstructured\x18. \x01(\x0b\x32\x1f.fastdecode.v1.StructuredOutput\x12\x41\n\nlogit_bias\x18/ \x03(\x0b\x32-.fastdecode.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\x05min_p\x18\x30 \x01(\x02H\x08\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x31 \x03(\x03\x12\x11\n\tbad_words\x18\x32 \x03(\t\x12\x12\n\ncache_salt\x18< \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.fastdecode.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x32 \x01(\x05\"\xd4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.fastdecode.v1.Usage\x12-\n\x08logprobs\x18( \x03(\x0b\x32\x1b.fastdecode.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x1b.fastdecode.v1.TokenLogprob\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xa2\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\x12\n\nnum_shards\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t2\xfe\x01\n\x07Gateway\x12M\n\x08Generate\x12\x1e.fastdecode.v1.GenerateRequest\x1a\x1f.fastdecode.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.fastdecode.v1.TokenizeRequest\x1a\x1f.fastdecode.v1.TokenizeResponse\x12W\n\x0cGetModelInfo\x12\".fastdecode.v1.GetModelInfoRequest\x1a#.fastdecode.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x61stdecode/v1/gateway.proto\x12\rfastdecode.v1\"\x94\x06\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.fastdecode.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18( \x01(\x05H\x06\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18) \x01(\x08\x12\x18\n\x10presence_penalty\x18* \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18+ \x01(\x02\x12\x1f\n\x12repetition_penalty\x18, \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18- \x01(\x05\x12\x33\n\nstructured\x18. \x01(\x0b\x32\x1f.fastdecode.v1.StructuredOutput\x12\x41\n\nlogit_bias\x18/ \x03(\x0b\x32-.fastdecode.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\x05min_p\x18\x30 \x01(\x02H\x08\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x31 \x03(\x03\x12\x11\n\tbad_words\x18\x32 \x03(\t\x12\x12\n\ncache_salt\x18< \x01(\t\x12\x0c\n\x04lora\x18= \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.fastdecode.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x32 \x01(\x05\"\xd4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.fastdecode.v1.Usage\x12-\n\x08logprobs\x18( \x03(\x0b\x32\x1b.fastdecode.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x1b.fastdecode.v1.TokenLogprob\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xa2\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\x12\n\nnum_shards\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t2\xfe\x01\n\x07Gateway\x12M\n\x08Generate\x12\x1e.fastdecode.v1.GenerateRequest\x1a\x1f.fastdecode.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.fastdecode.v1.TokenizeRequest\x1a\x1f.fastdecode.v1.TokenizeResponse\x12W\n\x0cGetModelInfo\x12\".fastdecode.v1.GetModelInfoRequest\x1a#.fastdecode.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=47
-  _globals['_GENERATEREQUEST']._serialized_end=821
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=658
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=706
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=824
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=977
-  _globals['_CHOICELIST']._serialized_start=979
-  _globals['_CHOICELIST']._serialized_end=1008
-  _globals['_TOKENLOGPROB']._serialized_start=1010
-  _globals['_TOKENLOGPROB']._serialized_end=1104
-  _globals['_TOKENIDS']._serialized_start=1106
-  _globals['_TOKENIDS']._serialized_end=1129
-  _globals['_USAGE']._serialized_start=1131
-  _globals['_USAGE']._serialized_end=1211
-  _globals['_GENERATERESPONSE']._serialized_start=1214
-  _globals['_GENERATERESPONSE']._serialized_end=1426
-  _globals['_TOKENIZEREQUEST']._serialized_start=1428
-  _globals['_TOKENIZEREQUEST']._serialized_end=1459
-  _globals['_TOKENIZERESPONSE']._serialized_start=1461
-  _globals['_TOKENIZERESPONSE']._serialized_end=1514
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1516
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1537
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1540
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1702
-  _globals['_GATEWAY']._serialized_start=1705
-  _globals['_GATEWAY']._serialized_end=1959
+  _globals['_GENERATEREQUEST']._serialized_end=835
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=672
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=720
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=838
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=991
+  _globals['_CHOICELIST']._serialized_start=993
+  _globals['_CHOICELIST']._serialized_end=1022
+  _globals['_TOKENLOGPROB']._serialized_start=1024
+  _globals['_TOKENLOGPROB']._serialized_end=1118
+  _globals['_TOKENIDS']._serialized_start=1120
+  _globals['_TOKENIDS']._serialized_end=1143
+  _globals['_USAGE']._serialized_start=1145
+  _globals['_USAGE']._serialized_end=1225
+  _globals['_GENERATERESPONSE']._serialized_start=1228
+  _globals['_GENERATERESPONSE']._serialized_end=1440
+  _globals['_TOKENIZEREQUEST']._serialized_start=1442
+  _globals['_TOKENIZEREQUEST']._serialized_end=1473
+  _globals['_TOKENIZERESPONSE']._serialized_start=1475
+  _globals['_TOKENIZERESPONSE']._serialized_end=1528
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1530
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1551
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1554
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1716
+  _globals['_GATEWAY']._serialized_start=1719
+  _globals['_GATEWAY']._serialized_end=1973
 # @@protoc_insertion_point(module_scope)

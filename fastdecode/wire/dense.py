@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
+from fastdecode.contract import LAST_SAMPLE, LoraInfo, PlannedSeq, SamplingParams, TokenLogprob
 from fastdecode.protocol import MAX_DECODE_STEPS
 from fastdecode.runtime.errors import InternalError, InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
@@ -37,6 +37,7 @@ def sampling_to_proto(s: SamplingParams) -> dense_pb2.SamplingParams:
         min_p=s.min_p,
         allowed_token_ids=s.allowed_token_ids,
         bad_words=[dense_pb2.TokenSequence(token_ids=w) for w in s.bad_words],
+        lora=s.lora,
     )
     if s.seed is not None:
         out.seed = s.seed
@@ -64,6 +65,7 @@ def sampling_from_proto(sp: dense_pb2.SamplingParams) -> SamplingParams:
         min_p=sp.min_p,
         allowed_token_ids=tuple(sp.allowed_token_ids),
         bad_words=tuple(tuple(w.token_ids) for w in sp.bad_words),
+        lora=sp.lora,
     )
 
 
@@ -367,3 +369,15 @@ def dense_info_from_proto(i: dense_pb2.ModelInfo) -> DenseInfo:
         model=f"{i.model_path}|{i.dtype}",  # what the KV depends on: shards never mix prefixes of two
         removed_shards=tuple(i.removed_shards),
     )
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------------
+def loras_to_proto(adapters: Sequence[LoraInfo], enabled: bool) -> dense_pb2.LoraAdapterList:
+    return dense_pb2.LoraAdapterList(
+        adapters=[dense_pb2.LoraAdapter(name=a.name, path=a.path, rank=a.rank) for a in adapters],
+        enabled=enabled,
+    )
+
+
+def loras_from_proto(m: dense_pb2.LoraAdapterList) -> list[LoraInfo]:
+    return [LoraInfo(a.name, a.path, a.rank) for a in m.adapters]

@@ -42,6 +42,7 @@ def params_from_proto(r: gw_pb.GenerateRequest) -> GenerateParams:
         allowed_token_ids=list(r.allowed_token_ids) or None,
         bad_words=list(r.bad_words),
         cache_salt=r.cache_salt or None,
+        lora=r.lora,
     )
 
 

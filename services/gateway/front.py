@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GatewayCore
+from fastdecode.gateway.lora import LoraRegistry
 from fastdecode.gateway.openai import ChatBody, chat_request
 from fastdecode.gateway.text import GenerateParams
 from fastdecode.gateway.tools import ToolRequest, check_tool_schemas
@@ -28,15 +29,18 @@ class OpenAIFront(Protocol):
     template_error: str
     tool_parser: str
     reasoning_parser: str
+    loras: LoraRegistry  # the LoRA adapters a request's `model` may name
 
     def check_model(self, model: str | None) -> None:
         """NotFound for a model this gateway does not serve."""
         ...
 
 
-async def prepare_chat(api: OpenAIFront, body: ChatBody) -> tuple[GenerateParams, ToolRequest | None]:
+async def prepare_chat(
+    api: OpenAIFront, body: ChatBody, lora: str = ""
+) -> tuple[GenerateParams, ToolRequest | None]:
     """A chat request (from any of the HTTP APIs) as the prompt its template renders, with its tools
-    checked; the caller has checked that the template exists."""
+    checked, run with LoRA adapter `lora` ("" the base); the caller has checked that the template exists."""
     try:
         assert api.template is not None
         params, tools = chat_request(body, api.template, api.core.limits.max_context)
@@ -44,4 +48,5 @@ async def prepare_chat(api: OpenAIFront, body: ChatBody) -> tuple[GenerateParams
             await check_tool_schemas(tools, api.core.grammars.compile)
     except Exception as e:  # noqa: BLE001 - the template's InvalidInput and the like
         raise as_service_error(e, log) from None
+    params.lora = lora
     return params, tools

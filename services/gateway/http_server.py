@@ -8,15 +8,18 @@ import contextlib
 import socket
 from collections.abc import Iterator
 
+import grpc
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastdecode.gateway.auth import Tenants, tenant_scope
 from fastdecode.gateway.core import GatewayCore
+from fastdecode.gateway.lora import LoraRegistry
 from fastdecode.gateway.openai import APIError
 from fastdecode.protocol import REQUEST_ID_KEY
 from fastdecode.runtime.errors import Status, Unavailable
 from fastdecode.runtime.settings import GatewaySettings
+from services.gateway.lora_api import GrpcLoraAdmin
 from services.gateway.openai_api import GENERATION_PATHS, OpenAIApp, error_response
 from services.gateway.tokenize_api import AUTHENTICATED_PATHS
 
@@ -130,9 +133,12 @@ def _bind(host: str, port: int) -> socket.socket:
 class HTTPServer:
     """The HTTP port: bound at construction (so the port is known before start), served as a task."""
 
-    def __init__(self, core: GatewayCore, settings: GatewaySettings, tenants: Tenants) -> None:
+    def __init__(
+        self, core: GatewayCore, settings: GatewaySettings, tenants: Tenants, scheduler: grpc.aio.Channel
+    ) -> None:
         assert settings.http_port is not None
-        self.api = OpenAIApp(core, settings)
+        admin = GrpcLoraAdmin(scheduler, settings.lora_load_timeout, settings.connect_timeout)
+        self.api = OpenAIApp(core, settings, LoraRegistry(admin, core.model_id))
         self.sock = _bind(settings.host, settings.http_port)
         self.port: int = self.sock.getsockname()[1]
         tls = settings.tls

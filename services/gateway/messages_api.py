@@ -57,14 +57,14 @@ class MessagesRoutes:
         except ValueError:
             raise APIError(Status.INVALID_ARGUMENT, "the request body is not valid JSON") from None
         body = parse(kind, data)
-        self.api.check_model(body.model)
+        await self.api.loras.resolve(body.model)  # the served model or a LoRA adapter
         if self.api.template is None:
             raise cannot_chat(self.api.core.model_id, self.api.template_error)
         return body
 
     async def _chat(self, body: CountTokensBody) -> tuple[ChatBody, GenerateParams, ToolRequest | None]:
         chat = chat_body(body)
-        params, tools = await prepare_chat(self.api, chat)
+        params, tools = await prepare_chat(self.api, chat, await self.api.loras.resolve(body.model))
         return chat, params, tools
 
     async def count_tokens(self, request: Request) -> Response:

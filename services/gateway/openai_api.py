@@ -6,7 +6,7 @@ Errors leave in OpenAI's shape with the HTTP status from fastdecode.gateway.open
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template), GET
 /v1/models, GET /v1/models/{id}, GET /health (no token: 200 while serving, 503 otherwise); vLLM's
-/tokenize (tokenize_api.py), /v1/messages (messages_api.py), /v1/responses (responses_api.py) register.
+/tokenize (tokenize_api.py), /v1/messages, /v1/responses, its LoRA endpoints (lora_api.py) register.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from fastdecode.gateway.chat import ChatTemplate
 from fastdecode.gateway.core import GatewayCore, GenerationChunk
+from fastdecode.gateway.lora import LoraRegistry
 from fastdecode.gateway.openai import (
     STATUS_OF_HTTP,
     APIError,
@@ -44,6 +45,7 @@ from fastdecode.runtime.errors import ModelLoadError, ServiceError, Status, Unav
 from fastdecode.runtime.settings import GatewaySettings
 from services.gateway.front import SSE_HEADERS, prepare_chat
 from services.gateway.hangup import unless_hung_up
+from services.gateway.lora_api import LoraRoutes
 from services.gateway.messages_api import MESSAGES_PREFIX, MessagesRoutes, messages_error_response
 from services.gateway.responses_api import RESPONSES_PATH, ResponsesRoutes
 from services.gateway.router_probes import register_router_probes
@@ -79,8 +81,11 @@ def _on(app: FastAPI, kind: type[E], handle: Callable[[Request, E], Awaitable[Re
 class OpenAIApp:
     """Routes and handlers around one GatewayCore."""
 
-    def __init__(self, core: GatewayCore, settings: GatewaySettings) -> None:
+    def __init__(
+        self, core: GatewayCore, settings: GatewaySettings, loras: LoraRegistry | None = None
+    ) -> None:
         self.core = core
+        self.loras = loras or LoraRegistry(None, core.model_id)  # LoRA adapters a `model` may name
         self.template: ChatTemplate | None = None
         self.template_error = ""
         try:
@@ -113,6 +118,7 @@ class OpenAIApp:
         TokenizeRoutes(self)  # vLLM's /tokenize and /detokenize (tokenize_api.py)
         MessagesRoutes(self)  # Anthropic's Messages API on the same app (messages_api.py)
         ResponsesRoutes(self)  # OpenAI's Responses API, /v1/responses (responses_api.py)
+        LoraRoutes(self)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_api.py)
 
     # -- errors (each answered request counted once: generate() counts what it ran)
     def _rejected(self, request: Request, e: ServiceError) -> None:
@@ -158,14 +164,14 @@ class OpenAIApp:
         }
 
     async def models(self) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        await self.loras.refresh()
+        return JSONResponse({"object": "list", "data": [self._model_card(), *self.loras.cards()]})
 
     async def model(self, model_id: str) -> Response:
-        self.check_model(model_id)
-        return JSONResponse(self._model_card())
+        return JSONResponse(self.loras.card(await self.loras.resolve(model_id)) or self._model_card())
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.core.model_id:
+        if model is not None and model != self.core.model_id and model not in self.loras.loaded:
             raise APIError(
                 Status.NOT_FOUND,
                 f"the model {model!r} does not exist; this gateway serves {self.core.model_id!r}",
@@ -174,8 +180,7 @@ class OpenAIApp:
             )
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
-        self.check_model(body.model)
-        params = completion_params(body)
+        params = completion_params(body, await self.loras.resolve(body.model))
         echo = None
         if body.echo:  # the prompt as sent, or the text of its token ids
             check_params(params, self.core.limits)  # at most a context of ids to decode here
@@ -187,10 +192,10 @@ class OpenAIApp:
         return await self._run(request, params, body, chat=False, echo=echo)
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = await self.loras.resolve(body.model)
         if self.template is None:
             raise cannot_chat(self.core.model_id, self.template_error)
-        params, tools = await prepare_chat(self, body)
+        params, tools = await prepare_chat(self, body, lora)
         return await self._run(request, params, body, chat=True, tools=tools)
 
     async def _run(  # noqa: PLR0913 - one request's parts
@@ -217,7 +222,9 @@ class OpenAIApp:
             calls = ToolCallStream.of(tools, self.tool_parser) if tools is not None else None
             # the caller's own id in the response, never the gateway's suffixed one for a reused id
             shown = getattr(request.state, "public_id", rid)
-            out = ResponseShape(chat, shown, self.core.model_id, include_usage, lp, echo, i, calls)
+            out = ResponseShape(
+                chat, shown, params.lora or self.core.model_id, include_usage, lp, echo, i, calls
+            )
             out.continuous_usage = continuous
             if isinstance(body, ChatBody):
                 out.reasoning = ReasoningStream.of(self.reasoning_parser, body.chat_template_kwargs)

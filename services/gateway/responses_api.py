@@ -140,7 +140,7 @@ class ResponsesRoutes:
         self, body: ResponsesBody, items: list[dict[str, Any]]
     ) -> tuple[ChatBody, GenerateParams, ToolRequest | None]:
         chat = chat_body(body, items)
-        params, tools = await prepare_chat(self.api, chat)
+        params, tools = await prepare_chat(self.api, chat, await self.api.loras.resolve(body.model))
         return chat, params, tools
 
     async def create(self, request: Request) -> Response:
@@ -149,7 +149,7 @@ class ResponsesRoutes:
         except ValueError:
             raise APIError(Status.INVALID_ARGUMENT, "the request body is not valid JSON") from None
         body = parse(data)
-        self.api.check_model(body.model)
+        await self.api.loras.resolve(body.model)  # the served model or a LoRA adapter
         if self.api.template is None:
             raise cannot_chat(self.api.core.model_id, self.api.template_error)
         items = input_items(body)

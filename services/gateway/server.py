@@ -230,7 +230,7 @@ async def serve(settings: GatewaySettings) -> None:
         # Imported only when asked for: FastAPI adds start-up time the gRPC-only gateway need not pay.
         from services.gateway.http_server import HTTPServer
 
-        http = HTTPServer(core, settings, tenants)
+        http = HTTPServer(core, settings, tenants, link.channel)
     await server.start()
     if http is not None:
         await http.start()

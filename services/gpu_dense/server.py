@@ -30,6 +30,7 @@ from services.gpu_dense import metrics
 from services.gpu_dense.exchange.connect import make_plane
 from services.gpu_dense.exchange.host_shard import HostShard, HostShardPlane
 from services.gpu_dense.exchange.service import ShardPlaneService
+from services.gpu_dense.lora import LoraService, check_settings, start_bank
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
@@ -69,7 +70,8 @@ class DenseService(pb_grpc.DenseServicer):
         grammars = GrammarBank(
             Path(s.model) / "tokenizer.json", c.vocab_size, c.eos_token_ids, wait_s=s.grammar_wait
         )
-        self.runner = StepRunner(self.model, self.links, chooser, grammars)
+        loras = None if isinstance(self.model, EmulatedModel) else await start_bank(s, self.model)
+        self.runner = StepRunner(self.model, self.links, chooser, grammars, loras)
 
     def _ready(self) -> tuple[DenseModel | EmulatedModel, StepRunner]:
         if self.model is None or self.runner is None:
@@ -210,6 +212,7 @@ async def serve(settings: Settings) -> None:
         load_emulated(settings.model, settings.device, codec.DTYPE_NAMES[settings.dtype], settings.geometry)
     elif settings.geometry:
         raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
+    check_settings(settings, is_emulated(settings.device))
     if settings.threads:
         torch.set_num_threads(settings.threads)
     elif is_emulated(settings.device):  # no math but the sampling stand-in: one thread, as beside a GPU
@@ -218,7 +221,7 @@ async def serve(settings: Settings) -> None:
     if not addresses:
         raise InvalidInput("gpu_dense needs at least one shard (--shards HOST:PORT,...)")
     server = Server(
-        [pb.DESCRIPTOR.services_by_name["Dense"].full_name],
+        [pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Dense", "LoraAdapters")],
         settings.host,
         settings.port,
         settings.tls,
@@ -233,6 +236,8 @@ async def serve(settings: Settings) -> None:
         await host.start()
     service = DenseService(settings, links, host)
     pb_grpc.add_DenseServicer_to_server(service, server.server)
+    loras = LoraService(settings, lambda: service.runner.loras if service.runner is not None else None)
+    pb_grpc.add_LoraAdaptersServicer_to_server(loras, server.server)
     await server.start()  # NOT_SERVING while the weights load
     await service.load()
     await server.announce(settings.host, settings.metrics_port, settings.ready_file)

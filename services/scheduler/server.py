@@ -14,11 +14,12 @@ from fastdecode.runtime.rpc import Server, handles_errors, request_id_of
 from fastdecode.runtime.settings import SchedulerSettings, split_addresses
 from fastdecode.scheduling.driver import SchedulerDriver
 from fastdecode.scheduling.session import RequestSession
-from fastdecode.v1 import dense_pb2
+from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import scheduler_pb2 as pb
 from fastdecode.v1 import scheduler_pb2_grpc as pb_grpc
 from fastdecode.wire import scheduler as wire
 from services.scheduler.links import GrpcDenseLink, GrpcShardLink
+from services.scheduler.lora import LoraForward
 from services.scheduler.metrics import PrometheusSchedulerMetrics
 
 Settings = SchedulerSettings  # the one settings class: fastdecode.runtime.settings
@@ -141,13 +142,15 @@ async def serve(settings: SchedulerSettings) -> None:
 
         events = KVEventPublisher(settings.kv_events, settings.kv_events_topic, settings.kv_events_seed)
     server = Server(
-        [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+        [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name, "fastdecode.v1.LoraAdapters"],
         settings.host,
         settings.port,
         settings.tls,
         settings.grace_seconds,
     )
     pb_grpc.add_SchedulerServicer_to_server(service, server.server)
+    lora = LoraForward(service.dense.channel, settings.control_timeout)
+    dense_pb2_grpc.add_LoraAdaptersServicer_to_server(lora, server.server)
     server.install_signal_handlers(settings.supervisor_pid)
     await server.start()
     await driver.connect()

@@ -21,7 +21,7 @@ def _setting(cls: type[BaseSettings], name: str, **extra: Any) -> Any:
     and `serve` never disagree on a default."""
     field = cls.model_fields[name]
     choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ()
-    kind = click.Choice(list(choices)) if choices else field.annotation
+    kind = click.Choice(list(choices)) if choices else extra.pop("type", field.annotation)
     if kind is int:  # its bounds checked here, not by a service that failed to start
         lo = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
         hi = next((m.le for m in field.metadata if hasattr(m, "le")), None)
@@ -78,6 +78,14 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 help="Shard KV-cache storage: float32 gives tokens equal to transformers' fp32; bfloat16 "
                 "holds twice the tokens and `bench fleet` measured it faster end to end (int8, float8_e4m3: "
                 "a scale per token and KV head).",
+            ),
+            _setting(
+                ShardSettings,
+                "kv_dir",
+                type=click.Path(file_okay=False),
+                help="Each shard keeps its KV pool in a file here: a crashed shard comes back with its "
+                "sequences where they were (no re-prefill), and on disk shared prefixes outlive a stop of "
+                "the fleet (docs/reliability.md).",
             ),
             _setting(SchedulerSettings, "admission"),
             _setting(SchedulerSettings, "prefix_sharing"),
@@ -216,6 +224,7 @@ def _make_fleet(
     speculative: str = "off",
     num_speculative_tokens: int = 3,
     lora: Sequence[str] = (),
+    kv_dir: Path | None = None,
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
     from fastdecode.dense.emulated import is_emulated, load_emulated
@@ -251,6 +260,7 @@ def _make_fleet(
         device=device,
         kv_capacity=kv_capacity,
         kv_dtype=kv_dtype,
+        kv_dir=Path(kv_dir) if kv_dir else None,
         auth_token=auth_token,
         http_port=http_port,
         pipeline={"auto": None, "on": True, "off": False}[pipeline],
@@ -336,6 +346,7 @@ def up(
     geometry: str | None,
     kv_capacity: int,
     kv_dtype: str,
+    kv_dir: Path | None,
     admission: str,
     prefix_sharing: str,
     plan_ahead: str,
@@ -385,13 +396,18 @@ def up(
         "speculative": speculative,
         "num_speculative_tokens": num_speculative_tokens,
         "lora": _lora_args(enable_lora, lora_modules, max_loras, max_lora_rank),
+        "kv_dir": kv_dir,
     }
     args = (model, shards, port, device, kv_capacity, kv_dtype, admission, pipeline, auth_token)
     if replicas > 1:  # N fleets, each on ports of its own, and the router on --http-port
         from fastdecode.cli.replicas import serve_replicas
 
+        made = iter(range(replicas))
+
         def replica() -> Any:
-            f = _make_fleet(*args[:2], 0, *args[3:], 0, **options)
+            n = next(made, replicas)  # each replica's shards keep their pools apart
+            dirs = {"kv_dir": Path(kv_dir) / f"replica-{n}"} if kv_dir else {}
+            f = _make_fleet(*args[:2], 0, *args[3:], 0, **{**options, **dirs})
             f.secret_file = Path(fleet_secret_file) if fleet_secret_file else None
             return f
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Callable, Iterable
@@ -94,3 +95,27 @@ def load_weights(
         except Exception as e:  # SafetensorError: a truncated or corrupt file
             raise ModelLoadError(f"cannot read {file}: {e}") from None
     return out
+
+
+FINGERPRINT_SAMPLES = 16  # 64 KiB windows read per weights file, evenly spaced
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """A short name for a checkpoint's bytes: sha256 over each weights file's name, size, header
+    and 16 evenly spaced 64 KiB windows of its data (~1 MiB read per file, whatever its size). A
+    fine-tune of the same shapes differs in its sampled bytes; a copy of the same files does not.
+    A persistent KV pool (fastdecode/kv/persist.py) keeps KV of these weights only."""
+    h = hashlib.sha256()
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no weights files (*.safetensors, *.gguf) in {path}")
+    for file in files:
+        size = file.stat().st_size
+        h.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(1 << 16))  # the header (names, dtypes, shapes, offsets)
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(size * i // FINGERPRINT_SAMPLES)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()[:16]

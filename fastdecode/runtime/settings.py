@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastdecode.protocol import MAX_DECODE_STEPS, MAX_DRAFTS
@@ -125,6 +125,20 @@ class ShardSettings(ServiceSettings):
         "native", description="native: the C++ kernel; torch: the SDPA reference."
     )
     block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV block.")
+    kv_dir: Path | None = Field(
+        None,
+        description="Keep the KV pool, its block tables and positions in a file here (tmpfs: survives a "
+        "crash of this process; disk: also a full stop, for shared prefixes), mapped, not copied. A "
+        "restarted shard re-attaches it and the scheduler resumes its sequences where they were "
+        "(docs/reliability.md). Off if unset: anonymous memory, lost with the process.",
+        json_schema_extra=_DIR,
+    )
+
+    @field_validator("kv_dir", mode="before")
+    @classmethod
+    def _empty_is_off(cls, v: object) -> object:
+        """FASTDECODE_KV_DIR= (set, empty: how compose leaves a variable unset) means off, not '.'."""
+        return None if v == "" else v
 
 
 class DenseSettings(ServiceSettings):
@@ -281,6 +295,13 @@ class SchedulerSettings(ServiceSettings):
         description="Seconds for a control call to a shard or gpu_dense (reserve, stats ...).",
     )
     probe_timeout: float = Field(2.0, gt=0, description="Seconds for one shard health or speed probe.")
+    shard_restart_grace: float = Field(
+        15.0,
+        ge=0,
+        description="Seconds the sequences of a lost shard whose KV pool outlives its process (--kv-dir) "
+        "wait for it to come back and re-attach (they resume where it held them) before they are "
+        "re-prefilled elsewhere; 0: never wait.",
+    )
     drain_timeout: float = Field(
         600.0, gt=0, description="Seconds RemoveShard waits for a draining shard to empty."
     )

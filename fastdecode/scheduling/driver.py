@@ -225,6 +225,7 @@ class SchedulerDriver(Migrations, ShardHealth):
         """The shard's KV capacity in tokens and its block size (the core mirrors its blocks)."""
         assert self.info is not None
         state = await self.shards[shard].link.stats(self.s.control_timeout)
+        self.shards[shard].persistent = state.persistent
         block = state.block_size or DEFAULT_BLOCK_SIZE
         return ShardSpec(capacity_tokens(state, self.info.geometry), block_size=block)
 
@@ -514,7 +515,8 @@ class SchedulerDriver(Migrations, ShardHealth):
                     track.refusals += 1
                     wait = min(REFUSAL_BACKOFF_MAX, self.s.health_interval * 2**track.refusals)
                     track.retry_at = time.monotonic() + wait
-                    self._shard_lost(shard, f"it refused a reservation: {e.status.name}: {e.message}")
+                    reason = f"it refused a reservation: {e.status.name}: {e.message}"
+                    self._shard_lost(shard, reason, recoverable=False)
                 elif (held := self._throttle(("reserve", shard))) is not None:
                     log.warning(
                         "reserve of %d seqs on shard %d failed: %s (%d more since the last line)",
@@ -529,14 +531,29 @@ class SchedulerDriver(Migrations, ShardHealth):
         step = step.without(failed) if failed else step
         return self.core.prefix_cached(step, cached) if any(cached.values()) else step
 
-    def _shard_lost(self, shard: int, reason: str) -> None:
+    def _shard_lost(self, shard: int, reason: str, recoverable: bool = True) -> None:
         assert self.core is not None
         track = self.shards[shard]
         if not track.healthy:
             return
         track.healthy = False
+        if recoverable and track.persistent and self.s.shard_restart_grace > 0:
+            # Its KV pool outlives the process: its sequences wait for it (shard_resumed), not a re-prefill.
+            held = self.core.membership.shard_suspended(shard)
+            track.suspended_at = time.monotonic()
+            log.warning(
+                "shard %d (%s) lost (%s): its KV pool outlives it; %d sequences wait up to %.0fs for it",
+                shard,
+                track.link.address,
+                reason,
+                len(held),
+                self.s.shard_restart_grace,
+            )
+            self.wake.set()
+            return
+        before = self.core.membership.recovered_tokens
         moved = self.core.shard_lost(shard)
-        self.metrics.shard_lost(len(moved))
+        self.metrics.shard_lost(len(moved), self.core.membership.recovered_tokens - before)
         log.warning(
             "shard %d (%s) lost (%s): re-prefilling %d sequences elsewhere",
             shard,

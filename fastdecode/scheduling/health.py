@@ -39,6 +39,8 @@ class ShardTrack:
     # that keeps refusing waits longer each time instead of flapping every probe.
     refusals: int = 0
     retry_at: float = 0.0
+    persistent: bool = False  # its KV pool outlives its process (--kv-dir): a crash is waited out
+    suspended_at: float | None = None  # lost at (monotonic), its sequences waiting for it to re-attach
 
 
 class ShardHealth:
@@ -57,8 +59,9 @@ class ShardHealth:
     # gets until one serves again (set in SchedulerDriver.__init__; _check_shards_down keeps them).
     shards_down_since: float | None
     shards_dead: DependencyDown | None
+    info: Any
 
-    def _shard_lost(self, shard: int, reason: str) -> None: ...
+    def _shard_lost(self, shard: int, reason: str, recoverable: bool = True) -> None: ...
     def _fail_all(self, error: DependencyDown) -> None: ...
 
     # ---- shard health and speed --------------------------------------------------------------------
@@ -127,6 +130,9 @@ class ShardHealth:
 
     async def _probe(self, index: int, track: ShardTrack) -> None:
         assert self.core is not None
+        if track.suspended_at is not None:
+            await self._probe_suspended(index, track)
+            return
         ok = await track.link.healthy(self.s.probe_timeout)
         if ok and track.healthy:
             await self._measure(index, track)
@@ -170,6 +176,55 @@ class ShardHealth:
                 log.info("shard %d (%s) is back", index, track.link.address)
                 self.wake.set()
 
+    async def _probe_suspended(self, index: int, track: ShardTrack) -> None:
+        """A lost shard whose pool outlives its process: once it serves again, it re-attaches and its
+        sequences resume where it holds them; past shard_restart_grace they are re-prefilled."""
+        assert self.core is not None and track.suspended_at is not None
+        waited = time.monotonic() - track.suspended_at
+        if await track.link.healthy(self.s.probe_timeout):
+            try:
+                keep = self.core.seqs_on(index)
+                r = await track.link.reattach(
+                    self.info.geometry, self.info.model, keep, self.s.control_timeout
+                )
+            except ServiceError as e:
+                if self._throttle(("reattach", index)) is not None:
+                    log.warning("shard %d answers health but not Reattach (%s)", index, e.status.name)
+            else:
+                resumed, again = self.core.membership.shard_resumed(index, r.positions)
+                track.suspended_at, track.healthy, track.r = None, True, None
+                self.core.set_speed(index, 1.0)  # a new process: measured anew
+                self.metrics.shard_reattached(len(resumed), again, r.torn_positions)
+                log.info(
+                    "shard %d (%s) re-attached its KV pool after %.1fs: %d sequences resume there "
+                    "(%d positions torn, %d re-prefilled), %d of %d lost it, %d freed%s",
+                    index,
+                    track.link.address,
+                    waited,
+                    len(resumed),
+                    r.torn_positions,
+                    again,
+                    len(keep) - len(resumed),
+                    len(keep),
+                    r.released,
+                    f"; pool discarded: {r.discarded}" if r.discarded else "",
+                )
+                self.wake.set()
+                return
+        if waited > self.s.shard_restart_grace:
+            track.suspended_at = None
+            before = self.core.membership.recovered_tokens
+            moved = self.core.shard_lost(index)
+            self.metrics.shard_lost(len(moved), self.core.membership.recovered_tokens - before)
+            log.warning(
+                "shard %d (%s) did not come back within %.0fs: re-prefilling its %d sequences elsewhere",
+                index,
+                track.link.address,
+                self.s.shard_restart_grace,
+                len(moved),
+            )
+            self.wake.set()
+
     async def _measure(self, index: int, track: ShardTrack) -> None:
         """Track each shard's measured R; speed = mean R / own R, so a slower shard gets fewer sequences."""
         assert self.core is not None
@@ -177,6 +232,7 @@ class ShardHealth:
             st = await track.link.stats(self.s.probe_timeout)
         except ServiceError:
             return
+        track.persistent = st.persistent
         d_busy, d_pairs = st.busy_seconds - track.busy, st.attended_pairs - track.pairs
         track.busy, track.pairs = st.busy_seconds, st.attended_pairs
         if d_pairs < MIN_PAIRS_FOR_SPEED or d_busy <= 0:  # too little work since the last look

@@ -38,6 +38,7 @@ class Membership:
         self._prefixes = prefixes
         self._releases = releases
         self.recoveries = 0  # sequences moved off a lost shard to be re-prefilled
+        self.recovered_tokens = 0  # ... and the tokens of history they re-prefill
 
     def add_shard(self, spec: ShardSpec) -> int:
         """Add a shard; it takes its share of new sequences from now on."""
@@ -61,14 +62,15 @@ class Membership:
         sequences are then ignored and their generated tokens kept, so the request only loses time.
         """
         sh = self._tables.shard(shard)
-        if not sh.healthy:
+        if not sh.healthy and not sh.suspended:
             return []
-        sh.healthy = False
+        sh.healthy, sh.suspended = False, False
         running = self._tables.running
         for s in running.values():
             if s.moving == shard:  # its copy died with the target: it stays where it is
                 s.moving, s.incoming = None, 0
         moved = [sid for sid, s in running.items() if s.shard == shard]
+        self.recovered_tokens += sum(len(running[sid].tokens) for sid in moved)
         for sid in moved:
             self.unplace(running[sid])
         sh.blocks, sh.seqs = 0, set()
@@ -77,6 +79,57 @@ class Membership:
         self.recoveries += len(moved)
         self.capacity_changed()
         return moved
+
+    def shard_suspended(self, shard: int) -> list[str]:
+        """The shard is lost but its KV pool outlives its process: its sequences stay placed and are
+        not planned until shard_resumed (or shard_lost, when the wait ends). Each rolls back to the
+        first position a step in flight was writing, and that step's results are ignored (epoch)."""
+        sh = self._tables.shard(shard)
+        if not sh.healthy:
+            return []
+        sh.healthy, sh.suspended = False, True
+        running, inflight = self._tables.running, self._tables.inflight.values()
+        for s in running.values():
+            if s.moving == shard:  # its copy died with the target: it stays where it is
+                s.moving, s.incoming = None, 0
+        held = [sid for sid, s in running.items() if s.shard == shard]
+        for sid in held:
+            s = running[sid]
+            self._migration.cancel_move(s)
+            self._tables.parked.discard(sid)
+            starts = [m[sid].start_pos for m in inflight if sid in m and m[sid].epoch == s.epoch]
+            s.kv = min([s.kv, *starts])
+            s.inflight, s.epoch = None, s.epoch + 1
+        self._releases.drop_on(shard)
+        self.capacity_changed()
+        return held
+
+    def shard_resumed(self, shard: int, positions: dict[str, int]) -> tuple[list[str], int]:
+        """A suspended shard re-attached its pool: each of its sequences it still holds resumes at
+        min(what it holds, what we sent); the others lose it and are re-prefilled. Returns the
+        resumed ids and the positions below our own count that must be computed again (a
+        sequence it lost: its whole history)."""
+        sh = self._tables.shard(shard)
+        if not sh.suspended:
+            return [], 0
+        sh.suspended, sh.healthy, sh.blocked_until = False, True, 0
+        running, resumed, again = self._tables.running, [], 0
+        for sid in sorted(sh.seqs):
+            s = running.get(sid)
+            if s is None:
+                continue
+            held = positions.get(sid, 0)
+            if held <= 0:  # not held (or nothing of it): recomputed from its history, anywhere
+                self.recovered_tokens += len(s.tokens)
+                again += len(s.tokens)
+                self.unplace(s)
+                self.recoveries += 1
+                continue
+            again += max(0, s.kv - held)
+            s.kv = min(s.kv, held)
+            resumed.append(sid)
+        self.capacity_changed()
+        return resumed, again
 
     def set_speed(self, shard: int, speed: float) -> None:
         """Update a shard's measured relative attention speed (> 0); placement weighs by it."""

@@ -80,6 +80,18 @@ class ShardState:
     block_size: int  # 0: the shard does not say
     busy_seconds: float  # its cores' busy time: attention (and a hosted shard's S-part, see links)
     attended_pairs: float
+    persistent: bool = False  # its KV pool outlives its process (--kv-dir): wait for it to re-attach
+
+
+@dataclass(frozen=True)
+class ReattachResult:
+    """A restarted shard's answer to Reattach: where each kept sequence resumes, how many it freed,
+    the positions it found torn (computed again), and why its pool was discarded ('' if kept)."""
+
+    positions: dict[str, int]
+    released: int = 0
+    torn_positions: int = 0
+    discarded: str = ""
 
 
 class DenseLink(Protocol):
@@ -119,6 +131,11 @@ class ShardLink(Protocol):
     async def retire(self, timeout: float) -> None:
         """The shard was removed: it stops serving and exits."""
 
+    async def reattach(
+        self, geometry: KVGeometry, model: str, keep: list[str], timeout: float
+    ) -> ReattachResult:
+        """A shard whose pool outlived its process: keep `keep`, free the rest, say where each resumes."""
+
 
 @dataclass(frozen=True)
 class MigrationResult:
@@ -130,7 +147,8 @@ class MigrationResult:
 class SchedulerMetrics:
     """What the driver reports; the no-op base is for tests, services/scheduler/metrics.py exports it."""
 
-    def shard_lost(self, recovered_sequences: int) -> None: ...
+    def shard_lost(self, recovered_sequences: int, recovered_tokens: int = 0) -> None: ...
+    def shard_reattached(self, resumed: int, reprefilled_tokens: int, torn_positions: int) -> None: ...
     def step(self, seconds: float, batch: int) -> None: ...
     def state(self, stats: SchedulerStats, decisions_delta: dict[str, int]) -> None: ...
     def dense_reconnected(self) -> None: ...

@@ -68,7 +68,7 @@ class RowPlanner:
         drafts: list[int] = []
         for sid, seq in self._tables.running.items():
             shard = seq.shard
-            if shard is None or seq.moving is not None:
+            if shard is None or seq.moving is not None or shards[shard].suspended:
                 continue
             tokens, kv, req = seq.tokens, seq.kv, seq.req
             ntok = len(tokens)

@@ -62,6 +62,9 @@ class ShardEntry:
     seqs: set[str] = field(default_factory=set)
     blocked_until: int = 0
     state: str = SHARD_SERVING  # draining: no new placements, its sequences migrate away; removed
+    # Lost, but its KV pool outlives its process (--kv-dir): its sequences stay placed, unplanned,
+    # until it re-attaches (they resume where it held them) or the wait ends (they are re-prefilled).
+    suspended: bool = False
     left_by_recompute: int = 0  # sequences that left it to be re-prefilled (lost, preempted) while draining
     # prefix blocks it holds (None) or one of its sequences is computing (that id), least recent first
     prefixes: OrderedDict[bytes, str | None] = field(default_factory=OrderedDict)

@@ -234,6 +234,7 @@ class Fleet:
     device: str = "auto"
     kv_capacity: int = 1 << 30
     kv_dtype: str = "float32"
+    kv_dir: Path | None = None  # --kv-dir of every shard: pools that outlive their processes
     metrics: bool = True
     auth_token: str | None = None
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP port (0: any free one)
@@ -400,6 +401,7 @@ class Fleet:
             self.kv_dtype,
             "--threads",
             str(threads),
+            *(["--kv-dir", str(self.kv_dir)] if self.kv_dir else []),
         ]
 
     def restart(self, svc: ServiceProcess, timeout: float = 120.0) -> ServiceProcess:

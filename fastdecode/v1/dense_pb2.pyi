@@ -253,7 +253,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_type", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "dtype", "device", "num_shards", "shards", "removed_shards", "layer_windows", "attn_logit_softcap")
+    __slots__ = ("model_type", "model_path", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "bos_token_id", "dtype", "device", "num_shards", "shards", "removed_shards", "layer_windows", "attn_logit_softcap", "weights_id")
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class ModelInfo(_message.Message):
     REMOVED_SHARDS_FIELD_NUMBER: _ClassVar[int]
     LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     ATTN_LOGIT_SOFTCAP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     model_path: str
     num_layers: int
@@ -290,4 +291,5 @@ class ModelInfo(_message.Message):
     removed_shards: _containers.RepeatedScalarFieldContainer[int]
     layer_windows: _containers.RepeatedScalarFieldContainer[int]
     attn_logit_softcap: float
-    def __init__(self, model_type: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_shards: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., removed_shards: _Optional[_Iterable[int]] = ..., layer_windows: _Optional[_Iterable[int]] = ..., attn_logit_softcap: _Optional[float] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, model_type: _Optional[str] = ..., model_path: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., num_shards: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., removed_shards: _Optional[_Iterable[int]] = ..., layer_windows: _Optional[_Iterable[int]] = ..., attn_logit_softcap: _Optional[float] = ..., weights_id: _Optional[str] = ...) -> None: ...

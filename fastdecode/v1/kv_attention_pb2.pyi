@@ -163,8 +163,38 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReattachRequest(_message.Message):
+    __slots__ = ("geometry", "model", "keep")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    geometry: KVGeometry
+    model: str
+    keep: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., model: _Optional[str] = ..., keep: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeldSequence(_message.Message):
+    __slots__ = ("seq_id", "tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class ReattachResponse(_message.Message):
+    __slots__ = ("sequences", "released", "torn_positions", "discarded")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    TORN_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[HeldSequence]
+    released: int
+    torn_positions: int
+    discarded: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[HeldSequence, _Mapping]]] = ..., released: _Optional[int] = ..., torn_positions: _Optional[int] = ..., discarded: _Optional[str] = ...) -> None: ...
+
 class ShardStats(_message.Message):
-    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size", "blocks_in_use", "blocks_free", "host_busy_seconds", "prefix_queries", "prefix_hits", "prefix_hit_tokens", "prefix_evictions", "prefix_cached_blocks", "prefix_shared_bytes")
+    __slots__ = ("shard_id", "sequences", "tokens_held", "tokens_reserved", "bytes_used", "bytes_capacity", "attention_busy_seconds", "attend_items", "free_tokens", "kv_dtype", "configured", "attended_token_pairs", "block_size", "blocks_in_use", "blocks_free", "host_busy_seconds", "prefix_queries", "prefix_hits", "prefix_hit_tokens", "prefix_evictions", "prefix_cached_blocks", "prefix_shared_bytes", "kv_persistent")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +217,7 @@ class ShardStats(_message.Message):
     PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     sequences: int
     tokens_held: int
@@ -209,7 +240,8 @@ class ShardStats(_message.Message):
     prefix_evictions: int
     prefix_cached_blocks: int
     prefix_shared_bytes: int
-    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ..., host_busy_seconds: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_shared_bytes: _Optional[int] = ...) -> None: ...
+    kv_persistent: bool
+    def __init__(self, shard_id: _Optional[int] = ..., sequences: _Optional[int] = ..., tokens_held: _Optional[int] = ..., tokens_reserved: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., attention_busy_seconds: _Optional[float] = ..., attend_items: _Optional[int] = ..., free_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., configured: _Optional[bool] = ..., attended_token_pairs: _Optional[float] = ..., block_size: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., blocks_free: _Optional[int] = ..., host_busy_seconds: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_cached_blocks: _Optional[int] = ..., prefix_shared_bytes: _Optional[int] = ..., kv_persistent: _Optional[bool] = ...) -> None: ...
 
 class FillRequest(_message.Message):
     __slots__ = ("seq_ids", "tokens", "seed")

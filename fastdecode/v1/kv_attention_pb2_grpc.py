@@ -76,6 +76,11 @@ class KVAttentionStub:
                 request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillRequest.SerializeToString,
                 response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillResponse.FromString,
                 _registered_method=True)
+        self.Reattach = channel.unary_unary(
+                '/fastdecode.v1.KVAttention/Reattach',
+                request_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.ReattachRequest.SerializeToString,
+                response_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.ReattachResponse.FromString,
+                _registered_method=True)
 
 
 class KVAttentionServicer:
@@ -143,6 +148,15 @@ class KVAttentionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reattach(self, request, context):
+        """A shard whose KV pool outlives its process (--kv-dir), restarted: keep the sequences the
+        scheduler still runs on it, free the rest, and say where each kept one resumes. A pool of
+        another model or geometry is discarded (nothing kept).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVAttentionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +199,11 @@ def add_KVAttentionServicer_to_server(servicer, server):
                     servicer.Fill,
                     request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillRequest.FromString,
                     response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.FillResponse.SerializeToString,
+            ),
+            'Reattach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reattach,
+                    request_deserializer=fastdecode_dot_v1_dot_kv__attention__pb2.ReattachRequest.FromString,
+                    response_serializer=fastdecode_dot_v1_dot_kv__attention__pb2.ReattachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +424,33 @@ class KVAttention:
             '/fastdecode.v1.KVAttention/Fill',
             fastdecode_dot_v1_dot_kv__attention__pb2.FillRequest.SerializeToString,
             fastdecode_dot_v1_dot_kv__attention__pb2.FillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reattach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastdecode.v1.KVAttention/Reattach',
+            fastdecode_dot_v1_dot_kv__attention__pb2.ReattachRequest.SerializeToString,
+            fastdecode_dot_v1_dot_kv__attention__pb2.ReattachResponse.FromString,
             options,
             channel_credentials,
             insecure,

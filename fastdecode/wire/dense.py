@@ -231,6 +231,7 @@ def model_info_to_proto(
     device: str,
     shards: Sequence[str],
     removed_shards: Sequence[int] = (),
+    weights_id: str = "",
 ) -> dense_pb2.ModelInfo:
     """gpu_dense's Info: the model it serves and the shards it attends on."""
     info = dense_pb2.ModelInfo(
@@ -251,6 +252,7 @@ def model_info_to_proto(
         removed_shards=list(removed_shards),
         layer_windows=list(c.layer_windows),
         attn_logit_softcap=c.attn_logit_softcap,
+        weights_id=weights_id,
     )
     if c.bos_token_id is not None:
         info.bos_token_id = c.bos_token_id
@@ -366,7 +368,8 @@ def dense_info_from_proto(i: dense_pb2.ModelInfo) -> DenseInfo:
         eos_token_ids=tuple(i.eos_token_ids),
         num_shards=len(i.shards),
         shard_addresses=tuple(i.shards),
-        model=f"{i.model_path}|{i.dtype}",  # what the KV depends on: shards never mix prefixes of two
+        # what the KV depends on: shards never mix prefixes of two, nor keep a pool of other weights
+        model=f"{i.model_path}|{i.dtype}|{i.weights_id}" if i.weights_id else f"{i.model_path}|{i.dtype}",
         removed_shards=tuple(i.removed_shards),
     )
 

@@ -19,7 +19,7 @@ from fastdecode.kv.shard import LayerRows, SequenceHeader, ShardCore
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import MAX_KV_LAYERS, KVGeometry
-from fastdecode.scheduling.ports import ShardState
+from fastdecode.scheduling.ports import ReattachResult, ShardState
 from fastdecode.scheduling.types import Reservation
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 
@@ -130,7 +130,10 @@ def geometry_to_proto(geometry: KVGeometry) -> kv_pb.KVGeometry:
 
 def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
     stats = kv_pb.ShardStats(
-        shard_id=shard_id, kv_dtype=codec.wire_dtype(core.dtype), block_size=core.block_size
+        shard_id=shard_id,
+        kv_dtype=codec.wire_dtype(core.dtype),
+        block_size=core.block_size,
+        kv_persistent=core.persistent,
     )
     s = core.store
     if s is None:
@@ -166,6 +169,17 @@ def shard_state_from_proto(st: kv_pb.ShardStats) -> ShardState:
         # a shard hosted by gpu_dense shares its cores with the S-part: both count
         busy_seconds=st.attention_busy_seconds + st.host_busy_seconds,
         attended_pairs=st.attended_token_pairs,
+        persistent=st.kv_persistent,
+    )
+
+
+def reattach_request(geometry: KVGeometry, model: str, keep: Sequence[str]) -> kv_pb.ReattachRequest:
+    return kv_pb.ReattachRequest(geometry=geometry_to_proto(geometry), model=model, keep=list(keep))
+
+
+def reattach_from_proto(r: kv_pb.ReattachResponse) -> ReattachResult:
+    return ReattachResult(
+        {s.seq_id: int(s.tokens) for s in r.sequences}, r.released, int(r.torn_positions), r.discarded
     )
 
 

@@ -18,6 +18,7 @@ from fastdecode.dense.grammar import GrammarBank
 from fastdecode.dense.multistep import run_steps, summed
 from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.model.dense import DenseModel
+from fastdecode.model.weights import weights_fingerprint
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, Unavailable
 from fastdecode.runtime.progress import LOADING_WEIGHTS, ProgressFile
@@ -49,6 +50,7 @@ class DenseService(pb_grpc.DenseServicer):
             None  # set by load(); calls before that get UNAVAILABLE
         )
         self.runner: StepRunner | None = None
+        self.weights_id = ""  # the checkpoint's fingerprint: shards keep KV of these weights only
 
     async def load(self) -> None:
         s = self.settings
@@ -65,6 +67,7 @@ class DenseService(pb_grpc.DenseServicer):
             self.model = await asyncio.to_thread(
                 DenseModel.from_pretrained, s.model, s.device, dtype, progress
             )
+            self.weights_id = await asyncio.to_thread(weights_fingerprint, s.model)
         chooser = PipelineChooser() if s.pipeline_mode == "auto" else None
         c = self.model.config
         grammars = GrammarBank(
@@ -88,6 +91,7 @@ class DenseService(pb_grpc.DenseServicer):
             model.label if isinstance(model, EmulatedModel) else str(model.device),
             [link.address for link in self.links.links],
             [link.index for link in self.links.links if link.removed],
+            self.weights_id,
         )
 
     @handles_errors

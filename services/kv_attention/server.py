@@ -13,7 +13,7 @@ from fastdecode.kv import KV_DTYPES, AttendBatch, native
 from fastdecode.kv.shard import AttendResult, ShardCore
 from fastdecode.protocol import DATA_PLANE_OPTIONS, MAX_MESSAGE_BYTES
 from fastdecode.runtime import codec
-from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, ResourceExhausted
+from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, ResourceExhausted, ServiceError
 from fastdecode.runtime.rpc import (
     Server,
     aio_channel,
@@ -44,6 +44,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
             KV_DTYPES[settings.kv_dtype],
             settings.block_size,
             backend=settings.attention_backend,
+            pool_file=settings.kv_dir / f"shard-{settings.shard_id}" if settings.kv_dir else None,
         )
         self.metrics = ShardMetrics(self.shard, settings.kv_capacity)
         self.max_reply_bytes = MAX_MESSAGE_BYTES  # what gpu_dense's Attend stream takes
@@ -88,6 +89,24 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     @handles_errors
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ShardStats:
         return wire.shard_stats_to_proto(self.settings.shard_id, self.core)
+
+    @handles_errors
+    async def Reattach(
+        self, request: pb.ReattachRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReattachResponse:
+        r = self.core.reattach(wire.geometry_from_proto(request.geometry), request.model, list(request.keep))
+        self._update_gauges()
+        log.info(
+            "re-attached: %d sequences resume, %d freed, %d positions torn%s",
+            len(r.positions),
+            r.released,
+            r.torn_positions,
+            f"; pool discarded: {r.discarded}" if r.discarded else "",
+        )
+        held = [pb.HeldSequence(seq_id=s, tokens=n) for s, n in r.positions.items()]
+        return pb.ReattachResponse(
+            sequences=held, released=r.released, torn_positions=r.torn_positions, discarded=r.discarded
+        )
 
     @handles_errors
     async def Fill(self, request: pb.FillRequest, context: grpc.aio.ServicerContext) -> pb.FillResponse:
@@ -230,7 +249,10 @@ async def serve(settings: Settings) -> None:
             log.info("native attention kernel: %s path", native.isa())
         except native.NativeUnavailable as e:
             raise SystemExit(f"kv_attention: {e}") from None
-    server, service = build(settings)
+    try:
+        server, service = build(settings)
+    except ServiceError as e:  # a pool another process holds: one line, not a traceback
+        raise SystemExit(f"kv_attention: {e.message}") from None
 
     async def retire() -> None:  # NOT_SERVING at once (no probe takes it back), then stop as on SIGTERM
         await server.set_serving(False)
@@ -250,3 +272,4 @@ async def serve(settings: Settings) -> None:
     await server.stopping.wait()
     log.info("stopping")
     await server.stop()
+    service.core.close()  # a persistent pool is left consistent and marked clean

@@ -15,7 +15,7 @@ from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import aio_channel, maps_rpc_errors, request_metadata
 from fastdecode.runtime.settings import TLSFiles
 from fastdecode.scheduling import Reservation, Step
-from fastdecode.scheduling.ports import DenseInfo, MigrationResult, ShardState, StepOutcome
+from fastdecode.scheduling.ports import DenseInfo, MigrationResult, ReattachResult, ShardState, StepOutcome
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc
 from fastdecode.wire import dense as dense_wire
 from fastdecode.wire import kv as kv_wire
@@ -153,6 +153,13 @@ class GrpcShardLink:
         req = kv_attention_pb2.MigrateOutRequest(seq_id=seq_id, target=target, tokens=tokens)
         r = await self.stub.MigrateOut(req, timeout=timeout, metadata=request_metadata(seq_id))
         return MigrationResult(int(r.tokens), int(r.bytes), float(r.seconds))
+
+    @maps_rpc_errors(prefix=lambda self, *_: f"shard {self.address}: ")
+    async def reattach(
+        self, geometry: KVGeometry, model: str, keep: list[str], timeout: float
+    ) -> ReattachResult:
+        req = kv_wire.reattach_request(geometry, model, keep)
+        return kv_wire.reattach_from_proto(await self.stub.Reattach(req, timeout=timeout))
 
     @maps_rpc_errors(prefix=lambda self, *_: f"shard {self.address}: ")
     async def retire(self, timeout: float) -> None:

@@ -16,6 +16,19 @@ SHARD_USAGE = Gauge(
 )
 SHARD_HEALTHY = Gauge("fastdecode_shard_healthy", "1 while the shard takes sequences", ["shard"])
 RECOVERIES = Counter("fastdecode_shard_recoveries_total", "Sequences re-prefilled after a shard loss")
+RECOVERED_TOKENS = Counter(
+    "fastdecode_shard_recovery_tokens_total", "Tokens of history re-prefilled after shard losses"
+)
+REATTACHED = Counter(
+    "fastdecode_shard_reattached_sequences_total",
+    "Sequences that resumed on a restarted shard whose KV pool outlived it (--kv-dir)",
+)
+REATTACH_RECOMPUTED = Counter(
+    "fastdecode_shard_reattach_recomputed_positions_total",
+    "Positions computed again after a shard re-attached its pool, by kind: torn (an append in flight "
+    "when it died) and reprefilled (below what the scheduler had sent: lost KV)",
+    ["kind"],
+)
 SHARD_LOSSES = Counter("fastdecode_shard_losses_total", "Shards detected lost")
 PREEMPTIONS = Counter(
     "fastdecode_preemptions_total",
@@ -76,9 +89,15 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
         self._spec = (0, 0, 0, 0)
         self._spec_at: dict[int, tuple[int, int]] = {}
 
-    def shard_lost(self, recovered_sequences: int) -> None:
+    def shard_lost(self, recovered_sequences: int, recovered_tokens: int = 0) -> None:
         SHARD_LOSSES.inc()
         RECOVERIES.inc(recovered_sequences)
+        RECOVERED_TOKENS.inc(recovered_tokens)
+
+    def shard_reattached(self, resumed: int, reprefilled_tokens: int, torn_positions: int) -> None:
+        REATTACHED.inc(resumed)
+        REATTACH_RECOMPUTED.labels("torn").inc(torn_positions)
+        REATTACH_RECOMPUTED.labels("reprefilled").inc(reprefilled_tokens)
 
     def preempted(self, sequences: int) -> None:
         PREEMPTIONS.inc(sequences)

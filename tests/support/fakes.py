@@ -15,7 +15,14 @@ from fastdecode.gateway.text import ValidRequest
 from fastdecode.runtime.errors import NotFound, ServiceError, Unavailable
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.scheduling import Reservation, Step
-from fastdecode.scheduling.ports import DenseInfo, ItemResult, MigrationResult, ShardState, StepOutcome
+from fastdecode.scheduling.ports import (
+    DenseInfo,
+    ItemResult,
+    MigrationResult,
+    ReattachResult,
+    ShardState,
+    StepOutcome,
+)
 
 
 @dataclass
@@ -146,6 +153,9 @@ class FakeShard:
     retired: bool = False
     reserve_error: ServiceError | None = None  # what Reserve answers instead (a shard in a wrong state)
     reserve_calls: int = 0
+    persistent: bool = False  # its pool outlives its process (--kv-dir): Reattach answers from `held`
+    lose_pool: bool = False  # ... except that the restart found nothing (a discarded pool)
+    reattach_calls: list[list[str]] = field(default_factory=list)
 
     async def healthy(self, timeout: float) -> bool:
         return self.serving
@@ -164,7 +174,23 @@ class FakeShard:
             block_size=self.block_size,
             busy_seconds=0.0,
             attended_pairs=0.0,
+            persistent=self.persistent,
         )
+
+    async def reattach(
+        self, geometry: KVGeometry, model: str, keep: list[str], timeout: float
+    ) -> ReattachResult:
+        if not self.serving:
+            raise Unavailable(f"shard {self.address} is down")
+        self.reattach_calls.append(list(keep))
+        if self.lose_pool:
+            self.held.clear()
+        gone = [sid for sid in self.held if sid not in keep]
+        for sid in gone:
+            del self.held[sid]
+        # a held sequence resumes where the scheduler left it (a large count: min() takes ours)
+        positions = {sid: 1 << 20 for sid in keep if sid in self.held}
+        return ReattachResult(positions, len(gone), 0, "pool lost" if self.lose_pool else "")
 
     async def reserve(
         self, geometry: KVGeometry, seqs: list[Reservation], timeout: float, model: str = ""

@@ -363,3 +363,83 @@ def test_a_gpu_dense_that_stays_down_fails_requests_within_the_bound_and_refuses
             loop.cancel()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("pool_survives", [True, False])
+def test_a_persistent_shard_lost_mid_step_is_waited_for_and_resumes_its_sequences(
+    pool_survives: bool,
+) -> None:
+    """A shard whose KV pool outlives its process: its sequences wait (unplanned, not re-prefilled)
+    and resume on it once it answers again and re-attaches; with its pool lost they are re-prefilled."""
+
+    async def main() -> tuple[list[list[int]], SchedulerDriver, FakeShard]:
+        dense = FakeDense()
+        shards = [FakeShard("fake:2", persistent=True), FakeShard("fake:3", persistent=True)]
+        shards[0].lose_pool = not pool_survives
+        driver = driver_with(*shards, dense=dense)
+        await driver.connect()
+        loop = asyncio.create_task(driver.step_loop())
+        probes = asyncio.create_task(driver.health_loop())
+
+        async def crash_and_restart() -> None:
+            while len(dense.steps) < 2 or not driver.core.seqs_on(0):  # type: ignore[union-attr]
+                await asyncio.sleep(0.001)  # decoding, some of it on shard 0
+            dense.fail_items = {0: Unavailable("attend stream to shard 0 lost")}
+            shards[0].serving = False
+            while not driver.shards[0].suspended_at:
+                await asyncio.sleep(0.001)
+            held = driver.core.seqs_on(0) if driver.core else []
+            steps = len(dense.steps)
+            await asyncio.sleep(0.05)  # steps go on without it; its sequences are not planned
+            assert not any(p.shard == 0 for s in dense.steps[steps:] for p in s.seqs)
+            assert held and all(driver.core.shard_of(sid) == 0 for sid in held)  # type: ignore[union-attr]
+            dense.fail_items = {}
+            shards[0].serving = True  # the restarted process, its pool re-attached
+
+        try:
+            outs = await asyncio.gather(
+                *(_collect(driver, Request(f"r{i}", [3, 4], max_tokens=12)) for i in range(6)),
+                crash_and_restart(),
+            )
+        finally:
+            loop.cancel()
+            probes.cancel()
+        return outs[:-1], driver, shards[0]
+
+    outs, driver, shard = asyncio.run(main())
+    assert outs == [list(range(1, 13))] * 6
+    assert shard.reattach_calls and shard.reattach_calls[0]
+    assert driver.core is not None and driver.shards[0].healthy
+    recovered = driver.core.membership.recoveries
+    assert recovered == 0 if pool_survives else recovered == len(shard.reattach_calls[0])
+
+
+def test_a_persistent_shard_that_stays_down_past_the_grace_is_lost() -> None:
+    async def main() -> tuple[list[list[int]], SchedulerDriver]:
+        dense = FakeDense()
+        shards = [FakeShard("fake:2", persistent=True), FakeShard("fake:3")]
+        settings = SETTINGS.model_copy(update={"shard_restart_grace": 0.05})
+        driver = SchedulerDriver(settings, dense, shards)
+        await driver.connect()
+        loop = asyncio.create_task(driver.step_loop())
+        probes = asyncio.create_task(driver.health_loop())
+
+        async def crash() -> None:
+            while len(dense.steps) < 2 or not driver.core.seqs_on(0):  # type: ignore[union-attr]
+                await asyncio.sleep(0.001)
+            dense.fail_items = {0: Unavailable("attend stream to shard 0 lost")}
+            shards[0].serving = False  # and it never comes back
+
+        try:
+            outs = await asyncio.gather(
+                *(_collect(driver, Request(f"r{i}", [3, 4], max_tokens=16)) for i in range(4)), crash()
+            )
+        finally:
+            loop.cancel()
+            probes.cancel()
+        return list(outs[:-1]), driver
+
+    outs, driver = asyncio.run(main())
+    assert outs == [list(range(1, 17))] * 4
+    assert driver.shards[0].suspended_at is None and not driver.shards[0].healthy
+    assert driver.core is not None and driver.core.membership.recoveries > 0  # re-prefilled on shard 1

@@ -153,22 +153,37 @@ def _shard_list(env: dict[str, Any]) -> list[str]:
     return [a.strip() for a in str(env["FASTDECODE_SHARDS"]).split(",") if a.strip()]
 
 
-def _check_cluster(cfg: dict[str, Any], shards: int) -> None:
-    services = cfg["services"]
+REPLICA_PREFIX = re.compile(r"^r[0-9]+-")
+
+
+def _fleet_services(services: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """One fleet's services: fleet 0 has docker-compose.yml's names, fleet r >= 1 the prefix r<r>-."""
+    if prefix:
+        return {n[len(prefix) :]: s for n, s in services.items() if n.startswith(prefix)}
+    return {n: s for n, s in services.items() if not REPLICA_PREFIX.match(n) and n != "router"}
+
+
+def _check_cluster(
+    cfg: dict[str, Any], shards: int, prefix: str = "", gateway_ports: set[Any] = GATEWAY_PORTS
+) -> None:
+    """One whole fleet (fleet 0 by default; `prefix` r<r>- for another), wired to its own shards."""
+    services = _fleet_services(cfg["services"], prefix)
     kv = sorted((n for n in services if n.startswith(KV_PREFIX)), key=lambda n: int(n[len(KV_PREFIX) :]))
     assert kv == [f"{KV_PREFIX}{i}" for i in range(shards)]
     assert {"gateway", "scheduler", "gpu-dense"} <= set(services)
     for i, name in enumerate(kv):
         assert str(services[name]["environment"]["FASTDECODE_SHARD_ID"]) == str(i)
         assert services[name]["command"] == ["serve", "kv-attention"]
-    expected = [f"{n}:50061" for n in kv]
+    expected = [f"{prefix}{n}:50061" for n in kv]
     assert _shard_list(services["gpu-dense"]["environment"]) == expected
     assert _shard_list(services["scheduler"]["environment"]) == expected
+    assert services["scheduler"]["environment"]["FASTDECODE_DENSE"] == f"{prefix}gpu-dense:50060"
+    assert services["gateway"]["environment"]["FASTDECODE_SCHEDULER"] == f"{prefix}scheduler:50052"
     # Only the gateway publishes ports (gRPC and HTTP; metrics stay on the backend network),
     # on loopback by default; the HTTP one is the port the gateway serves HTTP on.
     for name, svc in services.items():
         if name == "gateway":
-            assert _published(svc) == GATEWAY_PORTS
+            assert _published(svc) == gateway_ports
             assert str(svc["environment"]["FASTDECODE_HTTP_PORT"]) == "8000"
             assert str(svc["environment"]["FASTDECODE_PORT"]) == "50051"
         else:
@@ -181,9 +196,9 @@ def _check_cluster(cfg: dict[str, Any], shards: int) -> None:
             assert dep["condition"] == "service_healthy"
         assert svc.get("read_only") is True
         assert svc.get("restart") == "on-failure", name
-    assert set(services["gpu-dense"]["depends_on"]) == set(kv)
-    assert set(services["scheduler"]["depends_on"]) == {"gpu-dense"}
-    assert set(services["gateway"]["depends_on"]) == {"scheduler"}
+    assert set(services["gpu-dense"]["depends_on"]) == {prefix + n for n in kv}
+    assert set(services["scheduler"]["depends_on"]) == {f"{prefix}gpu-dense"}
+    assert set(services["gateway"]["depends_on"]) == {f"{prefix}scheduler"}
     # The model is mounted read-only where it is read.
     for name in ("gpu-dense", "gateway"):
         (vol,) = [v for v in services[name]["volumes"] if v["target"] == "/model"]
@@ -249,11 +264,7 @@ def test_compose_tls_override(docker_compose: str) -> None:
 
 @pytest.mark.parametrize("shards", [3, 4, 6])
 def test_compose_more_shards(docker_compose: str, shards: int, tmp_path: Path) -> None:
-    sys.path.insert(0, str(COMPOSE_DIR))
-    try:
-        import gen_shards
-    finally:
-        sys.path.remove(str(COMPOSE_DIR))
+    gen_shards = _gen("gen_shards")
     for f in COMPOSE_FILES:
         shutil.copy(f, tmp_path / f.name)
     (tmp_path / "shards.yml").write_text(gen_shards.render(shards, tls=True))
@@ -271,6 +282,159 @@ def test_committed_shards_example_is_generated() -> None:
         [sys.executable, str(COMPOSE_DIR / "gen_shards.py"), "1"], capture_output=True, text=True, timeout=30
     )
     assert bad.returncode != 0
+
+
+def _gen(module: str) -> Any:
+    sys.path.insert(0, str(COMPOSE_DIR))
+    try:
+        return __import__(module)
+    finally:
+        sys.path.remove(str(COMPOSE_DIR))
+
+
+KV_DIR = "/var/lib/fastdecode/kv"
+# What only a fleet's wiring changes between fleets: its addresses, dependencies and the gateway's ports.
+WIRING_ENV = {"FASTDECODE_SHARDS", "FASTDECODE_DENSE", "FASTDECODE_SCHEDULER", "FASTDECODE_SHARD_ID"}
+WIRING_KEYS = {"depends_on", "ports", "networks", "container_name", "deploy"}  # deploy: its own GPU
+
+
+def _without_wiring(svc: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in svc.items() if k not in WIRING_KEYS}
+    out["environment"] = {k: v for k, v in svc["environment"].items() if k not in WIRING_ENV}
+    # each shard's KV folder is its own
+    out["volumes"] = [v for v in svc.get("volumes") or [] if v["target"] != KV_DIR]
+    return out
+
+
+def _check_kv_volumes(cfg: dict[str, Any], host_dir: str = "/dev/shm/fastdecode") -> None:
+    """Every shard keeps its KV in its own host folder (a bind that outlives the container: not a
+    docker tmpfs, which is unmounted when the container stops); nothing else gets one."""
+    sources = set()
+    for name, svc in cfg["services"].items():
+        mounts = [v for v in svc.get("volumes") or [] if v["target"] == KV_DIR]
+        if "kv-attention-" in name:
+            assert svc["environment"]["FASTDECODE_KV_DIR"] == KV_DIR, name
+            (mount,) = mounts
+            assert mount["type"] == "bind" and mount["source"] == f"{host_dir}/{name}", mount
+            assert not mount.get("read_only"), name
+            assert KV_DIR not in (svc.get("tmpfs") or []), name
+            sources.add(mount["source"])
+        else:
+            assert not mounts and "FASTDECODE_KV_DIR" not in svc.get("environment", {}), name
+    assert len(sources) == sum("kv-attention-" in n for n in cfg["services"])
+
+
+@pytest.mark.parametrize(
+    ("replicas", "shards", "kv", "gpu"),
+    [(2, 2, False, False), (3, 3, True, True), (2, 4, False, False), (4, 2, True, False)],
+)
+def test_compose_replicas(
+    docker_compose: str, tmp_path: Path, replicas: int, shards: int, kv: bool, gpu: bool
+) -> None:
+    """N whole fleets behind vllm-router: each fleet wired to its own shards, the same services as
+    docker-compose.yml's fleet (no drift in the written-out ones), the router pointed at every
+    gateway's HTTP port with the policy passed through, and only the router and fleet 0's gateway
+    publishing ports."""
+    gen_replicas = _gen("gen_replicas")
+    for f in COMPOSE_FILES:
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "replicas.yml").write_text(gen_replicas.render(replicas, shards, kv=kv, gpu=gpu))
+    files = ["docker-compose.yml", *(["docker-compose.kv.yml"] if kv else []), "replicas.yml"]
+    cfg = _compose_config(
+        docker_compose, *files, cwd=tmp_path, env={"FASTDECODE_ROUTER_POLICY": "power_of_two"}
+    )
+    services = cfg["services"]
+    prefixes = [""] + [f"r{r}-" for r in range(1, replicas)]
+    for r, prefix in enumerate(prefixes):
+        _check_cluster(cfg, shards, prefix=prefix, gateway_ports=GATEWAY_PORTS if r == 0 else set())
+        fleet = _fleet_services(services, prefix)
+        # Written out or extended, each service is fleet 0's but for its wiring.
+        for name, svc in fleet.items():
+            assert _without_wiring(svc) == _without_wiring(services[name]), (prefix, name)
+        if gpu:
+            (device,) = fleet["gpu-dense"]["deploy"]["resources"]["reservations"]["devices"]
+            assert device["device_ids"] == [str(r)] and device["driver"] == "nvidia"
+            assert fleet["gpu-dense"]["environment"]["FASTDECODE_DEVICE"] == "cuda"
+        else:
+            assert "deploy" not in fleet["gpu-dense"]
+    assert len(services) == replicas * (shards + 3) + 1
+    router = services["router"]
+    assert router["entrypoint"] == ["vllm-router"]
+    assert router["image"] == "fastdecode:0.1.0-router"
+    cmd = router["command"]
+    assert cmd[cmd.index("--policy") + 1] == "power_of_two"
+    start = cmd.index("--worker-urls") + 1
+    urls = cmd[start : start + replicas]
+    assert urls == [f"http://{p}gateway:8000" for p in prefixes]
+    assert all(
+        str(services[f"{p}gateway"]["environment"]["FASTDECODE_HTTP_PORT"]) == "8000" for p in prefixes
+    )
+    assert not cmd[start + replicas].startswith("http")
+    assert _published(router) == {("127.0.0.1", "8080", 8000)}
+    assert set(router["depends_on"]) == {f"{p}gateway" for p in prefixes}
+    assert "frontend" in router["networks"] and "backend" in router["networks"]
+    assert router["read_only"] is True and router["restart"] == "on-failure"
+    assert "/health" in " ".join(router["healthcheck"]["test"])
+    for name, svc in services.items():
+        if name not in ("router", "gateway"):
+            assert not svc.get("ports"), name
+    if kv:
+        _check_kv_volumes(cfg)
+    # the policy's default, and the router's port moved
+    cfg = _compose_config(
+        docker_compose,
+        *files,
+        cwd=tmp_path,
+        env={"FASTDECODE_ROUTER_PORT": "9090", "FASTDECODE_ROUTER_BIND": "0.0.0.0"},
+    )
+    cmd = cfg["services"]["router"]["command"]
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+    assert _published(cfg["services"]["router"]) == {("0.0.0.0", "9090", 8000)}
+
+
+def test_committed_replicas_example_is_generated() -> None:
+    proc = run([sys.executable, str(COMPOSE_DIR / "gen_replicas.py"), "2"], timeout=30)
+    assert (COMPOSE_DIR / "docker-compose.replicas.yml").read_text() == proc.stdout
+    for bad in (["1"], ["2", "--shards", "1"]):
+        proc = subprocess.run(
+            [sys.executable, str(COMPOSE_DIR / "gen_replicas.py"), *bad],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode != 0, bad
+
+
+def test_compose_kv_override(docker_compose: str, tmp_path: Path) -> None:
+    """docker-compose.kv.yml (opt-in): each shard's KV in its own host folder that outlives the
+    container, FASTDECODE_KV_DIR pointing at it; gen_shards.py --kv does the same for more shards."""
+    cfg = _compose_config(docker_compose, "docker-compose.yml", "docker-compose.kv.yml")
+    _check_cluster(cfg, shards=2)
+    _check_kv_volumes(cfg)
+    cfg = _compose_config(
+        docker_compose,
+        "docker-compose.yml",
+        "docker-compose.kv.yml",
+        env={"FASTDECODE_KV_HOST_DIR": "/mnt/kv"},
+    )
+    _check_kv_volumes(cfg, host_dir="/mnt/kv")
+    # off without the override
+    cfg = _compose_config(docker_compose, "docker-compose.yml")
+    assert not any("FASTDECODE_KV_DIR" in s["environment"] for s in cfg["services"].values())
+    for f in COMPOSE_FILES:
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "shards.yml").write_text(_gen("gen_shards").render(4, tls=True, kv=True))
+    cfg = _compose_config(
+        docker_compose,
+        "docker-compose.yml",
+        "docker-compose.tls.yml",
+        "docker-compose.kv.yml",
+        "shards.yml",
+        cwd=tmp_path,
+    )
+    _check_cluster(cfg, shards=4)
+    _check_kv_volumes(cfg)
+    assert all(len(s["secrets"]) == 3 for s in cfg["services"].values())
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +470,13 @@ def test_compose_merged_config_matches_spec_schema(
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in compose_schema.iter_errors(cfg)]
     assert not errors, errors
     _check_cluster(cfg, shards=4)
+    cfg = _compose_config(
+        docker_compose, "docker-compose.yml", "docker-compose.kv.yml", "docker-compose.replicas.yml"
+    )
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in compose_schema.iter_errors(cfg)]
+    assert not errors, errors
+    _check_cluster(cfg, shards=2)
+    _check_cluster(cfg, shards=2, prefix="r1-", gateway_ports=set())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,6 +512,23 @@ PINNED_SHARDS = {
 }
 OPEN = {"networkPolicy": {"enabled": False}, "kvAttention": {"spreadAcrossNodes": {"enabled": False}}}
 HOST_SHARD = {"gpu": {"enabled": True}, "gpuDense": {"hostShard": {"enabled": True, "kvCapacity": 1 << 31}}}
+REPLICAS = {
+    "replicas": {"count": 3},
+    "router": {"enabled": True, "policy": "power_of_two"},
+    "kvAttention": {"persistentKV": True},
+}
+REPLICAS_LOCKED = {
+    "replicas": {"count": 2},
+    "router": {
+        "enabled": True,
+        "service": {"type": "LoadBalancer"},
+        "extraArgs": ["--request-timeout-secs", "600"],
+    },
+    "gpu": {"enabled": True},
+    "gpuDense": {"hostShard": {"enabled": True}},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+    "networkPolicy": {"gatewayFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]},
+}
 CASES = {
     "default": {},
     "gpu-4-shards": GPU4,
@@ -350,6 +538,9 @@ CASES = {
     "pinned-shards": PINNED_SHARDS,
     "open": OPEN,
     "host-shard": HOST_SHARD,
+    "replicas-router": REPLICAS,
+    "replicas-locked": REPLICAS_LOCKED,
+    "persistent-kv": {"kvAttention": {"persistentKV": True, "kvCapacity": 1 << 30}},
 }
 # Kinds outside Kubernetes' own schemas, checked by hand below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
@@ -740,3 +931,208 @@ def test_chart_wires_a_generated_fleet_secret_into_every_service() -> None:
                 (env,) = [e for e in c["env"] if e["name"] == "FASTDECODE_FLEET_SECRET"]
                 assert env["valueFrom"]["secretKeyRef"] == {"name": name, "key": "fleet-secret"}
                 assert not any("secret" in str(a).lower() for a in c.get("args", []))
+
+
+# ---------------------------------------------------------------------------------------------
+# Helm: several fleets behind a router, KV that outlives a shard's container
+# ---------------------------------------------------------------------------------------------
+FLEET_LABEL = "fastdecode.io/fleet"
+
+
+@pytest.mark.parametrize("case", ["replicas-router", "replicas-locked"])
+def test_chart_replicas_behind_a_router(case: str) -> None:
+    """replicas.count whole fleets, each wired to its own shards, ConfigMap and Services; the router
+    Deployment sends to every fleet's gateway Service (HTTP port) with the policy passed through."""
+    values = CASES[case]
+    n = values["replicas"]["count"]
+    docs = _render(values)
+    full = f"{RELEASE}-fastdecode"
+    fleets = [f"{full}-r{i}" for i in range(n)]
+    deployments = _by_kind(docs, "Deployment")
+    expected = {f"{f}-{c}" for f in fleets for c in ("gateway", "scheduler", "gpu-dense")}
+    assert set(deployments) == expected | {f"{full}-router"}
+    statefulsets = _by_kind(docs, "StatefulSet")
+    assert set(statefulsets) == {f"{f}-kv-attention" for f in fleets}
+    configmaps = _by_kind(docs, "ConfigMap")
+    services = _by_kind(docs, "Service")
+    host_shard = values.get("gpuDense", {}).get("hostShard", {}).get("enabled", False)
+    for i, fleet in enumerate(fleets):
+        sts = statefulsets[f"{fleet}-kv-attention"]
+        assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == f"{fleet}-kv-attention"
+        cm = configmaps[f"{fleet}-settings"]["data"]
+        shards = [
+            f"{fleet}-kv-attention-{j}.{fleet}-kv-attention.{NAMESPACE}.svc.cluster.local:50061"
+            for j in range(2)
+        ]
+        if host_shard:
+            shards.append(f"{fleet}-gpu-dense.{NAMESPACE}.svc.cluster.local:50062")
+        assert cm["FASTDECODE_SHARDS"].split(",") == shards
+        assert cm["FASTDECODE_DENSE"] == f"{fleet}-gpu-dense:50060"
+        assert cm["FASTDECODE_SCHEDULER"] == f"{fleet}-scheduler:50052"
+        # Every workload of the fleet reads its own ConfigMap, and every Service of the fleet selects
+        # that fleet's pods and no other fleet's.
+        workloads = [deployments[f"{fleet}-{c}"] for c in ("gateway", "scheduler", "gpu-dense")] + [sts]
+        for w in workloads:
+            pod = w["spec"]["template"]
+            assert pod["metadata"]["labels"][FLEET_LABEL] == str(i)
+            assert w["spec"]["selector"]["matchLabels"][FLEET_LABEL] == str(i)
+            (c,) = pod["spec"]["containers"]
+            assert c["envFrom"][0]["configMapRef"]["name"] == f"{fleet}-settings"
+        for c in ("gateway", "scheduler", "gpu-dense", "kv-attention"):
+            selector = {"matchLabels": services[f"{fleet}-{c}"]["spec"]["selector"]}
+            matched = [
+                w["metadata"]["name"]
+                for w in [*deployments.values(), *statefulsets.values()]
+                if _selects(selector, w["spec"]["template"]["metadata"]["labels"])
+            ]
+            assert matched == [sts["metadata"]["name"] if c == "kv-attention" else f"{fleet}-{c}"], (fleet, c)
+    # The router: every gateway's HTTP port, in fleet order, the policy passed through.
+    router = deployments[f"{full}-router"]
+    (c,) = router["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["vllm-router"]
+    assert c["image"] == "fastdecode:0.1.0-router"
+    args = c["args"]
+    assert args[args.index("--policy") + 1] == values["router"].get("policy", "cache_aware")
+    start = args.index("--worker-urls") + 1
+    urls = args[start : start + n]
+    assert not args[start + n].startswith("http")
+    for fleet, url in zip(fleets, urls, strict=True):
+        gw = services[f"{fleet}-gateway"]
+        http = _ports(gw["spec"], "port")["http"]
+        assert url == f"http://{gw['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{http}"
+    assert args[args.index("--port") + 1] == str(_ports(c, "containerPort")["http"])
+    assert args[: args.index("--host") + 2] == ["--host", "0.0.0.0"]
+    for extra in values["router"].get("extraArgs", []):
+        assert extra in args
+    assert (
+        "readOnlyRootFilesystem" in c["securityContext"]
+        and c["readinessProbe"]["httpGet"]["path"] == "/health"
+    )
+    assert router["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    svc = services[f"{full}-router"]["spec"]
+    assert svc["type"] == values["router"].get("service", {}).get("type", "ClusterIP")
+    assert _ports(svc, "port") == {"http": 8000, "metrics": 29000}
+    assert _selects({"matchLabels": svc["selector"]}, router["spec"]["template"]["metadata"]["labels"])
+    assert not any(
+        _selects({"matchLabels": svc["selector"]}, w["spec"]["template"]["metadata"]["labels"])
+        for w in [*deployments.values(), *statefulsets.values()]
+        if w is not router
+    )
+    # One PDB per component per fleet, and the router's.
+    assert len(_by_kind(docs, "PodDisruptionBudget")) == 4 * n + 1
+
+
+def test_chart_replicas_network_policies_keep_fleets_apart() -> None:
+    """Each fleet's internal services take gRPC from that fleet's pods only; the gateways take the
+    router (and gatewayFrom); the router is covered by its own policy."""
+    docs = _render(REPLICAS_LOCKED)
+    pods = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    policies = list(_by_kind(docs, "NetworkPolicy").values())
+    covering = {
+        name: [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        for name, labels in pods.items()
+    }
+    assert {name: len(ps) for name, ps in covering.items()} == dict.fromkeys(pods, 1)
+    full = f"{RELEASE}-fastdecode"
+    for name, (policy,) in covering.items():
+        rules = policy["spec"]["ingress"]
+        by_port = {p["port"]: r for r in rules for p in r["ports"]}
+        if name == f"{full}-router":
+            assert set(by_port) == {"http", "metrics"}
+            assert by_port["http"]["from"] == REPLICAS_LOCKED["networkPolicy"]["gatewayFrom"]
+        elif name.endswith("-gateway"):
+            peers = by_port["http"]["from"]
+            assert any(
+                _selects(p.get("podSelector", {"matchLabels": {"x": "y"}}), pods[f"{full}-router"])
+                for p in peers
+            )
+        else:
+            fleet = pods[name][FLEET_LABEL]
+            (peer,) = by_port["grpc"]["from"]
+            for other, labels in pods.items():
+                ok = labels.get(FLEET_LABEL) == fleet
+                assert _selects(peer["podSelector"], labels) is ok, (name, other)
+
+
+def test_chart_persistent_kv() -> None:
+    """kvAttention.persistentKV: each shard's KV file on a memory-backed emptyDir (outlives the
+    container, not the pod) at FASTDECODE_KV_DIR, sized kvCapacity + 10%, in a pod that runs as the
+    shard's user with fsGroup; off by default."""
+    for values, capacity in ((CASES["persistent-kv"], 1 << 30), (REPLICAS, 4294967296)):
+        docs = _render(values)
+        statefulsets = _by_kind(docs, "StatefulSet")
+        assert len(statefulsets) == values.get("replicas", {}).get("count", 1)
+        for sts in statefulsets.values():
+            pod = sts["spec"]["template"]["spec"]
+            (c,) = pod["containers"]
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            kv_dir = env["FASTDECODE_KV_DIR"]
+            assert kv_dir == "/var/lib/fastdecode/kv"
+            (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == kv_dir]
+            assert not mount.get("readOnly")
+            (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            assert vol["emptyDir"]["medium"] == "Memory"
+            assert int(vol["emptyDir"]["sizeLimit"]) == capacity + capacity // 10 + (32 << 20)
+            sc = pod["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 10001 and sc["fsGroup"] == 10001
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        # only the shards
+        for d in _by_kind(docs, "Deployment").values():
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                assert "FASTDECODE_KV_DIR" not in {e["name"] for e in c.get("env", [])}
+    (sts,) = _by_kind(_render({}), "StatefulSet").values()
+    pod = sts["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+    assert "FASTDECODE_KV_DIR" not in {e["name"] for e in pod["containers"][0]["env"]}
+    # elsewhere, with the same volume
+    (sts,) = _by_kind(
+        _render({"kvAttention": {"persistentKV": True, "kvDir": "/kv"}}), "StatefulSet"
+    ).values()
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e.get("value") for e in c["env"]}["FASTDECODE_KV_DIR"] == "/kv"
+    assert "/kv" in {m["mountPath"] for m in c["volumeMounts"]}
+
+
+def test_chart_refuses_bad_replica_and_router_values() -> None:
+    with helm.Chart.load(CHART_DIR) as chart:
+        for bad in (
+            {"replicas": {"count": 0}},
+            {"replicas": {"count": 2, "size": 1}},
+            {"router": {"enabled": True, "policy": "fastest"}},
+            {"router": {"enabled": "yes"}},
+            {"kvAttention": {"persistentKV": "on"}},
+            {"kvAttention": {"kvDir": "relative/kv"}},
+        ):
+            with pytest.raises(helm.HelmValuesError):
+                chart.validate_schema(bad)
+        with pytest.raises(helm.HelmError, match="gateway.http.enabled"):
+            chart.render(
+                {"router": {"enabled": True}, "gateway": {"http": {"enabled": False}}},
+                name=RELEASE,
+                namespace=NAMESPACE,
+            )
+        with pytest.raises(helm.HelmError, match="tls.enabled"):
+            chart.render(
+                {"router": {"enabled": True}, "tls": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE
+            )
+        with pytest.raises(helm.HelmError, match="runAsUser"):
+            chart.render(
+                {"kvAttention": {"persistentKV": True}, "podSecurityContext": {"runAsUser": None}},
+                name=RELEASE,
+                namespace=NAMESPACE,
+            )
+
+
+def test_chart_replica_names_stay_within_kubernetes_limits() -> None:
+    """16 fleets under the longest fullname: every name fits, and each shards' StatefulSet leaves room
+    for its pods' controller-revision-hash label (name + '-' + 10 characters <= 63)."""
+    docs = _render({"fullnameOverride": "x" * 40, "replicas": {"count": 16}, "router": {"enabled": True}})
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(set(names)) == len(names)
+    assert all(len(n) <= 63 for _, n in names)
+    statefulsets = _by_kind(docs, "StatefulSet")
+    assert len(statefulsets) == 16 and all(len(n) <= 52 for n in statefulsets)

@@ -36,6 +36,32 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- if .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
+{{- if and (include "fastdecode.replicated" .root) (not (kindIs "invalid" .fleet)) }}
+{{- /* several fleets in one release: each fleet's Services and selectors see its own pods only */}}
+fastdecode.io/fleet: {{ .fleet | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Non-empty when the release runs several whole fleets (replicas.count > 1). */}}
+{{- define "fastdecode.replicated" -}}
+{{- if gt (int .Values.replicas.count) 1 }}true{{ end }}
+{{- end }}
+
+{{/* Name prefix of one fleet's objects; call with (dict "root" $ "fleet" i). One fleet (the default):
+     the fullname, as ever. Several: <fullname>-r<i> (the fullname cut to 35 characters so the
+     shards' StatefulSet name stays short enough for its pods' controller-revision-hash label). */}}
+{{- define "fastdecode.fleetname" -}}
+{{- $full := include "fastdecode.fullname" .root }}
+{{- if include "fastdecode.replicated" .root }}
+{{- printf "%s-r%d" ($full | trunc 35 | trimSuffix "-") (int .fleet) }}
+{{- else }}
+{{- $full }}
+{{- end }}
+{{- end }}
+
+{{/* Fleet i's gateway HTTP URL, the router's worker URL; call with (dict "root" $ "fleet" i). */}}
+{{- define "fastdecode.gatewayURL" -}}
+{{- printf "http://%s-gateway.%s.svc.%s:%d" (include "fastdecode.fleetname" .) .root.Release.Namespace .root.Values.clusterDomain (int .root.Values.gateway.http.port) }}
 {{- end }}
 
 {{/* The image; call with (dict "root" $ "gpu" true) for gpu_dense's. */}}
@@ -49,21 +75,31 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" $repo $tag }}
 {{- end }}
 
-{{/* Headless Service of the shards. */}}
-{{- define "fastdecode.kvService" -}}
-{{- printf "%s-kv-attention" (include "fastdecode.fullname" .) }}
+{{/* The router's image: router.image, else the fleet's repository with tag <tag>-router (the image
+     built with --build-arg EXTRAS=server,router, deploy/README.md). */}}
+{{- define "fastdecode.routerImage" -}}
+{{- $repo := default .Values.image.repository .Values.router.image.repository }}
+{{- $tag := default (printf "%s-router" (default .Chart.AppVersion .Values.image.tag)) .Values.router.image.tag }}
+{{- printf "%s:%s" $repo $tag }}
 {{- end }}
 
-{{/* Stable shard addresses, shard-id order: <sts>-<i>.<headless svc>.<ns>.svc.<domain>:<port>. */}}
+{{/* Headless Service (and StatefulSet) of one fleet's shards; call with (dict "root" $ "fleet" i). */}}
+{{- define "fastdecode.kvService" -}}
+{{- printf "%s-kv-attention" (include "fastdecode.fleetname" .) }}
+{{- end }}
+
+{{/* One fleet's stable shard addresses, shard-id order: <sts>-<i>.<headless svc>.<ns>.svc.<domain>:<port>;
+     call with (dict "root" $ "fleet" i). */}}
 {{- define "fastdecode.shardAddresses" -}}
+{{- $root := .root }}
 {{- $svc := include "fastdecode.kvService" . }}
 {{- $addrs := list }}
-{{- range $i := until (int .Values.kvAttention.shards) }}
-{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $svc $i $svc $.Release.Namespace $.Values.clusterDomain (int $.Values.kvAttention.port)) }}
+{{- range $i := until (int $root.Values.kvAttention.shards) }}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $svc $i $svc $root.Release.Namespace $root.Values.clusterDomain (int $root.Values.kvAttention.port)) }}
 {{- end }}
-{{- with .Values.gpuDense.hostShard }}{{ if .enabled }}
+{{- with $root.Values.gpuDense.hostShard }}{{ if .enabled }}
 {{- /* the shard gpu_dense hosts, last: reached through gpu_dense's Service */}}
-{{- $addrs = append $addrs (printf "%s-gpu-dense.%s.svc.%s:%d" (include "fastdecode.fullname" $) $.Release.Namespace $.Values.clusterDomain (int .port)) }}
+{{- $addrs = append $addrs (printf "%s-gpu-dense.%s.svc.%s:%d" (include "fastdecode.fleetname" $) $root.Release.Namespace $root.Values.clusterDomain (int .port)) }}
 {{- end }}{{ end }}
 {{- join "," $addrs }}
 {{- end }}
@@ -110,8 +146,8 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* Container settings shared by every component; call with (dict "root" $ "component" "gateway" "port" 50051),
-     plus "httpPort" 8000 for a container that also serves HTTP (the gateway). */}}
+{{/* Container settings shared by every component; call with (dict "root" $ "fleet" i "component" "gateway"
+     "port" 50051), plus "httpPort" 8000 for a container that also serves HTTP (the gateway). */}}
 {{- define "fastdecode.containerCommon" -}}
 {{- $root := .root -}}
 imagePullPolicy: {{ $root.Values.image.pullPolicy }}
@@ -136,7 +172,7 @@ ports:
     protocol: TCP
 envFrom:
   - configMapRef:
-      name: {{ include "fastdecode.fullname" $root }}-settings
+      name: {{ include "fastdecode.fleetname" . }}-settings
 {{- include "fastdecode.probes" (dict "root" $root "port" .port) }}
 {{- end }}
 
@@ -211,6 +247,23 @@ envFrom:
 {{- define "fastdecode.validate" -}}
 {{- if le (float64 .Values.terminationGracePeriodSeconds) (float64 .Values.settings.graceSeconds) }}
 {{- fail (printf "terminationGracePeriodSeconds (%v) must exceed settings.graceSeconds (%v)" .Values.terminationGracePeriodSeconds .Values.settings.graceSeconds) }}
+{{- end }}
+{{- if .Values.kvAttention.persistentKV }}
+{{- $sc := .Values.podSecurityContext }}
+{{- if not (and $sc.runAsUser $sc.fsGroup) }}
+{{- fail "kvAttention.persistentKV needs podSecurityContext.runAsUser and .fsGroup: the KV file is its user's only" }}
+{{- end }}
+{{- end }}
+{{- if .Values.router.enabled }}
+{{- if not .Values.gateway.http.enabled }}
+{{- fail "router.enabled needs gateway.http.enabled: the router sends to each gateway's HTTP port" }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+{{- fail "router.enabled with tls.enabled is not supported yet: the router would have to trust the fleet's CA to reach the gateways over HTTPS" }}
+{{- end }}
+{{- if eq (int .Values.router.port) (int .Values.router.metricsPort) }}
+{{- fail (printf "router.port (%v) must differ from router.metricsPort" .Values.router.port) }}
+{{- end }}
 {{- end }}
 {{- if .Values.gateway.http.enabled }}
 {{- $http := int .Values.gateway.http.port }}

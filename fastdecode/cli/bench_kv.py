@@ -102,6 +102,34 @@ def kv_crash_cmd(as_json: bool, **kw: Any) -> None:
         raise SystemExit(1)
 
 
+@bench.command("shard-kill")
+@json_option
+@click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: SmolLM2 (imported).")
+@click.option("--sequences", type=click.IntRange(2, 256), default=16, show_default=True)
+@click.option("--context", type=click.IntRange(16, 32768), default=2048, show_default=True, help="Prompt.")
+@click.option("--tokens", type=click.IntRange(4, 4096), default=32, show_default=True, help="Per stream.")
+@click.option("--kv-dtypes", default="float32,float8_e4m3", show_default=True, help="Comma-separated.")
+@click.option(
+    "--kv-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the kv-dir fleets keep their pools (default /dev/shm).",
+)
+def shard_kill_cmd(as_json: bool, model: str | None, kv_dtypes: str, **kw: Any) -> None:
+    """kill -9 of a shard mid-decode, restarted at once: today's recovery (re-prefill) against a pool
+    that outlives the process (--kv-dir: resume in place), per KV dtype: tokens equal to a run
+    without the kill, the stall, what was re-prefilled."""
+    from fastdecode.benchmarks.shard_kill import run_shard_kill
+    from fastdecode.tools.gguf_import import ensure_default_model
+
+    path = Path(model) if model else ensure_default_model()
+    dtypes = tuple(d.strip() for d in kv_dtypes.split(",") if d.strip())
+    result = run_bench(lambda: run_shard_kill(path, kv_dtypes=dtypes, **kw))
+    emit(result, as_json, "shard-kill: today's re-prefill against a re-attached pool")
+    if any(v is False for k, v in result.items() if k.endswith("_same_tokens")):
+        raise SystemExit(1)
+
+
 @bench.command("kv-agreement")
 @json_option
 @click.option("--model", type=click.Path(file_okay=False), default=None, help="Default: SmolLM2 (imported).")

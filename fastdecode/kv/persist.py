@@ -324,12 +324,16 @@ class Journal:
         if not self.free_slots:
             raise ResourceExhausted(f"a persistent KV pool tracks at most {MAX_SLOTS} sequences")
         slot = self.free_slots.pop()
+        # The slot's row is written while the journal says the slot is free (its last holder's drop
+        # flushed first), then the journal names its new holder: a kill between the two leaves a
+        # free slot with a row nobody reads, never a sequence with its predecessor's positions.
+        self.flush()
+        self.flying[slot] = 0
+        self.lengths[slot] = torch.tensor(seq.lengths, dtype=torch.int32)
         self.slot_of[id(seq)] = slot
         self._pending.append(["A", slot, seq_id, seq.hashes])
         self._dirty[id(seq)] = seq
-        self.flush()  # the slot is its own in the journal before its row is written
-        self.flying[slot] = 0
-        self.lengths[slot] = torch.tensor(seq.lengths, dtype=torch.int32)
+        self.flush()
 
     def dropped(self, seq: SeqBlocks) -> None:
         slot = self.slot_of.pop(id(seq), None)

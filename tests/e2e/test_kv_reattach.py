@@ -20,6 +20,7 @@ from fastdecode.client import Client
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import Fleet
 from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc
+from tests.support import start_up
 
 STREAMS, TOKENS = 8, 40
 
@@ -101,25 +102,22 @@ def test_a_killed_shard_resumes_its_sequences_where_they_were(
 
 
 def test_shared_prefixes_outlive_a_stop_of_the_fleet(model_factory: Callable, tmp_path: Path) -> None:
+    """`fastdecode up --kv-dir` on a disk folder, stopped (SIGTERM: each shard closes its pool
+    cleanly) and started again: the first request with an earlier system prompt finds its blocks."""
     model, kv_dir = model_factory("llama"), tmp_path / "kv"
     system = [0, *range(100, 180)]  # five full blocks of 16
 
-    def ask(f: Fleet) -> tuple[list[int], int]:
-        assert f.gateway
-        with Client(f.gateway.address, timeout=120) as client:
-            r = client.generate(token_ids=[*system, 7, 8], max_tokens=12)
+    def ask(workdir: Path) -> tuple[list[int], int]:
+        up = start_up(model, workdir, "--kv-dir", str(kv_dir))
+        try:
+            with Client(up.target, timeout=120) as client:
+                r = client.generate(token_ids=[*system, 7, 8], max_tokens=12)
+        finally:
+            up.stop()
         return r.token_ids, r.usage.cached_tokens
 
-    first = _fleet(model, tmp_path / "a", kv_dir, "float32").start()
-    try:
-        want, cached = ask(first)
-        assert cached == 0
-    finally:
-        first.stop()  # SIGTERM: each shard closes its pool cleanly
-    again = _fleet(model, tmp_path / "b", kv_dir, "float32").start()
-    try:
-        got, cached = ask(again)
-    finally:
-        again.stop()
+    want, cached = ask(tmp_path / "a")
+    assert cached == 0
+    got, cached = ask(tmp_path / "b")
     assert got == want
     assert cached > 0, "the system prompt's blocks did not survive the stop"

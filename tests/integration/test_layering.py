@@ -123,6 +123,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.load_bench",
     "fastdecode.benchmarks.chaos",
     "fastdecode.benchmarks.migrate",  # drives a fleet (RemoveShard, GetStats)
+    "fastdecode.benchmarks.shard_kill",  # kills a shard, reads its Stats
     "fastdecode.benchmarks.chaos_probes",
     "fastdecode.benchmarks.chaos_attacks",  # Reserve and Release on the shards, with the secret
     "fastdecode.benchmarks.breakdown",  # times gRPC itself (echo yardsticks, the dense links)

@@ -7,6 +7,10 @@ does. Pure text: imports no web framework; fastdecode.gateway.responses and .ant
 - `deepseek_r1`: the template opens `<think>` in the prompt, so everything before `</think>` is
   reasoning (a leading `<think>`, which older checkpoints still emit, is dropped).
 
+`auto` picks by the model family, except that a template whose generation prompt leaves `<think>`
+open (Qwen3's Thinking-2507 models; the models then never write `<think>` themselves) gets
+`deepseek_r1`, as vLLM advises for those models.
+
 An answer cut off inside its thinking (max_tokens) is all reasoning, whole and streamed alike. The
 whitespace the models write after `</think>` is not content.
 """
@@ -15,6 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from fastdecode.gateway.chat import ChatTemplate
+from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
@@ -30,11 +37,25 @@ def choose_reasoning_parser(setting: str, model_type: str, template_source: str)
         if setting not in (*PARSERS, "none"):
             raise ValueError(f"reasoning_parser {setting!r}: one of auto, none, {', '.join(PARSERS)}")
         return setting
+    if opens_thinking(template_source):
+        return "deepseek_r1"
     if model_type.startswith("qwen3"):
         return "qwen3"
     if _DEEPSEEK_MARK in template_source and START in template_source:
         return "deepseek_r1"
     return "none"
+
+
+def opens_thinking(template_source: str) -> bool:
+    """Whether the template's generation prompt ends inside an open `<think>` block (rendered for
+    one user message, no chat_template_kwargs): the model's answer then starts with its thinking."""
+    if START not in template_source:
+        return False
+    try:
+        prompt = ChatTemplate(template_source).render([{"role": "user", "content": "Hi."}])
+    except (InvalidInput, ModelLoadError):  # a template that wants more (a system turn, tools...)
+        return False
+    return prompt.rstrip().endswith(START)
 
 
 def thinking_disabled(template_kwargs: Mapping[str, Any] | None) -> bool:

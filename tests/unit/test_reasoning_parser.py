@@ -7,7 +7,12 @@ import itertools
 
 import pytest
 
-from fastdecode.gateway.reasoning import ReasoningStream, choose_reasoning_parser, thinking_disabled
+from fastdecode.gateway.reasoning import (
+    ReasoningStream,
+    choose_reasoning_parser,
+    opens_thinking,
+    thinking_disabled,
+)
 
 CASES = [
     # (parser, answer, reasoning (None: no reasoning part), content)
@@ -82,3 +87,31 @@ def test_parser_choice_and_thinking_off() -> None:
     assert ReasoningStream.of("deepseek_r1", {"thinking": False}) is None
     assert isinstance(ReasoningStream.of("qwen3", {"enable_thinking": True}), ReasoningStream)
     assert thinking_disabled(None) is False
+
+
+def test_auto_picks_deepseek_r1_where_the_template_opens_the_think_block() -> None:
+    """Qwen3's Thinking-2507 models: their template ends the prompt with "<think>\\n" and the model
+    writes no "<think>" of its own; the qwen3 parser would leave the whole answer, "</think>" and
+    all, in the content."""
+    from tests.support.qwen3_scripted import QWEN3_CHAT_TEMPLATE, QWEN3_THINKING_TEMPLATE
+
+    assert opens_thinking(QWEN3_THINKING_TEMPLATE)
+    assert choose_reasoning_parser("auto", "qwen3", QWEN3_THINKING_TEMPLATE) == "deepseek_r1"
+    assert choose_reasoning_parser("auto", "qwen3_moe", QWEN3_THINKING_TEMPLATE) == "deepseek_r1"
+    assert ReasoningStream("deepseek_r1").split("I think\n</think>\n\nAnswer") == ("I think\n", "Answer")
+    # the hybrid Qwen3 template opens nothing by default (enable_thinking false closes an empty block)
+    assert not opens_thinking(QWEN3_CHAT_TEMPLATE)
+    assert choose_reasoning_parser("auto", "qwen3", QWEN3_CHAT_TEMPLATE) == "qwen3"
+    # a template that opens it unless thinking is off, in any family
+    switched = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think></think>"
+        "{% else %}<think>\n{% endif %}"
+    )
+    assert choose_reasoning_parser("auto", "llama", switched) == "deepseek_r1"
+    assert choose_reasoning_parser("qwen3", "qwen3", switched) == "qwen3"  # as set, not picked
+    # a template that cannot be rendered for a plain user turn, or never writes <think>: by family
+    assert not opens_thinking("{{ raise_exception('a system message first') }}<think>")
+    assert not opens_thinking("{% if %}<think>")  # does not compile
+    assert choose_reasoning_parser("auto", "qwen3", "{{ raise_exception('no') }}<think>") == "qwen3"
+    assert opens_thinking("{{ '<think>' }}\n ") and not opens_thinking("<thinking>")

@@ -108,6 +108,7 @@ def test_shared_prefixes_outlive_a_stop_of_the_fleet(model_factory: Callable, tm
     system = [0, *range(100, 180)]  # five full blocks of 16
 
     def ask(workdir: Path) -> tuple[list[int], int]:
+        workdir.mkdir()
         up = start_up(model, workdir, "--kv-dir", str(kv_dir))
         try:
             with Client(up.target, timeout=120) as client:

@@ -551,15 +551,13 @@ class SchedulerDriver(Migrations, ShardHealth):
             )
             self.wake.set()
             return
-        before = self.core.membership.recovered_tokens
-        moved = self.core.shard_lost(shard)
-        self.metrics.shard_lost(len(moved), self.core.membership.recovered_tokens - before)
+        moved = self._reprefill_elsewhere(shard)
         log.warning(
             "shard %d (%s) lost (%s): re-prefilling %d sequences elsewhere",
             shard,
             track.link.address,
             reason,
-            len(moved),
+            moved,
         )
         self.wake.set()
 

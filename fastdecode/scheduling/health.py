@@ -213,17 +213,24 @@ class ShardHealth:
                 return
         if waited > self.s.shard_restart_grace:
             track.suspended_at = None
-            before = self.core.membership.recovered_tokens
-            moved = self.core.shard_lost(index)
-            self.metrics.shard_lost(len(moved), self.core.membership.recovered_tokens - before)
+            moved = self._reprefill_elsewhere(index)
             log.warning(
                 "shard %d (%s) did not come back within %.0fs: re-prefilling its %d sequences elsewhere",
                 index,
                 track.link.address,
                 self.s.shard_restart_grace,
-                len(moved),
+                moved,
             )
             self.wake.set()
+
+    def _reprefill_elsewhere(self, shard: int) -> int:
+        """The shard's sequences lose it, to be re-prefilled from their history (counted in the
+        metrics with the tokens that costs); returns how many."""
+        assert self.core is not None
+        before = self.core.membership.recovered_tokens
+        moved = self.core.shard_lost(shard)
+        self.metrics.shard_lost(len(moved), self.core.membership.recovered_tokens - before)
+        return len(moved)
 
     async def _measure(self, index: int, track: ShardTrack) -> None:
         """Track each shard's measured R; speed = mean R / own R, so a slower shard gets fewer sequences."""

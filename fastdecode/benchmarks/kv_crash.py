@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fastdecode.kv import KV_DTYPES, AttendBatch, KVStore
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
 
 GEOMETRY = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=16)
@@ -114,7 +115,7 @@ def run_kv_crash(
 ) -> dict[str, Any]:
     dtype = KV_DTYPES[kv_dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError("kv-crash checks exact rows: float32, bfloat16 or float16 KV")
+        raise InvalidInput("kv-crash checks exact rows: float32, bfloat16 or float16 KV")
     torch.set_num_threads(1)  # forked children: the parent never starts a thread pool
     rng = random.Random(seed)
     out: dict[str, Any] = {

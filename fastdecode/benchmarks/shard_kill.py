@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.client import Client
+from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import Fleet
 from fastdecode.v1 import kv_attention_pb2, kv_attention_pb2_grpc
@@ -38,9 +39,11 @@ COUNTERS = {
 }
 
 
-def _prompts(n: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, context: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
+    """n prompts of `context` random ids, the first `shared` of them the same in every prompt."""
     rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(context)] for _ in range(n)]
+    head = [rng.randrange(1, vocab) for _ in range(shared)]
+    return [head + [rng.randrange(1, vocab) for _ in range(context - shared)] for _ in range(n)]
 
 
 def _counters(f: Fleet) -> dict[str, float]:
@@ -109,11 +112,14 @@ def run_shard_kill(
     kill_after: int = 8,
     kv_dir: Path | None = None,
     seed: int = 0,
+    shared_prefix: int = 0,
 ) -> dict[str, Any]:
     from fastdecode.model.config import ModelConfig
 
     config = ModelConfig.from_pretrained(model)
-    prompts = _prompts(sequences, context, config.vocab_size, seed)
+    if not 0 <= shared_prefix < context:
+        raise InvalidInput(f"--shared-prefix must be below --context ({context}), got {shared_prefix}")
+    prompts = _prompts(sequences, context, config.vocab_size, seed, shared_prefix)
     per_token = config.kv_geometry.bytes_per_token(4)
     # each shard room for every sequence: today's recovery re-prefills shard 1's on shard 0
     capacity = int(sequences * (context + tokens + 64) * per_token * 1.1)
@@ -123,6 +129,7 @@ def run_shard_kill(
         "context": context,
         "tokens": tokens,
         "kill_after_tokens": kill_after,
+        "shared_prefix": shared_prefix,  # tokens every prompt starts with (prefix caching shares them)
     }
     root = Path(tempfile.mkdtemp(prefix="fastdecode-shard-kill-"))
     for dtype in kv_dtypes:

@@ -110,6 +110,13 @@ def kv_crash_cmd(as_json: bool, **kw: Any) -> None:
 @click.option("--tokens", type=click.IntRange(4, 4096), default=32, show_default=True, help="Per stream.")
 @click.option("--kv-dtypes", default="float32,float8_e4m3", show_default=True, help="Comma-separated.")
 @click.option(
+    "--shared-prefix",
+    type=click.IntRange(0, 32767),
+    default=0,
+    show_default=True,
+    help="Tokens every prompt starts with (a system prompt: prefix caching computes it once).",
+)
+@click.option(
     "--kv-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,

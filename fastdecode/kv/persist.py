@@ -278,8 +278,8 @@ def _read_header(path: Path) -> dict[str, Any] | None:
             head = f.read(HEADER_BYTES)
     except FileNotFoundError:
         return None
-    if not head:
-        return None  # created, never written
+    if not head.strip(b"\0"):
+        return None  # created (its room taken: take_room), never written
     if len(head) < len(MAGIC) + 4 or not head.startswith(MAGIC):
         return {}
     (n,) = struct.unpack_from("<I", head, len(MAGIC))
@@ -299,6 +299,28 @@ def _mismatch(header: dict[str, Any], identity: dict[str, Any]) -> str:
     if not header.get("clean") and header.get("boot_id") != boot_id():
         return "the host restarted since it was written and it was not closed cleanly"
     return ""
+
+
+SLACK_BYTES = 32 << 20  # beyond the pool: header, positions (16384 slots x layers x 4), alignment
+
+
+def take_room(base: Path, capacity: int) -> None:
+    """Allocate the pool file's pages before the shard serves: at its first reservation (when the
+    geometry is known) it is only cut to size, so a large pool's allocation never runs inside a
+    Reserve the scheduler waits for. ResourceExhausted when the directory has no room."""
+    base.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = base.with_suffix(".kv")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, capacity + SLACK_BYTES)
+    except OSError as e:
+        raise ResourceExhausted(
+            f"--kv-dir {base.parent} has no room for a KV pool of {capacity + SLACK_BYTES} bytes "
+            f"({e.strerror}): lower --kv-capacity or give the directory more space"
+        ) from None
+    finally:
+        os.close(fd)
 
 
 def pool_header(base: Path) -> dict[str, Any] | None:

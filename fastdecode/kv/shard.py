@@ -21,7 +21,7 @@ import torch
 
 from fastdecode.kv.attend import AttendBatch
 from fastdecode.kv.memory import plan_pool
-from fastdecode.kv.persist import PoolFile, pool_header
+from fastdecode.kv.persist import PoolFile, pool_header, take_room
 from fastdecode.kv.store import KVStore, ReserveItem
 from fastdecode.runtime.errors import FailedPrecondition, InvalidInput, NotFound
 from fastdecode.runtime.geometry import KVGeometry
@@ -96,6 +96,7 @@ class ShardCore:
         """A pool left on file by an earlier process: mapped again, from the geometry it names."""
         header = pool_header(pool_file)
         if header is None:
+            take_room(pool_file, self.kv_capacity)
             return
         try:
             layers, heads, dim, windows, cap = header["geometry"]

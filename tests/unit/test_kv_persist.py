@@ -203,3 +203,13 @@ def test_an_unclean_pool_from_before_a_reboot_is_discarded(
     back.close()  # closed cleanly: the next boot may keep it
     monkeypatch.setattr("fastdecode.kv.persist.boot_id", lambda: "a third boot")
     assert list(KVStore(G, CAP, pool_file=base).seqs) == ["b"]
+
+
+def test_a_shard_takes_its_pool_room_before_it_serves(tmp_path: Path) -> None:
+    base = tmp_path / "kv" / "shard-0"
+    core = ShardCore(CAP, torch.float32, 16, pool_file=base)  # no pool yet: its pages taken now
+    kv = base.with_suffix(".kv")
+    assert core.store is None and kv.stat().st_blocks * 512 >= CAP
+    core.reserve(G, [("a", 8)], "m")  # the first reservation cuts it to the pool's size
+    assert core.store is not None and core.store.pool is not None and not core.store.pool.discarded
+    assert kv.stat().st_size < CAP + (32 << 20)

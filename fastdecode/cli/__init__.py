@@ -6,7 +6,7 @@ A new command: write it in its module (or a new one) and add it to COMMANDS.
 
 from __future__ import annotations
 
-from fastdecode.cli import bench_kv, bench_pace, bench_spec  # noqa: F401  (their commands join the bench group)
+from fastdecode.cli import bench_kv, bench_pace, bench_route, bench_spec  # noqa: F401  (their commands join the bench group)
 from fastdecode.cli.bench import bench
 from fastdecode.cli.common import main
 from fastdecode.cli.generate import generate_cmd

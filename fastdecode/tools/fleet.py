@@ -409,9 +409,13 @@ class Fleet:
         if svc.proc.poll() is None:
             stop_processes([svc])
         host, port = svc.address.rsplit(":", 1)
+        args = list(svc.args)
+        if svc.http and "--http-port" in args:
+            # the HTTP port it had, not "any free one" again: a router's worker URL names it
+            args[args.index("--http-port") + 1] = svc.http.rsplit(":", 1)[1]
         new = start_service(
             svc.name,
-            svc.args,
+            args,
             self.workdir or Path(tempfile.gettempdir()),
             host=host,
             port=int(port),

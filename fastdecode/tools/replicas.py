@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdecode.runtime.errors import InvalidInput, Unavailable
-from fastdecode.tools.fleet import Fleet
+from fastdecode.tools.fleet import Fleet, free_port
 
 ROUTERS = ("vllm-router",)
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "consistent_hash", "random")
@@ -46,6 +46,7 @@ class Replicas:
     host: str = "127.0.0.1"
     workdir: Path | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    metrics_port: int = 0  # the router's Prometheus port (its default, 29000, is one per host)
 
     @property
     def address(self) -> str:
@@ -70,6 +71,10 @@ class Replicas:
             raise InvalidInput("every replica needs its gateway's HTTP port (http_port=0 picks one)")
         self.workdir = self.workdir or self.fleets[0].workdir
         cmd = [binary, "--host", self.host, "--port", str(self.port), "--policy", self.policy]
+        # a port of its own for the router's metrics: with its default two routers on one host
+        # (two `up --replicas`) collide and the second panics at start
+        self.metrics_port = self.metrics_port or free_port(self.host)
+        cmd += ["--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
         # a replica restarted by `up` is back within seconds: probe every second and take one failed
         # probe as down (ROUTER_NOTICE_S), so requests go around a dead gateway about a second after
         # it died and come back to it as soon as it answers again
@@ -122,6 +127,7 @@ class Replicas:
                 "http": self.address,
                 "pid": self.proc.pid if self.proc is not None else None,
                 "alive": self.router_alive(),
+                "metrics": f"{self.host}:{self.metrics_port}",
                 "log": str(self.log_path) if self.workdir is not None else None,
             },
             "replicas": [f.state() for f in self.fleets],

@@ -53,7 +53,12 @@ class Supervisor:
 
     def poll(self, ready_timeout: float = 120.0) -> list[SupervisorEvent]:
         events: list[SupervisorEvent] = []
-        for svc in list(self.fleet.services):
+        # Dependencies first (shards, gpu_dense, scheduler, gateway: Fleet.services reversed): a
+        # service becomes ready only once what it calls serves, so when several died together (a
+        # whole replica) each is restarted after what it needs. While one that others need is down
+        # and not yet due, they wait for it instead of waiting out their ready timeout.
+        waiting = False
+        for svc in reversed(self.fleet.services):
             code = svc.proc.poll()
             if code is None or svc.name in self._given_up:
                 continue
@@ -68,7 +73,9 @@ class Supervisor:
                     self._given_up.add(svc.name)
                     continue
                 self._due[svc.name] = self.clock() + self._backoff(svc.name)
-            if self.clock() < self._due[svc.name]:
+            needs_others = not svc.name.startswith("kv_attention")  # shards need nothing of the fleet
+            if self.clock() < self._due[svc.name] or (waiting and needs_others):
+                waiting = True
                 continue
             now = self.clock()
             recent = [t for t in self._history.get(svc.name, []) if now - t < self.policy.window]
@@ -91,6 +98,7 @@ class Supervisor:
             except Unavailable as e:
                 # Try again after a longer backoff; the failed attempt counts against the budget.
                 self._due[svc.name] = self.clock() + self._backoff(svc.name)
+                waiting = True
                 events.append(
                     SupervisorEvent(svc.name, "restart-failed", f"restarting {svc.name} failed: {e}")
                 )

@@ -23,20 +23,35 @@ def _system(i: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(80))  # well past a 16-token block
 
 
-@pytest.fixture(scope="module")
-def replicas(model_factory: Callable, tmp_path_factory: pytest.TempPathFactory) -> tuple[UpProcess, str]:
+def _replicas(model: Path, workdir: Path, policy: str) -> tuple[UpProcess, str]:
     port = free_port()
     up = launch_up(
-        model_factory("llama"),
-        tmp_path_factory.mktemp("replicas"),
+        model,
+        workdir,
         "--replicas",
         "2",
         "--http-port",
         str(port),
+        "--router-policy",
+        policy,
         shards=1,
         kv_capacity=64 << 20,
     )
-    yield up, f"http://127.0.0.1:{port}/v1"
+    return up, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture(scope="module")
+def replicas(model_factory: Callable, tmp_path_factory: pytest.TempPathFactory) -> tuple[UpProcess, str]:
+    up, base = _replicas(model_factory("llama"), tmp_path_factory.mktemp("replicas"), "cache_aware")
+    yield up, base
+    up.stop()
+
+
+@pytest.fixture
+def round_robin(model_factory: Callable, tmp_path: Path) -> tuple[UpProcess, str]:
+    """Its own fleets (this test kills one's gateway), round-robin: every replica gets its turn."""
+    up, base = _replicas(model_factory("llama"), tmp_path, "round_robin")
+    yield up, base
     up.stop()
 
 
@@ -68,17 +83,18 @@ def test_the_router_sends_a_shared_prompt_where_it_is_cached(
 
 
 def test_a_killed_replica_gateway_costs_no_request_sent_after_the_router_notices(
-    replicas: tuple[UpProcess, str], model_factory: Callable
+    round_robin: tuple[UpProcess, str], model_factory: Callable
 ) -> None:
     import os
     import signal
 
     from openai import OpenAI
 
-    up, base = replicas
+    up, base = round_robin
     client = OpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
     model = Path(model_factory("llama")).name
     victim = up.reload()["replicas"][0]["gateway"]["pid"]
+    http = up.state["replicas"][0]["gateway"]["http"]
     os.kill(int(victim), signal.SIGKILL)
     time.sleep(ROUTER_NOTICE_S)  # the router has noticed (or `up` has restarted the gateway)
     for i in range(10):
@@ -90,3 +106,29 @@ def test_a_killed_replica_gateway_costs_no_request_sent_after_the_router_notices
     while int(up.reload()["replicas"][0]["gateway"]["pid"]) == int(victim) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert int(up.state["replicas"][0]["gateway"]["pid"]) != int(victim)  # `up` restarted it
+    # on the HTTP port the router knows it by, handed to the router afresh: it is routed to again
+    assert up.state["replicas"][0]["gateway"]["http"] == http
+    served = _served_by_each(up, client, model, 12)
+    assert all(k > 0 for k in served), served
+
+
+def _served_by_each(up: UpProcess, client: object, model: str, n: int) -> list[int]:
+    """Requests each replica's gateway served of n sent through the router (its request counter)."""
+    import re
+    import urllib.request
+
+    def counts() -> list[float]:
+        out = []
+        for r in up.reload()["replicas"]:
+            url = f"http://{r['gateway']['metrics']}/metrics"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            found = re.findall(r"^fastdecode_gateway_requests_total\{[^}]*\} (\S+)$", text, re.M)
+            out.append(sum(map(float, found)))
+        return out
+
+    before = counts()
+    for i in range(n):
+        client.chat.completions.create(  # type: ignore[attr-defined]
+            model=model, messages=[{"role": "user", "content": f"spread {i}"}], max_tokens=2
+        )
+    return [int(a - b) for a, b in zip(counts(), before, strict=True)]

@@ -156,3 +156,23 @@ def test_up_replaces_its_state_file_whole(tmp_path: Path) -> None:
     assert path.stat().st_ino != before
     assert json.loads(path.read_text()) == {"gateway": {"pid": 2}}
     assert [p.name for p in tmp_path.iterdir()] == ["fleet.json"]
+
+
+def test_a_whole_fleet_killed_comes_back_dependencies_first() -> None:
+    """gateway, scheduler, gpu_dense and a shard killed together (a whole replica): each restarts
+    after what it calls, and none starts while one it needs is still waiting out its backoff."""
+    names = ["gateway", "scheduler", "gpu_dense", "kv_attention-0", "kv_attention-1"]
+    fleet = FakeFleet([FakeService(n, FakeProc(i)) for i, n in enumerate(names)])
+    sup, clock = _supervisor(fleet, backoff=0.5)
+    sup.poll()
+    for s in fleet.services:
+        s.proc.code = -9
+    sup.poll()  # all exited; nothing is due yet
+    assert fleet.restarted == []
+    sup._due["kv_attention-1"] = 5.0  # one shard's backoff runs longer than the others'
+    clock.now = 1.0
+    sup.poll()
+    assert fleet.restarted == ["kv_attention-0"]  # gpu_dense and the rest wait for the other shard
+    clock.now = 6.0
+    sup.poll()
+    assert fleet.restarted == ["kv_attention-0", "kv_attention-1", "gpu_dense", "scheduler", "gateway"]

@@ -34,6 +34,11 @@ metrics. Per point:
   gpu_step_ms), a projection, labelled as one. `--geometry checkpoint` runs the --model's own
   shape instead (the tiny default: 4 layers, tens of ms a step), where the background is a tenth of
   a ms a step and the scheduler's and the gateway's CPU per step at a fast pace is read, not projected.
+- decode_tokens_per_s, tokens_per_step, round_trips_per_token; with `--speculative` each point runs
+  twice, without drafts and with the scheduler's drafter, the emulated device keeping drafts at the
+  `--acceptance` rates (ACCEPTANCE IS EMULATED, docs/speculative.md "At a GPU's pace"): tau,
+  drafts_per_row, rows_with_drafts_per_step, and on the second point speedup and
+  round_trips_per_token_ratio against the first.
 """
 
 from __future__ import annotations
@@ -93,6 +98,11 @@ class _Mark:
         self.in_step = metric_total(d, "fastdecode_dense_step_seconds_sum")  # each step's wall, summed
         self.device = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="compute")
         self.copy = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="copy")
+        sch = scrape(fleet.scheduler.metrics)
+        # speculative rows (--speculative): rows that carried drafts, the drafts, the tokens they yielded
+        self.spec_rows = metric_total(sch, "fastdecode_spec_rows_total")
+        self.spec_drafts = metric_total(sch, "fastdecode_spec_draft_tokens_total", outcome="proposed")
+        self.spec_emitted = metric_total(sch, "fastdecode_spec_emitted_tokens_total")
         shards = [scrape(s.metrics) for s in fleet.kv]
         # CPU, not wall: on a busy host an item's wall time counts the other processes' turns too
         self.attention = sum(metric_total(m, "fastdecode_kv_attention_cpu_seconds_total") for m in shards)
@@ -187,6 +197,9 @@ def run_point(
     worker_kind_setting: str = "auto",
     stream_interval: int = 1,
     decode_steps: int = 1,
+    speculative: str = "off",
+    num_speculative_tokens: int = 3,
+    acceptance: str | None = None,
 ) -> dict[str, Any]:
     import torch
 
@@ -198,7 +211,9 @@ def run_point(
 
     device = f"emulated:{gpu}"
     shape = None if geometry == CHECKPOINT else geometry
-    emulated = load_emulated(model, device, torch.bfloat16, shape)  # errors before any process
+    emulated = load_emulated(model, device, torch.bfloat16, shape, acceptance)  # errors before any process
+    spec_args = ["--speculative", speculative, "--num-speculative-tokens", str(num_speculative_tokens)]
+    rates = ",".join(f"{r:g}" for r in emulated.acceptance.rates)
     # native or python: which one `auto` takes here (an unbuilt native one fails before any process)
     kind = worker_kind(worker_kind_setting) if workers else "none"
     c = apply_geometry(ModelConfig.from_pretrained(model), shape)
@@ -216,10 +231,12 @@ def run_point(
             dense_args=[
                 *("--dtype", "bfloat16", *(("--geometry", shape) if shape else ())),
                 *("--exchange-workers", str(workers), "--exchange-worker", kind if workers else "auto"),
+                *("--emulated-acceptance", rates),
             ],
             scheduler_args=[
                 *("--max-running", str(batch), "--plan-ahead", plan_ahead),
                 *("--decode-steps", str(decode_steps)),
+                *(spec_args if speculative != "off" else ()),
             ],
             gateway_args=["--stream-interval", str(stream_interval)],
             workdir=workdir,
@@ -264,7 +281,21 @@ def run_point(
     payload_mb = payload_mb * c.head_dim * 2 / 1e6
     dense_host = cpu["dense_main"] + cpu["exchange_workers"]
     load = os.getloadavg()[0]
+    tokens = b.client[0] - a.client[0]
+    rows = b.spec_rows - a.spec_rows
+    spec = {  # decode tokens: with drafts a step yields more than one a row
+        "speculative": speculative,
+        "num_speculative_tokens": num_speculative_tokens if speculative != "off" else 0,
+        "acceptance_rates": list(emulated.acceptance.rates) if speculative != "off" else [],
+        "decode_tokens_per_s": tokens / (b.wall - a.wall),
+        "tokens_per_step": tokens / steps,
+        "round_trips_per_token": (b.items - a.items) / tokens if tokens else float("nan"),
+        "tau": (b.spec_emitted - a.spec_emitted) / rows if rows else 1.0,
+        "drafts_per_row": (b.spec_drafts - a.spec_drafts) / rows if rows else 0.0,
+        "rows_with_drafts_per_step": rows / steps,
+    }
     return {
+        **spec,
         "gpu": gpu,
         "geometry": geometry,
         "batch": batch,
@@ -327,13 +358,20 @@ def run_pace(
     worker_kinds: tuple[str, ...] = ("auto",),
     stream_intervals: tuple[int, ...] = (1,),
     decode_steps: tuple[int, ...] = (1,),
+    speculative: str = "off",
+    num_speculative_tokens: int = 3,
+    acceptance: str | None = None,
 ) -> dict[str, Any]:
+    """Each point; with `speculative`, each point twice, without drafts and with them (the emulated
+    device keeps them at the `acceptance` rates), the second carrying `speedup` over the first."""
+    from fastdecode.runtime.errors import InvalidInput
+
+    if speculative != "off" and any(k != 1 for k in decode_steps):
+        raise InvalidInput("--speculative needs --decode-steps 1: both give a row several tokens")
     path = model or ensure_model("llama", "tiny")  # its tokenizer and config; the geometry overrides
-    points = [
-        run_point(
-            *(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s),
-            *(kind, interval, k_steps),
-        )
+    modes = ("off", speculative) if speculative != "off" else ("off",)
+    configs = [
+        (b, k, loop, ahead, kind, interval, k_steps)
         for b in batches
         for k in workers
         for loop in loops
@@ -342,7 +380,28 @@ def run_pace(
         for interval in stream_intervals
         for k_steps in decode_steps
     ]
-    return {"points": points, "cores": os.cpu_count(), "load_average_end": os.getloadavg()[0]}
+    points = []
+    for b, k, loop, ahead, kind, interval, k_steps in configs:
+        pair = [
+            run_point(
+                *(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s),
+                *(kind, interval, k_steps, mode, num_speculative_tokens, acceptance),
+            )
+            for mode in modes
+        ]
+        if len(pair) == 2:  # the same fleet with drafts against it without, in this run
+            off, spec = pair
+            spec["speedup"] = spec["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+            spec["round_trips_per_token_ratio"] = spec["round_trips_per_token"] / off["round_trips_per_token"]
+        points += pair
+    result: dict[str, Any] = {
+        "points": points,
+        "cores": os.cpu_count(),
+        "load_average_end": os.getloadavg()[0],
+    }
+    if speculative != "off":
+        result["acceptance"] = "emulated"  # the drafts kept are drawn at the stated rates
+    return result
 
 
 def pace_figure(result: dict[str, Any]) -> Any:

@@ -53,7 +53,9 @@ from fastdecode.benchmarks.split_fleet import (
     start_shards,
     step_plan,
 )
+from fastdecode.benchmarks.split_spec import Speculation, extra_positions, run_spec_points
 from fastdecode.benchmarks.transport import process_cpu_seconds
+from fastdecode.dense.emulated import EmulatedAcceptance, is_emulated, load_profile
 from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.model import ModelConfig
 from fastdecode.model.dense import resolve_device
@@ -404,10 +406,10 @@ def _summarise(
     }
 
 
-async def _run(s: Setup, contexts: list[int]) -> list[dict[str, Any]]:
+async def _run(s: Setup, contexts: list[int], spec: Speculation | None = None) -> list[dict[str, Any]]:
     cfg = s.cfg
     longest = max(contexts)
-    extra = s.steps + s.warmup + 2 * _CHOOSER_PROBES + 4
+    extra = _extra(s.steps, s.warmup, spec)
     max_tokens = longest + extra
     itemsize = torch.empty((), dtype=codec.DTYPE_NAMES[s.kv_dtype]).element_size()
     per_seq = (max_tokens + 32) * cfg.kv_bytes_per_token(itemsize)
@@ -418,6 +420,9 @@ async def _run(s: Setup, contexts: list[int]) -> list[dict[str, Any]]:
     carry = Carry()
     try:
         shards = await asyncio.to_thread(start_shards, s, capacity)
+        if spec is not None:  # the emulated GPU: the fleet with drafts against the fleet without
+            warmup = s.warmup + (_CHOOSER_PROBES if s.pipeline == "auto" else 0)
+            return await run_spec_points(s, spec, contexts, shards, extra, warmup)
         engine = await asyncio.to_thread(
             LocalEngine.from_pretrained,
             s.model,
@@ -438,6 +443,14 @@ async def _run(s: Setup, contexts: list[int]) -> list[dict[str, Any]]:
         return points
     finally:
         await asyncio.to_thread(stop_processes, shards, 10.0)
+
+
+def _extra(steps: int, warmup: int, spec: Speculation | None) -> int:
+    """Positions a sequence may decode past its context: each step one (each pair of steps up to
+    k + 2 with drafts), and gpu_dense's chooser's probes under --pipeline auto."""
+    if spec is not None:
+        return extra_positions(steps, warmup + _CHOOSER_PROBES, spec.k)
+    return steps + warmup + 2 * _CHOOSER_PROBES + 4
 
 
 def crossover(points: list[dict[str, Any]]) -> int | None:
@@ -462,12 +475,30 @@ def run_split_bench(
     nice: int = 0,
     device: str = "cpu",
     host_share: float | None = None,
+    speculative: str = "off",
+    num_speculative_tokens: int = 3,
+    acceptance: str | None = None,
 ) -> dict[str, Any]:
     """Fleet (dense host + shard hosts) against LocalEngine on the dense host, at each context; the
-    dense half of both on `device` (cpu, or cuda on a GPU host), attention on the hosts' CPUs."""
-    if device not in DEVICES:
-        raise InvalidInput(f"device must be one of {DEVICES}")
-    resolve_device(device)  # cuda without CUDA: InvalidInput now, not a service failing to start
+    dense half of both on `device` (cpu, or cuda on a GPU host), attention on the hosts' CPUs. On an
+    emulated GPU (`emulated:NAME`, which needs `speculative`): the fleet with speculative drafts
+    against the same fleet without (split_spec.py)."""
+    spec = None
+    if is_emulated(device):
+        if speculative == "off":
+            raise InvalidInput(
+                "bench split on an emulated device compares --speculative ngram|suffix with off"
+            )
+        load_profile(device)  # an unknown profile: one line now
+        rates = EmulatedAcceptance.parse(acceptance, seed)
+        spec = Speculation(speculative, num_speculative_tokens, rates)
+        host_share = 0.0  # no LocalEngine to plan a hosted share from
+    elif device not in DEVICES:
+        raise InvalidInput(f"device must be one of {DEVICES} or emulated:NAME")
+    elif speculative != "off":
+        raise InvalidInput("bench split's --speculative needs an emulated device (--device emulated:h100)")
+    else:
+        resolve_device(device)  # cuda without CUDA: InvalidInput now, not a service failing to start
     contexts = sorted(set(contexts))
     if not contexts or min(contexts) < 1 or batch < 2 or steps < 1 or warmup < 0:
         raise InvalidInput("contexts must be >= 1, batch >= 2 (two mini-batches), steps >= 1, warmup >= 0")
@@ -482,7 +513,7 @@ def run_split_bench(
     if not -20 <= nice <= 19 or (nice < 0 and os.geteuid() != 0):
         raise InvalidInput("nice must be in [-20, 19]; below 0 needs root")
     cfg = ModelConfig.from_pretrained(model)
-    extra = steps + warmup + 2 * _CHOOSER_PROBES + 4
+    extra = _extra(steps, warmup, spec)
     room = cfg.max_position_embeddings - extra
     if room < 1:
         raise InvalidInput(
@@ -518,13 +549,22 @@ def run_split_bench(
                 host_share,
             )
             with pinned_process(layout.dense, nice), torch_threads(layout.dense_threads):
-                points = run_async(_run(setup, contexts))
+                points = run_async(_run(setup, contexts, spec))
     load1 = os.getloadavg()
     for p in points:
         if asked[p["context"]] != p["context"]:
             p["context_asked"] = asked[p["context"]]
-    cross = crossover(points)
+    cross = crossover(points) if spec is None else None
+    speculation = {}
+    if spec is not None:
+        speculation = {
+            "speculative": spec.method,
+            "num_speculative_tokens": spec.k,
+            "acceptance": "emulated",
+            "acceptance_rates": list(spec.acceptance.rates),
+        }
     return {
+        **speculation,
         "model": str(model),
         "batch": batch,
         "kv_dtype": kv_dtype,

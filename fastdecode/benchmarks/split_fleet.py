@@ -75,13 +75,16 @@ def start_shards(s: Setup, capacity: int) -> list[ServiceProcess]:
     return [wait_ready(p, 180.0) for p in pending]
 
 
-def start_dense(s: Setup, shards: list[ServiceProcess], hosted: str | None, capacity: int) -> ServiceProcess:
-    # On a GPU the S-part needs one thread (launches): the dense host's other CPUs are left to the
-    # exchange workers, which gpu_dense's auto count then takes (services/gpu_dense/exchange.py).
+def start_dense(
+    s: Setup, shards: list[ServiceProcess], hosted: str | None, capacity: int, extra: list[str] | None = None
+) -> ServiceProcess:
+    # On a GPU (or an emulated one) the S-part needs one thread (launches): the dense host's other
+    # CPUs are left to the exchange workers, which gpu_dense's auto count then takes
+    # (services/gpu_dense/exchange.py).
     threads = s.layout.dense_threads if s.device == "cpu" else 1
     addresses = [p.address for p in shards] + ([hosted] if hosted else [])
     args = ["gpu-dense", "--model", str(s.model), "--device", s.device]
-    args += ["--shards", ",".join(addresses), "--threads", str(threads)]
+    args += ["--shards", ",".join(addresses), "--threads", str(threads), *(extra or ())]
     if hosted:  # the dense host's share of the attention, in gpu_dense's process
         args += ["--host-shard", str(len(shards)), "--host-shard-kv-capacity", str(capacity)]
         args += ["--host-shard-kv-dtype", s.kv_dtype]

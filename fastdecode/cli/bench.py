@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from fastdecode.cli.bench_speculation import speculative_options, split_device
 from fastdecode.cli.errors import BenchGroup
 from fastdecode.runtime.errors import ServiceError
 
@@ -287,11 +288,14 @@ def _contexts(text: str) -> list[int]:
 @click.option("--warmup", type=int, default=3, show_default=True)
 @click.option(
     "--device",
-    type=click.Choice(["cpu", "cuda"]),
     default="cpu",
     show_default=True,
-    help="Where the dense half (gpu_dense and LocalEngine) runs; shards stay on their CPUs.",
+    callback=split_device,
+    help="Where the dense half (gpu_dense and LocalEngine) runs: cpu or cuda; shards stay on their CPUs. "
+    "emulated:NAME (h100, ...): gpu_dense on an emulated GPU, no LocalEngine; needs --speculative and "
+    "compares the fleet with drafts against it without.",
 )
+@speculative_options
 @click.option(
     "--host-share",
     default="auto",
@@ -319,6 +323,8 @@ def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None
     kw["host_share"] = _host_share(kw["host_share"])
     if plot is not None and not plot.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
+    if plot is not None and kw["device"].startswith("emulated:"):
+        raise click.BadParameter("no plot for the emulated comparison (use --json)", param_hint="--plot")
     result = run_bench(lambda: run_split_bench(resolve_model(model), ctx, **kw))
     if plot is not None:
         from fastdecode.benchmarks.plot import plot_split_bench
@@ -329,6 +335,16 @@ def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None
         return
     click.echo(f"ISOLATION: {result['isolation']}: {result['isolation_detail']}")
     click.echo(f"dense CPUs {result['dense_cpus']}, shard CPUs {' | '.join(result['shard_cpus'])}")
+    if "speculative" in result:
+        from fastdecode.benchmarks.split_spec import POINT_KEYS as SPEC_KEYS
+
+        rates = ", ".join(f"{r:g}" for r in result["acceptance_rates"])
+        click.echo(
+            f"{result['speculative']}, k={result['num_speculative_tokens']} on {result['device']}: "
+            f"ACCEPTANCE EMULATED at per-position rates {rates}"
+        )
+        click.echo(format_table(result["points"], list(SPEC_KEYS)))
+        return
     click.echo(format_table(result["points"], [*POINT_KEYS, "pipelined", "host_sequences"]))
     cross = result["crossover_context"]
     click.echo(f"crossover context: {cross if cross is not None else 'none (the fleet never won)'}")

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from fastdecode.cli.bench import bench, emit, json_option, run_bench
+from fastdecode.cli.bench_speculation import speculative_options
 from fastdecode.protocol import MAX_DECODE_STEPS
 
 
@@ -131,6 +132,7 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     show_default=True,
     help="The scheduler's decode steps per plan (figures stay per decode step); repeat for an A/B.",
 )
+@speculative_options
 @click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Stacked-bar PNG."
 )
@@ -158,10 +160,12 @@ def pace_cmd(as_json: bool, model: str | None, plot: Path | None, **kw: Any) -> 
 
     rows = [
         {
-            **{k: v for k, v in p.items() if not isinstance(v, dict)},
+            **{k: v for k, v in p.items() if not isinstance(v, dict | list)},
             **p["cpu_ms_per_step"],
             **{f"{k}_at_gpu_pace": v for k, v in p["cpu_ms_per_step_at_gpu_pace"].items()},
         }
         for p in result["points"]
     ]
+    if result.get("acceptance") == "emulated":
+        click.echo("ACCEPTANCE EMULATED: the drafts kept are drawn at the --acceptance rates")
     click.echo(format_table(rows))

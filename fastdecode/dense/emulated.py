@@ -28,16 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from fastdecode.contract import PlannedSeq
 from fastdecode.dense.plane import Device
 from fastdecode.model.config import ModelConfig
 from fastdecode.model.lora import LoraBatch
@@ -252,6 +254,69 @@ def check_fits(roof: Roofline) -> None:
         )
 
 
+# Speculative verification on the emulated device: per draft position j, the share of rows offering a
+# j-th draft that keep it, as `bench spec` measured them with n-gram drafting (SmolLM2-135M-Instruct,
+# B = 8, k = 4, quote-and-edit prompts through the chat template): `ngram_kept_at_position` in
+# docs/benchmarks/2026-12-05-speculative.json (k4_chat_template; both runs read the same).
+RECORDED_ACCEPTANCE = (0.6528, 0.5972, 0.5, 0.5)
+
+# One verified row's tokens: (token, logprob, top alternatives) each
+Emitted = list[tuple[int, float, tuple[tuple[int, float], ...]]]
+
+
+@dataclass(frozen=True)
+class EmulatedAcceptance:
+    """Which drafts an emulated device keeps. rates[j]: the share of rows offering a (j + 1)-th draft
+    that keep it (bench spec's "kept at draft position"); positions past the list keep the last rate.
+    A row keeps its j-th draft only with every one before it, so a row keeps at least j drafts with
+    the running minimum of rates[:j]: one uniform draw per row, from a hash of (seed, sequence,
+    sample index), decides how many. Deterministic, and independent of the batch a row runs in."""
+
+    rates: tuple[float, ...] = RECORDED_ACCEPTANCE
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        ok = bool(self.rates) and all(isinstance(r, int | float) and 0.0 <= r <= 1.0 for r in self.rates)
+        if not ok:
+            raise InvalidInput(
+                f"acceptance rates must be numbers in [0, 1], one per draft position, got {self.rates}"
+            )
+
+    @classmethod
+    def parse(cls, text: str | None, seed: int = 0) -> EmulatedAcceptance:
+        """'0.65,0.6,0.5' (None or empty: the recorded rates)."""
+        if not text or not text.strip():
+            return cls(seed=seed)
+        try:
+            rates = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            raise InvalidInput(f"acceptance: comma-separated rates in [0, 1], got {text!r}") from None
+        return cls(rates, seed)
+
+    def floors(self, drafts: int) -> list[float]:
+        """P(a row with `drafts` drafts keeps at least j + 1 of them), j = 0 .. drafts - 1."""
+        out, low = [], 1.0
+        for j in range(drafts):
+            low = min(low, self.rates[min(j, len(self.rates) - 1)])
+            out.append(low)
+        return out
+
+    def kept(self, seq_id: str, sample_index: int, drafts: int) -> int:
+        """How many of a row's `drafts` drafts it keeps (0 .. drafts)."""
+        digest = hashlib.blake2b(f"{self.seed}:{seq_id}:{sample_index}".encode(), digest_size=8).digest()
+        u = int.from_bytes(digest, "little") / 2.0**64
+        n = 0
+        for low in self.floors(drafts):
+            if u >= low:
+                break
+            n += 1
+        return n
+
+    def expected_tau(self, drafts: int) -> float:
+        """Tokens a row with `drafts` drafts yields on average: 1 + the sum of the floors."""
+        return 1.0 + sum(self.floors(drafts))
+
+
 def _host_available() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -328,8 +393,10 @@ class EmulatedModel(Device):
         dtype: torch.dtype = torch.bfloat16,
         geometry: str = "",
         token_limit: int | None = None,
+        acceptance: EmulatedAcceptance | None = None,
     ) -> None:
         self.config = config
+        self.acceptance = acceptance or EmulatedAcceptance()
         self.profile = profile
         self.dtype = dtype
         self.device = torch.device("meta")  # hidden states: shapes, no storage
@@ -443,6 +510,30 @@ class EmulatedModel(Device):
             self._logits = pool
         return self._logits[:n]
 
+    def verify(self, seqs: Sequence[PlannedSeq]) -> list[Emitted]:
+        """Speculative rows (token_ids: the last token and `drafts` drafts), verified as the device
+        would: the LM head and the sampling over every row's drafts + 1 positions on the clock (their
+        layers were charged at drafts + 1 rows each already), the drafts kept drawn from the
+        acceptance rates. Tokens are synthetic: a row yields its kept drafts and then the last of
+        them (its own token where none was kept) as the target's token, so that a drafter sees text
+        that repeats and keeps finding drafts; logprobs are 0. Waits for the device (the tokens
+        are ready when the head is done)."""
+        self.clock.compute(self.roofline.head_seconds(sum(s.drafts + 1 for s in seqs)))
+        out: list[Emitted] = []
+        for s in seqs:
+            d = s.drafts
+            kept = list(
+                s.token_ids[
+                    len(s.token_ids) - d : len(s.token_ids)
+                    - d
+                    + self.acceptance.kept(s.seq_id, s.sample_index, d)
+                ]
+            )
+            bonus = kept[-1] if kept else s.token_ids[len(s.token_ids) - d - 1]
+            out.append([(t, 0.0, ()) for t in [*kept, bonus]])
+        self.clock.wait()
+        return out
+
     async def settle(self) -> None:
         await self.clock.settle()
 
@@ -454,10 +545,18 @@ class EmulatedModel(Device):
 
 
 def load_emulated(
-    path: str | Path, device: str, dtype: torch.dtype, geometry: str | None = None
+    path: str | Path,
+    device: str,
+    dtype: torch.dtype,
+    geometry: str | None = None,
+    acceptance: str | None = None,
 ) -> EmulatedModel:
     """The EmulatedModel for `--device emulated:...`: the checkpoint's config (and tokenizer range),
-    a named geometry's dims over it, no weights."""
+    a named geometry's dims over it, no weights; `acceptance` the rates its verification keeps
+    drafts at ('0.65,0.6,...'; None: RECORDED_ACCEPTANCE)."""
     profile = load_profile(device)
+    rates = EmulatedAcceptance.parse(acceptance)
     base = ModelConfig.from_pretrained(path)
-    return EmulatedModel(apply_geometry(base, geometry), profile, dtype, geometry or "", base.vocab_size)
+    return EmulatedModel(
+        apply_geometry(base, geometry), profile, dtype, geometry or "", base.vocab_size, rates
+    )

@@ -21,15 +21,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fastdecode.contract import PlannedSeq
-from fastdecode.dense.emulated import EmulatedModel
+from fastdecode.dense.emulated import Emitted, EmulatedModel
 from fastdecode.dense.layer_loop import Meter
 from fastdecode.dense.outcome import Outcome
 from fastdecode.dense.sampling import chosen_logprobs, distributions, penalize, row_generator, top_logprobs
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.spec.rejection import accept_greedy, accept_sampled
-
-Emitted = list[tuple[int, float, tuple[tuple[int, float], ...]]]  # (token, logprob, top) per token
 
 
 def check_drafts(s: PlannedSeq) -> None:
@@ -109,9 +107,15 @@ def verify_rows(
         idx = torch.tensor(
             [at[i] + j for i in spec for j in range(1 + ordered[i].drafts)], device=hidden.device
         )
-        emitted = verify(
-            model.logits, hidden.index_select(0, idx), [ordered[i] for i in spec], model.config.eos_token_ids
-        )
+        if isinstance(model, EmulatedModel):  # synthetic tokens: drafts kept at the emulated rates
+            emitted = model.verify([ordered[i] for i in spec])
+        else:
+            emitted = verify(
+                model.logits,
+                hidden.index_select(0, idx),
+                [ordered[i] for i in spec],
+                model.config.eos_token_ids,
+            )
         for i, toks in zip(spec, emitted, strict=True):
             (tok, lp, top), *rest = toks
             after = [Outcome(t, p, top=tp) for t, p, tp in rest]

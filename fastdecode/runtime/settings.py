@@ -156,6 +156,12 @@ class DenseSettings(ServiceSettings):
         description="With an emulated device: a named model shape (llama-3-8b, llama-3-70b) over the "
         "checkpoint's.",
     )
+    emulated_acceptance: str | None = Field(
+        None,
+        description="With an emulated device: per draft position, the share of rows that keep their j-th "
+        "speculative draft (comma-separated; unset: the rates bench spec measured with ngram, "
+        "docs/emulated-gpu.md).",
+    )
 
     dtype: DType = Field("float32", description="Weight and activation type.")
     shard_timeout: float = Field(60.0, gt=0, description="Seconds to wait for a shard's answer.")

@@ -57,7 +57,7 @@ class DenseService(pb_grpc.DenseServicer):
         progress = ProgressFile(s.progress_file, LOADING_WEIGHTS) if s.progress_file else None
         dtype = codec.DTYPE_NAMES[s.dtype]
         if is_emulated(s.device):
-            self.model = load_emulated(s.model, s.device, dtype, s.geometry)
+            self.model = load_emulated(s.model, s.device, dtype, s.geometry, s.emulated_acceptance)
             log.warning(
                 "device %s is EMULATED: no weights, synthetic tokens at the profile's roofline pace (%s)",
                 s.device,
@@ -213,7 +213,8 @@ class DenseService(pb_grpc.DenseServicer):
 async def serve(settings: Settings) -> None:
     log = settings.configure_logging("gpu_dense")
     if is_emulated(settings.device):  # an unknown profile or a geometry too big: one line, before any port
-        load_emulated(settings.model, settings.device, codec.DTYPE_NAMES[settings.dtype], settings.geometry)
+        dtype = codec.DTYPE_NAMES[settings.dtype]
+        load_emulated(settings.model, settings.device, dtype, settings.geometry, settings.emulated_acceptance)
     elif settings.geometry:
         raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
     check_settings(settings, is_emulated(settings.device))

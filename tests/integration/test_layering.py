@@ -130,6 +130,7 @@ GRPC_MODULES = {
     "fastdecode.benchmarks.exchange",  # the same, at a model's shapes
     "fastdecode.benchmarks.split",  # drives gpu_dense and the shards over gRPC
     "fastdecode.benchmarks.split_fleet",  # starts them and fills their KV over gRPC
+    "fastdecode.benchmarks.split_spec",  # drives gpu_dense (emulated) with drafts over gRPC
     "fastdecode.benchmarks.pace",  # drives a fleet and a bare gRPC echo
 }
 

@@ -29,10 +29,10 @@ def _prompts() -> list[list[int]]:
     return [[0, 21 + i, 300 + 7 * i, 45, 9 + i, 600] for i in range(STREAMS)]
 
 
-def _fleet(model: Path, workdir: Path, kv_dir: Path, kv_dtype: str) -> Fleet:
+def _fleet(model: Path, workdir: Path, kv_dir: Path, kv_dtype: str, shards: int = 2) -> Fleet:
     return Fleet(
         model=model,
-        shards=2,
+        shards=shards,
         device="cpu",
         kv_capacity=64 << 20,
         kv_dtype=kv_dtype,
@@ -68,26 +68,36 @@ def _run_all(f: Fleet, kill: Callable[[], None] | None = None) -> list[list[int]
         return [fut.result(timeout=300).token_ids for fut in futures]
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float8_e4m3"])
+# float8 KV: greedy tokens of the tiny random model (logits close together) under float8 KV depend
+# on the S-part's batch, which differs between any two runs (a quantized row can round the other way
+# when the fp32 GEMMs' last bits change with the batch). So there the test checks the re-attach
+# itself (every stream complete, its sequences resumed, nothing re-prefilled); `bench shard-kill`
+# measures float8 token equality on SmolLM2 (docs/benchmarks/2026-12-06-kv-reattach.md). One shard
+# there: with every shard down at once the whole fleet waits for it.
+@pytest.mark.parametrize(("kv_dtype", "shards"), [("float32", 2), ("float8_e4m3", 1)])
 def test_a_killed_shard_resumes_its_sequences_where_they_were(
-    model_factory: Callable, tmp_path: Path, kv_dtype: str
+    model_factory: Callable, tmp_path: Path, kv_dtype: str, shards: int
 ) -> None:
-    f = _fleet(model_factory("llama"), tmp_path / "fleet", tmp_path / "kv", kv_dtype).start()
+    f = _fleet(model_factory("llama"), tmp_path / "fleet", tmp_path / "kv", kv_dtype, shards).start()
+    victim = shards - 1
     try:
-        want = _run_all(f)  # the same fleet without a kill: the tokens to equal
-        assert _stats(f, 1).kv_persistent
+        want = _run_all(f)  # the same fleet without a kill: the tokens to equal (float32)
+        assert _stats(f, victim).kv_persistent
         resumed0 = _metric(f, "fastdecode_shard_reattached_sequences_total")
 
         def kill() -> None:
             deadline = time.monotonic() + 60
-            while _stats(f, 1).tokens_held < 4 * STREAMS and time.monotonic() < deadline:
-                time.sleep(0.01)  # decoding is under way on shard 1
-            os.kill(f.kv[1].pid, signal.SIGKILL)
-            f.kv[1].proc.wait(timeout=10)
-            f.restart(f.kv[1])  # as `up` or a pod's restart policy would
+            held = (len(_prompts()[0]) + 4) * STREAMS // shards  # prompts in, 4 tokens decoded each
+            while _stats(f, victim).tokens_held < held and time.monotonic() < deadline:
+                time.sleep(0.01)  # decoding is under way on the victim
+            os.kill(f.kv[victim].pid, signal.SIGKILL)
+            f.kv[victim].proc.wait(timeout=10)
+            f.restart(f.kv[victim])  # as `up` or a pod's restart policy would
 
         got = _run_all(f, kill)
-        assert got == want
+        if kv_dtype == "float32":
+            assert got == want
+        assert [len(t) for t in got] == [TOKENS] * STREAMS
         resumed = _metric(f, "fastdecode_shard_reattached_sequences_total") - resumed0
         assert resumed >= 1, "no sequence resumed on the restarted shard"
         assert _metric(f, "fastdecode_shard_recoveries_total") == 0  # nothing re-prefilled elsewhere
@@ -95,7 +105,7 @@ def test_a_killed_shard_resumes_its_sequences_where_they_were(
         assert again == 0
         log = next((f.workdir or tmp_path).glob("scheduler*.log")).read_text()
         assert "re-attached its KV pool" in log
-        mode = (tmp_path / "kv" / "shard-1.kv").stat().st_mode & 0o777
+        mode = (tmp_path / "kv" / f"shard-{victim}.kv").stat().st_mode & 0o777
         assert mode == 0o600
     finally:
         f.stop()

@@ -47,6 +47,7 @@ from fastdecode.benchmarks.split_fleet import (
     Setup,
     busy_each,
     fill,
+    fill_owned,
     owners,
     shard_rows,
     start_dense,
@@ -198,19 +199,7 @@ async def _point(
         head = await asyncio.to_thread(_head_s, engine, batch)
         hosted, why = await asyncio.to_thread(_host_rows, s, engine, ids, context, carry, head)
         owner = owners(batch, len(shards), hosted)
-        await asyncio.gather(
-            *(
-                fill(
-                    st,
-                    [x for x, o in zip(ids, owner, strict=True) if o == i],
-                    geometry,
-                    max_tokens,
-                    context,
-                    s.seed,
-                )
-                for i, st in enumerate(stubs)
-            )
-        )
+        await fill_owned(stubs, ids, owner, geometry, max_tokens, context, s.seed)
         if why == "auto":  # _local_parts stepped past the context: the timed steps start from it
             await asyncio.to_thread(fill_local)
         _log(f"context {context}: KV written in {time.perf_counter() - t0:.1f} s")

@@ -116,6 +116,21 @@ def owners(batch: int, remote: int, hosted: int) -> list[int]:
     return owner
 
 
+async def fill_owned(
+    stubs: list[kv_grpc.KVAttentionStub],
+    ids: list[str],
+    owner: list[int],
+    geometry: Any,
+    max_tokens: int,
+    context: int,
+    seed: int,
+) -> None:
+    """Each shard's sequences (owner[i]: the shard of ids[i]) reserved and filled, all at once."""
+    per_shard = [[x for x, o in zip(ids, owner, strict=True) if o == i] for i in range(len(stubs))]
+    pairs = zip(stubs, per_shard, strict=True)
+    await asyncio.gather(*(fill(st, mine, geometry, max_tokens, context, seed) for st, mine in pairs))
+
+
 async def fill(
     stub: kv_grpc.KVAttentionStub, ids: list[str], geometry: Any, max_tokens: int, context: int, seed: int
 ) -> None:

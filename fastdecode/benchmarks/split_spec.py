@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from fastdecode.benchmarks.common import median
-from fastdecode.benchmarks.split_fleet import Setup, busy_each, fill, owners, start_dense
+from fastdecode.benchmarks.split_fleet import Setup, busy_each, fill_owned, owners, start_dense
 from fastdecode.benchmarks.transport import process_cpu_seconds
 from fastdecode.contract import PlannedSeq
 from fastdecode.dense.emulated import EmulatedAcceptance, load_emulated
@@ -172,19 +172,7 @@ async def spec_point(
     dense_ch = None
     try:
         t0 = time.perf_counter()
-        await asyncio.gather(
-            *(
-                fill(
-                    st,
-                    [x for x, o in zip(ids, owner, strict=True) if o == i],
-                    geometry,
-                    max_tokens,
-                    context,
-                    s.seed,
-                )
-                for i, st in enumerate(stubs)
-            )
-        )
+        await fill_owned(stubs, ids, owner, geometry, max_tokens, context, s.seed)
         _log(f"context {context}: KV written in {time.perf_counter() - t0:.1f} s")
         dense = await asyncio.to_thread(start_dense, s, shards, None, 0, spec.dense_args)
         dense_ch = aio_channel(dense.address)

@@ -155,6 +155,7 @@ def _fleet(fleet: int, shards: int, port: int, kv: bool, gpu: bool) -> list[str]
             "FASTDECODE_ADMISSION: ${FASTDECODE_ADMISSION:-stabilized}",
             "FASTDECODE_SPECULATIVE: ${FASTDECODE_SPECULATIVE:-off}",
             "FASTDECODE_NUM_SPECULATIVE_TOKENS: ${FASTDECODE_NUM_SPECULATIVE_TOKENS:-3}",
+            "FASTDECODE_SPECULATIVE_K: ${FASTDECODE_SPECULATIVE_K:-auto}",
         ],
         model=False,
         depends=[f"{p}gpu-dense"],

@@ -144,7 +144,8 @@ def run_spec_bench(
             # plan-ahead is off with drafts (a row in flight leaves its next position unknown): `off`
             # runs the same way, so its ratio is the drafts' alone; `off-ahead` is the default setup
             spec = "off" if mode == "off-ahead" else mode
-            args = ["--speculative", spec, "--num-speculative-tokens", str(k)]
+            # K drafts on every row: the drafter's acceptance at each position is what is measured
+            args = ["--speculative", spec, "--num-speculative-tokens", str(k), "--speculative-k", "fixed"]
             args += ["--plan-ahead", "on" if mode == "off-ahead" else "off"]
             fleet = Fleet(model, shards, device=device, kv_dtype="float32", scheduler_args=args)
             fleet.workdir = work / mode

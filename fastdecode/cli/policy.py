@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from fastdecode.runtime.errors import ServiceError
+
+if TYPE_CHECKING:  # annotations only: the commands import what they run when run
+    from fastdecode.planning.spec_plan import SpecPlan, SpecPoint
 
 SIM_KEYS = (
     "tokens_per_s",
@@ -178,6 +182,13 @@ def simulate_cmd(
     default=None,
     help="Pace mode: a `bench pace --json` result (its last line): the measured unit costs.",
 )
+@click.option(
+    "--tensor-parallel",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Pace mode: the S-part over this many GPUs (the GPU-alone baseline on as many).",
+)
 @click.option("--contexts", default="1024,2048,4096,8192", show_default=True, help="Pace mode: contexts S.")
 @click.option("--batches", default="256,512,1024,2048", show_default=True, help="Pace mode: batches B.")
 @click.option("--shard-counts", default="4,8,16,32", show_default=True, help="Pace mode: shard hosts P.")
@@ -194,6 +205,28 @@ def simulate_cmd(
     default=None,
     help="Attention window per layer, repeated over the layers (0 = full), e.g. 512,512,512,512,512,0 "
     "for Gemma 3's five windowed layers to one global; overrides the model's own.",
+)
+@click.option(
+    "--acceptance",
+    default=None,
+    help="Speculative drafts: per draft position, the share of rows offering a draft there that keep "
+    "it (bench spec's 'kept at draft position'; comma-separated, positions past the list keep the "
+    "last): the operating point with the k in 0..K that pays most, against none (docs/speculative.md).",
+)
+@click.option(
+    "--acceptance-length",
+    type=click.FloatRange(1.0),
+    default=None,
+    help="Speculative drafts: tau, the tokens a row with K drafts yields a step (bench spec's tau): "
+    "the operating point at K drafts against none.",
+)
+@click.option(
+    "--num-speculative-tokens",
+    "-k",
+    type=click.IntRange(1, 16),
+    default=3,
+    show_default=True,
+    help="Speculative drafts: K, the most drafts a row carries (with --acceptance or --acceptance-length).",
 )
 def plan_cmd(
     model_dir: str | None,
@@ -215,18 +248,30 @@ def plan_cmd(
     layer_windows: str | None,
     gpu: str | None,
     pace_file: str | None,
+    tensor_parallel: int,
     contexts: str,
     batches: str,
     shard_counts: str,
     shard_gbps: float,
+    acceptance: str | None,
+    acceptance_length: float | None,
+    num_speculative_tokens: int,
 ) -> None:
     """Choose batch size B and shard count P from measured T(B) and R (the paper's model); with
-    --dense-step-ms, the exchange workers and shards a GPU host needs per batch (--exchange)."""
-    from fastdecode.planning import planner
+    --dense-step-ms, the exchange workers and shards a GPU host needs per batch (--exchange); with
+    --acceptance or --acceptance-length, the same with speculative drafts and without."""
+    from fastdecode.planning import planner, spec_plan
 
+    speculating = acceptance is not None or acceptance_length is not None
+    if speculating and (acceptance is None) == (acceptance_length is None):
+        raise click.UsageError("give --acceptance or --acceptance-length, not both")
+    if speculating and (gpu, pace_file, dense_step_ms, exchange_file) != (None,) * 4:
+        raise click.UsageError(
+            "--acceptance and --acceptance-length plan from a profile (--model or --profile)"
+        )
     if gpu is not None or pace_file is not None:
         ints = [[int(x) for x in v.split(",") if x.strip()] for v in (batches, contexts, shard_counts)]
-        _plan_pace(gpu, pace_file, geometry, cores, dtype_bytes, shard_gbps, *ints, as_json)
+        _plan_pace(gpu, pace_file, geometry, cores, dtype_bytes, shard_gbps, *ints, as_json, tensor_parallel)
         return
     if dense_step_ms is not None or exchange_file is not None:
         _plan_gpu_host(dense_step_ms, exchange_file, geometry, cores, dtype_bytes, shards, as_json)
@@ -257,6 +302,18 @@ def plan_cmd(
             shard_memory_bytes=shard_memory,
             shards=shards,
         )
+        spec = None
+        if speculating:
+            spec = spec_plan.plan_speculative(
+                prof,
+                seq_len,
+                num_speculative_tokens,
+                rates=spec_plan.parse_rates(acceptance) if acceptance is not None else None,
+                tau=acceptance_length,
+                latency_budget_s=latency_budget,
+                shard_memory_bytes=shard_memory,
+                shards=shards,
+            )
         if plot:
             planner.plot_plan(prof, result, plot)
     except ServiceError as e:
@@ -264,6 +321,8 @@ def plan_cmd(
     except ValueError as e:
         raise click.ClickException(f"bad option: {e}") from e
     d = result.to_dict()
+    if spec is not None:
+        d["speculation"] = spec.to_dict()
     if as_json:
         click.echo(json.dumps(d, indent=2))
         return
@@ -281,8 +340,28 @@ def plan_cmd(
             f"({result.kv_held_ratio * seq_len:.0f} of {seq_len} tokens; "
             f"{result.mean_held_tokens:.0f} on average over its life)"
         )
+    if spec is not None:
+        _echo_speculation(spec, num_speculative_tokens, shards is not None)
     if plot:
         click.echo(f"plot              {Path(plot)}")
+
+
+def _echo_speculation(spec: SpecPlan, max_k: int, shards_given: bool) -> None:
+    def at(p: SpecPoint) -> str:
+        step = f"{p.predicted_step_ms:.3f} ms a step"
+        return f"B {p.batch_size}, P {p.shards}, {step}, {p.tokens_per_s:.1f} tokens/s"
+
+    c = spec.chosen
+    click.echo(f"without drafts    {at(spec.plain)}")
+    paid = f"k {c.k} of {max_k} pays most" if c.k else f"no k of 1..{max_k} pays"
+    click.echo(f"with drafts       {paid}: tau {c.tau:.3f}, {at(c)}, {spec.ratio:.2f}x")
+    per_k = (
+        f"{p.k}: {p.tokens_per_s:.1f} (P {p.shards}, {p.tokens_per_s_per_shard:.1f} a shard)"
+        for p in spec.points
+    )
+    click.echo("  tokens/s per k  " + "; ".join(per_k))
+    if not c.k and not shards_given:  # with P free the planner balances it: drafts save shards instead
+        click.echo("  (P chosen by the planner: compare tokens/s a shard, or fix P with --shards)")
 
 
 def _windows(spec: str, num_layers: int) -> list[int]:
@@ -356,6 +435,7 @@ def _plan_pace(
     contexts: list[int],
     shard_counts: list[int],
     as_json: bool,
+    tensor_parallel: int = 1,
 ) -> None:
     from fastdecode.dense.emulated import load_profile
     from fastdecode.planning.pace_plan import UnitCosts, plan_pace
@@ -380,6 +460,7 @@ def _plan_pace(
             shard_gbps,
             cores,
             dtype_bytes,
+            tensor_parallel,
         )
     except ServiceError as e:
         raise click.ClickException(str(e)) from e

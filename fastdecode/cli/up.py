@@ -71,6 +71,7 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
                 default=None,
                 help="With an emulated device: the model shape to emulate (llama-3-8b, llama-3-70b).",
             ),
+            _setting(DenseSettings, "tensor_parallel"),
             _setting(ShardSettings, "kv_capacity", help="KV bytes per shard."),
             _setting(
                 ShardSettings,
@@ -93,6 +94,7 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             _setting(SchedulerSettings, "decode_steps"),
             _setting(SchedulerSettings, "speculative"),
             _setting(SchedulerSettings, "num_speculative_tokens"),
+            _setting(SchedulerSettings, "speculative_k"),
             click.option(
                 "--kv-events",
                 default=None,
@@ -218,11 +220,13 @@ def _make_fleet(
     prefix_sharing: str = "on",
     host_shard: bool = False,
     geometry: str | None = None,
+    tensor_parallel: int = 1,
     plan_ahead: str = "on",
     decode_steps: int = 1,
     kv_events: str | None = None,
     speculative: str = "off",
     num_speculative_tokens: int = 3,
+    speculative_k: str = "auto",
     lora: Sequence[str] = (),
     kv_dir: Path | None = None,
 ) -> Any:
@@ -238,7 +242,7 @@ def _make_fleet(
     if is_emulated(device):  # an unknown profile or a geometry that does not fit: one line, now
         import torch
 
-        emulated = load_emulated(path, device, torch.bfloat16, geometry)
+        emulated = load_emulated(path, device, torch.bfloat16, geometry, tensor_parallel=tensor_parallel)
         _check_kv_capacity(kv_capacity, kv_dtype, emulated.config)
         dense_args = ["--dtype", "bfloat16", *(["--geometry", geometry] if geometry else [])]
         click.echo(
@@ -251,8 +255,13 @@ def _make_fleet(
         raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
     else:
         from fastdecode.model.config import ModelConfig
+        from fastdecode.model.tensor_parallel import check_tensor_parallel
 
-        _check_kv_capacity(kv_capacity, kv_dtype, ModelConfig.from_pretrained(path))
+        config = ModelConfig.from_pretrained(path)
+        _check_kv_capacity(kv_capacity, kv_dtype, config)
+        check_tensor_parallel(config, tensor_parallel)
+    if tensor_parallel > 1:
+        dense_args += ["--tensor-parallel", str(tensor_parallel)]
     return Fleet(
         model=path,
         shards=shards,
@@ -279,6 +288,8 @@ def _make_fleet(
             speculative,
             "--num-speculative-tokens",
             str(num_speculative_tokens),
+            "--speculative-k",
+            speculative_k,
         ],
         dense_args=[*dense_args, *lora],
         env=dict(env or {}),
@@ -344,6 +355,7 @@ def up(
     shards: int,
     device: str,
     geometry: str | None,
+    tensor_parallel: int,
     kv_capacity: int,
     kv_dtype: str,
     kv_dir: Path | None,
@@ -353,6 +365,7 @@ def up(
     decode_steps: int,
     speculative: str,
     num_speculative_tokens: int,
+    speculative_k: str,
     kv_events: str | None,
     host_shard: bool,
     enable_lora: bool,
@@ -390,11 +403,13 @@ def up(
         "prefix_sharing": prefix_sharing,
         "host_shard": host_shard,
         "geometry": geometry,
+        "tensor_parallel": tensor_parallel,
         "plan_ahead": plan_ahead,
         "decode_steps": decode_steps,
         "kv_events": kv_events,
         "speculative": speculative,
         "num_speculative_tokens": num_speculative_tokens,
+        "speculative_k": speculative_k,
         "lora": _lora_args(enable_lora, lora_modules, max_loras, max_lora_rank),
         "kv_dir": kv_dir,
     }

@@ -164,6 +164,14 @@ class DenseSettings(ServiceSettings):
     )
 
     dtype: DType = Field("float32", description="Weight and activation type.")
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks the S-part's weights are split over (Megatron's layout: docs/scaling.md): "
+        "cuda:0..N-1 over NCCL, or CPU processes over gloo; one service to the scheduler. With an "
+        "emulated device, the roofline of N GPUs and their all-reduces.",
+    )
     shard_timeout: float = Field(60.0, gt=0, description="Seconds to wait for a shard's answer.")
     exchange_workers: int | None = Field(
         None,
@@ -277,6 +285,13 @@ class SchedulerSettings(ServiceSettings):
     )
     num_speculative_tokens: int = Field(
         3, ge=1, le=MAX_DRAFTS, description="Most drafts a decode row carries (vLLM's meaning)."
+    )
+    speculative_k: Literal["auto", "fixed"] = Field(
+        "auto",
+        description="auto: offer each decode row the k in 0..--num-speculative-tokens drafts that "
+        "yields the most tokens/s, from the step costs gpu_dense reports and the running acceptance, "
+        "decided every few steps (a CPU S-part pays for every draft: k small or 0); fixed: always "
+        "--num-speculative-tokens (docs/speculative.md).",
     )
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest n-gram looked up (vLLM's).")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest n-gram looked up (vLLM's).")

@@ -120,6 +120,7 @@ class SchedulerCore:
         plan_ahead: bool = False,
         decode_steps: int = 1,
         proposer: Proposer | None = None,
+        speculative_k: str = "auto",  # auto: drafting's controller picks k in 0..K; fixed: always K
     ) -> None:
         if max_running < 1 or max_waiting < 0 or prefill_token_budget < 1:
             raise InvalidInput("max_running and prefill_token_budget must be >= 1, max_waiting >= 0")
@@ -154,7 +155,7 @@ class SchedulerCore:
         self.membership = Membership(tables, self._admission, self.migration, self.prefixes, self.releases)
         self.preemption = Preemption(tables, self.membership, self.releases)
         self.runs = DecodeRuns(decode_steps, self._eos, self.load)
-        self.drafting = Drafting(proposer) if proposer is not None else None
+        self.drafting = Drafting(proposer, speculative_k == "auto") if proposer is not None else None
         self.planner = RowPlanner(
             tables,
             self.load,
@@ -519,8 +520,7 @@ class SchedulerCore:
             expected_ratio=self.load.ratio,
             shards=shards,
             migrations=self.migration.migrations,
-            spec=self.drafting.counts if self.drafting is not None else (0, 0, 0, 0),
-            spec_at=(d.offered_at[:], d.kept_at[:]) if (d := self.drafting) is not None else ([], []),
+            **(self.drafting.stats() if self.drafting is not None else {}),
         )
 
     @property

@@ -10,17 +10,25 @@ its history, no prompt logprobs (their processors would need each draft in their
 a seeded request's tokens would depend on the drafts it was offered (verification draws from the
 target exactly, but which tokens a draw yields depends on the draft it weighs), so it keeps the
 tokens it gets without speculation. Drafts never pass its max_tokens, so its KV never grows past
-what it reserved. Pure Python, no gRPC: a
-collaborator of the core's (fastdecode/scheduling/core.py).
+what it reserved.
+
+How many drafts a row is offered, k in 0..K, is the controller's (fastdecode/spec/controller.py):
+fed each step's costs (`stepped`, from the driver) and the counts kept here, it keeps the k that
+yields the most tokens per second; `adaptive=False` (--speculative-k fixed) pins K. Pure Python, no
+gRPC: a collaborator of the core's (fastdecode/scheduling/core.py).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastdecode.contract import SamplingParams, TokenLogprob
+from fastdecode.scheduling.ports import StepTimes
 from fastdecode.scheduling.runs import DecodeRuns, tokens_of
 from fastdecode.scheduling.tables import SeqEntry
-from fastdecode.scheduling.types import DenseAnswer, TokenEvent
+from fastdecode.scheduling.types import DenseAnswer, Step, TokenEvent
 from fastdecode.spec import DraftState, Proposer
+from fastdecode.spec.controller import Counts, KController, StepCost
 
 
 def draftable(sampling: SamplingParams) -> bool:
@@ -32,9 +40,15 @@ class Drafting:
     """Each running sequence's drafting state, fed the sequence's tokens as they come, and what
     verification made of the drafts (the acceptance counters the metrics export)."""
 
-    def __init__(self, proposer: Proposer) -> None:
+    def __init__(self, proposer: Proposer, adaptive: bool = True) -> None:
         self.proposer = proposer
         self.k = proposer.num_speculative_tokens
+        self.control = KController(self.k, adaptive)
+        # rows asked for drafts, by the most they were offered, and by how many the drafter found
+        # (histograms: O(1) a row; asked_at / found_at sum them per position)
+        self._asked = [0] * (self.k + 1)
+        self._found = [0] * (self.k + 1)
+        self._rows = 0  # draftable decode rows planned since the last step ran
         self._states: dict[str, DraftState] = {}
         self.rows = 0  # verified rows that carried drafts
         self.proposed = 0  # drafts those rows carried
@@ -48,9 +62,12 @@ class Drafting:
         self, seq_id: str, tokens: list[int], sampling: SamplingParams, room: int, tenant: str
     ) -> list[int]:
         """Up to k drafts to follow `tokens` (prompt and output so far); at most `room` (what the
-        request may still generate after the row's own token)."""
-        k = min(self.k, room)
-        if k <= 0 or not draftable(sampling):
+        request may still generate after the row's own token); the controller's k at most."""
+        if room <= 0 or not draftable(sampling):
+            return []
+        self._rows += 1
+        k = min(self.control.cap, room)
+        if k <= 0:
             return []
         st = self._states.get(seq_id)
         if st is None:
@@ -60,7 +77,37 @@ class Drafting:
                 st.truncate(len(tokens))
             else:
                 st.append(tokens[st.num_tokens :])
-        return st.propose(k)
+        out = st.propose(k)
+        self._asked[k] += 1
+        self._found[len(out)] += 1
+        return out
+
+    def stepped(self, step: Step, times: StepTimes | None, wall_s: float) -> None:
+        """A step ran (applied): its costs go to the controller, which may choose another k for the
+        steps after it. `times`: gpu_dense's (None: it sent none, and k stays)."""
+        rows, self._rows = self._rows, 0
+        if not self.control.adaptive or times is None:
+            return
+        cost = StepCost(
+            positions=sum(len(p.token_ids) for p in step.seqs),
+            rows=rows,
+            drafts=sum(p.drafts for p in step.seqs),
+            s_part_s=times.s_part_seconds,
+            attend_s=times.attend_seconds,
+            dense_step_s=times.step_seconds,
+            wall_s=wall_s,
+        )
+        self.control.observe(cost, Counts(self.asked_at, self.found_at, self.offered_at, self.kept_at))
+
+    @property
+    def asked_at(self) -> list[int]:
+        """Per draft position j: rows offered a (j + 1)-th draft (asked for at least j + 1)."""
+        return _at_least(self._asked)
+
+    @property
+    def found_at(self) -> list[int]:
+        """Per draft position j: rows the drafter found a (j + 1)-th draft for."""
+        return _at_least(self._found)
 
     def apply(
         self,
@@ -107,3 +154,20 @@ class Drafting:
     def acceptance_length(self) -> float:
         """Mean tokens a verified row yielded (tau); 0 before any."""
         return self.emitted / self.rows if self.rows else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """SchedulerStats' speculation fields: the counts, per position, and the k chosen now."""
+        return {
+            "spec": self.counts,
+            "spec_at": (self.offered_at[:], self.kept_at[:]),
+            "spec_k": self.control.k,
+        }
+
+
+def _at_least(hist: list[int]) -> list[int]:
+    """Per j >= 0, the count at j + 1 or more of a histogram over 0..K."""
+    out, total = [0] * (len(hist) - 1), 0
+    for j in range(len(hist) - 1, 0, -1):
+        total += hist[j]
+        out[j - 1] = total
+    return out

@@ -189,6 +189,7 @@ class SchedulerDriver(Migrations, ShardHealth):
             proposer=proposer_for(
                 s.speculative, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
             ),
+            speculative_k=s.speculative_k,
         )
         for i in removed:
             self.core.remove_shard(i)
@@ -410,6 +411,8 @@ class SchedulerDriver(Migrations, ShardHealth):
         if full and outcome.error is None:
             core.kv_exhausted(step, full)  # its preemptions are logged with the next step
         self._dispatch(core.apply(step, results, scored))
+        if core.drafting is not None:  # the step's costs choose the next steps' k (spec/controller.py)
+            core.drafting.stepped(step, outcome.timings, time.perf_counter() - t0)
         self.metrics.step(time.perf_counter() - t0, len(step.seqs))
         self._report(due=True)
 

@@ -45,6 +45,16 @@ class ItemResult:
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """What gpu_dense measured of a step (dense.proto StepTimings, seconds): its S-part compute, its
+    wait on the shards summed over mini-batches, and the whole step."""
+
+    s_part_seconds: float
+    attend_seconds: float
+    step_seconds: float
+
+
+@dataclass(frozen=True)
 class StepOutcome:
     items: list[ItemResult]
     error: ServiceError | None = None  # the whole step failed (a bad plan)
@@ -53,6 +63,7 @@ class StepOutcome:
     # SchedulerCore.apply takes, without an object per sequence on the way.
     # A row run several decode steps (--decode-steps) comes as (tokens, logprobs).
     sampled: dict[str, tuple[int, float] | tuple[list[int], list[float]]] | None = None
+    timings: StepTimes | None = None  # None: gpu_dense sent none
 
     def rows(self) -> list[ItemResult]:
         """Every sequence's result as an ItemResult, whichever form the step came in (for readers

@@ -183,6 +183,7 @@ class SchedulerStats:
     spec: tuple[int, int, int, int] = (0, 0, 0, 0)
     # per draft position: rows that offered a draft there, and those that kept it
     spec_at: tuple[list[int], list[int]] = ([], [])
+    spec_k: int | None = None  # the most drafts a row is offered now (None: no speculation)
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,14 @@ gpu_dense runs and the result it answers, its model info."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastdecode.contract import LAST_SAMPLE, LoraInfo, PlannedSeq, SamplingParams, TokenLogprob
 from fastdecode.protocol import MAX_DECODE_STEPS
 from fastdecode.runtime.errors import InternalError, InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
-from fastdecode.scheduling.ports import DenseInfo, ItemResult, StepOutcome
+from fastdecode.scheduling.ports import DenseInfo, ItemResult, StepOutcome, StepTimes
 from fastdecode.scheduling.types import SampledRun, Step
 from fastdecode.v1 import dense_pb2
 from fastdecode.wire.errors import error_from_item, item_error
@@ -293,7 +294,16 @@ def step_result(
 
 
 def step_outcome_from_proto(result: dense_pb2.StepResult) -> StepOutcome:
-    """The scheduler's side of a StepResult."""
+    """The scheduler's side of a StepResult, with the step's timings when gpu_dense sent them (what
+    drafting's controller weighs drafts by)."""
+    out = _outcome_from_proto(result)
+    if not result.HasField("timings"):
+        return out
+    t = result.timings
+    return replace(out, timings=StepTimes(t.s_part_seconds, t.attend_seconds, t.step_seconds))
+
+
+def _outcome_from_proto(result: dense_pb2.StepResult) -> StepOutcome:
     if result.error.code:
         return StepOutcome([], error_from_item(result.error))
     ids, toks, lps = list(result.seq_ids), list(result.token_ids), list(result.logprobs)

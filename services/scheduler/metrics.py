@@ -68,6 +68,11 @@ SPEC_KEPT_AT = Counter(
     ["position", "outcome"],
 )
 SPEC_ROWS = Counter("fastdecode_spec_rows", "Decode rows that carried speculative drafts")
+SPEC_K = Gauge(
+    "fastdecode_spec_chosen_k",
+    "Most drafts a decode row is offered now: the k --speculative-k auto chose (a probe at 0 offers "
+    "--num-speculative-tokens for a few steps), or --num-speculative-tokens when fixed",
+)
 SPEC_EMITTED = Counter(
     "fastdecode_spec_emitted_tokens", "Tokens rows with drafts yielded (kept drafts + the target's own)"
 )
@@ -136,3 +141,5 @@ class PrometheusSchedulerMetrics(SchedulerMetrics):
         SPEC_DRAFTS.labels("proposed").inc(drafts)
         SPEC_DRAFTS.labels("accepted").inc(kept)
         SPEC_EMITTED.inc(emitted)
+        if stats.spec_k is not None:
+            SPEC_K.set(stats.spec_k)

@@ -249,7 +249,15 @@ def test_compose_gpu_override(docker_compose: str) -> None:
     (device,) = dense["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert dense["environment"]["FASTDECODE_DEVICE"] == "cuda"
+    assert dense["environment"]["FASTDECODE_TENSOR_PARALLEL"] == "1"  # one rank unless asked
     assert all("deploy" not in s for n, s in cfg["services"].items() if n != "gpu-dense")
+    cfg = _compose_config(
+        docker_compose,
+        "docker-compose.yml",
+        "docker-compose.gpu.yml",
+        env={"FASTDECODE_TENSOR_PARALLEL": "2"},
+    )
+    assert cfg["services"]["gpu-dense"]["environment"]["FASTDECODE_TENSOR_PARALLEL"] == "2"
 
 
 def test_compose_tls_override(docker_compose: str) -> None:
@@ -541,6 +549,7 @@ CASES = {
     "replicas-router": REPLICAS,
     "replicas-locked": REPLICAS_LOCKED,
     "persistent-kv": {"kvAttention": {"persistentKV": True, "kvCapacity": 1 << 30}},
+    "tensor-parallel": {"gpu": {"enabled": True, "count": 2}, "gpuDense": {"tensorParallel": 2}},
 }
 # Kinds outside Kubernetes' own schemas, checked by hand below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
@@ -685,6 +694,26 @@ def test_chart_host_shard_is_the_last_shard_reached_through_gpu_dense() -> None:
         len(_by_kind(default, "ConfigMap")[f"{full}-settings"]["data"]["FASTDECODE_SHARDS"].split(",")) == 2
     )
     assert "host-shard" not in _ports(_containers(default)["gpu-dense"], "containerPort")
+
+
+def test_chart_tensor_parallel_gives_gpu_dense_its_ranks_gpus() -> None:
+    docs = _render(CASES["tensor-parallel"])
+    dense = _containers(docs)["gpu-dense"]
+    env = {e["name"]: e.get("value") for e in dense["env"]}
+    assert env["FASTDECODE_TENSOR_PARALLEL"] == "2" and env["FASTDECODE_DEVICE"] == "cuda"
+    assert dense["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in dense["volumeMounts"]
+    default = _containers(_render(CASES["default"]))["gpu-dense"]
+    assert "FASTDECODE_TENSOR_PARALLEL" not in {e["name"] for e in default["env"]}
+    with helm.Chart.load(CHART_DIR) as chart:
+        with pytest.raises(helm.HelmError, match="tensorParallel"):
+            chart.render(
+                {"gpu": {"enabled": True, "count": 1}, "gpuDense": {"tensorParallel": 2}},
+                name=RELEASE,
+                namespace=NAMESPACE,
+            )
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema({"gpuDense": {"tensorParallel": 0}})
 
 
 def _ports(obj: dict[str, Any], key: str) -> dict[str, int]:

@@ -70,7 +70,7 @@ def _hosted_stats(up: UpProcess) -> kv_pb.ShardStats:
         ("gpu_dense", ("--shards", "1", "--host-shard")),
         # killed while rows with drafts are verified: the shards hold rejected drafts' KV past what
         # the scheduler counts, and the re-run writes over them
-        ("gpu_dense", ("--speculative", "ngram")),
+        ("gpu_dense", ("--speculative", "ngram", "--speculative-k", "fixed")),
     ],
     ids=["gpu_dense", "scheduler", "gpu_dense-hosting-a-shard", "gpu_dense-speculative"],
 )

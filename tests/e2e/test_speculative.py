@@ -35,7 +35,15 @@ def test_speculative_greedy_tokens_equal_transformers(
 ) -> None:
     model = model_factory("llama")
     up = fleet_factory(
-        model, "--speculative", method, "--num-speculative-tokens", "3", private=True, timeout=180
+        model,
+        "--speculative",
+        method,
+        "--num-speculative-tokens",
+        "3",
+        "--speculative-k",
+        "fixed",  # every row offered 3 drafts: verification, not the choice of k, is tested here
+        private=True,
+        timeout=180,
     )
     try:
         with Client(up.target) as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -108,7 +116,16 @@ def test_speculation_with_int8_kv_keeps_the_tokens_of_int8_kv_without_it(
     model = model_factory("llama")
     outs = []
     for spec in ("off", "ngram"):
-        args = ("--kv-dtype", "int8", "--speculative", spec, "--plan-ahead", "off")
+        args = (
+            "--kv-dtype",
+            "int8",
+            "--speculative",
+            spec,
+            "--speculative-k",
+            "fixed",
+            "--plan-ahead",
+            "off",
+        )
         up = fleet_factory(model, *args, private=True, timeout=180)
         try:
             with Client(up.target) as client, concurrent.futures.ThreadPoolExecutor(8) as pool:

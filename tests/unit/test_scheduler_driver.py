@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,9 @@ from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.settings import SchedulerSettings
 from fastdecode.scheduling import Request
 from fastdecode.scheduling.driver import SchedulerDriver
-from fastdecode.scheduling.ports import DEFAULT_BLOCK_SIZE, capacity_tokens
+from fastdecode.scheduling.ports import DEFAULT_BLOCK_SIZE, StepOutcome, StepTimes, capacity_tokens
+from fastdecode.scheduling.types import Step
+from fastdecode.spec.controller import DECIDE_EVERY
 from tests.support.fakes import FakeDense, FakeShard
 
 NAN_TEMPERATURE = SamplingParams(temperature=float("nan"))
@@ -443,3 +446,37 @@ def test_a_persistent_shard_that_stays_down_past_the_grace_is_lost() -> None:
     assert outs == [list(range(1, 17))] * 4
     assert driver.shards[0].suspended_at is None and not driver.shards[0].healthy
     assert driver.core is not None and driver.core.membership.recoveries > 0  # re-prefilled on shard 1
+
+
+class _TimedDense(FakeDense):
+    """gpu_dense that reports each step's timings, as the real one does."""
+
+    async def run(self, step: Step, pipeline: bool) -> StepOutcome:
+        out = await super().run(step, pipeline)
+        return replace(out, timings=StepTimes(0.002, 0.001, 0.003))
+
+
+@pytest.mark.parametrize(
+    ("dense", "speculative_k"), [(_TimedDense, "auto"), (FakeDense, "auto"), (_TimedDense, "fixed")]
+)
+def test_each_steps_timings_reach_the_draft_controller(dense: type[FakeDense], speculative_k: str) -> None:
+    settings = SETTINGS.model_copy(
+        update={"speculative": "ngram", "plan_ahead": "off", "speculative_k": speculative_k}
+    )
+
+    async def main() -> None:
+        driver = SchedulerDriver(settings, dense(), [FakeShard("fake:2"), FakeShard("fake:3")])
+        await driver.connect()
+        loop = asyncio.create_task(driver.step_loop())
+        try:
+            out = await _collect(driver, Request("a", [5, 6, 7, 5, 6, 7], max_tokens=2 * DECIDE_EVERY + 8))
+            assert out == list(range(1, 2 * DECIDE_EVERY + 9))
+        finally:
+            loop.cancel()
+        assert driver.core is not None and driver.core.drafting is not None
+        control = driver.core.drafting.control
+        timed = dense is _TimedDense and speculative_k == "auto"
+        assert control.cost.ready == timed and (control.decisions >= 2) == timed
+        assert driver.core.stats().spec_k == 3  # the sampled tokens never repeat: no draft found, none costs
+
+    asyncio.run(main())

@@ -10,9 +10,10 @@ from collections.abc import Callable
 import pytest
 
 from fastdecode.contract import LAST_SAMPLE, PlannedSeq, SamplingParams, TokenLogprob
-from fastdecode.dense.outcome import Outcome
+from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.gateway.core import UpstreamEvent
 from fastdecode.runtime.errors import InternalError, InvalidInput, ResourceExhausted, Status, Unavailable
+from fastdecode.scheduling.ports import StepTimes
 from fastdecode.scheduling.types import Step, TokenEvent
 from fastdecode.v1 import dense_pb2, scheduler_pb2
 from fastdecode.wire.dense import planned_seqs_from_proto, step_outcome_from_proto, step_plan, step_result
@@ -67,6 +68,14 @@ def test_a_result_whose_columns_disagree_fails_the_step() -> None:
     result.logprobs.pop()
     outcome = step_outcome_from_proto(result)
     assert outcome.items == [] and isinstance(outcome.error, InternalError)
+
+
+def test_a_result_brings_the_steps_timings_to_the_scheduler() -> None:
+    t = Timings(s_part_seconds=0.004, attend_seconds=0.01, step_seconds=0.012, shard_wait_seconds=0.008)
+    for outcomes in ({"a": Outcome(5, -0.5)}, {"a": Outcome(5, -0.5, top=((5, -0.5),))}):
+        wire = dense_pb2.StepResult.FromString(step_result(4, outcomes, t).SerializeToString())
+        assert step_outcome_from_proto(wire).timings == StepTimes(0.004, 0.01, 0.012)
+    assert step_outcome_from_proto(step_result(4, {"a": Outcome(5, -0.5)}, None)).timings is None
 
 
 def test_a_result_keeps_errors_top_and_prompt_logprobs_and_leaves_them_empty_elsewhere() -> None:

@@ -4,14 +4,17 @@ equal a run without any scheduling, wherever drafts are right, wrong or cut by a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from fastdecode.contract import SamplingParams
 from fastdecode.runtime.errors import InvalidInput
-from fastdecode.scheduling import Request
+from fastdecode.scheduling import Request, SchedulerCore
+from fastdecode.scheduling.ports import StepTimes
+from fastdecode.scheduling.types import Step
 from fastdecode.spec import NgramConfig, NgramProposer
+from fastdecode.spec.controller import DECIDE_EVERY
 from tests.support.core_fleet import EOS, Fleet, core_with, reference
 
 PROMPTS = {"a": [5, 6, 7], "b": [1, 2], "c": [9, 8, 7, 6, 5, 4, 3, 2, 1], "d": [4]}
@@ -24,8 +27,8 @@ class Oracle:
 
     num_speculative_tokens = 3
 
-    def __init__(self, wrong_every: int = 0) -> None:
-        self.wrong_every = wrong_every
+    def __init__(self, wrong_every: int = 0, wrong_from: int = 1) -> None:
+        self.wrong_every, self.wrong_from = wrong_every, wrong_from  # the draft made wrong
         self.calls = 0
         self.closed: list[int] = []
 
@@ -54,8 +57,9 @@ class _OracleState:
         done = len(self.tokens) - len(self.prompt)
         out = reference(self.prompt, done + k)[done:]
         assert self.tokens[len(self.prompt) :] == reference(self.prompt, done)  # fed what was kept
-        if o.wrong_every and o.calls % o.wrong_every == 0 and len(out) > 1:
-            out[1] = (out[1] % 97) + 1 if out[1] != 97 else 1
+        w = o.wrong_from
+        if o.wrong_every and o.calls % o.wrong_every == 0 and len(out) > w:
+            out[w] = (out[w] % 97) + 1 if out[w] != 97 else 1
         return out
 
     def close(self) -> None:
@@ -130,3 +134,58 @@ def test_drafts_from_the_requests_own_tokens_and_refused_combinations() -> None:
         core_with(1, proposer=Oracle(), plan_ahead=True)
     with pytest.raises(InvalidInput):
         core_with(1, proposer=Oracle(), decode_steps=2)
+
+
+def _run_with_costs(core: SchedulerCore, fleet: Fleet, times: Callable[[Step], StepTimes | None]) -> None:
+    """The driver's loop: each step run and applied, then its costs shown to drafting."""
+    assert core.drafting is not None
+    for _ in range(10_000):
+        st = fleet.step()
+        if st is None:
+            return
+        core.drafting.stepped(st, times(st), 0.0)
+    raise AssertionError("did not finish")
+
+
+def _cpu_times(st: Step) -> StepTimes:
+    """A CPU S-part: 1 ms a position, the shards a tenth of the step, nothing overlapped."""
+    s = 0.001 * sum(len(p.token_ids) for p in st.seqs)
+    return StepTimes(s, 0.1 * s, 1.1 * s)
+
+
+@pytest.mark.parametrize("speculative_k", ["auto", "fixed"])
+def test_costly_drafts_are_turned_off_unless_k_is_fixed(speculative_k: str) -> None:
+    # every row's first draft is wrong (tau 1), and on this S-part 4 positions cost 4 times one
+    prompts = {"a": PROMPTS["a"], "c": PROMPTS["c"]}
+    core = core_with(2, proposer=Oracle(wrong_every=1, wrong_from=0), speculative_k=speculative_k)
+    fleet = Fleet(core, 2)
+    for sid, prompt in prompts.items():
+        core.submit(Request(sid, prompt, 300, ignore_eos=True))
+    _run_with_costs(core, fleet, _cpu_times)
+    for sid, prompt in prompts.items():
+        assert fleet.out[sid] == reference(prompt, 300), sid  # whatever k, the same tokens
+    assert core.drafting is not None
+    late = [p.drafts for st in fleet.plans[2 * DECIDE_EVERY :] for p in st.seqs]
+    stats = core.stats()
+    if speculative_k == "fixed":
+        assert stats.spec_k == 3 and all(d == 3 for d in late[:20])
+        assert core.drafting.control.decisions == 0
+    else:
+        assert stats.spec_k == 0 and core.drafting.control.decisions > 1
+        assert sum(d > 0 for d in late) < len(late) / 4  # off, but for a probe now and then
+        assert any(d == 3 for d in late)  # the probes
+    asked, found = core.drafting.asked_at, core.drafting.found_at
+    assert asked[0] >= asked[1] >= asked[2] > 0 and found == asked  # the oracle always finds them
+    assert core.drafting.offered_at[0] <= found[0]
+
+
+def test_drafts_stay_without_timings_and_cheap_drafts_stay_on() -> None:
+    for times in (lambda st: None, lambda st: StepTimes(0.01, 0.05, 0.05)):  # none, or flat and shard-bound
+        core = core_with(1, proposer=Oracle())
+        fleet = Fleet(core, 1)
+        core.submit(Request("c", PROMPTS["c"], 300, ignore_eos=True))
+        _run_with_costs(core, fleet, times)
+        assert fleet.out["c"] == reference(PROMPTS["c"], 300)
+        assert core.stats().spec_k == 3
+        assert all(p.drafts == 3 for st in fleet.plans[1:-2] for p in st.seqs)
+    assert core_with(1).stats().spec_k is None  # no speculation, no k

@@ -1,0 +1,183 @@
+"""How many drafts a row is offered (fastdecode/spec/controller.py): fed synthetic steps whose S-part
+grows with every position (a CPU), or is flat beside attention that dominates (a GPU at long
+context), with acceptance high or falling; the probe at k = 0; the shared tau and best_k."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from fastdecode.dense.emulated import RECORDED_ACCEPTANCE, EmulatedAcceptance
+from fastdecode.spec.controller import (
+    DECIDE_EVERY,
+    PRIOR_RATES,
+    PROBE_EVERY,
+    PROBE_STEPS,
+    Counts,
+    KController,
+    StepCost,
+    StepModel,
+    best_k,
+    expected_tau,
+)
+
+K, ROWS = 3, 32
+
+
+class Steps:
+    """A drafter and a verifier over ROWS rows a step: each row finds its j-th draft at `found` and
+    keeps it (with every one before) at rate `keep[j]` (conditional on the one before kept); a step
+    costs s_fixed + s_per_position * positions of S-part and r0 * (1 + 0.1 * drafts a row) of
+    attention, the pipeline hiding `overlap` of the shorter side."""
+
+    def __init__(
+        self, c: KController, s_fixed: float, s_per_position: float, r0: float, overlap: float
+    ) -> None:
+        self.c = c
+        self.s_fixed, self.s_per_position, self.r0, self.overlap = s_fixed, s_per_position, r0, overlap
+        self.rnd = random.Random(0)
+        self.at: list[list[int]] = [[0] * K for _ in range(4)]  # asked, found, offered, kept
+        self.caps: list[int] = []
+
+    def run(self, steps: int, keep: Sequence[float], found: float = 1.0) -> list[int]:
+        """The k chosen after each step."""
+        asked, fnd, offered, kept = self.at
+        ks = []
+        for _ in range(steps):
+            cap, drafts = self.c.cap, 0
+            self.caps.append(cap)
+            for _row in range(ROWS):
+                d = 0
+                for j in range(cap):
+                    asked[j] += 1
+                    if self.rnd.random() >= found:
+                        break
+                    d += 1
+                for j in range(d):
+                    fnd[j] += 1
+                    offered[j] += 1
+                for j in range(d):
+                    if self.rnd.random() >= keep[min(j, len(keep) - 1)]:
+                        break
+                    kept[j] += 1
+                drafts += d
+            n = ROWS + drafts + self.rnd.randint(0, 8)  # a prefill chunk now and then
+            s = self.s_fixed + self.s_per_position * n
+            a = self.r0 * (1 + 0.1 * drafts / ROWS)
+            step = s + a - self.overlap * min(s, a)
+            self.c.observe(StepCost(n, ROWS, drafts, s, a, step, step * 1.02), Counts(*self.at))
+            ks.append(self.c.k)
+        return ks
+
+
+def cpu(c: KController) -> Steps:
+    """A CPU S-part: every position costs 1 ms; the shards are a fifth of it, no overlap."""
+    return Steps(c, 0.0005, 0.001, 0.008, overlap=0.0)
+
+
+def gpu(c: KController) -> Steps:
+    """A GPU S-part, flat in the positions, beside shards at long context 6x as long, piped."""
+    return Steps(c, 0.005, 0.00001, 0.03, overlap=1.0)
+
+
+GOOD = (0.9, 0.9, 0.9)  # conditional keep rates: 0.9, 0.81, 0.73 per position
+NGRAM = (0.65, 0.92, 0.84)  # 0.65, 0.6, 0.5 per position: what bench spec measured with ngram
+
+
+def test_a_cpu_s_part_leaves_drafts_off_at_the_acceptance_ngram_gets() -> None:
+    c = KController(K)
+    ks = cpu(c).run(4 * DECIDE_EVERY, NGRAM)
+    assert ks[0] == K  # starts at K: the first steps measure what drafts cost
+    assert ks[-1] == 0 and c.decisions >= 3
+    assert c.cost.slope() == pytest.approx(0.001, rel=0.1)  # the S-part's cost of a position, fitted
+
+
+def test_a_flat_s_part_beside_long_attention_takes_every_draft() -> None:
+    c = KController(K)
+    ks = gpu(c).run(4 * DECIDE_EVERY, GOOD)
+    assert set(ks) == {K}
+    assert c.tokens_per_s(K) > 2 * c.tokens_per_s(0)  # tau ~3.4 for ~1.3x the attention
+
+
+def test_a_fixed_overhead_makes_drafts_pay_on_a_cpu_too() -> None:
+    # a small batch on a CPU (bench spec's B = 8 of SmolLM2): most of the step is fixed
+    c = KController(K)
+    ks = Steps(c, 0.05, 0.0002, 0.01, overlap=0.0).run(4 * DECIDE_EVERY, GOOD)
+    assert ks[-1] == K
+
+
+def test_falling_acceptance_lowers_k_and_none_kept_turns_drafts_off() -> None:
+    c = KController(K)
+    steps = gpu(c)
+    assert steps.run(3 * DECIDE_EVERY, GOOD)[-1] == K
+    # the first draft is still kept often, the later ones hardly: only the first pays for its attention
+    mid = steps.run(6 * DECIDE_EVERY, (0.5, 0.05, 0.05))
+    assert 0 < mid[-1] < K
+    assert steps.run(6 * DECIDE_EVERY, (0.0,))[-1] == 0
+
+
+def test_at_zero_a_probe_offers_k_drafts_now_and_then_and_finds_acceptance_back() -> None:
+    c = KController(K)
+    steps = gpu(c)
+    steps.run(4 * DECIDE_EVERY, (0.0,))  # nothing kept: drafts only cost
+    assert c.k == 0
+    start = len(steps.caps)
+    steps.run((PROBE_EVERY + 2) * DECIDE_EVERY, (0.0,))
+    caps = steps.caps[start:]
+    assert K in caps and caps.count(K) <= 2 * PROBE_STEPS  # a probe, short
+    assert c.k == 0  # it kept none again
+    # the text turns repetitive: only a probe can see it (no row is offered a draft at k = 0)
+    ks = steps.run((PROBE_EVERY + 2) * DECIDE_EVERY, GOOD)
+    assert ks[-1] == K
+
+
+def test_without_a_probe_k_stays_at_zero() -> None:
+    c = KController(K, probe_every=10**6)
+    steps = gpu(c)
+    steps.run(4 * DECIDE_EVERY, (0.0,))
+    assert steps.run((PROBE_EVERY + 2) * DECIDE_EVERY, GOOD)[-1] == 0
+
+
+def test_without_timings_k_stays_and_fixed_never_moves() -> None:
+    c = KController(K)
+    counts = Counts([9] * K, [9] * K, [9] * K, [0] * K)
+    for _ in range(3 * DECIDE_EVERY):  # an old gpu_dense: no timings, so nothing to weigh drafts by
+        c.observe(StepCost(40, 32, 8, 0.0, 0.0, 0.0, 0.01), counts)
+    assert c.k == K and not c.cost.ready
+    pinned = KController(K, adaptive=False)
+    cpu(pinned).run(3 * DECIDE_EVERY, (0.0,))
+    assert pinned.k == pinned.cap == K and pinned.decisions == 0
+
+
+def test_hysteresis_keeps_k_between_near_equal_choices() -> None:
+    scores = {0: 1.0, 1: 1.03, 2: 0.9}
+    assert best_k(scores.__getitem__, 2) == 1
+    assert best_k(scores.__getitem__, 2, current=0, hysteresis=0.05) == 0
+    assert best_k(scores.__getitem__, 2, current=0, hysteresis=0.01) == 1
+    assert best_k({0: 1.0, 1: 1.0}.__getitem__, 1) == 0  # ties: fewer drafts
+
+
+@pytest.mark.parametrize("rates", [PRIOR_RATES, (0.9, 0.7, 0.5), (0.4, 0.6, 0.2, 0.3)])
+def test_expected_tau_is_the_emulated_devices(rates: Sequence[float]) -> None:
+    for k in range(6):
+        assert expected_tau(rates, k) == pytest.approx(EmulatedAcceptance(tuple(rates)).expected_tau(k))
+    assert expected_tau((0.4, 0.6), 2) == pytest.approx(1.8)  # a row keeps the 2nd only with the 1st
+    assert PRIOR_RATES == RECORDED_ACCEPTANCE  # the prior is what bench spec measured
+
+
+def test_the_step_model_predicts_the_measured_step_and_its_slope_stays_in_bounds() -> None:
+    m = StepModel()
+    for n in (40, 44, 48):  # S-part 1 ms + 0.1 ms a position; attention 2 ms, half of S hidden
+        s = 0.001 + 0.0001 * n
+        step = s + 0.002 - 0.5 * min(s, 0.002)
+        m.observe(StepCost(n, 32, n - 32, s, 0.002, step, step))
+    assert m.slope() == pytest.approx(0.0001, rel=0.1)  # pulled a little toward S / n (the prior)
+    s44 = 0.001 + 0.0001 * 44
+    assert m.step_s(44 / 32) == pytest.approx(s44 + 0.002 - 0.5 * 0.002, rel=0.02)
+    assert m.step_s(2.0) > m.step_s(44 / 32)  # more positions a row: a longer step
+    flat = StepModel()
+    for _ in range(5):  # one batch size only: the costlier guess, all of S per position
+        flat.observe(StepCost(64, 32, 32, 0.004, 0.001, 0.005, 0.005))
+    assert flat.slope() == pytest.approx(0.004 / 64)

@@ -9,7 +9,9 @@ their tokens (steady decode, no prefill) the bench reads every process's CPU and
 metrics. Per point:
 
 - gpu_step_ms: the profile's roofline for this step (two mini-batches: each layer's weights read
-  twice; plus the LM head); wall_step_ms: the measured wall time per step.
+  twice; plus the LM head); wall_step_ms: the measured wall time per step. `--tensor-parallel N`:
+  the roofline of one of N GPUs each holding 1/N of the weights, plus the ranks' collectives at the
+  profile's link bandwidth (fastdecode/dense/emulated.py `Roofline`).
 - cpu_ms_per_step: scheduler, dense_main (gpu_dense's process, all its threads, less the host's
   stand-in for on-device sampling: `dense_stand_in_ms`), exchange_workers, shards_outside_attention
   (the shards' CPU less their attention time), gateway. dense_main_kernel_ms: the kernel's part of
@@ -200,6 +202,7 @@ def run_point(
     speculative: str = "off",
     num_speculative_tokens: int = 3,
     acceptance: str | None = None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     import torch
 
@@ -211,7 +214,8 @@ def run_point(
 
     device = f"emulated:{gpu}"
     shape = None if geometry == CHECKPOINT else geometry
-    emulated = load_emulated(model, device, torch.bfloat16, shape, acceptance)  # errors before any process
+    # errors before any process
+    emulated = load_emulated(model, device, torch.bfloat16, shape, acceptance, tensor_parallel)
     spec_args = ["--speculative", speculative, "--num-speculative-tokens", str(num_speculative_tokens)]
     rates = ",".join(f"{r:g}" for r in emulated.acceptance.rates)
     # native or python: which one `auto` takes here (an unbuilt native one fails before any process)
@@ -232,6 +236,7 @@ def run_point(
                 *("--dtype", "bfloat16", *(("--geometry", shape) if shape else ())),
                 *("--exchange-workers", str(workers), "--exchange-worker", kind if workers else "auto"),
                 *("--emulated-acceptance", rates),
+                *("--tensor-parallel", str(tensor_parallel)),
             ],
             scheduler_args=[
                 *("--max-running", str(batch), "--plan-ahead", plan_ahead),
@@ -298,6 +303,7 @@ def run_point(
         **spec,
         "gpu": gpu,
         "geometry": geometry,
+        "tensor_parallel": tensor_parallel,
         "batch": batch,
         "shards": shards,
         "workers": workers,
@@ -361,6 +367,7 @@ def run_pace(
     speculative: str = "off",
     num_speculative_tokens: int = 3,
     acceptance: str | None = None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """Each point; with `speculative`, each point twice, without drafts and with them (the emulated
     device keeps them at the `acceptance` rates), the second carrying `speedup` over the first."""
@@ -385,7 +392,7 @@ def run_pace(
         pair = [
             run_point(
                 *(gpu, geometry, b, shards, k, prompt_len, gen_len, path, echo_repeats, loop, ahead, idle_s),
-                *(kind, interval, k_steps, mode, num_speculative_tokens, acceptance),
+                *(kind, interval, k_steps, mode, num_speculative_tokens, acceptance, tensor_parallel),
             )
             for mode in modes
         ]
@@ -425,7 +432,8 @@ def pace_figure(result: dict[str, Any]) -> Any:
     ax.set_xticks(
         x,
         [
-            f"{p['gpu']} {p['geometry']}\nB={p['batch']} P={p['shards']} K={p['workers']}\n"
+            f"{p['gpu']} {p['geometry']} TP={p.get('tensor_parallel', 1)}\n"
+            f"B={p['batch']} P={p['shards']} K={p['workers']}\n"
             f"{p['event_loop']}, ahead {p['plan_ahead']}, k={p.get('decode_steps', 1)}"
             for p in points
         ],

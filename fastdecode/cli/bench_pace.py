@@ -52,6 +52,14 @@ def scheduler_step_cmd(as_json: bool, **kw: Any) -> None:
     help="Model shape (llama-3-8b, llama-3-70b, smollm2, small), or checkpoint: the --model's own "
     "(the tiny default's steps are tens of ms: the scheduler and gateway read at a fast pace).",
 )
+@click.option(
+    "--tensor-parallel",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="GPUs the S-part is split over: each holds 1/N of the weights, the ranks' collectives at the "
+    "profile's link bandwidth (docs/scaling.md).",
+)
 @click.option("--batch", "-B", "batches", type=int, multiple=True, default=(256,), show_default=True)
 @click.option("--shards", "-P", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option(

@@ -43,6 +43,7 @@ from fastdecode.contract import PlannedSeq
 from fastdecode.dense.plane import Device
 from fastdecode.model.config import ModelConfig
 from fastdecode.model.lora import LoraBatch
+from fastdecode.model.tensor_parallel import check_tensor_parallel
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import GEOMETRIES, Geometry
 
@@ -60,6 +61,7 @@ PROFILE_RANGES: dict[str, tuple[float, float]] = {
     "kernel_floor_us": (0.0, 10_000.0),
     "pcie_gbps": (0.1, 10_000.0),
     "memory_gib": (0.5, 65_536.0),
+    "link_gbps": (0.1, 10_000.0),
 }
 
 
@@ -74,6 +76,7 @@ class GPUProfile:
     kernel_floor_us: float  # per kernel: launch and tail that no size hides (CUDA graphs assumed)
     pcie_gbps: float  # host <-> device copies, GB/s achieved one way
     memory_gib: float  # device memory
+    link_gbps: float = 450.0  # GPU to GPU (tensor parallelism), GB/s one way: NVLink 4's 450
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -96,18 +99,26 @@ class GPUProfile:
     def copy_seconds(self, nbytes: float) -> float:
         return nbytes / (self.pcie_gbps * 1e9)
 
+    def link_seconds(self, nbytes: float, collectives: int) -> float:
+        """`collectives` collectives between GPUs moving `nbytes` per GPU over the links."""
+        return nbytes / (self.link_gbps * 1e9) + collectives * COLLECTIVE_FLOOR_US * 1e-6
+
 
 # Datasheet figures: H100 SXM5 (3.35 TB/s HBM3, 989 TFLOP/s dense bf16, 80 GB), H200 (4.8 TB/s,
 # 141 GB, same compute), A10 (600 GB/s, 125 TFLOP/s, 24 GB), L4 (300 GB/s, 121 TFLOP/s, 24 GB).
 # PCIe: gen5 x16 ~55 GB/s achieved for H100/H200, gen4 x16 ~25 GB/s for A10 and L4. Efficiency
 # 0.8 and a 3 us kernel floor are what decode GEMMs at this size reach with CUDA graphs; measure
 # and correct them with `make gpu-check` on the real GPU.
+# GPU to GPU: NVLink 4 (H100/H200 SXM) 450 GB/s a way; A10 and L4 have none, so PCIe's.
 PROFILES: dict[str, GPUProfile] = {
-    "h100": GPUProfile("h100", 3350, 989, 0.8, 3.0, 55, 80),
-    "h200": GPUProfile("h200", 4800, 989, 0.8, 3.0, 55, 141),
-    "a10": GPUProfile("a10", 600, 125, 0.8, 4.0, 25, 24),
-    "l4": GPUProfile("l4", 300, 121, 0.8, 4.0, 25, 24),
+    "h100": GPUProfile("h100", 3350, 989, 0.8, 3.0, 55, 80, 450),
+    "h200": GPUProfile("h200", 4800, 989, 0.8, 3.0, 55, 141, 450),
+    "a10": GPUProfile("a10", 600, 125, 0.8, 4.0, 25, 24, 25),
+    "l4": GPUProfile("l4", 300, 121, 0.8, 4.0, 25, 24, 25),
 }
+# A collective's fixed cost (NCCL's small-message all-reduce over 4-8 NVLink GPUs: 10-20 us; less
+# with CUDA graphs): what no size hides.
+COLLECTIVE_FLOOR_US = 10.0
 
 
 def is_emulated(device: str) -> bool:
@@ -174,11 +185,15 @@ def geometry_of(c: ModelConfig, name: str = "") -> Geometry:
 
 @dataclass(frozen=True)
 class Roofline:
-    """Device times of one model's S-part pieces on one GPU at `itemsize` bytes per element."""
+    """Device times of one model's S-part pieces on one GPU at `itemsize` bytes per element; with
+    `tensor_parallel` N, on each of N GPUs holding 1/N of every layer (fastdecode/model/
+    tensor_parallel.py's layout), plus what its ranks exchange: each layer call's command and rows
+    broadcast, q, k, v gathered to rank 0, two all-reduces after attention, the logits gathered."""
 
     profile: GPUProfile
     geometry: Geometry
     itemsize: int = 2
+    tensor_parallel: int = 1
 
     @property
     def _dims(self) -> tuple[int, int, int, int]:
@@ -186,38 +201,50 @@ class Roofline:
         return g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim, g.intermediate
 
     def layer_params(self) -> tuple[int, int]:
-        """(before attention, after attention) weights of one layer."""
+        """(before attention, after attention) weights of one layer on one GPU."""
         h, q, kv, inter = self._dims
-        return h * (q + 2 * kv), q * h + 3 * h * inter
+        n = self.tensor_parallel
+        return h * (q + 2 * kv) // n, (q * h + 3 * h * inter) // n
 
     def weight_bytes(self) -> int:
-        g = self.geometry
+        """Weights on one GPU (rank 0: the whole embedding, its slice of the LM head)."""
+        g, n = self.geometry, self.tensor_parallel
         pre, post = self.layer_params()
-        return ((pre + post) * g.num_layers + 2 * g.hidden * g.vocab) * self.itemsize  # + embed, head
+        return ((pre + post) * g.num_layers + g.hidden * g.vocab + g.hidden * g.vocab // n) * self.itemsize
+
+    def _link(self, nbytes: float, collectives: int) -> float:
+        n = self.tensor_parallel
+        return 0.0 if n == 1 else self.profile.link_seconds(nbytes, collectives)
 
     def pre_seconds(self, tokens: int) -> float:
-        """Norm, fused QKV GEMM, RoPE for `tokens` rows."""
+        """Norm, fused QKV GEMM, RoPE for `tokens` rows (TP: and the gather of q, k, v)."""
         h, q, kv, _ = self._dims
+        n = self.tensor_parallel
         w, _ = self.layer_params()
-        act = tokens * (2 * h + 2 * (q + 2 * kv)) * self.itemsize  # norm in/out, GEMM out, RoPE in/out
-        return self.profile.kernel_seconds(w * self.itemsize + act, 2 * tokens * w, 3)
+        act = tokens * (2 * h + 2 * (q + 2 * kv) // n) * self.itemsize  # norm in/out, GEMM out, RoPE in/out
+        sent = tokens * (h + (q + 2 * kv) * (n - 1) // n) * self.itemsize  # rows out, heads gathered
+        return self.profile.kernel_seconds(w * self.itemsize + act, 2 * tokens * w, 3) + self._link(sent, 4)
 
     def post_seconds(self, tokens: int) -> float:
-        """O GEMM, residual + norm, gate/up GEMM, SiLU-mul, down GEMM."""
+        """O GEMM, residual + norm, gate/up GEMM, SiLU-mul, down GEMM (TP: two all-reduces)."""
         h, q, _, inter = self._dims
+        n = self.tensor_parallel
         _, w = self.layer_params()
-        act = tokens * (q + 5 * h + 2 * inter + 3 * inter + h) * self.itemsize
-        return self.profile.kernel_seconds(w * self.itemsize + act, 2 * tokens * w, 5)
+        act = tokens * ((q + 5 * inter) // n + 6 * h) * self.itemsize
+        # rows and attention out broadcast; a ring all-reduce moves 2 (N-1)/N of its tensor a GPU
+        sent = tokens * (h + q + 2 * 2 * h * (n - 1) // n) * self.itemsize
+        return self.profile.kernel_seconds(w * self.itemsize + act, 2 * tokens * w, 5) + self._link(sent, 4)
 
     def layer_seconds(self, tokens: int) -> float:
         return self.pre_seconds(tokens) + self.post_seconds(tokens)
 
     def head_seconds(self, rows: int) -> float:
-        """Final norm, LM head (fp32 logits out) and sampling over them."""
-        g = self.geometry
-        w = g.hidden * g.vocab
+        """Final norm, LM head (fp32 logits out) and sampling over them (TP: the logits gathered)."""
+        g, n = self.geometry, self.tensor_parallel
+        w = g.hidden * g.vocab // n
         nbytes = w * self.itemsize + rows * (g.hidden * self.itemsize + 3 * g.vocab * 4)
-        return self.profile.kernel_seconds(nbytes, 2 * rows * w, 6)
+        sent = rows * (g.hidden * self.itemsize + g.vocab * 4 * (n - 1) // n)
+        return self.profile.kernel_seconds(nbytes, 2 * rows * w, 6) + self._link(sent, 3)
 
     def qkv_copy_seconds(self, tokens: int) -> float:
         _, q, kv, _ = self._dims
@@ -248,9 +275,10 @@ def check_fits(roof: Roofline) -> None:
     need = roof.weight_bytes() * 1.1
     have = roof.profile.memory_gib * GIB
     if need > have:
+        per = f" per GPU over {roof.tensor_parallel}" if roof.tensor_parallel > 1 else ""
         raise InvalidInput(
-            f"geometry {roof.geometry.name} needs {need / GIB:.0f} GiB of weights and activations at "
-            f"{roof.itemsize} bytes per element; {roof.profile.name} has {roof.profile.memory_gib:g} GiB"
+            f"geometry {roof.geometry.name} needs {need / GIB:.0f} GiB of weights and activations{per} "
+            f"at {roof.itemsize} bytes per element; {roof.profile.name} has {roof.profile.memory_gib:g} GiB"
         )
 
 
@@ -394,6 +422,7 @@ class EmulatedModel(Device):
         geometry: str = "",
         token_limit: int | None = None,
         acceptance: EmulatedAcceptance | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         self.config = config
         self.acceptance = acceptance or EmulatedAcceptance()
@@ -405,7 +434,7 @@ class EmulatedModel(Device):
         # the clock: the step runner stages them once per arena (fastdecode/dense/runner.py)
         self.synthetic = True
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.roofline = Roofline(profile, geometry_of(config, geometry), itemsize)
+        self.roofline = Roofline(profile, geometry_of(config, geometry), itemsize, tensor_parallel)
         check_fits(self.roofline)
         self.clock = DeviceClock()
         # when this task's last S-part result (q, k, v in host memory) is ready, and the blocking wait
@@ -550,13 +579,14 @@ def load_emulated(
     dtype: torch.dtype,
     geometry: str | None = None,
     acceptance: str | None = None,
+    tensor_parallel: int = 1,
 ) -> EmulatedModel:
     """The EmulatedModel for `--device emulated:...`: the checkpoint's config (and tokenizer range),
     a named geometry's dims over it, no weights; `acceptance` the rates its verification keeps
-    drafts at ('0.65,0.6,...'; None: RECORDED_ACCEPTANCE)."""
+    drafts at ('0.65,0.6,...'; None: RECORDED_ACCEPTANCE); `tensor_parallel` GPUs sharing it."""
     profile = load_profile(device)
     rates = EmulatedAcceptance.parse(acceptance)
     base = ModelConfig.from_pretrained(path)
-    return EmulatedModel(
-        apply_geometry(base, geometry), profile, dtype, geometry or "", base.vocab_size, rates
-    )
+    config = apply_geometry(base, geometry)
+    check_tensor_parallel(config, tensor_parallel)
+    return EmulatedModel(config, profile, dtype, geometry or "", base.vocab_size, rates, tensor_parallel)

@@ -100,6 +100,11 @@ class DenseModel:
         self.inv_freq = self.ropes[0].inv_freq if self.ropes else rope_inv_freq(c.rope, c.head_dim).to(device)
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
+        # Tensor parallelism (fastdecode/model/tensor_parallel.py): the heads this rank's slices of
+        # the weights compute, and the sum over the ranks of a row-parallel projection's partial
+        # outputs. All the heads and None in one process.
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _norm(self, w: torch.Tensor) -> torch.Tensor:
         return 1.0 + w.float() if self.config.gemma_norms else w
@@ -278,22 +283,20 @@ class DenseModel:
         gemma = c.gemma_norms
         x = rms_norm(hidden, w.input_norm, c.rms_norm_eps, gemma)
         qkv = F.linear(x, w.qkv_w, w.qkv_b)
+        qs, ks = self.heads * c.head_dim, (self.heads + self.kv_heads) * c.head_dim
         if lora is not None:
-            qs, ks = self.q_size, self.q_size + self.kv_size
             lora.add(qkv, x, layer, "q_proj", slice(0, qs))
             lora.add(qkv, x, layer, "k_proj", slice(qs, ks))
             lora.add(qkv, x, layer, "v_proj", slice(ks, None))
         t = hidden.shape[0]
-        q = qkv[:, : self.q_size]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
-        v = qkv[:, self.q_size + self.kv_size :]
+        q, k, v = qkv[:, :qs], qkv[:, qs:ks], qkv[:, ks:]
         if c.qk_norm == "full":  # OLMoE: over the whole projection, before the split into heads
             q, k = rms_norm(q, w.q_norm, c.rms_norm_eps), rms_norm(k, w.k_norm, c.rms_norm_eps)  # type: ignore[arg-type]
         if c.clip_qkv:  # OLMoE: after its norms
             q, k, v = (x.clamp(-c.clip_qkv, c.clip_qkv) for x in (q, k, v))
-        q = q.reshape(t, c.num_attention_heads, c.head_dim)
-        k = k.reshape(t, c.num_key_value_heads, c.head_dim)
-        v = v.reshape(t, c.num_key_value_heads, c.head_dim)
+        q = q.reshape(t, self.heads, c.head_dim)
+        k = k.reshape(t, self.kv_heads, c.head_dim)
+        v = v.reshape(t, self.kv_heads, c.head_dim)
         if c.qk_norm == "head":  # Qwen3, Gemma 3: per head, before RoPE
             q = rms_norm(q, w.q_norm, c.rms_norm_eps, gemma)  # type: ignore[arg-type]
             k = rms_norm(k, w.k_norm, c.rms_norm_eps, gemma)  # type: ignore[arg-type]
@@ -311,7 +314,7 @@ class DenseModel:
         c, w = self.config, self.layers[layer]
         gemma = c.gemma_norms
         attn_out = attn_out.to(hidden.dtype)
-        o = F.linear(attn_out, w.o_w, w.o_b)
+        o = self._row_parallel(attn_out, w.o_w, w.o_b)
         if lora is not None:
             lora.add(o, attn_out, layer, "o_proj")
         if w.attn_out_norm is not None:
@@ -320,9 +323,10 @@ class DenseModel:
         x = rms_norm(h, w.post_norm, c.rms_norm_eps, gemma)
         if w.experts is not None:
             m = self._moe(x, w.experts)
+            m = m if self.reduce is None else self.reduce(m)
         elif lora is None:
             gate, up = F.linear(x, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)  # type: ignore[arg-type]
-            m = F.linear(self._act(gate) * up, w.down_w, w.down_b)  # type: ignore[arg-type]
+            m = self._row_parallel(self._act(gate) * up, w.down_w, w.down_b)  # type: ignore[arg-type]
         else:
             gate_up = F.linear(x, w.gate_up_w, w.gate_up_b)  # type: ignore[arg-type]
             inter = gate_up.shape[-1] // 2
@@ -335,6 +339,14 @@ class DenseModel:
         if w.mlp_out_norm is not None:
             m = rms_norm(m, w.mlp_out_norm, c.rms_norm_eps, gemma)
         return h + m
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x @ w.T + b; under tensor parallelism each rank's product is a partial sum over its
+        slice of the input features, summed over the ranks before the bias is added once."""
+        if self.reduce is None:
+            return F.linear(x, w, b)
+        y = self.reduce(F.linear(x, w))
+        return y if b is None else y + b
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.hidden_act == "gelu_pytorch_tanh":
@@ -376,10 +388,15 @@ class DenseModel:
         """Final norm and LM head on [N, hidden]; fp32 logits [N, vocab] (Gemma 2: soft-capped)."""
         c = self.config
         x = rms_norm(hidden, self.final_norm, c.rms_norm_eps, c.gemma_norms)
-        out = F.linear(x, self.lm_head_w).float()
+        out = self._lm_head(x)
         if c.final_logit_softcap:
             out = torch.tanh(out / c.final_logit_softcap) * c.final_logit_softcap
         return out
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the normed rows (tensor parallelism: gathered from each rank's slice of
+        the vocabulary)."""
+        return F.linear(x, self.lm_head_w).float()
 
 
 def _expert_names(naming: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from fastdecode.dense.emulated import GIB, GPUProfile, Roofline
+from fastdecode.dense.emulated import GIB, GPUProfile, Roofline, check_fits
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import Geometry
 
@@ -86,9 +86,10 @@ class Point:
 
 
 def gpu_alone(roof: Roofline, context: int, kv_itemsize: int = 2) -> tuple[int, float]:
-    """(batch, tokens/s) of the GPU holding its own KV at this context: the best batch its memory allows."""
+    """(batch, tokens/s) of the GPU holding its own KV at this context: the best batch its memory allows.
+    With tensor parallelism, each of the N GPUs holds and reads its 1/N of the KV heads."""
     g = roof.geometry
-    kv_token = 2 * g.num_layers * g.kv_heads * g.head_dim * kv_itemsize
+    kv_token = 2 * g.num_layers * g.kv_heads * g.head_dim * kv_itemsize / roof.tensor_parallel
     room = roof.profile.memory_gib * GIB * 0.9 - roof.weight_bytes()
     best = (0, 0.0)
     most = int(room // (context * kv_token)) if room > 0 else 0
@@ -110,8 +111,11 @@ def plan_pace(
     shard_gbps: float = 150.0,
     cores: int = 16,
     itemsize: int = 2,
+    tensor_parallel: int = 1,
 ) -> list[Point]:
-    roof = Roofline(profile, geometry, itemsize)
+    """`tensor_parallel`: the S-part over that many GPUs (and the GPU-alone baseline on as many)."""
+    roof = Roofline(profile, geometry, itemsize, tensor_parallel)
+    check_fits(roof)  # weights past the GPUs' memory: one line, not a plan
     g = geometry
     kv_token = 2 * g.num_layers * g.kv_heads * g.head_dim * itemsize
     out = []

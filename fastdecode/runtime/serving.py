@@ -10,8 +10,10 @@ entry points the distribution declares (pyproject.toml); see ARCHITECTURE.md, "D
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -40,3 +42,14 @@ def write_ready_file(path: Path | None, **info: object) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
     os.replace(tmp, path)
+
+
+def die_with_parent(parent: int) -> None:
+    """A child process (an exchange worker, a tensor-parallel rank) is killed when `parent`, the
+    process that started it, ends (PR_SET_PDEATHSIG: when the thread that started it ends)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the child's other ties to the parent stop it
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)

@@ -28,6 +28,8 @@ def check_settings(settings: DenseSettings, emulated: bool) -> None:
         raise InvalidInput("--lora-modules needs --enable-lora")
     if settings.enable_lora and emulated:
         raise InvalidInput("--enable-lora needs real weights: an emulated device has none")
+    if settings.enable_lora and settings.tensor_parallel > 1:  # adapters are not split over ranks
+        raise InvalidInput("--enable-lora is not served with --tensor-parallel")
     parse_modules(settings.lora_modules)
 
 

@@ -17,7 +17,9 @@ from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
 from fastdecode.dense.grammar import GrammarBank
 from fastdecode.dense.multistep import run_steps, summed
 from fastdecode.dense.outcome import Outcome, Timings
+from fastdecode.model.config import ModelConfig
 from fastdecode.model.dense import DenseModel
+from fastdecode.model.tensor_parallel import check_tensor_parallel
 from fastdecode.model.weights import weights_fingerprint
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, Unavailable
@@ -32,6 +34,7 @@ from services.gpu_dense.exchange.connect import make_plane
 from services.gpu_dense.exchange.host_shard import HostShard, HostShardPlane
 from services.gpu_dense.exchange.service import ShardPlaneService
 from services.gpu_dense.lora import LoraService, check_settings, start_bank
+from services.gpu_dense.ranks import Ranks
 
 log = logging.getLogger("fastdecode.gpu_dense")
 
@@ -51,18 +54,26 @@ class DenseService(pb_grpc.DenseServicer):
         )
         self.runner: StepRunner | None = None
         self.weights_id = ""  # the checkpoint's fingerprint: shards keep KV of these weights only
+        self.ranks: Ranks | None = None  # --tensor-parallel N: ranks 1..N-1
 
     async def load(self) -> None:
         s = self.settings
         progress = ProgressFile(s.progress_file, LOADING_WEIGHTS) if s.progress_file else None
         dtype = codec.DTYPE_NAMES[s.dtype]
         if is_emulated(s.device):
-            self.model = load_emulated(s.model, s.device, dtype, s.geometry, s.emulated_acceptance)
+            self.model = load_emulated(
+                s.model, s.device, dtype, s.geometry, s.emulated_acceptance, s.tensor_parallel
+            )
             log.warning(
                 "device %s is EMULATED: no weights, synthetic tokens at the profile's roofline pace (%s)",
                 s.device,
                 self.model.profile,
             )
+        elif s.tensor_parallel > 1:
+            self.ranks = Ranks(s)
+            self.ranks.spawn()  # from the event loop's thread, which lives as long as the process
+            self.model = await asyncio.to_thread(self.ranks.load, progress)
+            self.weights_id = await asyncio.to_thread(weights_fingerprint, s.model)
         else:
             self.model = await asyncio.to_thread(
                 DenseModel.from_pretrained, s.model, s.device, dtype, progress
@@ -214,9 +225,18 @@ async def serve(settings: Settings) -> None:
     log = settings.configure_logging("gpu_dense")
     if is_emulated(settings.device):  # an unknown profile or a geometry too big: one line, before any port
         dtype = codec.DTYPE_NAMES[settings.dtype]
-        load_emulated(settings.model, settings.device, dtype, settings.geometry, settings.emulated_acceptance)
+        load_emulated(
+            settings.model,
+            settings.device,
+            dtype,
+            settings.geometry,
+            settings.emulated_acceptance,
+            settings.tensor_parallel,
+        )
     elif settings.geometry:
         raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
+    elif settings.tensor_parallel > 1:  # heads the ranks cannot split: one line, before any port
+        check_tensor_parallel(ModelConfig.from_pretrained(settings.model), settings.tensor_parallel)
     check_settings(settings, is_emulated(settings.device))
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -257,6 +277,8 @@ async def serve(settings: Settings) -> None:
     await server.stopping.wait()
     log.info("stopping")
     await server.stop()
+    if service.ranks is not None:
+        await asyncio.to_thread(service.ranks.close)
     if host is not None:
         await host.stop()
     await links.close()

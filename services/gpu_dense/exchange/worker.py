@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from fastdecode.kv import AttendBatch
 from fastdecode.runtime.errors import Status
 from fastdecode.runtime.loop import run_loop
 from fastdecode.runtime.rpc import status_of
+from fastdecode.runtime.serving import die_with_parent
 from fastdecode.runtime.settings import TLSFiles
 from services.gpu_dense.exchange.links import AttendLink, ShardLinks
 from services.gpu_dense.exchange.messages import (
@@ -46,15 +46,6 @@ from services.gpu_dense.exchange.messages import (
     unpack_to_worker,
 )
 from services.gpu_dense.exchange.transport import Attached, Channel, open_channel
-
-
-def _die_with_parent(parent: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the control socket's end still stops it
-        pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(0)
 
 
 class _WorkerLoop:
@@ -222,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-key")
     p.add_argument("--tls-ca")
     args = p.parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C goes to the parent, which closes the socket
     torch.set_num_threads(1)  # the worker does no math
     logging.basicConfig(

@@ -254,6 +254,9 @@ envFrom:
 {{- fail "kvAttention.persistentKV needs podSecurityContext.runAsUser and .fsGroup: the KV file is its user's only" }}
 {{- end }}
 {{- end }}
+{{- if and .Values.gpu.enabled (lt (int .Values.gpu.count) (int .Values.gpuDense.tensorParallel)) }}
+{{- fail (printf "gpuDense.tensorParallel (%v) needs as many GPUs: gpu.count is %v" .Values.gpuDense.tensorParallel .Values.gpu.count) }}
+{{- end }}
 {{- if .Values.router.enabled }}
 {{- if not .Values.gateway.http.enabled }}
 {{- fail "router.enabled needs gateway.http.enabled: the router sends to each gateway's HTTP port" }}

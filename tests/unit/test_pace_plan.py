@@ -46,3 +46,16 @@ def test_split_beats_the_gpu_alone_only_where_the_kv_does_not_fit() -> None:
     gpu_ms = roof.step_seconds(1024)["gpu_step_s"] * 1e3
     host = 0.5 * 32 * GEOMETRIES["llama-3-8b"].payload_bytes(1024, 2) / 1e6 + 50.0 * 32 * 2 * 32 / 1e3
     assert by[512, 32].split_step_ms == pytest.approx(max(gpu_ms, host / 16), rel=1e-6)
+
+
+def test_a_70b_model_is_planned_over_tensor_parallel_gpus_only() -> None:
+    g, costs = GEOMETRIES["llama-3-70b"], UnitCosts(0.5, 50.0, 5.0)
+    with pytest.raises(InvalidInput, match="h100 has 80 GiB"):
+        plan_pace(PROFILES["h100"], g, costs, [256], [4096], [8], 150.0, 16)
+    two, four = (
+        plan_pace(PROFILES["h100"], g, costs, [256], [4096], [8], 150.0, 16, 2, tensor_parallel=n)[0]
+        for n in (2, 4)
+    )
+    # four GPUs leave more memory for the GPU-alone baseline's KV, and each holds 1/4 of the heads
+    assert four.gpu_alone_batch > two.gpu_alone_batch > 0
+    assert four.split_step_ms <= two.split_step_ms

@@ -21,16 +21,6 @@ import pytest
 from fastdecode.tools.fleet import UpProcess, free_port
 from tests.support import TOKEN, FleetFactory, start_up
 
-HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test in this directory is marked e2e (`-m "not e2e"` leaves the tier out), whether or not
-    its module says so too."""
-    for item in items:
-        if item.path.parent == HERE:
-            item.add_marker(pytest.mark.e2e)
-
 
 @pytest.fixture(scope="session")
 def fleet_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetFactory]:

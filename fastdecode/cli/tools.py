@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
+
+from fastdecode.protocol import MAX_DRAFTS
+
+if TYPE_CHECKING:
+    from fastdecode.spec import Proposer
 
 
 @click.command()
@@ -87,6 +93,26 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--seed", type=int, default=None)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@click.option(
+    "--speculative",
+    type=click.Choice(["off", "ngram", "suffix"]),
+    default="off",
+    show_default=True,
+    help="Draft tokens without a draft model and verify them in one forward (docs/speculative.md); "
+    "greedy tokens are unchanged, sampled ones keep their distribution.",
+)
+@click.option(
+    "--num-speculative-tokens",
+    type=click.IntRange(1, MAX_DRAFTS),
+    default=None,
+    help="Most drafts a step carries (3).",
+)
+@click.option(
+    "--prompt-lookup-min", type=click.IntRange(min=1), default=None, help="ngram: shortest n-gram (1)."
+)
+@click.option(
+    "--prompt-lookup-max", type=click.IntRange(min=1), default=None, help="ngram: longest n-gram (4)."
+)
 def run(
     model: str | None,
     prompt: str | None,
@@ -99,11 +125,16 @@ def run(
     seed: int | None,
     device: str,
     as_json: bool,
+    speculative: str,
+    num_speculative_tokens: int | None,
+    prompt_lookup_min: int | None,
+    prompt_lookup_max: int | None,
 ) -> None:
     """Generate in-process with LocalEngine (no servers)."""
     from fastdecode.cli.gguf import chat_token_ids, resolve_model
     from fastdecode.contract import SamplingParams
     from fastdecode.dense.engine import LocalEngine
+    from fastdecode.dense.engine_spec import SpecStats
     from fastdecode.model import ModelConfig
     from fastdecode.runtime.errors import ServiceError
     from fastdecode.runtime.tokenizer import Tokenizer
@@ -113,6 +144,8 @@ def run(
     if chat and prompt is None:
         raise click.UsageError("--chat needs --prompt")
     given_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None  # arguments before the model
+    proposer = _proposer(speculative, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, seed)
+    stats = SpecStats()
     path = resolve_model(model)
     tok = Tokenizer.from_pretrained(path)
     if chat:
@@ -132,7 +165,7 @@ def run(
         stream = tok.stream()
         if not as_json and prompt is not None and not chat:
             click.echo(prompt, nl=False)
-        for events in engine.generate_stream([ids], max_tokens, params):
+        for events in engine.generate_stream([ids], max_tokens, params, proposer=proposer, stats=stats):
             for _, token, _, fin in events:
                 out_ids.append(token)
                 finish = fin
@@ -140,8 +173,40 @@ def run(
                     click.echo(stream.push(token), nl=False)
     except ServiceError as e:
         raise click.ClickException(str(e)) from None
+    result: dict[str, Any] = {"token_ids": out_ids, "text": tok.decode(out_ids), "finish_reason": finish}
+    if proposer is not None:
+        result["speculative"] = {"method": speculative, **stats.as_dict()}
     if as_json:
-        click.echo(json.dumps({"token_ids": out_ids, "text": tok.decode(out_ids), "finish_reason": finish}))
+        click.echo(json.dumps(result))
     else:
         click.echo(stream.flush())
-        click.echo(f"[{len(out_ids)} tokens, finish_reason={finish}]", err=True)
+        spec = ""
+        if proposer is not None:
+            spec = (
+                f", tau {stats.tau:.2f}, drafts kept {stats.accepted}/{stats.drafts}"
+                if stats.rows
+                else ", no drafts found"
+            )
+        click.echo(f"[{len(out_ids)} tokens, finish_reason={finish}{spec}]", err=True)
+
+
+def _proposer(
+    method: str, k: int | None, lookup_min: int | None, lookup_max: int | None, seed: int | None
+) -> Proposer | None:
+    """run's drafting method, or a usage error naming the setting that does not fit."""
+    from fastdecode.spec import proposer_for
+
+    if method == "off":
+        if k is not None or lookup_min is not None or lookup_max is not None:
+            raise click.UsageError("--num-speculative-tokens and --prompt-lookup-* need --speculative")
+        return None
+    if method != "ngram" and (lookup_min is not None or lookup_max is not None):
+        raise click.UsageError("--prompt-lookup-min/--prompt-lookup-max apply to --speculative ngram only")
+    lo, hi = lookup_min or 1, lookup_max or max(4, lookup_min or 1)
+    if lo > hi:
+        raise click.UsageError("--prompt-lookup-min must not exceed --prompt-lookup-max")
+    if seed is not None:  # the fleet's rule: a seeded request's tokens would depend on its drafts
+        raise click.UsageError(
+            "--speculative does not draft for a seeded request: drop --seed or --speculative"
+        )
+    return proposer_for(method, k or 3, lo, hi)

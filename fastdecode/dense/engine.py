@@ -14,12 +14,14 @@ from pathlib import Path
 import torch
 
 from fastdecode.contract import SamplingParams
+from fastdecode.dense.engine_spec import Drafter, SpecStats, verify_step
 from fastdecode.dense.sampling import sample
 from fastdecode.kv import AttendBatch, KVStore
 from fastdecode.kv.memory import host_available_bytes
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.spec import Proposer
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -57,7 +59,8 @@ class WindowedAttention:
     `layer_windows` and `attn_logit_softcap` itself, LocalEngine (`fastdecode run`, the reference)
     attends here for models that have either, so its tokens equal transformers'. It keeps each
     sequence's K/V per layer in fp32, in the order of transformers' eager attention: scores
-    (q . k) * head_dim**-0.5, soft-cap, window and causal mask, fp32 softmax.
+    (q . k) * head_dim**-0.5, soft-cap, window and causal mask, fp32 softmax. A write at `start`
+    keeps only the keys before it: positions past it (rejected drafts) are rolled back.
     """
 
     def __init__(self, windows: Sequence[int], softcap: float, num_layers: int) -> None:
@@ -157,8 +160,9 @@ class LocalEngine:
         """One step over a packed batch; fp32 logits of each chunk's last token [N, vocab]."""
         return self.model.logits(self.hidden(chunks))
 
-    def hidden(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Every layer of one step over a packed batch: each chunk's last token's hidden state."""
+    def hidden(self, chunks: Sequence[SeqChunk], every: bool = False) -> torch.Tensor:
+        """Every layer of one step over a packed batch: each chunk's last token's hidden state [N, H],
+        or every token's [T, H] with `every` (verifying drafts needs each position's)."""
         ids, pos, last = pack(chunks, self.model.device)
         seq_ids = [c.seq_id for c in chunks]
         counts = [len(c.token_ids) for c in chunks]
@@ -172,7 +176,7 @@ class LocalEngine:
             return o.to(self.model.device)
 
         hidden = run_layers(self.model, self.model.embed(ids), pos, attend)
-        return hidden.index_select(0, last)
+        return hidden if every else hidden.index_select(0, last)
 
     def _validate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
         c = self.model.config
@@ -197,8 +201,14 @@ class LocalEngine:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         prefill_chunk: int | None = None,
+        proposer: Proposer | None = None,
+        stats: SpecStats | None = None,
     ) -> Iterator[list[tuple[int, int, float, str | None]]]:
-        """Continuous decode of a batch; yields per step [(prompt index, token, logprob, finish)]."""
+        """Continuous decode of a batch; yields per step [(prompt index, token, logprob, finish)].
+
+        With a `proposer` (fastdecode.spec.proposer_for) decode rows carry drafts, verified in the
+        same step (engine_spec.py): a step may yield several tokens of a sequence, in order, and
+        greedy tokens equal those without it. `stats` counts the verification."""
         self._validate(prompts, max_tokens)
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         for p in plist:
@@ -207,51 +217,69 @@ class LocalEngine:
         sids = [f"local-{next(self._ids)}" for _ in prompts]
         for sid, p in zip(sids, prompts, strict=True):
             self.kv.reserve(sid, len(p) + max_tokens)
+        drafter: Drafter | None = None
         try:
+            if proposer is not None:
+                drafter = Drafter(proposer, prompts, plist, max_tokens)
             gen: list[list[int]] = [[] for _ in prompts]
             # prefill, in chunks of prefill_chunk tokens per sequence when asked
             chunk = prefill_chunk or max(len(p) for p in prompts)
             done_prefill = [0] * len(prompts)
             live = list(range(len(prompts)))
             while True:
-                chunks, owners, sampled = [], [], []
+                chunks, owners, sampled, drafts = [], [], [], []
                 for i in live:
                     p = prompts[i]
+                    owners.append(i)
                     if done_prefill[i] < len(p):
                         n = min(chunk, len(p) - done_prefill[i])
                         chunks.append(
                             SeqChunk(sids[i], list(p[done_prefill[i] : done_prefill[i] + n]), done_prefill[i])
                         )
                         done_prefill[i] += n
-                        owners.append(i)
                         sampled.append(done_prefill[i] == len(p))
+                        drafts.append(0)
                     else:
-                        pos = len(p) + len(gen[i]) - 1
-                        chunks.append(SeqChunk(sids[i], [gen[i][-1]], pos))
-                        owners.append(i)
+                        d = drafter.propose(i, len(gen[i])) if drafter is not None else []
+                        chunks.append(SeqChunk(sids[i], [gen[i][-1], *d], len(p) + len(gen[i]) - 1))
                         sampled.append(True)
+                        drafts.append(len(d))
                 if not chunks:
                     return
-                logits = self.forward(chunks)
                 rows = [j for j, s in enumerate(sampled) if s]
                 if not rows:
+                    self.hidden(chunks)
                     continue
-                toks, lps = sample(
-                    logits[rows], [plist[owners[j]] for j in rows], [len(gen[owners[j]]) for j in rows]
-                )
+                row_params = [plist[i] for i in owners]
+                row_index = [len(gen[i]) for i in owners]
+                if any(drafts):
+                    hidden = self.hidden(chunks, every=True)
+                    out = verify_step(self.model, hidden, chunks, rows, drafts, row_params, row_index, stats)
+                else:
+                    logits = self.forward(chunks)[rows]
+                    toks, lps = sample(logits, [row_params[j] for j in rows], [row_index[j] for j in rows])
+                    out = [[(t, lp)] for t, lp in zip(toks.tolist(), lps.tolist(), strict=True)]
                 events = []
-                for j, tok, lp in zip(rows, toks.tolist(), lps.tolist(), strict=True):
+                for j, emitted in zip(rows, out, strict=True):
                     i = owners[j]
-                    gen[i].append(tok)
-                    finish = "stop" if tok in stops else "length" if len(gen[i]) >= max_tokens else None
-                    events.append((i, tok, lp, finish))
-                    if finish:
-                        live.remove(i)
-                        self.release(sids[i])
+                    kept = []
+                    for tok, lp in emitted:  # a stop token or max_tokens ends the row's tokens there
+                        gen[i].append(tok)
+                        kept.append(tok)
+                        finish = "stop" if tok in stops else "length" if len(gen[i]) >= max_tokens else None
+                        events.append((i, tok, lp, finish))
+                        if finish:
+                            live.remove(i)
+                            self.release(sids[i])
+                            break
+                    if drafter is not None:
+                        drafter.append(i, kept)
                 yield events
         finally:
             for sid in sids:
                 self.release(sid)
+            if drafter is not None:
+                drafter.close()
 
     def release(self, seq_id: str) -> None:
         self.kv.release(seq_id)
@@ -266,10 +294,12 @@ class LocalEngine:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         prefill_chunk: int | None = None,
+        proposer: Proposer | None = None,
+        stats: SpecStats | None = None,
     ) -> list[Generation]:
         out = [Generation() for _ in prompts]
         for events in self.generate_stream(
-            prompts, max_tokens, params, stop_token_ids, ignore_eos, prefill_chunk
+            prompts, max_tokens, params, stop_token_ids, ignore_eos, prefill_chunk, proposer, stats
         ):
             for i, tok, lp, finish in events:
                 out[i].token_ids.append(tok)

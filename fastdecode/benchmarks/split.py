@@ -19,6 +19,11 @@ its attention); R, the attention on the shard host (the slowest shard's busy tim
 CPU on the dense host (gpu_dense's process CPU less S's CPU) and on the shard host (the shard's CPU
 less R). From them: ideal_ratio = (S + R) / max(S, R), efficiency = ratio / ideal_ratio, and the
 planner's predicted fleet step (planner.split_step_s) against the measured one.
+
+With `--speculative ngram|suffix` (split_spec.py) no LocalEngine runs: the fleet without drafts,
+with up to k (spec) and with the k the scheduler's controller chooses (auto), steps alternating. On
+an emulated GPU (`--device emulated:NAME`) the drafts are kept at emulated rates; on cpu or cuda
+gpu_dense runs the real model, and the acceptance is what it yields.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import aio_channel
+from fastdecode.spec.controller import DECIDE_EVERY, FIRST_DECISION
 from fastdecode.tools.fleet import (
     ServiceProcess,
     free_port,
@@ -403,13 +409,14 @@ async def _run(s: Setup, contexts: list[int], spec: Speculation | None = None) -
     itemsize = torch.empty((), dtype=codec.DTYPE_NAMES[s.kv_dtype]).element_size()
     per_seq = (max_tokens + 32) * cfg.kv_bytes_per_token(itemsize)
     rows = shard_rows(s.batch, len(s.layout.shards))
-    capacity = max(len(r) for r in rows) * per_seq + (16 << 20)
+    sets = spec.kv_sets if spec is not None else 1  # with the real model, a copy a speculative mode
+    capacity = max(len(r) for r in rows) * sets * per_seq + (16 << 20)
     host_capacity = (s.batch - len(s.layout.shards)) * per_seq + (16 << 20)
     shards: list[ServiceProcess] = []
     carry = Carry()
     try:
         shards = await asyncio.to_thread(start_shards, s, capacity)
-        if spec is not None:  # the emulated GPU: the fleet with drafts against the fleet without
+        if spec is not None:  # the fleet with drafts (fixed k, the controller's k) against without
             warmup = s.warmup + (_CHOOSER_PROBES if s.pipeline == "auto" else 0)
             return await run_spec_points(s, spec, contexts, shards, extra, warmup)
         engine = await asyncio.to_thread(
@@ -438,7 +445,7 @@ def _extra(steps: int, warmup: int, spec: Speculation | None) -> int:
     """Positions a sequence may decode past its context: each step one (each pair of steps up to
     k + 2 with drafts), and gpu_dense's chooser's probes under --pipeline auto."""
     if spec is not None:
-        return extra_positions(steps, warmup + _CHOOSER_PROBES, spec.k)
+        return extra_positions(steps, warmup + _CHOOSER_PROBES, spec.k, spec.kv_sets == 1)
     return steps + warmup + 2 * _CHOOSER_PROBES + 4
 
 
@@ -469,9 +476,10 @@ def run_split_bench(
     acceptance: str | None = None,
 ) -> dict[str, Any]:
     """Fleet (dense host + shard hosts) against LocalEngine on the dense host, at each context; the
-    dense half of both on `device` (cpu, or cuda on a GPU host), attention on the hosts' CPUs. On an
-    emulated GPU (`emulated:NAME`, which needs `speculative`): the fleet with speculative drafts
-    against the same fleet without (split_spec.py)."""
+    dense half of both on `device` (cpu, or cuda on a GPU host), attention on the hosts' CPUs. With
+    `speculative` (which an emulated GPU, `emulated:NAME`, needs): the fleet with speculative drafts,
+    at k and at the controller's k, against the same fleet without (split_spec.py); the acceptance
+    emulated at `acceptance` on an emulated GPU, the real model's on cpu or cuda."""
     spec = None
     if is_emulated(device):
         if speculative == "off":
@@ -481,13 +489,16 @@ def run_split_bench(
         load_profile(device)  # an unknown profile: one line now
         rates = EmulatedAcceptance.parse(acceptance, seed)
         spec = Speculation(speculative, num_speculative_tokens, rates)
-        host_share = 0.0  # no LocalEngine to plan a hosted share from
     elif device not in DEVICES:
         raise InvalidInput(f"device must be one of {DEVICES} or emulated:NAME")
-    elif speculative != "off":
-        raise InvalidInput("bench split's --speculative needs an emulated device (--device emulated:h100)")
     else:
         resolve_device(device)  # cuda without CUDA: InvalidInput now, not a service failing to start
+        if acceptance is not None:
+            raise InvalidInput("--acceptance is an emulated device's: on cpu or cuda the model verifies")
+        if speculative != "off":  # the real model verifies: its own acceptance
+            spec = Speculation(speculative, num_speculative_tokens)
+    if spec is not None:
+        host_share = 0.0  # no LocalEngine to plan a hosted share from
     contexts = sorted(set(contexts))
     if not contexts or min(contexts) < 1 or batch < 2 or steps < 1 or warmup < 0:
         raise InvalidInput("contexts must be >= 1, batch >= 2 (two mini-batches), steps >= 1, warmup >= 0")
@@ -549,8 +560,11 @@ def run_split_bench(
         speculation = {
             "speculative": spec.method,
             "num_speculative_tokens": spec.k,
-            "acceptance": "emulated",
-            "acceptance_rates": list(spec.acceptance.rates),
+            # emulated: kept at the rates; real: what the model verified (greedy)
+            "acceptance": "emulated" if spec.acceptance is not None else "real",
+            "acceptance_rates": list(spec.acceptance.rates) if spec.acceptance is not None else None,
+            "auto_first_decision": FIRST_DECISION,
+            "auto_decide_every": DECIDE_EVERY,
         }
     return {
         **speculation,

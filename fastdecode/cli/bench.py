@@ -293,7 +293,8 @@ def _contexts(text: str) -> list[int]:
     callback=split_device,
     help="Where the dense half (gpu_dense and LocalEngine) runs: cpu or cuda; shards stay on their CPUs. "
     "emulated:NAME (h100, ...): gpu_dense on an emulated GPU, no LocalEngine; needs --speculative and "
-    "compares the fleet with drafts against it without.",
+    "compares the fleet with drafts against it without. --speculative on cpu or cuda: the same "
+    "comparison with the real model verifying (its own acceptance).",
 )
 @speculative_options
 @click.option(
@@ -323,8 +324,8 @@ def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None
     kw["host_share"] = _host_share(kw["host_share"])
     if plot is not None and not plot.resolve().parent.is_dir():
         raise click.BadParameter(f"directory {plot.resolve().parent} does not exist", param_hint="--plot")
-    if plot is not None and kw["device"].startswith("emulated:"):
-        raise click.BadParameter("no plot for the emulated comparison (use --json)", param_hint="--plot")
+    if plot is not None and (kw["device"].startswith("emulated:") or kw["speculative"] != "off"):
+        raise click.BadParameter("no plot for the speculative comparison (use --json)", param_hint="--plot")
     result = run_bench(lambda: run_split_bench(resolve_model(model), ctx, **kw))
     if plot is not None:
         from fastdecode.benchmarks.plot import plot_split_bench
@@ -338,12 +339,20 @@ def split_cmd(as_json: bool, model: str | None, contexts: str, plot: Path | None
     if "speculative" in result:
         from fastdecode.benchmarks.split_spec import POINT_KEYS as SPEC_KEYS
 
-        rates = ", ".join(f"{r:g}" for r in result["acceptance_rates"])
+        if result["acceptance"] == "emulated":
+            rates = ", ".join(f"{r:g}" for r in result["acceptance_rates"])
+            how = f"ACCEPTANCE EMULATED at per-position rates {rates}"
+        else:
+            how = "ACCEPTANCE REAL: the model verified the drafts (greedy) on these synthetic sequences"
         click.echo(
-            f"{result['speculative']}, k={result['num_speculative_tokens']} on {result['device']}: "
-            f"ACCEPTANCE EMULATED at per-position rates {rates}"
+            f"{result['speculative']}, k={result['num_speculative_tokens']} on {result['device']}: {how}"
         )
         click.echo(format_table(result["points"], list(SPEC_KEYS)))
+        for p in result["points"]:
+            click.echo(
+                f"context {p['context']}: auto's k per timed step {p['auto_k_steps']}, last {p['auto_k']} "
+                f"({p['auto_decisions']} decisions, the first after {result['auto_first_decision']} steps)"
+            )
         return
     click.echo(format_table(result["points"], [*POINT_KEYS, "pipelined", "host_sequences"]))
     cross = result["crossover_context"]

@@ -1,6 +1,6 @@
 """The speculative options `bench pace` and `bench split` share: on an emulated GPU the drafts are
 verified by the emulated device, which keeps them at the --acceptance rates (docs/speculative.md,
-"At a GPU's pace")."""
+"At a GPU's pace"); `bench split` on cpu or cuda has the real model verify them."""
 
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ def speculative_options(f: Callable[..., Any]) -> Callable[..., Any]:
         "--acceptance",
         default=None,
         callback=_rates,
-        help="Emulated acceptance: per draft position, the share of rows that keep their j-th draft "
-        "(comma-separated; positions past the list keep the last). Default: what bench spec measured "
-        "with ngram, 0.6528,0.5972,0.5,0.5 (docs/benchmarks/2026-12-05-speculative.json).",
+        help="Emulated acceptance (an emulated device only): per draft position, the share of rows "
+        "that keep their j-th draft (comma-separated; positions past the list keep the last). "
+        "Default: what bench spec measured with ngram, 0.6528,0.5972,0.5,0.5 "
+        "(docs/benchmarks/2026-12-05-speculative.json).",
     )(f)
     f = click.option(
         "--num-speculative-tokens",
@@ -52,6 +53,8 @@ def speculative_options(f: Callable[..., Any]) -> Callable[..., Any]:
         type=click.Choice(["off", "ngram", "suffix"]),
         default="off",
         show_default=True,
-        help="Also run the fleet with speculative drafts (the emulated device verifies them at the "
-        "--acceptance rates) and report tokens/s against it without, tau and round trips per token.",
+        help="Also run the fleet with speculative drafts (an emulated device verifies them at the "
+        "--acceptance rates; bench split on cpu or cuda, the real model) and report tokens/s against "
+        "it without, tau and round trips per token. bench split runs up to k drafts a row and the "
+        "k the scheduler's controller chooses (auto) beside no drafts, steps alternating.",
     )(f)

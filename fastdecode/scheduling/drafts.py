@@ -88,15 +88,8 @@ class Drafting:
         rows, self._rows = self._rows, 0
         if not self.control.adaptive or times is None:
             return
-        cost = StepCost(
-            positions=sum(len(p.token_ids) for p in step.seqs),
-            rows=rows,
-            drafts=sum(p.drafts for p in step.seqs),
-            s_part_s=times.s_part_seconds,
-            attend_s=times.attend_seconds,
-            dense_step_s=times.step_seconds,
-            wall_s=wall_s,
-        )
+        positions = sum(len(p.token_ids) for p in step.seqs)
+        cost = StepCost.of(positions, rows, sum(p.drafts for p in step.seqs), times, wall_s)
         self.control.observe(cost, Counts(self.asked_at, self.found_at, self.offered_at, self.kept_at))
 
     @property

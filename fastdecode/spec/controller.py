@@ -15,8 +15,9 @@ draftable row at positions(k), S(n) = a + b * n fitted over recent steps (b betw
 memory-bound GEMMs, and S / n, a CPU's compute that grows with every token); the shards' part
 R(k) = R0 * (1 + ATTEND_PER_POSITION * (positions(k) - 1)); T = S + R - o * min(S, R) + c, o the share
 of the shorter side the two-mini-batch pipeline hid, c the rest of the scheduler's wall step. k
-maximizes tau(k) / T(k), decided every DECIDE_EVERY steps with hysteresis; at k = 0 a probe offers K
-drafts for a few steps now and then, so the acceptance stays measured. Pure Python, no gRPC; the
+maximizes tau(k) / T(k), decided every DECIDE_EVERY steps (the first after `first_decision`) with
+hysteresis; at k = 0 a probe offers K drafts for a few steps now and then, so the acceptance stays
+measured. `StepCost.of` builds a step's cost from gpu_dense's timings. Pure Python, no gRPC; the
 planner's `plan --acceptance` scores k with the same `expected_tau` and `best_k`
 (fastdecode/planning/spec_plan.py).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger("fastdecode.scheduler")
 
@@ -38,6 +40,8 @@ ATTEND_PER_POSITION = 0.1
 PRIOR_RATES = (0.6528, 0.5972, 0.5, 0.5)
 PRIOR_ROWS = 16.0
 DECIDE_EVERY = 32  # steps between decisions
+# steps before the first: it starts at K, which a CPU dense host pays for every step until then
+FIRST_DECISION = 8
 HYSTERESIS = 0.05  # a new k must beat the current one's tokens/s by this share
 PROBE_EVERY = 8  # decisions at k = 0 between probes
 PROBE_STEPS = 4  # steps a probe offers K drafts
@@ -73,6 +77,18 @@ def best_k(
     return best
 
 
+class Timed(Protocol):
+    """gpu_dense's timings of a step, as the scheduler keeps them (scheduling.ports.StepTimes) or as
+    they come on the wire (dense.proto StepTimings): seconds."""
+
+    @property
+    def s_part_seconds(self) -> float: ...
+    @property
+    def attend_seconds(self) -> float: ...
+    @property
+    def step_seconds(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class StepCost:
     """One step as measured: its positions and rows, and its times (seconds)."""
@@ -84,6 +100,15 @@ class StepCost:
     attend_s: float  # gpu_dense's wait on the shards, summed over mini-batches
     dense_step_s: float  # gpu_dense's step
     wall_s: float  # the scheduler's step: reservations, the plan, the dense run and applying it
+
+    @classmethod
+    def of(cls, positions: int, rows: int, drafts: int, times: Timed, wall_s: float) -> StepCost:
+        """A step from gpu_dense's timings: its S-part, its wait on the shards summed over
+        mini-batches (attend, not the uncovered shard_wait: the model splits the overlap itself)
+        and its whole step. One construction for the scheduler and the benchmarks that play it."""
+        return cls(
+            positions, rows, drafts, times.s_part_seconds, times.attend_seconds, times.step_seconds, wall_s
+        )
 
 
 class StepModel:
@@ -146,7 +171,9 @@ class Counts:
 
 class KController:
     """The k drafts are offered at: K pinned (`adaptive=False`), or decided from the steps it is shown.
-    Starts at K: the first steps measure what drafts cost and keep."""
+    Starts at K: the first steps measure what drafts cost and keep. The first decision comes after
+    `first_decision` steps, early: the priors carry the acceptance until the rows' counts outweigh
+    them, and a host where drafts do not pay stops paying for them soon."""
 
     def __init__(
         self,
@@ -157,11 +184,13 @@ class KController:
         decide_every: int = DECIDE_EVERY,
         probe_every: int = PROBE_EVERY,
         probe_steps: int = PROBE_STEPS,
+        first_decision: int = FIRST_DECISION,
     ) -> None:
         self.max_k, self.adaptive, self.k = max_k, adaptive, max_k
         self.cost = StepModel()
         self._prior = floors(prior, max_k)
         self._decide_every, self._probe_every, self._probe_steps = decide_every, probe_every, probe_steps
+        self._first = max(1, first_decision)
         self._window = [[0.0] * max_k for _ in range(4)]  # decayed counts (Counts' order)
         self._seen = [[0] * max_k for _ in range(4)]  # the cumulative counts at the last decision
         self._steps = 0
@@ -184,7 +213,7 @@ class KController:
             self._probing -= 1
             if self._probing:
                 return
-        elif self._steps < self._decide_every:
+        elif self._steps < (self._decide_every if self.decisions else self._first):
             return
         self.decide(counts)
 

@@ -12,6 +12,7 @@ import pytest
 from fastdecode.dense.emulated import RECORDED_ACCEPTANCE, EmulatedAcceptance
 from fastdecode.spec.controller import (
     DECIDE_EVERY,
+    FIRST_DECISION,
     PRIOR_RATES,
     PROBE_EVERY,
     PROBE_STEPS,
@@ -181,3 +182,28 @@ def test_the_step_model_predicts_the_measured_step_and_its_slope_stays_in_bounds
     for _ in range(5):  # one batch size only: the costlier guess, all of S per position
         flat.observe(StepCost(64, 32, 32, 0.004, 0.001, 0.005, 0.005))
     assert flat.slope() == pytest.approx(0.004 / 64)
+
+
+def test_a_first_decision_comes_early_then_every_decide_every_steps() -> None:
+    c = KController(K, first_decision=8)
+    steps = cpu(c)
+    ks = steps.run(8, NGRAM)
+    assert c.decisions == 1 and ks[-1] == 0  # a CPU's S-part at ngram's acceptance: off after 8 steps
+    steps.run(DECIDE_EVERY - 1, NGRAM)
+    assert c.decisions == 1  # then the usual pace
+    steps.run(1, NGRAM)
+    assert c.decisions == 2
+    late = KController(K, first_decision=DECIDE_EVERY)
+    cpu(late).run(DECIDE_EVERY - 1, NGRAM)
+    assert late.decisions == 0
+    assert KController(K)._first == FIRST_DECISION  # the scheduler's: early
+
+
+def test_a_step_cost_from_timings_as_the_scheduler_and_the_wire_carry_them() -> None:
+    from fastdecode.scheduling.ports import StepTimes
+    from fastdecode.v1 import dense_pb2
+
+    wire = dense_pb2.StepTimings(s_part_seconds=0.01, shard_wait_seconds=0.5, step_seconds=0.03)
+    wire.attend_seconds = 0.02
+    for times in (StepTimes(0.01, 0.02, 0.03), wire):
+        assert StepCost.of(40, 32, 8, times, 0.04) == StepCost(40, 32, 8, 0.01, 0.02, 0.03, 0.04)

@@ -1,13 +1,15 @@
 """The dense step: S-part layer by layer, attention on the shards, two mini-batches pipelined.
 
-Each mini-batch loops over its layers (`_layers`): post_attention of layer l and pre_attention of
-l+1 (one compute call), then the layer's items to all of its shards, and the answers back; while
-one mini-batch waits on its shards (other processes, other hardware), the other computes. With the
-S-part on the host's CPU both loops run on the event loop (a hop to a thread and back per layer
-cost more than it saved, `bench transport --breakdown`, and threads would share its cores); off the
-host (a GPU, an emulated one), with a plane that attends blocking, each runs on a thread of its own
-(layer_loop.py). Imports no gRPC: the shards and the device are the ones plane.py declares (the
-gRPC planes: services/gpu_dense/exchange/).
+Each mini-batch loops over its layers (`_layers`, what it keeps from one layer to the next a
+`LayerPass`: layer_pass.py): post_attention of layer l and pre_attention of l+1 (one compute call),
+then the layer's items to all of its shards, and the answers back; while one mini-batch waits on its
+shards (other processes, other hardware), the other computes. With the S-part on the host's CPU both
+loops run on the event loop (a hop to a thread and back per layer cost more than it saved, `bench
+transport --breakdown`, and threads would share its cores); off the host (a GPU, an emulated one),
+with a plane that attends blocking, each runs on a thread of its own (layer_loop.py). Then the
+step's sampling rows go through the LM head (head.py; rows with drafts are verified: verify.py).
+Imports no gRPC: the shards and the device are the ones plane.py declares (the gRPC planes:
+services/gpu_dense/exchange/).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar, cast
 
 import torch
@@ -27,12 +30,14 @@ from fastdecode.dense.emulated import EmulatedModel
 from fastdecode.dense.engine import SeqChunk, pack
 from fastdecode.dense.grammar import GrammarBank
 from fastdecode.dense.handoff import Staging, copy_into
+from fastdecode.dense.head import HeadRows, sample_head
 from fastdecode.dense.layer_loop import Layers, LayerThreads, Meter, on_loop
+from fastdecode.dense.layer_pass import Group, LayerPass, groups_of
 from fastdecode.dense.loras import LoraBank, resolve_row, step_batch
 from fastdecode.dense.outcome import Outcome, Timings
 from fastdecode.dense.pipeline import PipelineChooser
 from fastdecode.dense.plane import Answered, Device, LayerPlane, PlainPlane, ShardPlane, SyncDevice, declares
-from fastdecode.dense.sampling import penalize, sample, top_logprobs
+from fastdecode.dense.sampling import top_logprobs
 from fastdecode.dense.verify import check_drafts, verify_rows
 from fastdecode.kv import AttendBatch
 from fastdecode.model.dense import DenseModel
@@ -55,27 +60,21 @@ class AttendItem:
     shard: int
     batch: AttendBatch
 
+    @staticmethod
+    def of(g: Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttendItem:
+        """A group's item of a layer: its rows of q, k and v (views, no copy)."""
+        r = g.rows
+        return AttendItem(g.shard, AttendBatch(g.seq_ids, g.num_tokens, g.start_pos, q[r], k[r], v[r]))
 
-@dataclass
-class _Group:
-    """The rows of one shard in a mini-batch; the request fields are built once per step."""
 
-    shard: int
-    rows: slice
-    seqs: list[PlannedSeq]
-    error: BaseException | None = None
+@dataclass(slots=True)
+class _Admitted:
+    """A step's rows once checked: each sequence's outcome so far (a refused row's: its error), the
+    valid rows in the plan's order, and each one's token history (None: its sampling needs none)."""
 
-    def finish(self) -> None:
-        self.seq_ids = [s.seq_id for s in self.seqs]
-        self.num_tokens = [len(s.token_ids) for s in self.seqs]
-        self.start_pos = [s.start_pos for s in self.seqs]
-
-    def item(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttendItem:
-        """This shard's item of a layer: its rows of q, k and v (views, no copy)."""
-        r = self.rows
-        return AttendItem(
-            self.shard, AttendBatch(self.seq_ids, self.num_tokens, self.start_pos, q[r], k[r], v[r])
-        )
+    outcomes: dict[str, Outcome]
+    valid: list[PlannedSeq]
+    history: dict[str, list[int] | None]
 
 
 class StepRunner:
@@ -261,40 +260,6 @@ class StepRunner:
         for dst, src in ((st.q, q), (st.k, k), (st.v, v)):
             copy_into(dst, src)
 
-    @staticmethod
-    def _in_order(st: Staging, parts: list[tuple[slice, torch.Tensor]], groups: int) -> bool:
-        """Whether every group answered, each o lying in its own rows of the staging's o."""
-        if len(parts) != groups:
-            return False
-        o = st.o
-        row_bytes = o[0].nbytes if len(o) else 0
-        for rows, part in parts:
-            at = o.data_ptr() + rows.start * row_bytes
-            if (
-                part.dtype != o.dtype
-                or part.nbytes != (rows.stop - rows.start) * row_bytes
-                or part.data_ptr() != at
-            ):
-                return False
-        return True
-
-    @staticmethod
-    def _groups(seqs: list[PlannedSeq]) -> list[_Group]:
-        groups: list[_Group] = []
-        row = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            if groups and groups[-1].shard == s.shard:
-                g = groups[-1]
-                g.rows = slice(g.rows.start, row + n)
-                g.seqs.append(s)
-            else:
-                groups.append(_Group(s.shard, slice(row, row + n), [s]))
-            row += n
-        for g in groups:
-            g.finish()
-        return groups
-
     async def _mini_batch(self, slot: int, seqs: list[PlannedSeq]) -> torch.Tensor:
         """All layers for one mini-batch (seqs sorted by shard); returns last-token hidden states.
         The layer loop (`_layers`) runs on the event loop, or on a thread of its own when the S-part
@@ -323,96 +288,69 @@ class StepRunner:
         q, k, v are ready (attend_layer_at, or the blocking attend) and waits for the device itself."""
         model = self.model
         ids, pos, last = pack([SeqChunk(s.seq_id, s.token_ids, s.start_pos) for s in seqs], model.device)
-        groups = self._groups(seqs)
+        groups = groups_of(seqs)
         num_layers = model.config.num_hidden_layers
         lora = step_batch(seqs, self._adapters, model.device)
-
-        def first() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            h = model.embed(ids)
-            return (h, *model.pre_attention(0, h, pos, lora))
-
-        hidden, q, k, v = self._compute(first, meter)
+        device = self.device
+        run: LayerPass[AttendItem] = LayerPass(
+            model, slot, groups, pos, lora, num_layers, self.plane.staging, device.synthetic
+        )
+        hidden, q, k, v = self._compute(lambda: run.embed(ids), meter)
         # On a device whose results come later (an emulated one's clock), a plane that waits for the
         # device itself (exchange workers hold a layer's bytes until its q, k, v are ready) spares
         # this loop a timer and a wake-up per layer: the layer goes out, with its ready time, as soon
         # as its device work is queued. Else the loop waits for the device (the other mini-batch
         # runs meanwhile), then hands the layer over.
-        ready_at = self.device.ready_at
+        ready_at = device.ready_at
         defer = ready_at is not None and waits_for_device
-        synthetic = self.device.synthetic
         if not defer:
             yield None
-        # A plane that offers staging (exchange workers) takes q, k, v in shared memory: the items
-        # are built once per step as row ranges of it, and each layer is one copy in (a DMA from a
-        # GPU) and o back in order, with no per-item copy or message.
-        stage = self.plane.staging
-        st: Staging | None = None
-        items: list[AttendItem] = []
-        live: list[_Group] = []
-        verified: list[torch.Tensor] = []  # the last answers found in order in the staging's o
-        parts: list[tuple[slice, torch.Tensor]] = []
-        whole: torch.Tensor | None = None
         for layer in range(num_layers):
-            if stage is not None:
-                if st is None:
-                    st = stage(slot, q.shape[0], tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype)
-                if not self._staged_already(slot, st, q.shape[0]):
-                    self._compute(lambda st=st, q=q, k=k, v=v: self._to_staging(st, q, k, v), meter)
-            if st is None:  # items of this layer's tensors
-                live = [g for g in groups if g.error is None]
-                items = [g.item(q, k, v) for g in live]
-            elif not items or any(g.error is not None for g in live):  # the step's, in the staging
-                live = [g for g in groups if g.error is None]
-                items = [g.item(st.q, st.k, st.v) for g in live]
+            items = self._layer_items(run, q, k, v, meter)
             meter.trips += len(items)
             answer: Answered | None = NOTHING
             if items:
                 answer = yield (layer, items, ready_at() if ready_at is not None and defer else None)
             assert answer is not None
-            if answer.repeated and whole is not None:
-                pass  # the very answers of the slot's last layer, as the plane says: taken as those were
-            else:
-                parts = []
-                for g, o in zip(live, answer.outs, strict=True):
-                    if isinstance(o, BaseException):
-                        g.error = o
-                    else:
-                        parts.append((g.rows, o))
-                whole = None
-                if st is not None and len(parts) == len(groups):
-                    answers = [o for _, o in parts]
-                    # exchange workers answer a step's layers into the same views of the staging's
-                    # o: their places are checked once, and the same tensors need no check again
-                    if len(verified) == len(answers) and all(
-                        a is b for a, b in zip(answers, verified, strict=True)
-                    ):
-                        whole = st.o
-                    elif self._in_order(st, parts, len(groups)):
-                        whole, verified = st.o, answers
-
-            def post(
-                h: torch.Tensor = hidden,
-                lyr: int = layer,
-                parts: list = parts,
-                whole: torch.Tensor | None = whole,
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-                if whole is not None:  # every item answered into its rows of the staging's o
-                    # (an emulated device charges o's copy itself and reads no values: no meta op)
-                    attn = whole if synthetic else whole.to(device=h.device, dtype=h.dtype)
-                elif len(parts) == 1 and parts[0][0] == slice(0, h.shape[0]):
-                    attn = parts[0][1].to(device=h.device, dtype=h.dtype)  # one shard answered all
-                else:
-                    attn = torch.zeros(h.shape[0], model.q_size, dtype=h.dtype, device=h.device)
-                    for rows, o in parts:
-                        attn[rows] = o.to(device=h.device, dtype=h.dtype)
-                h = model.post_attention(lyr, h, attn, lora)
-                if lyr + 1 == num_layers:
-                    return h, None, None, None
-                return (h, *model.pre_attention(lyr + 1, h, pos, lora))
-
-            hidden, q, k, v = self._compute(post, meter)  # type: ignore[assignment]
+            run.take(answer)
+            hidden, q, k, v = self._compute(lambda h=hidden, lyr=layer: run.post(lyr, h), meter)  # type: ignore[assignment]
             if not defer or layer + 1 == num_layers:
                 yield None
+        return self._last_rows(seqs, groups, hidden, last, meter)
+
+    def _layer_items(
+        self, run: LayerPass[AttendItem], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meter: Meter
+    ) -> list[AttendItem]:
+        """The layer's items for the shards, one per group still in the step. A plane that offers
+        staging (exchange workers) takes q, k, v in shared memory: the items are built once per step
+        as row ranges of it (again only when a group fails), and each layer is one copy in (a DMA
+        from a GPU) and o back in order, with no per-item copy or message. Else each layer's items
+        are views of its own q, k, v."""
+        if run.stage is not None:
+            if run.st is None:
+                run.st = run.stage(run.slot, q.shape[0], tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype)
+            if not self._staged_already(run.slot, run.st, q.shape[0]):
+                self._compute(partial(self._to_staging, run.st, q, k, v), meter)
+        st = run.st
+        if st is None:  # items of this layer's tensors
+            run.live = [g for g in run.groups if g.error is None]
+            run.items = [AttendItem.of(g, q, k, v) for g in run.live]
+        elif not run.items or any(g.error is not None for g in run.live):  # the step's, in the staging
+            run.live = [g for g in run.groups if g.error is None]
+            run.items = [AttendItem.of(g, st.q, st.k, st.v) for g in run.live]
+        return run.items
+
+    def _last_rows(
+        self,
+        seqs: list[PlannedSeq],
+        groups: list[Group],
+        hidden: torch.Tensor,
+        last: torch.Tensor,
+        meter: Meter,
+    ) -> torch.Tensor:
+        """After the last layer: the groups' failures kept for the step, the prompt logprobs asked
+        scored from each chunk's rows, and the hidden states the head reads: each sequence's last
+        token's (a row with drafts: its last drafts + 1 positions)."""
         self._failures.update({s.seq_id: g.error for g in groups if g.error is not None for s in g.seqs})
         row = 0
         for s in seqs:
@@ -440,6 +378,8 @@ class StepRunner:
             return await self._run(seqs, pipeline)
 
     async def _run(self, seqs: Sequence[PlannedSeq], pipeline: bool) -> tuple[dict[str, Outcome], Timings]:
+        """One step: its rows checked, the grammar masks started, the mini-batches through their
+        layers (both at once when piped), the sampling rows through the head, the outcomes."""
         t0 = time.perf_counter()
         self._meters = [Meter(), Meter(), Meter()]
         self._failures = {}
@@ -447,10 +387,32 @@ class StepRunner:
         self._adapters = {}
         # (a step that fails leaves none: nothing follows on from it)
         last, self.last_samples = self.last_samples, {}
-        outcomes: dict[str, Outcome] = {}
-        head_cpu = 0.0
-        valid: list[PlannedSeq] = []
-        history: dict[str, list[int] | None] = {}
+        admitted = self._admit(seqs, last)
+        valid = admitted.valid
+        # The grammar masks need only the tokens known now: computed on a worker thread (llguidance
+        # drops the GIL) while the layers run, so their cost hides behind the step.
+        masks = self._start_masks(valid, admitted.history)
+        split = [[s for s in valid if s.mini_batch == mb] for mb in (0, 1)]
+        piped = pipeline and all(split)  # one empty half: nothing to overlap
+        if piped and self.chooser is not None:
+            piped = self.chooser.choose()
+        batches = split if piped else [valid]
+        batches = [sorted(b, key=lambda s: s.shard) for b in batches if b]
+        hiddens = await self._gather(batches)
+        ordered = [s for b in batches for s in b]
+        allowed = await self._allowed(masks)
+        head_cpu = await self._sample(hiddens, ordered, admitted, allowed)
+        outcomes = self._conclude(admitted.outcomes)
+        elapsed = time.perf_counter() - t0
+        if pipeline and all(split) and self.chooser is not None and valid:
+            self._record(self.chooser, piped, elapsed, valid)
+        return outcomes, self._timings(elapsed, piped, head_cpu)
+
+    def _admit(self, seqs: Sequence[PlannedSeq], last: dict[str, int]) -> _Admitted:
+        """The step's rows checked, each valid one's token history tracked; a row refused gets its
+        error as its outcome and goes no further."""
+        admitted = _Admitted({}, [], {})
+        outcomes, valid, history = admitted.outcomes, admitted.valid, admitted.history
         checked: set[int] = set()  # ids of the SamplingParams found valid (alive: seqs holds them)
         for s in seqs:
             try:
@@ -464,24 +426,23 @@ class StepRunner:
                 outcomes[s.seq_id] = Outcome()
             except (InvalidInput, FailedPrecondition, NotFound) as e:
                 outcomes[s.seq_id] = Outcome(error=e)
-        # The grammar masks need only the tokens known now: computed on a worker thread (llguidance
-        # drops the GIL) while the layers run, so their cost hides behind the step.
-        masks = self._start_masks(valid, history)
-        split = [[s for s in valid if s.mini_batch == mb] for mb in (0, 1)]
-        piped = pipeline and all(split)  # one empty half: nothing to overlap
-        if piped and self.chooser is not None:
-            piped = self.chooser.choose()
-        batches = split if piped else [valid]
-        batches = [sorted(b, key=lambda s: s.shard) for b in batches if b]
+        return admitted
+
+    async def _gather(self, batches: list[list[PlannedSeq]]) -> list[torch.Tensor]:
+        """Each mini-batch through its layers, the two at once; their last-token hidden states."""
         tasks = [asyncio.ensure_future(self._mini_batch(i, b)) for i, b in enumerate(batches)]
         try:
-            hiddens = await asyncio.gather(*tasks)
+            return await asyncio.gather(*tasks)
         except BaseException:  # (a cancelled gather returns at once:) both mini-batches end first,
             for t in tasks:  # so that no slot's thread still reads its socket when the next step does
                 t.cancel()
             await asyncio.wait(tasks)
             raise
-        ordered = [s for b in batches for s in b]
+
+    async def _allowed(
+        self, masks: asyncio.Future[dict[str, torch.Tensor | BaseException]] | None
+    ) -> dict[str, torch.Tensor]:
+        """The tokens each row with a grammar allows; a row whose mask failed fails."""
         allowed: dict[str, torch.Tensor] = {}
         if masks is not None:
             for sid, m in (await masks).items():
@@ -489,47 +450,41 @@ class StepRunner:
                     self._failures[sid] = m
                 else:
                     allowed[sid] = m
+        return allowed
+
+    async def _sample(
+        self,
+        hiddens: list[torch.Tensor],
+        ordered: list[PlannedSeq],
+        admitted: _Admitted,
+        allowed: dict[str, torch.Tensor],
+    ) -> float:
+        """The sampling rows still in the step (`ordered`: the mini-batches' rows, as `hiddens` hold
+        them) at the head (rows with drafts are verified apart: verify.py), into their outcomes once
+        the device has them; returns the head's CPU time."""
+        outcomes = admitted.outcomes
         rows = [i for i, s in enumerate(ordered) if s.sample and s.seq_id not in self._failures]
         if not hiddens:  # no row was valid
-            rows = []
-        else:
-            hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
+            return 0.0
+        hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         at = rows  # each sampling row's position in hidden
         if rows and any(s.drafts for s in ordered):  # rows with drafts are verified apart (verify.py)
             rows, at = verify_rows(self.model, hidden, ordered, rows, outcomes, self._meters[0])
-        if rows:
-            idx = torch.tensor(at, device=hidden.device)
+        if not rows:
+            return 0.0
+        idx = torch.tensor(at, device=hidden.device)
+        head = HeadRows(ordered, rows, admitted.history, allowed)
+        c0 = time.process_time()  # every thread: torch's intra-op threads do the sampling's math
+        toks, lps, tops = self._compute(lambda: sample_head(self.model, hidden, idx, head), self._meters[0])
+        head_cpu = time.process_time() - c0
+        await self.device.settle()
+        for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
+            outcomes[ordered[i].seq_id] = Outcome(tok, lp, top=tops.get(j, ()))
+        return head_cpu
 
-            def head() -> tuple[list[int], list[float], dict[int, tuple[tuple[int, float], ...]]]:
-                logits = self.model.logits(hidden.index_select(0, idx))
-                params = [ordered[i].sampling for i in rows]
-                index = [ordered[i].sample_index for i in rows]
-                hist = [history[ordered[i].seq_id] for i in rows]
-                processed = penalize(logits, params, index, hist, self.model.config.eos_token_ids)
-                masked = [j for j, i in enumerate(rows) if ordered[i].seq_id in allowed]
-                if masked:
-                    if processed is logits:
-                        processed = logits.clone()
-                    keep = torch.stack([allowed[ordered[rows[j]].seq_id] for j in masked]).to(logits.device)
-                    sel = torch.tensor(masked, device=logits.device)
-                    processed[sel] = processed[sel].masked_fill(~keep, float("-inf"))
-                toks, lps = sample(logits, params, index, None if processed is logits else processed)
-                tops: dict[int, tuple[tuple[int, float], ...]] = {}
-                asking = [j for j, p in enumerate(params) if p.top_logprobs]
-                if asking:  # only the rows that ask pay for the top-k
-                    sub = torch.log_softmax(logits[asking].float(), dim=-1)
-                    k = max(params[j].top_logprobs for j in asking)
-                    for j, top in zip(asking, top_logprobs(sub, k), strict=True):
-                        tops[j] = top[: params[j].top_logprobs]
-                return toks.tolist(), lps.tolist(), tops
-
-            c0 = time.process_time()  # every thread: torch's intra-op threads do the sampling's math
-            toks, lps, tops = self._compute(head, self._meters[0])
-            head_cpu = time.process_time() - c0
-            await self.device.settle()
-            for j, (i, tok, lp) in enumerate(zip(rows, toks, lps, strict=True)):
-                outcomes[ordered[i].seq_id] = Outcome(tok, lp, top=tops.get(j, ()))
-
+    def _conclude(self, outcomes: dict[str, Outcome]) -> dict[str, Outcome]:
+        """The outcomes with the prompt logprobs scored and the step's failures; what the sequences
+        sampled is what the next step's rows planned ahead follow on from."""
         for sid, scored in self._prompt.items():
             if sid in outcomes and sid not in self._failures:
                 outcomes[sid].prompt = scored
@@ -540,21 +495,28 @@ class StepRunner:
             for sid, o in outcomes.items()
             if o.error is None and o.token_id >= 0
         }
-        step = time.perf_counter() - t0
-        if pipeline and all(split) and self.chooser is not None and valid:
-            decided = self.chooser.choice is not None
-            # steps with prefill chunks cost far more per sequence: compared apart (pipeline.py)
-            self.chooser.record(piped, step / len(valid), all(len(s.token_ids) == 1 for s in valid))
-            if not decided and self.chooser.medians is not None and self.chooser.choice is not None:
-                on, off = self.chooser.medians
-                log.info(
-                    "pipeline auto: %s (median ms per sequence: piped %.2f, plain %.2f)",
-                    "on" if self.chooser.choice else "off",
-                    on * 1e3,
-                    off * 1e3,
-                )
+        return outcomes
+
+    @staticmethod
+    def _record(chooser: PipelineChooser, piped: bool, step: float, valid: list[PlannedSeq]) -> None:
+        """The step's time per sequence to the pipeline chooser (a step that could be piped); its
+        choice logged once made."""
+        decided = chooser.choice is not None
+        # steps with prefill chunks cost far more per sequence: compared apart (pipeline.py)
+        chooser.record(piped, step / len(valid), all(len(s.token_ids) == 1 for s in valid))
+        if not decided and chooser.medians is not None and chooser.choice is not None:
+            on, off = chooser.medians
+            log.info(
+                "pipeline auto: %s (median ms per sequence: piped %.2f, plain %.2f)",
+                "on" if chooser.choice else "off",
+                on * 1e3,
+                off * 1e3,
+            )
+
+    def _timings(self, step: float, piped: bool, head_cpu: float) -> Timings:
+        """Where the step's time went, summed over its meters (the step's own and each slot's)."""
         busy = sum(m.busy for m in self._meters)
-        return outcomes, Timings(
+        return Timings(
             busy,
             sum(m.busy_cpu for m in self._meters),
             max(0.0, step - busy),

@@ -6,6 +6,7 @@ Python, no gRPC: a collaborator of the core's (fastdecode/scheduling/core.py).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastdecode.scheduling.drafts import Drafting
@@ -13,8 +14,8 @@ from fastdecode.scheduling.load import LoadModel
 from fastdecode.scheduling.placement import row_costs, split_mini_batches
 from fastdecode.scheduling.runs import DecodeRuns
 from fastdecode.scheduling.scoring import chunk_scoring
-from fastdecode.scheduling.tables import CoreTables, Inflight
-from fastdecode.scheduling.types import PlannedSeq, Reservation, Step
+from fastdecode.scheduling.tables import CoreTables, Inflight, SeqEntry
+from fastdecode.scheduling.types import PlannedSeq, Request, Reservation, Sampling, Step
 
 
 @dataclass(slots=True)
@@ -27,6 +28,79 @@ class Rows:
     marks: dict[str, Inflight]
     grow: dict[str, int]
     need: list[int]
+
+
+# PlannedSeq's builders, bound once: a classmethod binds anew each time it is looked up (per row here).
+_AHEAD_ROW, _CHUNK_ROW = PlannedSeq.ahead, PlannedSeq.chunk
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One step's pass over the running sequences, as the row builders read it: the planner's
+    settings, read once per step (the builders run for every running sequence), and the prefill
+    tokens the step has left (`budget`, spent by the prefill chunks in admission order)."""
+
+    ahead: bool  # plan_ahead
+    parked: set[str]  # sequences wanted at a step boundary: not planned ahead
+    budget: int
+    multistep: bool  # --decode-steps above 1: a sampling row may run several decode steps
+    run_steps: Callable[[Request, int], int]
+    draft: Callable[[str, list[int], Sampling, int, str], list[int]] | None  # None: no drafts
+
+    def ahead_row(self, sid: str, seq: SeqEntry, shard: int, ntok: int) -> PlannedSeq | None:
+        """A plan-ahead row, or None while it waits for its results. Its chunk in flight samples its
+        last token (then kv counts the positions of all but the last token it samples), after which
+        it is not at max_tokens, and nothing wants it at a step boundary: it goes on with that
+        token, which only gpu_dense knows yet."""
+        kv, req, flying = seq.kv, seq.req, seq.flying
+        generated = ntok - len(req.prompt) + flying  # with the tokens in flight
+        if not self.ahead or kv != ntok + flying - 1 or generated >= req.max_tokens:
+            return None
+        if req.sampling.prompt_logprobs or sid in self.parked:
+            return None
+        steps = self.run_steps(req, generated) if self.multistep else 1
+        return _AHEAD_ROW(
+            sid, shard, kv, req.sampling, sample_index=req.sample_offset + generated, steps=steps
+        )
+
+    def chunk_row(self, sid: str, seq: SeqEntry, shard: int, ntok: int) -> PlannedSeq | None:
+        """A planned row: the next tokens its shard has not seen (a prompt chunk, a recomputed
+        history, the token it sampled last: a decode, which always goes and takes no share of the
+        prefill budget), or None when it has none or the budget is spent."""
+        tokens, kv, req = seq.tokens, seq.kv, seq.req
+        n = ntok - kv
+        if n <= 0:
+            return None
+        generated = ntok - len(req.prompt)
+        if generated <= 0 or n > 1:  # a prefill chunk: within the step's budget
+            if self.budget <= 0:
+                return None
+            n = min(n, self.budget)
+            self.budget -= n
+        sample = kv + n == ntok
+        steps = self.run_steps(req, generated) if sample and self.multistep else 1
+        if req.sampling.prompt_logprobs:
+            sampling, next_token = chunk_scoring(seq, n)
+        else:
+            sampling, next_token = req.sampling, None
+        chunk, drafts = tokens[kv : kv + n], 0
+        # a decode row: the last token, then what drafting expects to follow it
+        if self.draft is not None and n == 1 and generated > 0:
+            drafted = self.draft(sid, tokens, req.sampling, req.max_tokens - generated - 1, req.cache_salt)
+            if drafted:
+                chunk, drafts = chunk + drafted, len(drafted)
+        return _CHUNK_ROW(
+            sid,
+            shard,
+            chunk,
+            kv,
+            sampling,
+            sample=sample,
+            sample_index=req.sample_offset + generated,
+            next_token=next_token,
+            steps=steps,
+            drafts=drafts,
+        )
 
 
 class RowPlanner:
@@ -54,82 +128,43 @@ class RowPlanner:
         """Each placed sequence's row of the step, in admission order: a plan-ahead row for one whose
         chunk in flight samples its last token, a planned row for one holding tokens its shard has
         not seen; and each row's growth, the blocks it grows its sequence by."""
-        # This loop runs every step over every running sequence: attributes are read once into
-        # locals, and a decode (one token) takes no share of the prefill budget.
+        # This loop runs every step over every running sequence: what it reads is read once into
+        # locals (what the row builders read, into a `_Pass`), and each row's mark and growth are read
+        # back off its PlannedSeq (no tuple per row).
         shards = self._tables.shards
         rows = Rows([], {}, {}, [0] * len(shards))
         planned, marks, grow, need = rows.planned, rows.marks, rows.grow, rows.need
         bs = [sh.spec.block_size for sh in shards]
         windowed, held_blocks = self._load.geometry is not None, self._load.held_blocks
-        ahead, parked, budget = self.plan_ahead, self._tables.parked, self.prefill_budget
-        multistep, run_steps = self._runs.decode_steps > 1, self._runs.steps
-        ahead_row, chunk_row = PlannedSeq.ahead, PlannedSeq.chunk
-        draft = self._drafting.drafts if self._drafting is not None else None
-        drafts: list[int] = []
+        row_pass = _Pass(
+            self.plan_ahead,
+            self._tables.parked,
+            self.prefill_budget,
+            self._runs.decode_steps > 1,
+            self._runs.steps,
+            self._drafting.drafts if self._drafting is not None else None,
+        )
+        ahead_row, chunk_row = row_pass.ahead_row, row_pass.chunk_row
         for sid, seq in self._tables.running.items():
             shard = seq.shard
             if shard is None or seq.moving is not None or shards[shard].suspended:
                 continue
-            tokens, kv, req = seq.tokens, seq.kv, seq.req
-            ntok = len(tokens)
-            if seq.inflight is not None:
-                # A plan-ahead row: its chunk in flight samples its last token (then kv counts the
-                # positions of all but the last token it samples), after which it is not at
-                # max_tokens, and nothing wants it at a step boundary. It goes on with that token,
-                # which only gpu_dense knows yet; otherwise it waits for its results.
-                generated = ntok - len(req.prompt) + seq.flying  # with the tokens in flight
-                if not ahead or kv != ntok + seq.flying - 1 or generated >= req.max_tokens:
-                    continue
-                if req.sampling.prompt_logprobs or sid in parked:
-                    continue
-                n, sample = 1, True
-                steps = run_steps(req, generated) if multistep else 1
-                p = ahead_row(
-                    sid, shard, kv, req.sampling, sample_index=req.sample_offset + generated, steps=steps
-                )
-            else:
-                # A planned row: the next tokens its shard has not seen (a prompt chunk, a recomputed
-                # history, the token it sampled last: a decode, which always goes).
-                n = ntok - kv
-                if n <= 0:
-                    continue
-                generated = ntok - len(req.prompt)
-                if generated <= 0 or n > 1:  # a prefill chunk: within the step's budget
-                    if budget <= 0:
-                        continue
-                    n = min(n, budget)
-                    budget -= n
-                sample = kv + n == ntok
-                steps = run_steps(req, generated) if sample and multistep else 1
-                if req.sampling.prompt_logprobs:
-                    sampling, next_token = chunk_scoring(seq, n)
-                else:
-                    sampling, next_token = req.sampling, None
-                # a decode row: the last token, then what drafting expects to follow it
-                if draft is not None and n == 1 and generated > 0:
-                    drafts = draft(sid, tokens, req.sampling, req.max_tokens - generated - 1, req.cache_salt)
-                p = chunk_row(
-                    sid,
-                    shard,
-                    tokens[kv : kv + n] + drafts if drafts else tokens[kv : kv + n],
-                    kv,
-                    sampling,
-                    sample=sample,
-                    sample_index=req.sample_offset + generated,
-                    next_token=next_token,
-                    steps=steps,
-                    drafts=len(drafts),
-                )
+            kv, ntok = seq.kv, len(seq.tokens)
+            p = (
+                ahead_row(sid, seq, shard, ntok)
+                if seq.inflight is not None
+                else chunk_row(sid, seq, shard, ntok)
+            )
+            if p is None:
+                continue  # nothing of it goes this step
             planned.append(p)
-            blocks = seq.blocks
-            marks[sid] = Inflight(seq.epoch, sample, kv, blocks, steps, len(drafts))
-            if drafts:
-                n += len(drafts)
-                drafts = []
+            blocks, steps = seq.blocks, p.steps
+            marks[sid] = Inflight(seq.epoch, p.sample, kv, blocks, steps, p.drafts)
             # Its growth. The KV positions written once the step ran: all but its last sampled
-            # token's. The shard keeps the blocks it reserved for the prompt (history) until a window
-            # passes them: a windowed model's sequence can hold fewer blocks after the chunk.
-            seq.kv = written = kv + n + steps - 1
+            # token's (its row's tokens count its drafts). The shard keeps the blocks it reserved for
+            # the prompt (history) until a window passes them: a windowed model's sequence can hold
+            # fewer blocks after the chunk.
+            seq.kv = written = kv + len(p.token_ids) + steps - 1
             seq.inflight, seq.flying = step_no, steps
             end = written if written > ntok else ntok
             after = held_blocks(end, kv, bs[shard]) if windowed else -(-end // bs[shard])

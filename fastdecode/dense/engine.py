@@ -217,33 +217,12 @@ class LocalEngine:
         sids = [f"local-{next(self._ids)}" for _ in prompts]
         for sid, p in zip(sids, prompts, strict=True):
             self.kv.reserve(sid, len(p) + max_tokens)
-        drafter: Drafter | None = None
+        drafter = Drafter(proposer, prompts, plist, max_tokens) if proposer is not None else None
+        # prefill in chunks of prefill_chunk tokens per sequence when asked
+        run = _Decode(prompts, sids, prefill_chunk or max(len(p) for p in prompts), drafter)
         try:
-            if proposer is not None:
-                drafter = Drafter(proposer, prompts, plist, max_tokens)
-            gen: list[list[int]] = [[] for _ in prompts]
-            # prefill, in chunks of prefill_chunk tokens per sequence when asked
-            chunk = prefill_chunk or max(len(p) for p in prompts)
-            done_prefill = [0] * len(prompts)
-            live = list(range(len(prompts)))
             while True:
-                chunks, owners, sampled, drafts = [], [], [], []
-                for i in live:
-                    p = prompts[i]
-                    owners.append(i)
-                    if done_prefill[i] < len(p):
-                        n = min(chunk, len(p) - done_prefill[i])
-                        chunks.append(
-                            SeqChunk(sids[i], list(p[done_prefill[i] : done_prefill[i] + n]), done_prefill[i])
-                        )
-                        done_prefill[i] += n
-                        sampled.append(done_prefill[i] == len(p))
-                        drafts.append(0)
-                    else:
-                        d = drafter.propose(i, len(gen[i])) if drafter is not None else []
-                        chunks.append(SeqChunk(sids[i], [gen[i][-1], *d], len(p) + len(gen[i]) - 1))
-                        sampled.append(True)
-                        drafts.append(len(d))
+                chunks, owners, sampled, drafts = run.plan()
                 if not chunks:
                     return
                 rows = [j for j, s in enumerate(sampled) if s]
@@ -251,7 +230,7 @@ class LocalEngine:
                     self.hidden(chunks)
                     continue
                 row_params = [plist[i] for i in owners]
-                row_index = [len(gen[i]) for i in owners]
+                row_index = [len(run.gen[i]) for i in owners]
                 if any(drafts):
                     hidden = self.hidden(chunks, every=True)
                     out = verify_step(self.model, hidden, chunks, rows, drafts, row_params, row_index, stats)
@@ -259,22 +238,7 @@ class LocalEngine:
                     logits = self.forward(chunks)[rows]
                     toks, lps = sample(logits, [row_params[j] for j in rows], [row_index[j] for j in rows])
                     out = [[(t, lp)] for t, lp in zip(toks.tolist(), lps.tolist(), strict=True)]
-                events = []
-                for j, emitted in zip(rows, out, strict=True):
-                    i = owners[j]
-                    kept = []
-                    for tok, lp in emitted:  # a stop token or max_tokens ends the row's tokens there
-                        gen[i].append(tok)
-                        kept.append(tok)
-                        finish = "stop" if tok in stops else "length" if len(gen[i]) >= max_tokens else None
-                        events.append((i, tok, lp, finish))
-                        if finish:
-                            live.remove(i)
-                            self.release(sids[i])
-                            break
-                    if drafter is not None:
-                        drafter.append(i, kept)
-                yield events
+                yield run.apply([owners[j] for j in rows], out, stops, max_tokens, self.release)
         finally:
             for sid in sids:
                 self.release(sid)
@@ -306,3 +270,62 @@ class LocalEngine:
                 out[i].logprobs.append(lp)
                 out[i].finish_reason = finish
         return out
+
+
+class _Decode:
+    """generate_stream's sequences between steps: prompt positions prefilled, tokens generated, the
+    ones still running."""
+
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], sids: list[str], chunk: int, drafter: Drafter | None
+    ) -> None:
+        self.prompts, self.sids, self.chunk, self.drafter = prompts, sids, chunk, drafter
+        self.gen: list[list[int]] = [[] for _ in prompts]
+        self.prefilled = [0] * len(prompts)
+        self.live = list(range(len(prompts)))
+
+    def plan(self) -> tuple[list[SeqChunk], list[int], list[bool], list[int]]:
+        """The step's chunks: a prompt's next chunk, or a decode row (its last token and its drafts);
+        with each one's prompt index, whether it samples, and its drafts."""
+        chunks, owners, sampled, drafts = [], [], [], []
+        for i in self.live:
+            p, done = self.prompts[i], self.prefilled[i]
+            owners.append(i)
+            if done < len(p):
+                n = min(self.chunk, len(p) - done)
+                chunks.append(SeqChunk(self.sids[i], list(p[done : done + n]), done))
+                self.prefilled[i] += n
+                sampled.append(self.prefilled[i] == len(p))
+                drafts.append(0)
+            else:
+                d = self.drafter.propose(i, len(self.gen[i])) if self.drafter is not None else []
+                chunks.append(SeqChunk(self.sids[i], [self.gen[i][-1], *d], len(p) + len(self.gen[i]) - 1))
+                sampled.append(True)
+                drafts.append(len(d))
+        return chunks, owners, sampled, drafts
+
+    def apply(
+        self,
+        owners: list[int],
+        out: list[list[tuple[int, float]]],
+        stops: set[int],
+        max_tokens: int,
+        release: Callable[[str], None],
+    ) -> list[tuple[int, int, float, str | None]]:
+        """Each sampled row's tokens, in order, up to a stop token or max_tokens (a finished
+        sequence leaves and its KV goes); the step's events."""
+        events: list[tuple[int, int, float, str | None]] = []
+        for i, emitted in zip(owners, out, strict=True):
+            kept = []
+            for tok, lp in emitted:
+                self.gen[i].append(tok)
+                kept.append(tok)
+                finish = "stop" if tok in stops else "length" if len(self.gen[i]) >= max_tokens else None
+                events.append((i, tok, lp, finish))
+                if finish:
+                    self.live.remove(i)
+                    release(self.sids[i])
+                    break
+            if self.drafter is not None:
+                self.drafter.append(i, kept)
+        return events

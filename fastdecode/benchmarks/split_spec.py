@@ -56,7 +56,7 @@ from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import aio_channel
 from fastdecode.spec import DraftState, proposer_for
-from fastdecode.spec.controller import Counts, KController, StepCost
+from fastdecode.spec.controller import Counts, KController, StepCost, at_least
 from fastdecode.tools.fleet import ServiceProcess, stop_processes
 from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
@@ -161,7 +161,7 @@ class _Mode:
         self.timed_at = [(0, 0)] * self.k
 
     def counts(self) -> Counts:
-        return Counts(_at_least(self.asked), _at_least(self.found), self.offered_at[:], self.kept_at[:])
+        return Counts(at_least(self.asked), at_least(self.found), self.offered_at[:], self.kept_at[:])
 
     def summary(self, prefix: str) -> dict[str, float]:
         rates = [t / w for t, w in zip(self.tokens, self.wall, strict=True)]
@@ -193,15 +193,6 @@ class _Mode:
             f"{prefix}drafts_kept": (tokens - rows) / drafts if drafts else 0.0,
             f"{prefix}kept_at": [k / o if o else 0.0 for o, k in self.timed_at],
         }
-
-
-def _at_least(hist: list[int]) -> list[int]:
-    """Per j >= 0, the count at j + 1 or more of a histogram over 0..K (Counts' asked/found)."""
-    out, total = [0] * (len(hist) - 1), 0
-    for j in range(len(hist) - 1, 0, -1):
-        total += hist[j]
-        out[j - 1] = total
-    return out
 
 
 def row_tokens(result: Any, ids: list[str], what: str) -> list[list[int]]:

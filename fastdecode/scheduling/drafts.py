@@ -28,7 +28,7 @@ from fastdecode.scheduling.runs import DecodeRuns, tokens_of
 from fastdecode.scheduling.tables import SeqEntry
 from fastdecode.scheduling.types import DenseAnswer, Step, TokenEvent
 from fastdecode.spec import DraftState, Proposer
-from fastdecode.spec.controller import Counts, KController, StepCost
+from fastdecode.spec.controller import Counts, KController, StepCost, at_least
 
 
 def draftable(sampling: SamplingParams) -> bool:
@@ -95,12 +95,12 @@ class Drafting:
     @property
     def asked_at(self) -> list[int]:
         """Per draft position j: rows offered a (j + 1)-th draft (asked for at least j + 1)."""
-        return _at_least(self._asked)
+        return at_least(self._asked)
 
     @property
     def found_at(self) -> list[int]:
         """Per draft position j: rows the drafter found a (j + 1)-th draft for."""
-        return _at_least(self._found)
+        return at_least(self._found)
 
     def apply(
         self,
@@ -155,12 +155,3 @@ class Drafting:
             "spec_at": (self.offered_at[:], self.kept_at[:]),
             "spec_k": self.control.k,
         }
-
-
-def _at_least(hist: list[int]) -> list[int]:
-    """Per j >= 0, the count at j + 1 or more of a histogram over 0..K."""
-    out, total = [0] * (len(hist) - 1), 0
-    for j in range(len(hist) - 1, 0, -1):
-        total += hist[j]
-        out[j - 1] = total
-    return out

@@ -177,6 +177,16 @@ class StepModel:
         return max(0.0, wall + b * rows * (per_row - now))
 
 
+def at_least(hist: list[int]) -> list[int]:
+    """Per j >= 0, the count at j + 1 or more of a histogram over 0..K (Counts' asked and found, from
+    how many drafts each row was asked for or found)."""
+    out, total = [0] * (len(hist) - 1), 0
+    for j in range(len(hist) - 1, 0, -1):
+        total += hist[j]
+        out[j - 1] = total
+    return out
+
+
 @dataclass(frozen=True)
 class Counts:
     """Drafting's counts so far, per draft position j: rows asked for a (j + 1)-th draft, rows the

@@ -44,7 +44,11 @@ DECIDE_EVERY = 32  # steps between decisions
 FIRST_DECISION = 8
 HYSTERESIS = 0.05  # a new k must beat the current one's tokens/s by this share
 PROBE_EVERY = 8  # decisions at k = 0 between probes
-PROBE_STEPS = 4  # steps a probe offers K drafts
+PROBE_STEPS = 4  # steps a probe offers K drafts (or, checking a close call at k > 0, none)
+# At k > 0, a k that beats none by less than this share is checked: PROBE_STEPS steps without
+# drafts, so the steps' positions vary and the step's own cost of a position is measured, not
+# modelled (a CPU dense host's step grew more with drafts than its parts said)
+VERIFY_MARGIN = 0.25
 ACCEPTANCE_MEMORY = 0.5  # share of the acceptance counts kept at each decision: recent rows weigh more
 COST_MEMORY = 64.0  # steps the step model remembers (exponentially)
 SPREAD_PRIOR = 0.05  # positions varying by this share of their mean weigh as much as the prior slope
@@ -225,12 +229,13 @@ class KController:
         self._steps = 0
         self._idle = 0  # decisions at k = 0 since the last probe
         self._probing = 0  # steps of the probe left
+        self._probe_cap = max_k  # what the probe offers: K at k = 0, none to check a close k > 0
         self.decisions = 0
 
     @property
     def cap(self) -> int:
-        """The most drafts a row is offered now (K during a probe)."""
-        return self.max_k if self._probing else self.k
+        """The most drafts a row is offered now (during a probe: K, or none)."""
+        return self._probe_cap if self._probing else self.k
 
     def observe(self, cost: StepCost, counts: Counts) -> None:
         """A step ran: learn its cost, and decide k when due."""
@@ -242,11 +247,11 @@ class KController:
             self._probing -= 1
             if self._probing:
                 return
-        elif self._steps < (self._decide_every if self.decisions else self._first):
-            return
-        self.decide(counts)
+            self.decide(counts, probe_done=True)
+        elif self._steps >= (self._decide_every if self.decisions else self._first):
+            self.decide(counts)
 
-    def decide(self, counts: Counts) -> int:
+    def decide(self, counts: Counts, probe_done: bool = False) -> int:
         self._steps = 0
         self.decisions += 1
         now = [counts.asked_at, counts.found_at, counts.offered_at, counts.kept_at]
@@ -268,10 +273,16 @@ class KController:
         if self.k == 0:
             self._idle += 1
             if self._idle >= self._probe_every:
-                self._idle, self._probing = 0, self._probe_steps
+                self._idle, self._probing, self._probe_cap = 0, self._probe_steps, self.max_k
         else:
             self._idle = 0
+            # one check a decision, never a loop
+            if not probe_done and self.cost.ready and self._close():
+                self._probing, self._probe_cap = self._probe_steps, 0
         return self.k
+
+    def _close(self) -> bool:
+        return self.tokens_per_s(self.k) < (1 + VERIFY_MARGIN) * self.tokens_per_s(0)
 
     def per_row(self, k: int) -> tuple[float, float]:
         """(positions, tokens) a draftable row is expected to run and yield when offered k drafts."""

@@ -236,3 +236,14 @@ def test_a_step_that_grows_more_than_its_parts_say_turns_drafts_off() -> None:
     # the parts' model makes of the same steps
     fitted, modelled = (f(1.54) / f(1.0) for f in (c.cost.step_s, c.cost.modelled))
     assert modelled < fitted <= 1.27
+
+
+def test_a_close_call_is_checked_with_steps_without_drafts_a_clear_win_is_not() -> None:
+    clear = gpu(KController(K))
+    clear.run(4 * DECIDE_EVERY, GOOD)
+    assert set(clear.caps) == {K}  # drafts pay by far: never a step without them
+    close = Exposed(KController(K))
+    close.run(FIRST_DECISION + PROBE_STEPS, (0.11, 0.1, 0.35), found=0.54)
+    # the first decision kept K on the parts' model (a close call), then checked it without drafts
+    assert close.caps[:FIRST_DECISION] == [K] * FIRST_DECISION
+    assert close.caps[FIRST_DECISION:] == [0] * PROBE_STEPS

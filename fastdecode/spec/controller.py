@@ -39,7 +39,7 @@ ATTEND_PER_POSITION = 0.1
 # row finding its drafts, weighed as PRIOR_ROWS rows.
 PRIOR_RATES = (0.6528, 0.5972, 0.5, 0.5)
 PRIOR_ROWS = 16.0
-DECIDE_EVERY = 32  # steps between decisions
+DECIDE_EVERY = 16  # steps between decisions: a workload that changes is followed within a few
 # steps before the first: it starts at K, which a CPU dense host pays for every step until then
 FIRST_DECISION = 8
 HYSTERESIS = 0.05  # a new k must beat the current one's tokens/s by this share

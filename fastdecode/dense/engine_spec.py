@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,8 +24,14 @@ from fastdecode.dense.verify import verify
 from fastdecode.model.dense import DenseModel
 from fastdecode.spec import DraftState, Proposer
 
-if TYPE_CHECKING:
-    from fastdecode.dense.engine import SeqChunk
+
+class SeqChunk(Protocol):
+    """What verification reads of engine.SeqChunk (declared here: engine imports this module)."""
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+
 
 Tokens = list[tuple[int, float]]  # (token, logprob) a row yields in one step
 

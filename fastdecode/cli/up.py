@@ -12,7 +12,7 @@ import click
 from pydantic_settings import BaseSettings
 
 from fastdecode.cli.common import write_state
-from fastdecode.runtime.settings import DenseSettings, SchedulerSettings, ShardSettings
+from fastdecode.runtime.settings import DenseSettings, SchedulerSettings, ShardSettings, parse_decode_steps
 
 
 def _setting(cls: type[BaseSettings], name: str, **extra: Any) -> Any:
@@ -34,6 +34,19 @@ def _setting(cls: type[BaseSettings], name: str, **extra: Any) -> Any:
         help=extra.pop("help", field.description),
         **extra,
     )
+
+
+class _DecodeSteps(click.ParamType):
+    """--decode-steps (an int or auto: no click type of its own): refused at the flag with the
+    scheduler settings' own line, not by a scheduler that failed to start."""
+
+    name = "auto|K"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        try:
+            return parse_decode_steps(value)
+        except ValueError as e:
+            self.fail(str(e).removeprefix("--decode-steps "), param, ctx)  # click names the flag
 
 
 def _check_kv_events(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -91,7 +104,7 @@ def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
             _setting(SchedulerSettings, "admission"),
             _setting(SchedulerSettings, "prefix_sharing"),
             _setting(SchedulerSettings, "plan_ahead"),
-            _setting(SchedulerSettings, "decode_steps"),
+            _setting(SchedulerSettings, "decode_steps", type=_DecodeSteps()),
             _setting(SchedulerSettings, "speculative"),
             _setting(SchedulerSettings, "num_speculative_tokens"),
             _setting(SchedulerSettings, "speculative_k"),
@@ -222,7 +235,7 @@ def _make_fleet(
     geometry: str | None = None,
     tensor_parallel: int = 1,
     plan_ahead: str = "on",
-    decode_steps: int = 1,
+    decode_steps: int | str = 1,
     kv_events: str | None = None,
     speculative: str = "off",
     num_speculative_tokens: int = 3,
@@ -235,8 +248,8 @@ def _make_fleet(
     from fastdecode.runtime.errors import InvalidInput
     from fastdecode.tools.fleet import Fleet
 
-    if speculative != "off" and decode_steps > 1:
-        raise InvalidInput("--speculative needs --decode-steps 1: both give a row several tokens")
+    if speculative != "off" and decode_steps not in (1, "auto"):
+        raise InvalidInput("--speculative needs --decode-steps 1 or auto: both give a row several tokens")
     path = resolve_model(model)  # before any service starts: a bad model is one clear line
     dense_args: list[str] = []
     if is_emulated(device):  # an unknown profile or a geometry that does not fit: one line, now
@@ -362,7 +375,7 @@ def up(
     admission: str,
     prefix_sharing: str,
     plan_ahead: str,
-    decode_steps: int,
+    decode_steps: int | str,
     speculative: str,
     num_speculative_tokens: int,
     speculative_k: str,

@@ -267,13 +267,13 @@ class SchedulerSettings(ServiceSettings):
         description="on: plan step n+1 while gpu_dense runs step n, its decoding sequences fed the "
         "tokens gpu_dense sampled (the scheduler leaves the critical path); off: one step at a time.",
     )
-    decode_steps: int = Field(
+    decode_steps: int | Literal["auto"] = Field(
         1,
-        ge=1,
-        le=MAX_DECODE_STEPS,
-        description="Decode steps one plan runs each sampling sequence for at gpu_dense, each fed the "
-        "token the one before sampled: the scheduler's work per plan is spread over them (vLLM's "
-        "multi-step scheduling), its stop rules see them after the plan, new requests join between plans.",
+        description=f"Decode steps (1..{MAX_DECODE_STEPS}) one plan runs each sampling sequence for at "
+        "gpu_dense, each fed the token the one before sampled: the scheduler's work per plan is spread "
+        "over them (vLLM's multi-step scheduling), its stop rules see them after the plan, new requests "
+        "join between plans. auto: 8 while no request waits to be admitted or prefilled, 1 while one "
+        "does (1 with --speculative).",
     )
     speculative: Literal["off", "ngram", "suffix"] = Field(
         "off",
@@ -281,7 +281,7 @@ class SchedulerSettings(ServiceSettings):
         "prompt lookup over the request's tokens, suffix from suffix tries over them and its tenant's "
         "recent outputs; gpu_dense verifies a row's drafts in one step, the shards in one read of its "
         "KV. Greedy tokens are unchanged, sampled ones keep their distribution. Plans one step at a "
-        "time (no plan-ahead); needs --decode-steps 1.",
+        "time (no plan-ahead); needs --decode-steps 1 or auto (then 1).",
     )
     num_speculative_tokens: int = Field(
         3, ge=1, le=MAX_DRAFTS, description="Most drafts a decode row carries (vLLM's meaning)."
@@ -340,10 +340,15 @@ class SchedulerSettings(ServiceSettings):
         0.3, gt=0, le=1, description="Most share of the wall time rebalancing moves may take."
     )
 
+    @field_validator("decode_steps", mode="before")
+    @classmethod
+    def _decode_steps_parsed(cls, value: object) -> int | str:
+        return parse_decode_steps(value)
+
     @model_validator(mode="after")
     def _speculation_fits(self) -> SchedulerSettings:
-        if self.speculative != "off" and self.decode_steps > 1:
-            raise ValueError("--speculative needs --decode-steps 1: both give a row several tokens")
+        if self.speculative != "off" and self.decode_steps not in (1, "auto"):
+            raise ValueError("--speculative needs --decode-steps 1 or auto: both give a row several tokens")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("--prompt-lookup-min must not exceed --prompt-lookup-max")
         return self
@@ -462,6 +467,21 @@ class LocalSettings(BaseSettings):
 
     models_dir: Path = Field(Path(".models"), description="Where the embedded default model is made.")
     debug: bool = Field(False, description="CLI errors keep their traceback (FASTDECODE_DEBUG=1).")
+
+
+def parse_decode_steps(value: object) -> int | Literal["auto"]:
+    """--decode-steps as a flag, an environment variable or a value in code gives it: auto, or a
+    whole number in [1, MAX_DECODE_STEPS]; anything else is one ValueError naming the flag."""
+    text = value.strip() if isinstance(value, str) else value
+    if text == "auto":
+        return "auto"
+    if isinstance(text, str) and text.isdecimal():
+        text = int(text)
+    if type(text) is int and 1 <= text <= MAX_DECODE_STEPS:
+        return text
+    raise ValueError(
+        f"--decode-steps must be auto or a whole number in [1, {MAX_DECODE_STEPS}], got {value!r}"
+    )
 
 
 def split_addresses(value: str | list[str]) -> list[str]:

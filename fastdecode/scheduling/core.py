@@ -53,9 +53,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 from fastdecode.contract import TokenLogprob
-from fastdecode.protocol import MAX_DECODE_STEPS
 from fastdecode.runtime.errors import (
     InternalError,
     InvalidInput,
@@ -74,7 +74,7 @@ from fastdecode.scheduling.preemption import Preemption
 from fastdecode.scheduling.prefixes import PrefixPlacement
 from fastdecode.scheduling.releases import KVReleases
 from fastdecode.scheduling.rows import RowPlanner
-from fastdecode.scheduling.runs import DecodeRuns
+from fastdecode.scheduling.runs import DecodeRuns, DecodeSteps, newcomer_waits
 from fastdecode.scheduling.scoring import take_prompt_logprobs
 from fastdecode.scheduling.tables import (
     ADMISSION_DECISIONS,
@@ -118,7 +118,7 @@ class SchedulerCore:
         prefix_affinity: float = 0.5,
         kv_geometry: KVGeometry | None = None,
         plan_ahead: bool = False,
-        decode_steps: int = 1,
+        decode_steps: DecodeSteps = 1,  # auto: up to runs.AUTO_DECODE_STEPS while no newcomer waits
         proposer: Proposer | None = None,
         speculative_k: str = "auto",  # auto: drafting's controller picks k in 0..K; fixed: always K
     ) -> None:
@@ -128,14 +128,13 @@ class SchedulerCore:
             raise InvalidInput("max_context must be >= 2")
         if kv_lookahead < 0:
             raise InvalidInput("kv_lookahead must be >= 0")
-        if not 1 <= decode_steps <= MAX_DECODE_STEPS:
-            raise InvalidInput(f"decode_steps must be in [1, {MAX_DECODE_STEPS}]")
         if prefix_affinity < 0:
             raise InvalidInput("prefix_affinity must be >= 0")
-        if proposer is not None and (decode_steps > 1 or plan_ahead):
+        if proposer is not None and (decode_steps not in (1, "auto") or plan_ahead):
             # A row in flight with drafts leaves its next position unknown until verified, so it
-            # cannot be planned ahead; several decode steps and drafts both give a row several tokens.
-            raise InvalidInput("speculative decoding plans one step at a time, with decode_steps 1")
+            # cannot be planned ahead; several decode steps and drafts both give a row several tokens
+            # (auto is then 1: a default of auto keeps speculation working).
+            raise InvalidInput("speculative decoding plans one step at a time, with decode_steps 1 or auto")
         self._vocab_size = vocab_size
         # windowed layers (the model's geometry): a sequence holds, and attends over, less than its
         # length; without windows every count is the sequence's length
@@ -154,7 +153,8 @@ class SchedulerCore:
         self.migration = MigrationPlanning(tables, self.load, self.prefixes, self.releases)
         self.membership = Membership(tables, self._admission, self.migration, self.prefixes, self.releases)
         self.preemption = Preemption(tables, self.membership, self.releases)
-        self.runs = DecodeRuns(decode_steps, self._eos, self.load)
+        steps = 1 if proposer is not None else decode_steps  # (range checked there)
+        self.runs = DecodeRuns(steps, self._eos, self.load, partial(newcomer_waits, tables))
         self.drafting = Drafting(proposer, speculative_k == "auto") if proposer is not None else None
         self.planner = RowPlanner(
             tables,

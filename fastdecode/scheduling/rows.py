@@ -43,8 +43,8 @@ class _Pass:
     ahead: bool  # plan_ahead
     parked: set[str]  # sequences wanted at a step boundary: not planned ahead
     budget: int
-    multistep: bool  # --decode-steps above 1: a sampling row may run several decode steps
-    run_steps: Callable[[Request, int], int]
+    most: int  # decode steps a sampling row runs this plan, at most (runs.py plan_steps)
+    run_steps: Callable[[Request, int, int], int]
     draft: Callable[[str, list[int], Sampling, int, str], list[int]] | None  # None: no drafts
 
     def ahead_row(self, sid: str, seq: SeqEntry, shard: int, ntok: int) -> PlannedSeq | None:
@@ -58,7 +58,7 @@ class _Pass:
             return None
         if req.sampling.prompt_logprobs or sid in self.parked:
             return None
-        steps = self.run_steps(req, generated) if self.multistep else 1
+        steps = self.run_steps(req, generated, self.most) if self.most > 1 else 1
         return _AHEAD_ROW(
             sid, shard, kv, req.sampling, sample_index=req.sample_offset + generated, steps=steps
         )
@@ -78,7 +78,7 @@ class _Pass:
             n = min(n, self.budget)
             self.budget -= n
         sample = kv + n == ntok
-        steps = self.run_steps(req, generated) if sample and self.multistep else 1
+        steps = self.run_steps(req, generated, self.most) if sample and self.most > 1 else 1
         if req.sampling.prompt_logprobs:
             sampling, next_token = chunk_scoring(seq, n)
         else:
@@ -140,7 +140,7 @@ class RowPlanner:
             self.plan_ahead,
             self._tables.parked,
             self.prefill_budget,
-            self._runs.decode_steps > 1,
+            self._runs.plan_steps(),  # with --decode-steps auto: 1 while a newcomer waits
             self._runs.steps,
             self._drafting.drafts if self._drafting is not None else None,
         )

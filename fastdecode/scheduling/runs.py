@@ -4,14 +4,23 @@ the one result. The scheduler's work per plan (the plan, the messages, the event
 over k tokens, as vLLM's multi-step scheduling did; the price is that the stop rules see a plan's
 tokens only after it (a stopped sequence wastes up to k-1 rows) and that new requests join at plan
 boundaries. Pure Python, no gRPC: a collaborator of the core's (fastdecode/scheduling/core.py).
+
+`--decode-steps auto` runs up to AUTO_DECODE_STEPS while no request waits to be admitted or
+prefilled, and one step a plan while one does, so that its own prefill plan and the plans while it
+queues are not held k steps; the plans already out when it arrives (the one running, and with
+plan-ahead the one queued behind it) are not recalled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
 from fastdecode.contract import TokenLogprob
-from fastdecode.runtime.errors import InternalError
+from fastdecode.protocol import MAX_DECODE_STEPS
+from fastdecode.runtime.errors import InternalError, InvalidInput
 from fastdecode.scheduling.load import LoadModel
-from fastdecode.scheduling.tables import SeqEntry
+from fastdecode.scheduling.tables import CoreTables, SeqEntry
 from fastdecode.scheduling.types import (
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -23,25 +32,69 @@ from fastdecode.scheduling.types import (
     TokenEvent,
 )
 
+DecodeSteps = int | Literal["auto"]  # --decode-steps: a count, or auto
+
+# auto's most decode steps a plan. The record (docs/benchmarks/2026-12-05-decode-steps.md) puts the
+# scheduler at 0.76-0.78 ms of CPU a decode step at k=8, the first k under its 1 ms goal (1.10-1.15
+# at k=4); past 8 only the last ~0.2 ms of per-plan work is left to spread, while the plans a
+# newcomer finds out grow with k.
+AUTO_DECODE_STEPS = 8
+
+
+def newcomer_waits(tables: CoreTables) -> bool:
+    """Whether a request's first token (or a preempted or recovered sequence's next) would wait behind
+    the next plan: one is queued, or a running one has prompt or history its shard has not seen. One
+    whose last prefill chunk is in flight is not counted: its kv covers its tokens, its token is on
+    the way in the plan out."""
+    if tables.waiting:
+        return True
+    for seq in tables.running.values():
+        gap = len(seq.tokens) - seq.kv
+        if gap > 1 or (gap == 1 and len(seq.tokens) <= len(seq.req.prompt)):
+            return True
+    return False
+
 
 class DecodeRuns:
-    """Several decode steps a plan: how many a row runs (at most `decode_steps`), and a run's
-    tokens applied through the stop rules (the EOS ids `eos`; a stop moves the load model's ratio)."""
+    """Several decode steps a plan: how many a row runs (at most `decode_steps`; with auto, the cap
+    or 1 as `waiting` says), and a run's tokens applied through the stop rules (the EOS ids `eos`; a
+    stop moves the load model's ratio)."""
 
-    def __init__(self, decode_steps: int, eos: frozenset[int], load: LoadModel) -> None:
-        self.decode_steps = decode_steps  # decode steps a plan runs a sampling sequence for, at most
+    def __init__(
+        self,
+        decode_steps: DecodeSteps,
+        eos: frozenset[int],
+        load: LoadModel,
+        waiting: Callable[[], bool] | None = None,
+    ) -> None:
+        auto = decode_steps == "auto"
+        if not auto and not (type(decode_steps) is int and 1 <= decode_steps <= MAX_DECODE_STEPS):
+            raise InvalidInput(
+                f"decode_steps must be auto or in [1, {MAX_DECODE_STEPS}], got {decode_steps!r}"
+            )
+        # decode steps a plan runs a sampling sequence for, at most
+        self.decode_steps: int = AUTO_DECODE_STEPS if auto else int(decode_steps)
+        self._waiting = waiting if auto else None  # None: every plan may run decode_steps
         self._eos = eos
         self._load = load
 
-    def steps(self, req: Request, generated: int) -> int:
+    def plan_steps(self) -> int:
+        """The most decode steps the plan being made runs a sampling sequence for: decode_steps, or
+        with auto one while a request waits to be admitted or prefilled (asked once a plan)."""
+        if self._waiting is not None and self._waiting():
+            return 1
+        return self.decode_steps
+
+    def steps(self, req: Request, generated: int, most: int | None = None) -> int:
         """Decode steps to plan for a sampling sequence with `generated` tokens so far (in flight
-        included): never past its max_tokens. One where the tokens after a stop would not follow on:
-        a chunk scoring its prompt, and a grammar told to ignore EOS (gpu_dense stops a grammar's row
-        at EOS, so the KV of a sequence that goes on would lag the plan)."""
+        included): at most `most` (the plan's, default decode_steps), never past its max_tokens. One
+        where the tokens after a stop would not follow on: a chunk scoring its prompt, and a grammar
+        told to ignore EOS (gpu_dense stops a grammar's row at EOS, so the KV of a sequence that
+        goes on would lag the plan)."""
         sp = req.sampling
         if sp.prompt_logprobs or (sp.grammar and req.ignore_eos):
             return 1
-        return max(1, min(self.decode_steps, req.max_tokens - generated))
+        return max(1, min(self.decode_steps if most is None else most, req.max_tokens - generated))
 
     def apply(
         self,

@@ -2,13 +2,15 @@
 real fleet: greedy tokens equal transformers' (max_tokens not a multiple of 4, requests joining
 mid-run), a stop token mid-run ends the sequence there, streams carry several tokens a message,
 every token has its logprob and alternatives, and seeded sampling, penalties, stop strings and
-structured outputs give what one step a plan gives."""
+structured outputs give what one step a plan gives. `up --decode-steps auto` (the cap while no
+request waits, one step while one does) gives the tokens of one step a plan."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,46 @@ def test_several_decode_steps_a_plan_keep_tokens_equal_to_transformers(
                     ), kw
             cut = client.generate(prompt="Batching many sequences", max_tokens=24, stop=stop, ignore_eos=True)
             assert stop.strip() and cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    finally:
+        up.stop()
+
+
+def test_decode_steps_auto_gives_the_tokens_of_one_step_a_plan(
+    model_factory: Callable, fleet_factory: Callable, hf_greedy: Callable, fleet: UpProcess
+) -> None:
+    model = model_factory("llama")
+    up = fleet_factory(model, "--decode-steps", "auto", private=True, timeout=180)
+    try:
+        with (
+            Client(up.target) as client,
+            Client(fleet.target, token=TOKEN) as one,  # the shared fleet: one step a plan
+            concurrent.futures.ThreadPoolExecutor(8) as pool,
+        ):
+            prompt = PROMPTS_8[1]
+            before = scheduler_steps(up)
+            assert client.generate(token_ids=prompt, max_tokens=23).token_ids == hf_greedy(
+                model, tuple(prompt), 23
+            )
+            # alone, nobody waits after its first token: 1 + 8 + 8 + 6 steps in 4 plans, not 23
+            assert scheduler_steps(up) - before <= 8
+
+            # requests joining while others decode: plans go from the cap to one step and back
+            futures = []
+            for i, p in enumerate(PROMPTS_8):
+                futures.append(pool.submit(client.generate, token_ids=p, max_tokens=17 + 3 * i))
+                time.sleep(0.05)
+            for i, (p, f) in enumerate(zip(PROMPTS_8, futures, strict=True)):
+                out = f.result(timeout=120)
+                assert out.token_ids == hf_greedy(model, tuple(p), 17 + 3 * i), i
+                assert out.token_ids == one.generate(token_ids=p, max_tokens=17 + 3 * i).token_ids, i
+                assert out.usage.completion_tokens == len(out.token_ids)
+            for kw in (
+                {"temperature": 1.0, "top_p": 0.9, "seed": 7},
+                {"frequency_penalty": 1.5, "min_tokens": 10},
+            ):
+                got = client.generate(prompt="Batching many sequences", max_tokens=24, **kw)
+                ref = one.generate(prompt="Batching many sequences", max_tokens=24, **kw)
+                assert (got.token_ids, got.finish_reason) == (ref.token_ids, ref.finish_reason), kw
     finally:
         up.stop()
 

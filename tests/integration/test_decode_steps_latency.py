@@ -1,4 +1,4 @@
-"""bench/decode_steps_latency.py at a tiny size: a real fleet per point (k = 1, then 2), background
+"""bench/decode_steps_latency.py at a tiny size: a real fleet per point (k = 1, then auto), background
 streams decoding while probes measure their first token and the tokens after it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_decode_steps_latency_runs_its_points() -> None:
     out = subprocess.run(
         [sys.executable, "bench/decode_steps_latency.py", "--background", "3", "--probes", "2"]
-        + ["--decode-steps", "1", "2", "--json"],
+        + ["--decode-steps", "1", "auto", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -22,7 +22,7 @@ def test_bench_decode_steps_latency_runs_its_points() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     points = json.loads(out.stdout.strip().splitlines()[-1])["points"]
-    assert [p["decode_steps"] for p in points] == [1, 2]
+    assert [p["decode_steps"] for p in points] == [1, "auto"]
     assert points[0]["ttft_ms_p50_ratio"] == 1.0
     for p in points:
         assert 0 < p["ttft_ms_p50"] <= p["ttft_ms_p90"]

@@ -1,7 +1,8 @@
 """A real fleet (`fastdecode up`, 3 shards, fp32 KV) drains a shard mid-decode through
 `fastdecode shards drain`: every stream completes with the tokens of a run without the drain, no
 sequence is re-prefilled, the shard leaves the tables and its process exits by itself. Then kill -9
-of a migration's source or target during a drain: every stream still completes, token for token."""
+of a migration's source or target during a drain: every stream still completes, token for token or
+parting only at a near tie of a re-prefilled sequence (`_same_or_parted_at_a_tie`)."""
 
 from __future__ import annotations
 
@@ -28,24 +29,48 @@ def _prompts() -> list[list[int]]:
     return [[0, 11 + i, 40 + 3 * i, 7, 90 - i] for i in range(STREAMS)]
 
 
-def _stream_all(target: str, started: concurrent.futures.Future[None] | None = None) -> list[list[int]]:
-    """Every prompt as a concurrent greedy stream; `started` is set once each has its first tokens."""
+def _stream_all(
+    target: str, started: concurrent.futures.Future[None] | None = None, scores: list | None = None
+) -> list[list[int]]:
+    """Every prompt as a concurrent greedy stream; `started` is set once each has its first tokens;
+    `scores` (a list) gets each stream's logprobs with the top 2 alternatives."""
     count = 0
 
-    def one(prompt: list[int]) -> list[int]:
+    def one(prompt: list[int]) -> tuple[list[int], list]:
         nonlocal count
         out: list[int] = []
+        lps: list = []
         with Client(target, timeout=300) as client:
-            for chunk in client.stream(token_ids=prompt, max_tokens=TOKENS, ignore_eos=True):
+            top = 2 if scores is not None else None
+            for chunk in client.stream(token_ids=prompt, max_tokens=TOKENS, ignore_eos=True, logprobs=top):
                 if not out and started is not None:
                     count += 1
                     if count == STREAMS and not started.done():
                         started.set_result(None)
                 out += chunk.token_ids
-        return out
+                lps += chunk.logprobs
+        return out, lps
 
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        return list(pool.map(one, _prompts()))
+        runs = list(pool.map(one, _prompts()))
+    if scores is not None:
+        scores += [lps for _, lps in runs]
+    return [out for out, _ in runs]
+
+
+def _same_or_parted_at_a_tie(a: list[int], b: list[int], a_lps: list, b_lps: list) -> bool:
+    """Two greedy runs of one stream drew the same tokens, or parted where the model's two best
+    tokens nearly tie in both: a sequence re-prefilled after its shard died holds KV computed as
+    one chunk, not appended token by token, equal to fp32's last bits only, and on the tiny random
+    model's flat logits that can swap a near tie (CI saw one stream of 12 part once)."""
+    if a == b:
+        return True
+    t = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    for lps in (a_lps, b_lps):
+        top = sorted(lps[t].top, key=lambda c: -c[1])
+        if len(top) < 2 or top[0][1] - top[1][1] > 1e-3 or {a[t], b[t]} != {top[0][0], top[1][0]}:
+            return False
+    return True
 
 
 def _shards_cli(up: UpProcess, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -106,11 +131,13 @@ def test_kill_9_during_a_drain_costs_time_not_requests(
 ) -> None:
     up = _start(model_factory("llama"), tmp_path)
     try:
-        expected = _stream_all(up.target)
+        scores: list = []
+        expected = _stream_all(up.target, scores=scores)
         kill = 1 if victim == "source" else 2  # draining shard 1 moves its sequences to 0 and 2
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        killed_scores: list = []
         with concurrent.futures.ThreadPoolExecutor(2) as runner:
-            run = runner.submit(_stream_all, up.target, started)
+            run = runner.submit(_stream_all, up.target, started, killed_scores)
             started.result(timeout=120)
             drain = runner.submit(_shards_cli, up, "drain", "--shard", "1")
             source_log = Path(up.state["kv_attention"][1]["log"])
@@ -120,7 +147,14 @@ def test_kill_9_during_a_drain_costs_time_not_requests(
             os.kill(int(up.state["kv_attention"][kill]["pid"]), signal.SIGKILL)
             got = run.result(timeout=300)
             done = drain.result(timeout=300)
-        assert got == expected  # every stream completed, token for token
+        assert [len(g) for g in got] == [TOKENS] * STREAMS  # every stream completed
+        assert all(len(lps) == TOKENS for lps in scores + killed_scores)  # each token scored
+        same = [
+            _same_or_parted_at_a_tie(g, e, gl, el)
+            for g, e, gl, el in zip(got, expected, killed_scores, scores, strict=True)
+        ]
+        assert all(same), [i for i, ok in enumerate(same) if not ok]  # token for token, or a tie
+        assert sum(g == e for g, e in zip(got, expected, strict=True)) >= STREAMS - 2
         assert done.returncode == 0, done.stderr  # the drain still finished
     finally:
         up.stop()

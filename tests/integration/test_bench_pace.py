@@ -117,6 +117,7 @@ def test_bench_pace_at_the_checkpoints_own_shape(model_factory: Callable) -> Non
     args = ["bench", "pace", "--json", "--model", str(model), "--geometry", "checkpoint"]
     args += ["-B", "4", "-P", "1", "-K", "0", "--prompt-len", "4", "--gen-len", "8"]
     args += ["--echo-repeats", "10", "--idle-seconds", "0.5", "--decode-steps", "2"]
+    args += ["--tensor-parallel", "2"]  # the roofline of 2 GPUs (8 heads, 8 KV heads split in two)
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     (p,) = json.loads(res.stdout.strip().splitlines()[-1])["points"]
@@ -126,7 +127,8 @@ def test_bench_pace_at_the_checkpoints_own_shape(model_factory: Callable) -> Non
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     payload = cfg.num_hidden_layers * 4 * (2 * heads + 2 * kv) * cfg.head_dim * 2 / 1e6
     assert p["payload_mb_per_step"] == pytest.approx(payload)
-    roof = Roofline(PROFILES["h100"], geometry_of(cfg), 2).step_seconds(4)
+    assert p["tensor_parallel"] == 2
+    roof = Roofline(PROFILES["h100"], geometry_of(cfg), 2, 2).step_seconds(4)
     assert p["gpu_step_ms"] == pytest.approx(roof["gpu_step_s"] * 1e3)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from fastdecode.dense.emulated import PROFILES, Roofline
@@ -59,3 +62,21 @@ def test_a_70b_model_is_planned_over_tensor_parallel_gpus_only() -> None:
     # four GPUs leave more memory for the GPU-alone baseline's KV, and each holds 1/4 of the heads
     assert four.gpu_alone_batch > two.gpu_alone_batch > 0
     assert four.split_step_ms <= two.split_step_ms
+
+
+def test_plan_command_takes_tensor_parallel_ranks(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from fastdecode.cli import main
+
+    pace = tmp_path / "pace.json"
+    pace.write_text(json.dumps({"points": [_point(256, 256, 168.0, 60.0, 49.6, 12.8)]}) + "\n")
+    args = ["plan", "--gpu", "h100", "--geometry", "llama-3-70b", "--pace", str(pace), "--json"]
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code != 0 and "h100 has 80 GiB" in refused.output  # one line, no traceback
+    assert "Traceback" not in refused.output
+    more = ["--tensor-parallel", "4", "--contexts", "4096", "--batches", "256"]
+    res = CliRunner().invoke(main, [*args, *more])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert out["points"] and all(p["context"] == 4096 and p["batch"] == 256 for p in out["points"])

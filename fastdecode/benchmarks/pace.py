@@ -157,9 +157,14 @@ async def _drive(
                 tokens += len(chunk.token_ids)
                 messages += 1
                 while want and tokens >= want[0]:
+                    mark = await asyncio.to_thread(_Mark, fleet)
+                    if marks and mark.steps <= marks[0].steps:
+                        # a loaded host delivers a small run's window in one burst of messages: the
+                        # window closes at a later message, once gpu_dense has counted a step in it
+                        break
                     want.pop(0)
-                    marks.append(await asyncio.to_thread(_Mark, fleet))
-                    marks[-1].client = (tokens, messages)
+                    marks.append(mark)
+                    mark.client = (tokens, messages)
                     if not want and echo is not None:
                         echo_task = asyncio.create_task(run_echo(echo))
 

@@ -108,8 +108,27 @@ def test_a_killed_replica_gateway_costs_no_request_sent_after_the_router_notices
     assert int(up.state["replicas"][0]["gateway"]["pid"]) != int(victim)  # `up` restarted it
     # on the HTTP port the router knows it by, handed to the router afresh: it is routed to again
     assert up.state["replicas"][0]["gateway"]["http"] == http
+    # `up` records the new pid when it spawns the gateway; on a loaded host it answers seconds later,
+    # and the router takes it back at its next probe after that
+    _wait_healthy(f"http://{http}/health", time.monotonic() + 60)
+    time.sleep(ROUTER_NOTICE_S)
     served = _served_by_each(up, client, model, 12)
     assert all(k > 0 for k in served), served
+
+
+def _wait_healthy(url: str, deadline: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer"
+        time.sleep(0.25)
 
 
 def _served_by_each(up: UpProcess, client: object, model: str, n: int) -> list[int]:

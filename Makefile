@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The native exchange worker (services/gpu_dense/exchange/native): built where gRPC C++ is (or can be) installed.
 NATIVE := $(VENV)/.native-exchange
+CORES := $(shell nproc 2>/dev/null || echo 2)
+TEST_WORKERS ?= $(shell echo $$(( $(CORES) + 1 )))
+FAST_WORKERS ?= $(CORES)
 NATIVE_SRC := $(wildcard services/gpu_dense/exchange/native/*) protos/fastdecode/v1/exchange.proto
 
 .PHONY: setup demo test test-fast lint protos bench gpu-check clean
@@ -32,14 +35,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Parallel (pytest-xdist): a file runs whole on one worker (tests/conftest.py), so its fleets start
+# once; more workers than cores, because the e2e tier's tests mostly wait on their fleets.
 test: $(STAMP) $(NATIVE)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -ra --durations=25
+	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 # The fast tier: no process, no port (tests/unit enforces it); minutes, for every edit.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) --dist loadgroup tests/unit
 
 protos: $(STAMP)
 	$(BIN)/python -m fastdecode.tools.codegen

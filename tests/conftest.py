@@ -93,3 +93,20 @@ def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     return model.eval(), tok
+
+
+# Files that make host network devices: dockerd's clean-up removes the links that appeared while it
+# ran, so these never run beside each other on parallel workers.
+HOST_NETWORK_FILES = frozenset(
+    {"test_containers.py", "test_bench_split.py", "test_bench_speculative_emulated.py"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n N --dist loadgroup`) each file runs whole on one worker, so its module
+    fixtures (fleets, models) start once, and the host-network files share one worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = "host-network" if item.path.name in HOST_NETWORK_FILES else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))

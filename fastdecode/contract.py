@@ -96,7 +96,14 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Whether the dense side must keep the sequence's tokens (penalties, a grammar matcher, bad
         words of more than one token)."""
-        return self.penalized or bool(self.grammar) or any(len(w) > 1 for w in self.bad_words)
+        return self.reads_history or bool(self.grammar)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a logit processor reads the sequence's tokens (penalties, bad words of more than one
+        token): verifying drafts would need each draft in its state. A grammar's matcher is advanced
+        through drafts instead (llguidance computes a mask at every draft position)."""
+        return self.penalized or any(len(w) > 1 for w in self.bad_words)
 
     @property
     def processed(self) -> bool:

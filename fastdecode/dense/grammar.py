@@ -197,26 +197,56 @@ class GrammarBank:
         """For each (seq_id, grammar, generated tokens): the [V] bool mask of the tokens the grammar
         allows next, or the error that sequence met. Builds not ready by `deadline` (perf_counter;
         default `wait_s` from now) fail their rows."""
+        out = self.draft_masks([(sid, g, gen, ()) for sid, g, gen in rows], deadline)
+        return [o if isinstance(o, Exception) else o[0] for o in out]
+
+    def draft_masks(
+        self, rows: Sequence[tuple[str, str, Sequence[int], Sequence[int]]], deadline: float | None = None
+    ) -> list[torch.Tensor | Exception]:
+        """For each (seq_id, grammar, generated tokens, drafts): the [d + 1, V] bool masks of the tokens
+        the grammar allows after the generated tokens and after each draft (speculative verification),
+        or the error that sequence met. llguidance advances the matcher through the drafts and rolls it
+        back, so it stays at the generated tokens. Past a draft the grammar refuses, or once it has
+        ended, a position allows only EOS: verification never keeps a draft there (the draft before
+        was refused), and a finished grammar allows nothing else."""
         if deadline is None:
             deadline = time.perf_counter() + self.wait_s
         unbuilt = self._ready((r[1] for r in rows), deadline)
         out: list[torch.Tensor | Exception] = []
+        first = [0]  # each row's first mask in the bitmask
+        for r in rows:
+            first.append(first[-1] + 1 + len(r[3]))
         with self._lock:
             words = (self.vocab_size + 31) // 32
-            bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
-            live: list[tuple[Any, int]] = []
-            for i, (sid, grammar, generated) in enumerate(rows):
+            bitmask = torch.zeros(first[-1], words, dtype=torch.int32)
+            live: list[tuple[Any, int, list[int]]] = []
+            for i, (sid, grammar, generated, drafts) in enumerate(rows):
                 if grammar in unbuilt:
                     out.append(unbuilt[grammar])
                     continue
                 try:
-                    live.append((self._advance(sid, grammar, generated), i))
+                    live.append((self._advance(sid, grammar, generated), first[i], list(drafts)))
                     out.append(torch.empty(0))
                 except (InvalidInput, FailedPrecondition) as e:
                     out.append(e)
             if live:  # all rows at once, on llguidance's own threads
                 if self._executor is None:
                     self._executor = load_llguidance().LLExecutor()
-                self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, len(rows))
+                ptr, size, n = bitmask.data_ptr(), words * 4, first[-1]
+                drafted = [r for r in live if r[2]]  # llguidance takes rows with drafts apart
+                plain = [(m, at) for m, at, d in live if not d]
+                if drafted:
+                    self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, size, n)
+                if plain:
+                    self._executor.unsafe_compute_mask_ptr(plain, ptr, size, n)
             allowed = unpack_bitmask(bitmask, self.vocab_size) if rows else None
-        return [o if isinstance(o, Exception) else allowed[i] for i, o in enumerate(out)]  # type: ignore[index]
+        eos = [t for t in self.eos_ids if 0 <= t < self.vocab_size]
+        for i, o in enumerate(out):
+            if isinstance(o, Exception):
+                continue
+            m = allowed[first[i] : first[i + 1]]  # type: ignore[index]
+            past = (~m[1:].any(dim=1)).nonzero().flatten() + 1  # draft positions left empty
+            if len(past) and eos:
+                m[past.unsqueeze(1), torch.tensor(eos)] = True
+            out[i] = m
+        return out

@@ -199,7 +199,7 @@ class StepRunner:
     def _start_masks(
         self, seqs: Sequence[PlannedSeq], history: dict[str, list[int] | None]
     ) -> asyncio.Future[dict[str, torch.Tensor | BaseException]] | None:
-        rows: list[tuple[str, str, list[int]]] = []
+        rows: list[tuple[str, str, list[int], list[int]]] = []
         failed: dict[str, torch.Tensor | BaseException] = {}
         if self.grammars is not None:  # builds start now, even for prefill chunks that sample later
             self.grammars.prepare(s.sampling.grammar for s in seqs if s.sampling.grammar)
@@ -216,8 +216,9 @@ class StepRunner:
                 failed[s.seq_id] = InvalidInput(
                     f"sample_index {s.sample_index} exceeds the sequence's tokens"
                 )
-            else:
-                rows.append((s.seq_id, s.sampling.grammar, hist[len(hist) - s.sample_index :]))
+            else:  # the history ends with the row's drafts (a mask for each: verify.py)
+                end = len(hist) - s.drafts
+                rows.append((s.seq_id, s.sampling.grammar, hist[end - s.sample_index : end], hist[end:]))
         if not rows and not failed:
             return None
         bank = self.grammars
@@ -225,8 +226,10 @@ class StepRunner:
         def compute() -> dict[str, torch.Tensor | BaseException]:
             t0 = time.perf_counter()
             out = dict(failed)
-            if rows and bank is not None:
-                out.update(zip((r[0] for r in rows), bank.masks(rows, deadline), strict=True))
+            if rows and bank is not None:  # a row with drafts gets a mask per position, [d + 1, V]
+                masks = bank.draft_masks(rows, deadline)
+                for r, m in zip(rows, masks, strict=True):
+                    out[r[0]] = m if isinstance(m, BaseException) or r[3] else m[0]
             self.mask_seconds = time.perf_counter() - t0
             return out
 
@@ -469,7 +472,7 @@ class StepRunner:
         hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         at = rows  # each sampling row's position in hidden
         if rows and any(s.drafts for s in ordered):  # rows with drafts are verified apart (verify.py)
-            rows, at = verify_rows(self.model, hidden, ordered, rows, outcomes, self._meters[0])
+            rows, at = verify_rows(self.model, hidden, ordered, rows, outcomes, self._meters[0], allowed)
         if not rows:
             return 0.0
         idx = torch.tensor(at, device=hidden.device)

@@ -9,14 +9,16 @@ decoding's tokens, sampled rows tokens distributed exactly as without drafts (a 
 from its own generator, so its tokens do not depend on the batch, though they differ from the
 tokens the same seed gives without drafts).
 
-Rows with a grammar or with penalties over their history are not verified here: the runner refuses
-drafts on them (their processors would need each draft in their state).
+A row with a grammar is masked at each position by what the grammar allows there (after the drafts
+before it: GrammarBank.draft_masks), so a draft the grammar refuses is never kept. Rows with
+penalties over their history are not verified here: the runner refuses drafts on them (their
+processors would need each draft in their state).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -39,8 +41,8 @@ def check_drafts(s: PlannedSeq) -> None:
     if not s.sample or s.steps != 1 or s.next_token is not None or s.use_last_sample:
         raise InvalidInput("a row with drafts samples, in one step, planned with its own tokens")
     sp = s.sampling
-    if sp.grammar or sp.needs_history or sp.prompt_logprobs:
-        raise InvalidInput("drafts are verified only on rows without a grammar, penalties or prompt logprobs")
+    if sp.reads_history or sp.prompt_logprobs:
+        raise InvalidInput("drafts are verified only on rows without penalties or prompt logprobs")
 
 
 def verify(
@@ -48,13 +50,23 @@ def verify(
     hidden: torch.Tensor,
     seqs: Sequence[PlannedSeq],
     eos_ids: Sequence[int],
+    allowed: Mapping[str, torch.Tensor] | None = None,
 ) -> list[Emitted]:
-    """hidden: each row's d + 1 last positions, row after row. Per row, its emitted tokens."""
+    """hidden: each row's d + 1 last positions, row after row; allowed: a grammar row's [d + 1, V]
+    masks by sequence. Per row, its emitted tokens."""
     n_rows = [s.drafts + 1 for s in seqs]
     logits = logits_of(hidden).float()
     params = [s.sampling for s, n in zip(seqs, n_rows, strict=True) for _ in range(n)]
     index = [s.sample_index + j for s, n in zip(seqs, n_rows, strict=True) for j in range(n)]
     processed = penalize(logits, params, index, [None] * len(params), eos_ids)
+    masks = [allowed.get(s.seq_id) if allowed else None for s in seqs]
+    if any(m is not None for m in masks):
+        processed = processed.clone() if processed is logits else processed
+        first = 0
+        for m, n in zip(masks, n_rows, strict=True):
+            if m is not None:
+                processed[first : first + n].masked_fill_(~m.to(processed.device), float("-inf"))
+            first += n
     drafts = torch.tensor([t for s in seqs for t in s.token_ids[-s.drafts :]], dtype=torch.int64)
     counts = [s.drafts for s in seqs]
     if all(s.sampling.greedy for s in seqs):
@@ -93,10 +105,11 @@ def verify_rows(
     rows: list[int],
     outcomes: dict[str, Outcome],
     meter: Meter,
+    allowed: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[int], list[int]]:
     """The step's sampling `rows` (indices into `ordered`) that carry drafts, verified into their
-    outcomes (hidden: each row of `ordered` as its drafts + 1 last positions); returns the other
-    sampling rows and their positions in `hidden`."""
+    outcomes (hidden: each row of `ordered` as its drafts + 1 last positions; allowed: grammar rows'
+    masks); returns the other sampling rows and their positions in `hidden`."""
     at, pos = [], 0
     for s in ordered:
         at.append(pos)
@@ -107,15 +120,13 @@ def verify_rows(
         idx = torch.tensor(
             [at[i] + j for i in spec for j in range(1 + ordered[i].drafts)], device=hidden.device
         )
-        if isinstance(model, EmulatedModel):  # synthetic tokens: drafts kept at the emulated rates
-            emitted = model.verify([ordered[i] for i in spec])
-        else:
-            emitted = verify(
-                model.logits,
-                hidden.index_select(0, idx),
-                [ordered[i] for i in spec],
-                model.config.eos_token_ids,
-            )
+        seqs = [ordered[i] for i in spec]
+        masked = allowed is not None and any(s.seq_id in allowed for s in seqs)
+        if isinstance(model, EmulatedModel) and not masked:  # synthetic: kept at the emulated rates
+            emitted = model.verify(seqs)
+        else:  # (an emulated step with a grammar row verifies on its synthetic logits, masked)
+            eos = model.config.eos_token_ids
+            emitted = verify(model.logits, hidden.index_select(0, idx), seqs, eos, allowed)
         for i, toks in zip(spec, emitted, strict=True):
             (tok, lp, top), *rest = toks
             after = [Outcome(t, p, top=tp) for t, p, tp in rest]

@@ -5,11 +5,12 @@ by up to k drafts. gpu_dense verifies them in the one step and answers 1 to k + 
 attend the k + 1 positions in one read of the sequence's KV, so KV bytes read and round trips per
 generated token fall by the tokens a row yields.
 
-A request is drafted for only where verification is exact and cheap: no grammar, no penalties over
-its history, no prompt logprobs (their processors would need each draft in their state), and no seed:
-a seeded request's tokens would depend on the drafts it was offered (verification draws from the
-target exactly, but which tokens a draw yields depends on the draft it weighs), so it keeps the
-tokens it gets without speculation. Drafts never pass its max_tokens, so its KV never grows past
+A request is drafted for only where verification is exact and cheap: no penalties over its history
+(their processors would need each draft in their state), no prompt logprobs, and no seed: a seeded
+request's tokens would depend on the drafts it was offered (verification draws from the target
+exactly, but which tokens a draw yields depends on the draft it weighs), so it keeps the tokens it
+gets without speculation. A grammar is drafted for: gpu_dense advances its matcher through the
+drafts and masks every draft position. Drafts never pass its max_tokens, so its KV never grows past
 what it reserved.
 
 How many drafts a row is offered, k in 0..K, is the controller's (fastdecode/spec/controller.py):
@@ -33,7 +34,7 @@ from fastdecode.spec.controller import Counts, KController, StepCost, at_least
 
 def draftable(sampling: SamplingParams) -> bool:
     """Whether rows of a request with these settings may carry drafts."""
-    return not (sampling.needs_history or sampling.prompt_logprobs or sampling.seed is not None)
+    return not (sampling.reads_history or sampling.prompt_logprobs or sampling.seed is not None)
 
 
 class Drafting:

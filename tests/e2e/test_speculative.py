@@ -1,8 +1,9 @@
 """`up --speculative ngram|suffix`: decode rows carry drafts, gpu_dense verifies them in one step and
 the shards attend the k + 1 positions in one read. Through the real fleet: greedy tokens equal
 transformers' with drafts kept and rejected, fewer steps than tokens, stop tokens and max_tokens cut a
-row's tokens, logprobs per token, and requests whose processors need their history (penalties, a
-grammar) run undrafted with the tokens they get without speculation."""
+row's tokens, logprobs per token, grammar rows drafted with a mask at every draft position, and
+requests whose processors need their history (penalties) or a seed run undrafted, all with the tokens
+they get without speculation."""
 
 from __future__ import annotations
 
@@ -77,17 +78,25 @@ def test_speculative_greedy_tokens_equal_transformers(
             for n in (1, 2, 7, 13):
                 assert client.generate(token_ids=prompt, max_tokens=n).token_ids == want[:n]
 
-            # undrafted rows (penalties, a grammar, a seed) give what the fleet without drafts gives
+            # undrafted rows (penalties, a seed) and grammar rows, drafted with every draft position
+            # masked, give what the fleet without drafts gives
             cases: list[dict[str, Any]] = [
                 {"frequency_penalty": 1.5, "presence_penalty": 0.5, "min_tokens": 10},
                 {"structured": {"regex": "[0-9]{6}"}},
+                {"structured": {"regex": "(abc ){6}[0-9]{4}"}},  # repeats: drafts the grammar keeps
                 {"temperature": 0.8, "top_p": 0.95, "seed": 11},
             ]
             with Client(fleet.target, token=TOKEN) as plain:
                 for kw in cases:
+                    before = _stats(up)
                     got = client.generate(prompt="Batching many sequences", max_tokens=24, **kw)
                     ref = plain.generate(prompt="Batching many sequences", max_tokens=24, **kw)
                     assert (got.token_ids, got.finish_reason) == (ref.token_ids, ref.finish_reason), kw
+                    after = _stats(up)
+                    if "structured" not in kw:
+                        assert after.spec_rows == before.spec_rows, kw
+                    elif "abc" in str(kw):
+                        assert after.spec_accepted > before.spec_accepted, kw
             # unseeded sampling is drafted for: tokens drawn exactly from the target (verify.py)
             out = client.generate(
                 token_ids=prompt, temperature=0.8, max_tokens=32, ignore_eos=True, logprobs=0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,24 +14,35 @@ import torch
 from fastdecode.contract import PlannedSeq, SamplingParams
 from fastdecode.dense import StepRunner
 from fastdecode.dense.engine import LocalEngine
+from fastdecode.dense.grammar import GrammarBank
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import InvalidInput
+from fastdecode.runtime.grammar import Structured, compile_grammar
 from tests.unit.test_dense_runner import InProcessShards
 
 PROMPTS = [[1, 5, 9, 3], [1, 7, 2], [1, 4, 4, 8, 6]]
 NEW = 12
 
 
-def _speculate(path: object, want: dict[str, list[int]], draft: Callable[[str, int, int], list[int]]) -> dict:
-    """Greedy decode of PROMPTS with each decode row carrying draft(seq, generated, k) drafts."""
+def _speculate(
+    path: object,
+    want: dict[str, list[int]],
+    draft: Callable[[str, int, int], list[int]],
+    sp: SamplingParams | None = None,
+) -> dict:
+    """Greedy decode of PROMPTS with each decode row carrying draft(seq, generated, k) drafts (with
+    `sp`'s grammar, a GrammarBank on the checkpoint's tokenizer masks every position)."""
+    sp = sp or SamplingParams()
     model = DenseModel.from_pretrained(path, "cpu", torch.float32)
     shards = InProcessShards(model, 2)
-    runner = StepRunner(model, shards)
+    cfg = model.config
+    bank = GrammarBank(Path(str(path)) / "tokenizer.json", cfg.vocab_size, cfg.eos_token_ids, wait_s=60)
+    runner = StepRunner(model, shards, grammars=bank if sp.grammar else None)
     got: dict[str, list[int]] = {f"s{i}": [] for i in range(len(PROMPTS))}
     rows_per_step: list[int] = []
     for i in range(len(PROMPTS)):
         shards.stores[i % 2].reserve(f"s{i}", 64)
-    seqs = [PlannedSeq(f"s{i}", i % 2, i % 2, p, 0) for i, p in enumerate(PROMPTS)]
+    seqs = [PlannedSeq(f"s{i}", i % 2, i % 2, p, 0, sp) for i, p in enumerate(PROMPTS)]
 
     async def run() -> None:
         nonlocal seqs
@@ -115,13 +127,21 @@ def test_sampled_rows_with_drafts_keep_their_distribution_and_seeded_ones_repeat
     assert once() == once()
 
 
-@pytest.mark.parametrize(
-    ("change", "why"),
-    [
-        ({"grammar": '{"type": "integer"}'}, "grammar"),
-        ({"presence_penalty": 0.5}, "penalties"),
-    ],
-)
+def test_a_grammar_rows_drafts_are_masked_position_by_position(model_factory: Callable) -> None:
+    """A grammar row with drafts: every position masked by what the grammar allows after the drafts
+    before it, so the tokens are the grammar's greedy tokens without drafts, whatever the drafts."""
+    path = model_factory("llama")
+    grammar = compile_grammar(Structured("regex", "(ab ){16}[0-9]{4}"))  # longer than NEW tokens
+    sp = SamplingParams(grammar=grammar)
+    plain = _speculate(path, {}, lambda sid, n, k: [], sp)["tokens"]
+    right = _speculate(path, plain, lambda sid, n, k: plain[sid][n : n + k], sp)
+    assert right["tokens"] == plain and max(right["per_row"]) == 4
+    vocab = DenseModel.from_pretrained(path, "cpu", torch.float32).config.vocab_size
+    wrong = _speculate(path, plain, lambda sid, n, k: [(t + 1) % vocab for t in plain[sid][n : n + k]], sp)
+    assert wrong["tokens"] == plain and max(wrong["per_row"]) == 1
+
+
+@pytest.mark.parametrize(("change", "why"), [({"presence_penalty": 0.5}, "penalties")])
 def test_drafts_on_rows_whose_processors_need_them_are_refused(
     model_factory: Callable, change: dict, why: str
 ) -> None:

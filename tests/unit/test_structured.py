@@ -84,3 +84,31 @@ def test_a_grammar_that_does_not_build_fails_its_row(llama_dir: Path) -> None:
     fast = compile_grammar(Structured("regex", "[0-9]+"))
     ok, bad = bank.masks([("a", fast, []), ("b", "start: (", [])])
     assert isinstance(ok, torch.Tensor) and isinstance(bad, InvalidInput)
+
+
+def test_draft_masks_are_each_positions_and_leave_the_matcher_at_the_tokens(smollm2: Path) -> None:
+    """Speculative verification: one mask after the generated tokens and one after each draft, each
+    what the grammar allows there; past a draft it refuses (or once it ended) only EOS; the matcher
+    stays at the generated tokens."""
+    tok = Tokenizer.from_pretrained(smollm2)
+    bank = GrammarBank(smollm2 / "tokenizer.json", 49152, [2])
+    grammar = compile_grammar(Structured("json_schema", json.dumps({"type": "integer"})))
+    digits = tok.encode("1234", add_special_tokens=False)
+    assert len(digits) >= 2
+    stepwise = [bank.masks([("ref", grammar, digits[:j])])[0] for j in range(len(digits) + 1)]
+    (m,) = bank.draft_masks([("s", grammar, digits[:1], digits[1:])])
+    assert isinstance(m, torch.Tensor) and m.shape == (len(digits), 49152)
+    for j in range(len(digits)):
+        assert torch.equal(m[j], stepwise[j + 1]), j
+    # a refused draft (a letter in an integer): the positions after it allow only EOS
+    letter = tok.encode("x", add_special_tokens=False)
+    (m,) = bank.draft_masks([("s", grammar, digits[:1], letter + digits[1:2])])
+    assert torch.equal(m[0], stepwise[1]) and not m[0][letter[0]]
+    assert m[1:].nonzero()[:, 1].unique().tolist() == [2]
+    # the matcher did not move: the next step's tokens replay from the generated ones
+    (again,) = bank.masks([("s", grammar, digits[:2])])
+    assert torch.equal(again, stepwise[2])
+    # rows without drafts beside rows with them, in one call
+    plain, drafted = bank.draft_masks([("p", grammar, [], ()), ("q", grammar, [], digits[:1])])
+    assert plain.shape == (1, 49152) and torch.equal(plain[0], stepwise[0])
+    assert torch.equal(drafted[1], stepwise[1])

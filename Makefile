@@ -39,12 +39,12 @@ lint: $(STAMP)
 # once; more workers than cores, because the e2e tier's tests mostly wait on their fleets.
 test: $(STAMP) $(NATIVE)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 # The fast tier: no process, no port (tests/unit enforces it); minutes, for every edit.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) --dist loadgroup tests/unit
+	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) --dist loadfile tests/unit
 
 protos: $(STAMP)
 	$(BIN)/python -m fastdecode.tools.codegen

@@ -102,11 +102,18 @@ HOST_NETWORK_FILES = frozenset(
 )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n N --dist loadgroup`) each file runs whole on one worker, so its module
-    fixtures (fleets, models) start once, and the host-network files share one worker."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = "host-network" if item.path.name in HOST_NETWORK_FILES else str(item.path)
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under pytest-xdist with `--dist loadfile` (make test): each file runs whole on one worker, so
+    its module fixtures (fleets, models) start once, and the host-network files share one worker.
+    (xdist's loadgroup marks cannot do the second with pytest 9: it renames nodes by an attribute
+    pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "host-network" if Path(path).name in HOST_NETWORK_FILES else path
+
+    return FilesScheduling(config, log)

@@ -139,6 +139,7 @@ async def _drive(
     total = len(prompts) * gen_len
     want = [total // 4, 3 * total // 4]
     tokens = messages = 0
+    marking = False
     echo_task: asyncio.Task[None] | None = None
 
     async def run_echo(e: _LoadedEcho) -> None:
@@ -152,12 +153,16 @@ async def _drive(
         idle.append(await asyncio.to_thread(_Mark, fleet))
 
         async def one(p: list[int]) -> None:
-            nonlocal tokens, messages, echo_task
+            nonlocal tokens, messages, echo_task, marking
             async for chunk in client.stream(token_ids=p, max_tokens=gen_len, ignore_eos=True):
                 tokens += len(chunk.token_ids)
                 messages += 1
-                while want and tokens >= want[0]:
-                    mark = await asyncio.to_thread(_Mark, fleet)
+                while want and tokens >= want[0] and not marking:
+                    marking = True  # one stream at a time takes a mark (it awaits the scrape)
+                    try:
+                        mark = await asyncio.to_thread(_Mark, fleet)
+                    finally:
+                        marking = False
                     if marks and mark.steps <= marks[0].steps:
                         # a loaded host delivers a small run's window in one burst of messages: the
                         # window closes at a later message, once gpu_dense has counted a step in it

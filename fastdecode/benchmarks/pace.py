@@ -159,7 +159,8 @@ async def _drive(
                 messages += 1
                 while want and tokens >= want[0] and not marking:
                     marking = True  # one stream at a time takes a mark (it awaits the scrape)
-                    try:
+                    seen = (tokens, messages)  # the client's count when the mark is asked for: the
+                    try:  # other streams go on while the scrape runs
                         mark = await asyncio.to_thread(_Mark, fleet)
                     finally:
                         marking = False
@@ -169,7 +170,7 @@ async def _drive(
                         break
                     want.pop(0)
                     marks.append(mark)
-                    mark.client = (tokens, messages)
+                    mark.client = seen
                     if not want and echo is not None:
                         echo_task = asyncio.create_task(run_echo(echo))
 

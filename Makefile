@@ -6,7 +6,10 @@ STAMP := $(VENV)/.installed
 # The native exchange worker (services/gpu_dense/exchange/native): built where gRPC C++ is (or can be) installed.
 NATIVE := $(VENV)/.native-exchange
 CORES := $(shell nproc 2>/dev/null || echo 2)
-TEST_WORKERS ?= $(shell echo $$(( $(CORES) + 1 )))
+# make test runs serially by default (CI: three parallel rehearsals each met a different load-timing
+# flake, all fixed, none yet green end to end); TEST_WORKERS=3 runs it on 3 workers (~24 min here
+# against ~30 serially).
+TEST_WORKERS ?= 0
 FAST_WORKERS ?= $(CORES)
 NATIVE_SRC := $(wildcard services/gpu_dense/exchange/native/*) protos/fastdecode/v1/exchange.proto
 
@@ -35,8 +38,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Parallel (pytest-xdist): a file runs whole on one worker (tests/conftest.py), so its fleets start
-# once; more workers than cores, because the e2e tier's tests mostly wait on their fleets.
+# Parallel with TEST_WORKERS > 0 (pytest-xdist): a file runs whole on one worker (tests/conftest.py),
+# so its fleets start once; more workers than cores pay, since the e2e tier mostly waits on fleets.
 test: $(STAMP) $(NATIVE)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile

@@ -227,7 +227,9 @@ def run_point(
     shape = None if geometry == CHECKPOINT else geometry
     # errors before any process
     emulated = load_emulated(model, device, torch.bfloat16, shape, acceptance, tensor_parallel)
+    # the k asked for on every step: the planner's own choice (auto) would measure another k
     spec_args = ["--speculative", speculative, "--num-speculative-tokens", str(num_speculative_tokens)]
+    spec_args += ["--speculative-k", "fixed"]
     rates = ",".join(f"{r:g}" for r in emulated.acceptance.rates)
     # native or python: which one `auto` takes here (an unbuilt native one fails before any process)
     kind = worker_kind(worker_kind_setting) if workers else "none"

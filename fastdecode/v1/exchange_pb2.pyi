@@ -65,7 +65,7 @@ class ExchangeShard(_message.Message):
     def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ToWorker(_message.Message):
-    __slots__ = ("secret", "attend", "cancel", "add_shard", "remove_shard", "restore_shard")
+    __slots__ = ("secret", "attend", "cancel", "add_shard", "remove_shard", "restore_shard", "sync")
     class Secret(_message.Message):
         __slots__ = ("send",)
         SEND_FIELD_NUMBER: _ClassVar[int]
@@ -77,13 +77,15 @@ class ToWorker(_message.Message):
     ADD_SHARD_FIELD_NUMBER: _ClassVar[int]
     REMOVE_SHARD_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SHARD_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     secret: ToWorker.Secret
     attend: ExchangeAttend
     cancel: int
     add_shard: ExchangeShard
     remove_shard: int
     restore_shard: int
-    def __init__(self, secret: _Optional[_Union[ToWorker.Secret, _Mapping]] = ..., attend: _Optional[_Union[ExchangeAttend, _Mapping]] = ..., cancel: _Optional[int] = ..., add_shard: _Optional[_Union[ExchangeShard, _Mapping]] = ..., remove_shard: _Optional[int] = ..., restore_shard: _Optional[int] = ...) -> None: ...
+    sync: int
+    def __init__(self, secret: _Optional[_Union[ToWorker.Secret, _Mapping]] = ..., attend: _Optional[_Union[ExchangeAttend, _Mapping]] = ..., cancel: _Optional[int] = ..., add_shard: _Optional[_Union[ExchangeShard, _Mapping]] = ..., remove_shard: _Optional[int] = ..., restore_shard: _Optional[int] = ..., sync: _Optional[int] = ...) -> None: ...
 
 class ExchangeResult(_message.Message):
     __slots__ = ("o", "status", "text")
@@ -96,7 +98,7 @@ class ExchangeResult(_message.Message):
     def __init__(self, o: _Optional[_Union[ArenaSlice, _Mapping]] = ..., status: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ToDense(_message.Message):
-    __slots__ = ("ready", "done")
+    __slots__ = ("ready", "done", "synced")
     class Done(_message.Message):
         __slots__ = ("rid", "results")
         RID_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,8 @@ class ToDense(_message.Message):
         def __init__(self, rid: _Optional[int] = ..., results: _Optional[_Iterable[_Union[ExchangeResult, _Mapping]]] = ...) -> None: ...
     READY_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
     ready: int
     done: ToDense.Done
-    def __init__(self, ready: _Optional[int] = ..., done: _Optional[_Union[ToDense.Done, _Mapping]] = ...) -> None: ...
+    synced: int
+    def __init__(self, ready: _Optional[int] = ..., done: _Optional[_Union[ToDense.Done, _Mapping]] = ..., synced: _Optional[int] = ...) -> None: ...

@@ -114,9 +114,9 @@ class DenseService(pb_grpc.DenseServicer):
             raise InvalidInput(f"shard address must be HOST:PORT, got {request.address!r}")
         for link in self.links.links:
             if link.address == address:
-                self.links.restore(link.index)  # a removed shard back on its address (a restarted pod)
+                await self.links.restore(link.index)  # a removed shard back on its address (a restarted pod)
                 return pb.AddShardResponse(shard=link.index)
-        index = self.links.add_shard(address)
+        index = await self.links.add_shard(address)
         log.info("added %s", self.links.links[index].name)
         return pb.AddShardResponse(shard=index)
 

@@ -99,7 +99,7 @@ def test_a_dead_worker_fails_its_items_and_is_replaced(kind: str, path: str) -> 
             assert torch.equal(out[0], torch.full((2, 12), 6.0))
             assert plane.workers[1].proc is not None and plane.workers[1].proc.pid != victim.pid
 
-            index = plane.add_shard(addresses[0])  # a shard added at run time joins a live worker
+            index = await plane.add_shard(addresses[0])  # a shard added at run time joins a live worker
             out = await _attend(plane, path, 1, 3, [_item(index, 5.0)])
             assert index == 2 and torch.equal(out[0], torch.full((2, 12), 10.0))
         finally:

@@ -103,8 +103,7 @@ def test_hosted_items_attend_in_process_beside_remote_ones(kind: str, tmp_path: 
             serving = health_pb2.HealthCheckResponse.SERVING
             assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status != serving
             await stub.Reserve(pb.ReserveRequest(geometry=geometry, sequences=seqs), timeout=10)
-            plane.restore(1)  # AddShard of its address: serving again
-            await asyncio.sleep(0.1)  # a worker hears of it, the health status is set
+            await plane.restore(1)  # AddShard of its address: applied, serving again, when it returns
             assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == serving
             out = await plane.attend_layer(0, 1, [_hosted_item(1, 5)])
             assert not isinstance(out[0], BaseException)

@@ -79,6 +79,7 @@ def test_messages_travel_as_named_types() -> None:
         m.AddShard(3, "127.0.0.1:5"),
         m.RemoveShard(3),
         m.RestoreShard(3),
+        m.Sync(2**40),
         m.Secret(None),
     ]
     for msg in to_worker:
@@ -88,7 +89,7 @@ def test_messages_travel_as_named_types() -> None:
         assert type(back) is type(msg) and back == msg, msg
     secret = m.unpack_to_worker(m.pack(m.Secret(FleetSecret.parse("s" * 20, "test")))[4:])
     assert isinstance(secret, m.Secret) and secret.secret is not None and secret.secret.send == "s" * 20
-    for msg in (m.Done(7, [m.Ok((24, (2, 2), "bfloat16")), m.Err(14, "gone")]), m.Ready(123)):
+    for msg in (m.Done(7, [m.Ok((24, (2, 2), "bfloat16")), m.Err(14, "gone")]), m.Synced(9), m.Ready(123)):
         back = m.unpack_to_dense(m.pack(msg)[4:])
         assert type(back) is type(msg) and back == msg
     assert isinstance(back, m.Ready)

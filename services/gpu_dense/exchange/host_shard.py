@@ -19,7 +19,6 @@ first.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -97,7 +96,6 @@ class HostShardPlane(LayerPlane[AttendItem]):
     def __init__(self, inner: ShardLinks | ExchangePlane, host: HostShard) -> None:
         self.inner = inner
         self.host = host
-        self._tasks: set[asyncio.Task[None]] = set()
         # the hosted items read their rows of the inner plane's staging in place (_attend)
         self.staging: Stage | None = inner.staging
 
@@ -109,18 +107,16 @@ class HostShardPlane(LayerPlane[AttendItem]):
     def links(self) -> Sequence[ShardEntry]:
         return self.inner.links
 
-    def add_shard(self, address: str) -> int:
-        return self.inner.add_shard(address)
+    async def add_shard(self, address: str) -> int:
+        return await self.inner.add_shard(address)
 
     async def remove(self, index: int) -> None:
         await self.inner.remove(index)
 
-    def restore(self, index: int) -> None:
-        self.inner.restore(index)
+    async def restore(self, index: int) -> None:
+        await self.inner.restore(index)
         if index == self.host.index:  # serving again after a drain's Retire
-            task = asyncio.get_running_loop().create_task(self.host.server.set_serving(True))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            await self.host.server.set_serving(True)
 
     def _hosted(self, item: AttendItem) -> bool:
         # A removed hosted shard's items go to the inner plane, which fails them UNAVAILABLE.

@@ -180,7 +180,7 @@ class ShardLinks(LayerPlane[AttendItem]):
     def add(self, link: AttendLink) -> None:
         self.links.append(link)
 
-    def add_shard(self, address: str) -> int:
+    async def add_shard(self, address: str) -> int:
         index = len(self.links)
         self.links.append(AttendLink(index, address, self.tls, self.timeout))
         return index
@@ -195,8 +195,12 @@ class ShardLinks(LayerPlane[AttendItem]):
             await link.close()
             log.info("removed %s", link.name)
 
-    def restore(self, index: int) -> None:
+    async def restore(self, index: int) -> None:
         """AddShard of a removed shard's address (a restarted pod): a fresh link at the same index."""
+        self.reopen(index)
+
+    def reopen(self, index: int) -> None:
+        """restore, for the exchange worker's control messages (applied in order, none awaited)."""
         old = self.links[index]
         if old.removed:
             self.links[index] = AttendLink(index, old.address, old.tls, old.timeout)

@@ -68,6 +68,12 @@ class RestoreShard(NamedTuple):
     index: int
 
 
+class Sync(NamedTuple):
+    """Answer Synced(n) once every control message before this one is applied."""
+
+    n: int
+
+
 # ---- worker -> dense ----------------------------------------------------------------------
 class Ready(NamedTuple):
     pid: int
@@ -87,9 +93,13 @@ class Done(NamedTuple):
     results: list[Ok | Err]  # one per item, in order
 
 
+class Synced(NamedTuple):
+    n: int
+
+
 # ---- the wire (exchange.proto) ------------------------------------------------------------
-ToWorker = Secret | Attend | Cancel | AddShard | RemoveShard | RestoreShard
-ToDense = Ready | Done
+ToWorker = Secret | Attend | Cancel | AddShard | RemoveShard | RestoreShard | Sync
+ToDense = Ready | Done | Synced
 
 
 def _slice(s: SliceTuple) -> pb.ArenaSlice:
@@ -146,8 +156,12 @@ def pack(msg: ToWorker | ToDense) -> bytes:
             out = pb.ToWorker(remove_shard=msg.index)
         case RestoreShard():
             out = pb.ToWorker(restore_shard=msg.index)
+        case Sync():
+            out = pb.ToWorker(sync=msg.n)
         case Ready():
             out = pb.ToDense(ready=msg.pid)
+        case Synced():
+            out = pb.ToDense(synced=msg.n)
     return frame(out.SerializeToString())
 
 
@@ -200,6 +214,8 @@ def unpack_to_worker(body: bytes) -> ToWorker:
         return RemoveShard(m.remove_shard)
     if kind == "restore_shard":
         return RestoreShard(m.restore_shard)
+    if kind == "sync":
+        return Sync(m.sync)
     raise InvalidInput(f"unknown control message {kind}")
 
 
@@ -213,6 +229,8 @@ def unpack_to_dense(body: bytes) -> ToDense:
         return Done(m.done.rid, results)
     if kind == "ready":
         return Ready(m.ready)
+    if kind == "synced":
+        return Synced(m.synced)
     raise InvalidInput(f"unknown worker message {kind}")
 
 

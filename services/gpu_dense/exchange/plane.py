@@ -92,11 +92,12 @@ class ExchangePlane(LayerPlane[AttendItem]):
         self.workers[index % len(self.workers)].shards[index] = address
         return index
 
-    def add_shard(self, address: str) -> int:
+    async def add_shard(self, address: str) -> int:
         index = self._assign(address)
         worker = self.workers[index % len(self.workers)]
         if worker.alive:
             worker.send(AddShard(index, address))
+            await worker.sync()  # applied before any item names it (items go on another socket)
         return index
 
     async def remove(self, index: int) -> None:
@@ -112,7 +113,7 @@ class ExchangePlane(LayerPlane[AttendItem]):
                 worker.send(RemoveShard(index))
             log.info("removed %s", self.links[index].name)
 
-    def restore(self, index: int) -> None:
+    async def restore(self, index: int) -> None:
         """AddShard of a removed shard's address (a restarted pod): it takes items again."""
         if self.links[index].removed:
             self.links[index] = replace(self.links[index], removed=False)
@@ -120,6 +121,7 @@ class ExchangePlane(LayerPlane[AttendItem]):
             worker = self.workers[index % len(self.workers)]
             if worker.alive:
                 worker.send(RestoreShard(index))
+                await worker.sync()
 
     async def start(self) -> None:
         await asyncio.gather(*(self._ensure(w) for w in self.workers))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -33,6 +34,8 @@ from services.gpu_dense.exchange.messages import (
     RemoveShard,
     RestoreShard,
     Secret,
+    Sync,
+    Synced,
     pack,
 )
 from services.gpu_dense.exchange.slices import Sent
@@ -95,6 +98,8 @@ class WorkerProcess:
         self._read = DoneReader()
         self.ports: list[Port] = []  # per slot (PORT_SLOTS), a blocking socket: Port
         self.port_reads: list[DoneReader] = []
+        self._syncs: dict[int, asyncio.Future[None]] = {}  # per Sync number, its Synced
+        self._sync_numbers = itertools.count(1)
 
     @property
     def kind(self) -> str:
@@ -166,6 +171,10 @@ class WorkerProcess:
             waiting = self.pending.pop(msg.rid, None)
             if waiting is not None and not waiting[0].done():  # None: a cancelled layer's late answer
                 waiting[0].set_result(msg.results)
+        elif isinstance(msg, Synced):
+            fut = self._syncs.pop(msg.n, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
         elif isinstance(msg, Ready) and self._hello is not None and not self._hello.done():
             self._hello.set_result(msg)
 
@@ -184,6 +193,26 @@ class WorkerProcess:
             if not fut.done():
                 fut.set_exception(Unavailable(reason))
         self.pending.clear()
+        for sync in self._syncs.values():  # a worker started again is given every shard it owns
+            if not sync.done():
+                sync.set_result(None)
+        self._syncs.clear()
+
+    async def sync(self) -> None:
+        """Once the worker has applied every control message sent before: a layer socket is another
+        socket, so an item for a shard just added could otherwise reach the worker before its
+        AddShard. Returns at once when the worker is not running (a new one starts with its shards);
+        a worker that does not answer within the shard timeout is left to the plane's watchdog."""
+        if not self.alive:
+            return
+        n = next(self._sync_numbers)
+        fut = self._syncs[n] = asyncio.get_running_loop().create_future()
+        self.send(Sync(n))
+        try:
+            await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError:
+            self._syncs.pop(n, None)
+            log.warning("exchange worker %d did not answer a sync within %.1f s", self.index, self.timeout)
 
     def read_port(
         self, slot: int, rid: int, limit_s: float, cancelled: threading.Event | None
@@ -216,7 +245,7 @@ class WorkerProcess:
                 return msg.results
             # else a cancelled layer's late answer: skipped
 
-    def send(self, message: Attend | Cancel | AddShard | RemoveShard | RestoreShard) -> None:
+    def send(self, message: Attend | Cancel | AddShard | RemoveShard | RestoreShard | Sync) -> None:
         if self.writer is None:
             raise Unavailable(f"exchange worker {self.index} is not running")
         self.writer.write(pack(message))

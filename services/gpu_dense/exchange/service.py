@@ -56,7 +56,7 @@ class ShardPlaneService(LayerPlane[AttendItem], Protocol):
         """Every shard ever added, by index (a removed one keeps its index)."""
         ...
 
-    def add_shard(self, address: str) -> int:
+    async def add_shard(self, address: str) -> int:
         """A new shard at the next index; returns the index."""
         ...
 
@@ -64,7 +64,7 @@ class ShardPlaneService(LayerPlane[AttendItem], Protocol):
         """Its items fail UNAVAILABLE from now on; no other shard's index moves."""
         ...
 
-    def restore(self, index: int) -> None:
+    async def restore(self, index: int) -> None:
         """A removed shard back on its address (a restarted pod)."""
         ...
 

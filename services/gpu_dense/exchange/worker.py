@@ -42,6 +42,8 @@ from services.gpu_dense.exchange.messages import (
     RemoveShard,
     RestoreShard,
     Secret,
+    Sync,
+    Synced,
     pack,
     unpack_to_worker,
 )
@@ -137,7 +139,9 @@ class _WorkerLoop:
                 self.tasks[-id(task)] = task
                 task.add_done_callback(lambda t: self.tasks.pop(-id(t), None))
             case RestoreShard() if msg.index in self.local:
-                self.links.restore(self.local[msg.index])
+                self.links.reopen(self.local[msg.index])
+            case Sync():  # every message before it is applied: the messages are handled in order
+                self.writer.write(pack(Synced(msg.n)))
 
     async def close(self) -> None:
         for task in self.tasks.values():

@@ -909,6 +909,12 @@ int main(int argc, char** argv) {
       case pb::ToWorker::kAddShard: worker->add(static_cast<int>(m.add_shard().index()), m.add_shard().address()); break;
       case pb::ToWorker::kRemoveShard: worker->remove(static_cast<int>(m.remove_shard())); break;
       case pb::ToWorker::kRestoreShard: worker->restore(static_cast<int>(m.restore_shard())); break;
+      case pb::ToWorker::kSync: {  // every message before it applied: this thread reads them in order
+        pb::ToDense synced;
+        synced.set_synced(m.sync());
+        control.write(synced);
+        break;
+      }
       default: break;
     }
   }

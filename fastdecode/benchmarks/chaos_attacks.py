@@ -36,7 +36,7 @@ from fastdecode.runtime.rpc import sync_channel
 from fastdecode.tools.fleet import UpProcess, launch_up, state_credentials
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
-from fastdecode.wire.kv import geometry_to_proto
+from fastdecode.wire.kv_control import geometry_to_proto
 
 
 def ref_chain(n: int = 1000) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from fastdecode.tools.fleet import UpProcess, launch_up
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.v1 import scheduler_pb2, scheduler_pb2_grpc
-from fastdecode.wire.kv import geometry_to_proto
+from fastdecode.wire.kv_control import geometry_to_proto
 
 
 @dataclass

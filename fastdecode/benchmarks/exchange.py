@@ -34,7 +34,8 @@ from fastdecode.runtime.serving import SHARD_PLANES, registered
 from fastdecode.tools.fleet import ServiceProcess, spawn_service, stop_processes, wait_ready
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
-from fastdecode.wire.kv import attend_request, geometry_to_proto
+from fastdecode.wire.kv import attend_request
+from fastdecode.wire.kv_control import geometry_to_proto
 
 MB = 1e6
 

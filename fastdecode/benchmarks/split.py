@@ -79,7 +79,7 @@ from fastdecode.tools.fleet import (
 from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.wire import dense as dense_wire
-from fastdecode.wire.kv import geometry_to_proto
+from fastdecode.wire.kv_control import geometry_to_proto
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 PIPELINE_MODES = ("auto", "on", "off")

@@ -61,7 +61,7 @@ from fastdecode.tools.fleet import ServiceProcess, stop_processes
 from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.wire import dense as dense_wire
-from fastdecode.wire.kv import geometry_to_proto
+from fastdecode.wire.kv_control import geometry_to_proto
 
 METHODS = ("ngram", "suffix")
 MODES = ("off", "spec", "auto")

@@ -35,7 +35,7 @@ from fastdecode.v1 import dense_pb2, dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
 from fastdecode.v1 import kv_attention_pb2_grpc as kv_grpc
 from fastdecode.wire import dense as dense_wire
-from fastdecode.wire.kv import geometry_to_proto
+from fastdecode.wire.kv_control import geometry_to_proto
 
 _SETTLE_S = 0.02
 # libgomp's workers spin ~300k iterations after each parallel region before sleeping; two

@@ -1,5 +1,6 @@
-"""kv_attention.proto: an Attend item both ways, a sequence's KV in migration chunks, the shard's
-stats and the scheduler's reservations.
+"""kv_attention.proto's data: an Attend item both ways, a sequence's KV in migration chunks, and the
+shard's stats. The control messages the scheduler speaks (geometry, reservations, reattach, the
+stats read back) are fastdecode.wire.kv_control, which loads no torch.
 
 The shard's side of an Attend item stays close to the bytes: `attend_batch` decodes q, k and v as
 views of the message's bytes (codec.decode, no copy), and services/kv_attention serializes o straight
@@ -9,7 +10,7 @@ and read by fastdecode.runtime.rpc (`item_error`, `error_from_item`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 from google.protobuf.message import DecodeError
@@ -18,10 +19,8 @@ from fastdecode.kv.attend import AttendBatch
 from fastdecode.kv.shard import LayerRows, SequenceHeader, ShardCore
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput
-from fastdecode.runtime.geometry import MAX_KV_LAYERS, KVGeometry
-from fastdecode.scheduling.ports import ReattachResult, ShardState
-from fastdecode.scheduling.types import Reservation
 from fastdecode.v1 import kv_attention_pb2 as kv_pb
+from fastdecode.wire.kv_control import geometry_from_proto, geometry_to_proto
 
 
 def item_fields(batch: AttendBatch) -> bytes:
@@ -106,28 +105,7 @@ async def import_chunks(core: ShardCore, chunks: AsyncIterator[kv_pb.KVChunk]) -
     return await core.import_sequence(head, layers())
 
 
-# ---- geometry, stats and reservations ---------------------------------------------------------------
-def geometry_from_proto(g: kv_pb.KVGeometry) -> KVGeometry:
-    """A Reserve's or an import's geometry, the one way it leaves the wire. KVGeometry checks only
-    what is cheap (windows against layers, signs); ShardCore checks every field and what its pool
-    takes before allocating, so that (2^31-1)^3 is refused by its size. The windows are copied out
-    only when there can be that many layers: a message may carry millions of them."""
-    if len(g.layer_windows) > MAX_KV_LAYERS:
-        raise InvalidInput(f"KV geometry: {len(g.layer_windows)} layer windows, at most {MAX_KV_LAYERS}")
-    return KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, tuple(g.layer_windows), g.attn_logit_softcap)
-
-
-def geometry_to_proto(geometry: KVGeometry) -> kv_pb.KVGeometry:
-    """A geometry for a Reserve or a migration's header, the one way it goes on the wire."""
-    return kv_pb.KVGeometry(
-        num_layers=geometry.num_layers,
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        layer_windows=geometry.layer_windows,
-        attn_logit_softcap=geometry.attn_logit_softcap,
-    )
-
-
+# ---- the shard's stats (read back by fastdecode.wire.kv_control) -------------------------------------
 def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
     stats = kv_pb.ShardStats(
         shard_id=shard_id,
@@ -154,43 +132,3 @@ def shard_stats_to_proto(shard_id: int, core: ShardCore) -> kv_pb.ShardStats:
     for name, value in s.prefix_stats.items():
         setattr(stats, f"prefix_{name}", value)
     return stats
-
-
-def shard_state_from_proto(st: kv_pb.ShardStats) -> ShardState:
-    """What the scheduler's driver reads of a shard's Stats."""
-    return ShardState(
-        sequences=st.sequences,
-        configured=st.configured,
-        free_tokens=st.free_tokens,
-        tokens_reserved=st.tokens_reserved,
-        bytes_capacity=st.bytes_capacity,
-        kv_itemsize=codec.torch_dtype(st.kv_dtype).itemsize,
-        block_size=st.block_size,
-        # a shard hosted by gpu_dense shares its cores with the S-part: both count
-        busy_seconds=st.attention_busy_seconds + st.host_busy_seconds,
-        attended_pairs=st.attended_token_pairs,
-        persistent=st.kv_persistent,
-    )
-
-
-def reattach_request(geometry: KVGeometry, model: str, keep: Sequence[str]) -> kv_pb.ReattachRequest:
-    return kv_pb.ReattachRequest(geometry=geometry_to_proto(geometry), model=model, keep=list(keep))
-
-
-def reattach_from_proto(r: kv_pb.ReattachResponse) -> ReattachResult:
-    return ReattachResult(
-        {s.seq_id: int(s.tokens) for s in r.sequences}, r.released, int(r.torn_positions), r.discarded
-    )
-
-
-def reserve_request(geometry: KVGeometry, seqs: Sequence[Reservation], model: str) -> kv_pb.ReserveRequest:
-    return kv_pb.ReserveRequest(
-        model=model,
-        geometry=geometry_to_proto(geometry),
-        sequences=[
-            kv_pb.SequenceReservation(
-                seq_id=s.seq_id, max_tokens=s.max_tokens, token_ids=s.token_ids, cache_salt=s.cache_salt
-            )
-            for s in seqs
-        ],
-    )

@@ -28,6 +28,7 @@ from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
 from fastdecode.wire import kv as wire
 from fastdecode.wire.errors import item_error
+from fastdecode.wire.kv_control import geometry_from_proto
 from services.kv_attention.metrics import ShardMetrics
 
 log = logging.getLogger("fastdecode.kv_attention")
@@ -60,7 +61,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     ) -> pb.ReserveResponse:
         seqs = request.sequences
         free, cached = self.core.reserve(
-            wire.geometry_from_proto(request.geometry),
+            geometry_from_proto(request.geometry),
             [(s.seq_id, s.max_tokens, list(s.token_ids), s.cache_salt) for s in seqs],
             request.model,
         )
@@ -94,7 +95,7 @@ class KVAttentionService(pb_grpc.KVAttentionServicer):
     async def Reattach(
         self, request: pb.ReattachRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReattachResponse:
-        r = self.core.reattach(wire.geometry_from_proto(request.geometry), request.model, list(request.keep))
+        r = self.core.reattach(geometry_from_proto(request.geometry), request.model, list(request.keep))
         self._update_gauges()
         log.info(
             "re-attached: %d sequences resume, %d freed, %d positions torn%s",

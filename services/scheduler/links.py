@@ -18,7 +18,7 @@ from fastdecode.scheduling import Reservation, Step
 from fastdecode.scheduling.ports import DenseInfo, MigrationResult, ReattachResult, ShardState, StepOutcome
 from fastdecode.v1 import dense_pb2, dense_pb2_grpc, kv_attention_pb2, kv_attention_pb2_grpc
 from fastdecode.wire import dense as dense_wire
-from fastdecode.wire import kv as kv_wire
+from fastdecode.wire import kv_control as kv_wire
 
 
 class GrpcDenseLink:

@@ -29,7 +29,7 @@ from fastdecode.tools.fleet import free_port, start_service
 from fastdecode.v1 import dense_pb2_grpc
 from fastdecode.v1 import kv_attention_pb2 as pb
 from fastdecode.v1 import kv_attention_pb2_grpc as pb_grpc
-from fastdecode.wire.kv import geometry_to_proto
+from fastdecode.wire.kv_control import geometry_to_proto
 from services.gpu_dense.exchange.host_shard import HostShard, HostShardPlane
 from tests.integration.test_data_plane import MAX_NEW, DataPlane
 from tests.integration.test_shard_links import EchoShard, _item, _plane

@@ -1,6 +1,6 @@
 """Layering checks: no module imports a layer above its own, the cores never see a proto (both drawn
 from the source), and, in a fresh interpreter, the domain cores import with gRPC unimportable, the
-gateway loads no torch and the SDK loads no server module."""
+gateway and the scheduler load no torch and the SDK loads no server module."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support.imports import import_graph
 
@@ -85,12 +87,11 @@ def test_cores_import_no_protos() -> None:
     assert proto_imports(graph) == ["fastdecode.kv.shard -> fastdecode.v1.kv_attention_pb2"]
 
 
-GATEWAY_LOADS = """
+LOADS_NO_TORCH = """
 import importlib, json, pkgutil, sys
-import fastdecode.gateway, services.gateway
-names = [m.name for pkg in (fastdecode.gateway, services.gateway)
-         for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
-names += ["fastdecode.wire.gateway", "fastdecode.contract", "fastdecode.model"]
+packages = [importlib.import_module(p) for p in json.loads(sys.argv[1])]
+names = [m.name for pkg in packages for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+names += json.loads(sys.argv[2])
 for name in names:
     importlib.import_module(name)
 heavy = sorted(
@@ -100,15 +101,39 @@ print(json.dumps({"imported": names, "heavy": heavy}))
 """
 
 
-def test_the_gateway_loads_no_torch() -> None:
-    """The gateway validates, tokenizes and relays: importing every one of its modules (the core and
-    the gRPC and HTTP fronts) loads no torch and no model or KV code."""
+@pytest.mark.parametrize(
+    "packages, modules, entry",
+    [
+        # the gateway validates, tokenizes and relays (its core and its gRPC and HTTP fronts)
+        (
+            ["fastdecode.gateway", "services.gateway"],
+            ["fastdecode.wire.gateway", "fastdecode.contract", "fastdecode.model"],
+            "services.gateway.server",
+        ),
+        # the scheduler plans steps and speaks to the shards' control plane: a fleet starts it at
+        # every `up`, and torch alone was a second of its start-up
+        (
+            ["fastdecode.scheduling", "services.scheduler"],
+            ["fastdecode.wire.kv_control", "fastdecode.wire.dense", "fastdecode.contract"],
+            "services.scheduler.server",
+        ),
+    ],
+    ids=["gateway", "scheduler"],
+)
+def test_a_service_that_does_no_math_loads_no_torch(
+    packages: list[str], modules: list[str], entry: str
+) -> None:
+    """Importing every one of the service's modules loads no torch and no model or KV code."""
     out = subprocess.run(
-        [sys.executable, "-c", GATEWAY_LOADS], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", LOADS_NO_TORCH, json.dumps(packages), json.dumps(modules)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "services.gateway.server" in result["imported"] and "fastdecode.gateway.core" in result["imported"]
+    assert entry in result["imported"]
     assert result["heavy"] == []
 
 

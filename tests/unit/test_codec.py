@@ -138,3 +138,18 @@ def test_split_field_refuses_truncated_bytes() -> None:
         codec.split_field(wire[:-3], 2)
     with pytest.raises(codec.TensorCodecError):
         codec.decode_wire(codec.encode(torch.zeros(4)).SerializeToString()[:-1])
+
+
+def test_the_schedulers_kv_itemsizes_are_the_codecs() -> None:
+    """The scheduler reads a shard's KV dtype without torch (wire.kv_control): every dtype a KV pool
+    holds has the element size torch gives it, and a dtype no pool holds is refused in one line."""
+    from fastdecode.kv import KV_DTYPES
+    from fastdecode.wire.kv_control import WIRE_ITEMSIZE, shard_state_from_proto
+
+    for dtype in KV_DTYPES.values():
+        wire = codec.wire_dtype(dtype)
+        assert WIRE_ITEMSIZE[wire] == dtype.itemsize
+        state = shard_state_from_proto(kv_attention_pb2.ShardStats(kv_dtype=wire))
+        assert state.kv_itemsize == dtype.itemsize
+    with pytest.raises(InvalidInput, match="KV dtype 4"):
+        shard_state_from_proto(kv_attention_pb2.ShardStats(kv_dtype=tensor_pb2.INT64))

@@ -19,7 +19,8 @@ from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, NotFound, ResourceExhausted
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.v1 import kv_attention_pb2 as pb
-from fastdecode.wire.kv import attend_batch, geometry_from_proto, geometry_to_proto
+from fastdecode.wire.kv import attend_batch
+from fastdecode.wire.kv_control import geometry_from_proto, geometry_to_proto
 
 REAL, BOGUS = KVGeometry(2, 2, 8), KVGeometry(1, 1, 2)
 

@@ -96,8 +96,7 @@ class ExchangePlane(LayerPlane[AttendItem]):
         index = self._assign(address)
         worker = self.workers[index % len(self.workers)]
         if worker.alive:
-            worker.send(AddShard(index, address))
-            await worker.sync()  # applied before any item names it (items go on another socket)
+            await worker.apply(AddShard(index, address))  # before any item names it
         return index
 
     async def remove(self, index: int) -> None:
@@ -120,8 +119,7 @@ class ExchangePlane(LayerPlane[AttendItem]):
             self._routes.clear()
             worker = self.workers[index % len(self.workers)]
             if worker.alive:
-                worker.send(RestoreShard(index))
-                await worker.sync()
+                await worker.apply(RestoreShard(index))
 
     async def start(self) -> None:
         await asyncio.gather(*(self._ensure(w) for w in self.workers))

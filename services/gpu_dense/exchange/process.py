@@ -198,6 +198,11 @@ class WorkerProcess:
                 sync.set_result(None)
         self._syncs.clear()
 
+    async def apply(self, message: AddShard | RestoreShard) -> None:
+        """Sends a change of the shards; returns once the worker applied it."""
+        self.send(message)
+        await self.sync()
+
     async def sync(self) -> None:
         """Once the worker has applied every control message sent before: a layer socket is another
         socket, so an item for a shard just added could otherwise reach the worker before its

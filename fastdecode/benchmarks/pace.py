@@ -55,6 +55,9 @@ from fastdecode.benchmarks.common import bench_workdir, run_async
 from fastdecode.benchmarks.transport import ensure_model, process_cpu_seconds, process_kernel_seconds
 from fastdecode.dense.handoff import worker_kind
 from fastdecode.runtime.metrics import metric_total, scrape
+from fastdecode.runtime.rpc import sync_channel
+from fastdecode.v1.scheduler_pb2 import SchedulerStatsRequest
+from fastdecode.v1.scheduler_pb2_grpc import SchedulerStub
 
 # --geometry's name for the --model checkpoint's own shape: at the tiny default's, one-core shards keep
 # a step of tens of ms, where the scheduler's and the gateway's CPU per step are read directly
@@ -100,11 +103,12 @@ class _Mark:
         self.in_step = metric_total(d, "fastdecode_dense_step_seconds_sum")  # each step's wall, summed
         self.device = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="compute")
         self.copy = metric_total(d, "fastdecode_dense_emulated_device_seconds", engine="copy")
-        sch = scrape(fleet.scheduler.metrics)
-        # speculative rows (--speculative): rows that carried drafts, the drafts, the tokens they yielded
-        self.spec_rows = metric_total(sch, "fastdecode_spec_rows_total")
-        self.spec_drafts = metric_total(sch, "fastdecode_spec_draft_tokens_total", outcome="proposed")
-        self.spec_emitted = metric_total(sch, "fastdecode_spec_emitted_tokens_total")
+        # speculative rows (--speculative): rows that carried drafts, the drafts, the tokens they
+        # yielded. From GetStats, counted at every step: the scheduler's metrics are refreshed every
+        # 0.1 s, longer than a small run's whole decode window
+        with sync_channel(fleet.scheduler.address, fleet.peer_credentials) as ch:
+            st = SchedulerStub(ch).GetStats(SchedulerStatsRequest(), timeout=10)
+        self.spec_rows, self.spec_drafts, self.spec_emitted = st.spec_rows, st.spec_drafts, st.spec_emitted
         shards = [scrape(s.metrics) for s in fleet.kv]
         # CPU, not wall: on a busy host an item's wall time counts the other processes' turns too
         self.attention = sum(metric_total(m, "fastdecode_kv_attention_cpu_seconds_total") for m in shards)

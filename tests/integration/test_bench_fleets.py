@@ -44,7 +44,9 @@ def test_cli_bench_fleet_plot(model_factory: Callable, tmp_path: Path) -> None:
     # The real bench at toy sizes (~15 s: one fleet, one shard for the RTT probe): its result feeds the plot.
     png = tmp_path / "fleet.png"
     args = ["bench", "fleet", "--json", "--model", str(model_factory("llama")), "-B", "2"]
-    args += ["--prompt-len", "6", "--gen-len", "6", "--plot", str(png)]
+    # 24 tokens a row: the window's marks follow the client, which trails the fleet; at 6 a loaded
+    # host delivered the whole window in one burst, after gpu_dense had counted its last step
+    args += ["--prompt-len", "6", "--gen-len", "24", "--plot", str(png)]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout.strip().splitlines()[-1])

@@ -110,7 +110,7 @@ def test_cli_bench_pace_speculative(model_factory: Callable) -> None:
         "--prompt-len",
         "4",
         "--gen-len",
-        "20",
+        "40",  # the client's marks trail the fleet: a longer run keeps steps inside the window
         "--echo-repeats",
         "5",
     ]
@@ -127,7 +127,7 @@ def test_cli_bench_pace_speculative(model_factory: Callable) -> None:
         assert math.isfinite(p["decode_tokens_per_s"]) and p["decode_tokens_per_s"] > 0
         assert p["round_trips_per_token"] > 0
     # the scheduler's n-gram drafter found drafts on the emulated device's repeating tokens
-    assert spec["rows_with_drafts_per_step"] > 0 and 1 < spec["drafts_per_row"] <= 3
+    assert spec["rows_with_drafts_per_step"] > 0 and 1 < spec["drafts_per_row"] <= 3, result
     assert 1 < spec["tau"] <= 4
     assert spec["speedup"] == pytest.approx(spec["decode_tokens_per_s"] / off["decode_tokens_per_s"])
     assert spec["round_trips_per_token"] < off["round_trips_per_token"]

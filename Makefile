@@ -6,10 +6,9 @@ STAMP := $(VENV)/.installed
 # The native exchange worker (services/gpu_dense/exchange/native): built where gRPC C++ is (or can be) installed.
 NATIVE := $(VENV)/.native-exchange
 CORES := $(shell nproc 2>/dev/null || echo 2)
-# make test runs serially by default (CI: three parallel rehearsals each met a different load-timing
-# flake, all fixed, none yet green end to end); TEST_WORKERS=3 runs it on 3 workers (~24 min here
-# against ~30 serially).
-TEST_WORKERS ?= 0
+# make test runs on 3 pytest-xdist workers (20.6 min of pytest on 2 cores against 32.5 serially,
+# docs/benchmarks/2026-12-06-test-suite.md); TEST_WORKERS=0 runs it serially.
+TEST_WORKERS ?= 3
 FAST_WORKERS ?= $(CORES)
 NATIVE_SRC := $(wildcard services/gpu_dense/exchange/native/*) protos/fastdecode/v1/exchange.proto
 

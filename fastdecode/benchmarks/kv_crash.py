@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import tempfile
 import time
@@ -67,10 +68,12 @@ def _attend(store: KVStore, ids: list[str], seqs: list[int], starts: list[int], 
         store.attend(layer, AttendBatch(ids, counts, starts, q, k, v))
 
 
-def _child(base: Path, dtype: torch.dtype, seed: int) -> None:
-    """Decode forever (until killed): resume what the pool holds, start new sequences as others end."""
+def _child(base: Path, dtype: torch.dtype, seed: int, ready: int) -> None:
+    """Decode forever (until killed): resume what the pool holds, start new sequences as others end.
+    A byte on the `ready` pipe tells the parent the pool is open and decoding begins."""
     torch.set_num_threads(1)
     store = _store(base, dtype)
+    os.write(ready, b"r")
     rng = random.Random(seed)
     live = {sid: int(sid[1:]) for sid in store.seqs}
     nxt = max(live.values(), default=0) + 1
@@ -132,13 +135,20 @@ def run_kv_crash(
         t0 = time.perf_counter()
         started = 0
         for round_no in range(kills):
+            ready_r, ready_w = os.pipe()
             pid = os.fork()
             if pid == 0:  # the child: decode until killed (never returns)
                 try:
-                    _child(base, dtype, seed * 100003 + round_no)
+                    os.close(ready_r)
+                    _child(base, dtype, seed * 100003 + round_no, ready_w)
                 finally:
                     os._exit(1)
-            time.sleep(0.02 + rng.random() * max_delay_ms / 1000)  # past its start-up, into the loop
+            os.close(ready_w)
+            # the delay counts from the decode loop's start, not the fork: on a loaded host the
+            # re-attach alone outlasted it, and the kills stopped reaching any decoding
+            select.select([ready_r], [], [], 60)
+            os.close(ready_r)
+            time.sleep(0.02 + rng.random() * max_delay_ms / 1000)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             store = _store(base, dtype)

@@ -56,9 +56,9 @@ def test_cli_bench_pace_tiny(model_factory: Callable, tmp_path: Path) -> None:
         "-K",
         "1",
     ]
-    # 24 tokens a row: the client's marks trail the fleet, and at 8 it had once counted every step by
-    # the time the client read the window's first quarter (no window left to measure)
-    args += ["--prompt-len", "4", "--gen-len", "24", "--echo-repeats", "20", "--idle-seconds", "2"]
+    # 96 tokens a row: the client's marks trail the fleet, and at 8 (and once at 24, in a loaded CI
+    # run) it had counted every step by the time the first mark's scrape returned (no window left)
+    args += ["--prompt-len", "4", "--gen-len", "96", "--echo-repeats", "20", "--idle-seconds", "2"]
     args += ["--plot", str(png)]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
@@ -117,8 +117,8 @@ def test_bench_pace_at_the_checkpoints_own_shape(model_factory: Callable) -> Non
     model = model_factory("llama")
     cfg = ModelConfig.from_pretrained(model)
     args = ["bench", "pace", "--json", "--model", str(model), "--geometry", "checkpoint"]
-    # 24 tokens a row, as in test_cli_bench_pace_tiny
-    args += ["-B", "4", "-P", "1", "-K", "0", "--prompt-len", "4", "--gen-len", "24"]
+    # 96 tokens a row, as in test_cli_bench_pace_tiny
+    args += ["-B", "4", "-P", "1", "-K", "0", "--prompt-len", "4", "--gen-len", "96"]
     args += ["--echo-repeats", "10", "--idle-seconds", "0.5", "--decode-steps", "2"]
     args += ["--tensor-parallel", "2"]  # the roofline of 2 GPUs (8 heads, 8 KV heads split in two)
     res = CliRunner().invoke(main, args)

@@ -110,7 +110,7 @@ def test_cli_bench_pace_speculative(model_factory: Callable) -> None:
         "--prompt-len",
         "4",
         "--gen-len",
-        "40",  # the client's marks trail the fleet: a longer run keeps steps inside the window
+        "96",  # the client's marks trail the fleet: a longer run keeps steps inside the window
         "--echo-repeats",
         "5",
     ]

@@ -173,9 +173,12 @@ def test_workers_carry_tls_and_the_fleet_secret(kind: str, tmp_path: Path) -> No
                 await plane.close()
             plane = ExchangePlane([address], 1, wrong, timeout=5.0, kind=kind)
             try:
-                out = await plane.attend_layer(0, 0, [_item(0, 1.5)])
-                assert isinstance(out[0], Unavailable), out[0]
-                assert "shard 0" in str(out[0]) and "UNAUTHENTICATED" in str(out[0])
+                # grpc.aio loses the refusal's status when the item's write races the shard's close
+                # (it reports INTERNAL "Internal error from Core"; 3 of 300 streams in a bare
+                # repro): each item fails, and one of three names the refusal
+                failed = [(await plane.attend_layer(0, 0, [_item(0, 1.5)]))[0] for _ in range(3)]
+                assert all(isinstance(f, Unavailable) and "shard 0" in str(f) for f in failed), failed
+                assert any("UNAUTHENTICATED" in str(f) for f in failed), failed
             finally:
                 await plane.close()
         finally:

@@ -36,6 +36,11 @@ _ids = itertools.count(1)
 ATTEND_METHOD = f"/{kv_pb.DESCRIPTOR.services_by_name['KVAttention'].full_name}/Attend"
 
 
+# grpc.aio's stand-in status when a write races the server closing the stream (say, refusing a
+# wrong fleet secret): the server's own status is overwritten, the next stream sees it again
+_STATUS_LOST = "Internal error from Core"
+
+
 class _Stream:
     """One Attend stream; `since` is when its unanswered item went out (None when idle)."""
 
@@ -76,6 +81,8 @@ class AttendLink:
             reason = f"{self.name} did not answer within {self.timeout:g}s"
         elif isinstance(exc, grpc.aio.AioRpcError):
             reason = f"{self.name} unavailable: {exc.code().name}: {exc.details()}"
+            if exc.details() == _STATUS_LOST:
+                reason += " (the shard closed the stream during the write; gRPC lost its status)"
         else:
             reason = f"{self.name} unavailable: {exc or type(exc).__name__}"
         log.warning("%s stream lost: %s", self.name, reason)

@@ -61,7 +61,7 @@ from fastdecode.benchmarks.split_fleet import (
 )
 from fastdecode.benchmarks.split_spec import Speculation, extra_positions, run_spec_points
 from fastdecode.benchmarks.transport import process_cpu_seconds
-from fastdecode.dense.emulated import EmulatedAcceptance, is_emulated, load_profile
+from fastdecode.dense.emulated import EmulatedAcceptance, load_profile
 from fastdecode.dense.engine import LocalEngine, SeqChunk
 from fastdecode.model import ModelConfig
 from fastdecode.model.dense import resolve_device
@@ -70,6 +70,7 @@ from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import KVGeometry
 from fastdecode.runtime.rpc import aio_channel
+from fastdecode.runtime.settings import is_emulated
 from fastdecode.spec.controller import DECIDE_EVERY, FIRST_DECISION
 from fastdecode.tools.fleet import (
     ServiceProcess,

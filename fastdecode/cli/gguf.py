@@ -53,14 +53,10 @@ def resolve_model(model: str | None) -> Path:
     """The checkpoint directory for a --model argument (see the module docstring)."""
     from fastdecode.cli.progress import progress_wanted
     from fastdecode.tools.checkpoint import check_checkpoint
-    from fastdecode.tools.gguf_import import (
-        cached_import,
-        default_model_dir,
-        ensure_default_model,
-        is_complete,
-    )
 
     if model is None:
+        from fastdecode.tools.gguf_import import default_model_dir, ensure_default_model, is_complete
+
         if not is_complete(default_model_dir()):
             click.echo(
                 "fetching the default model (SmolLM2-135M-Instruct, ~93 MB) and importing it "
@@ -71,6 +67,8 @@ def resolve_model(model: str | None) -> Path:
             return ensure_default_model(on_stage, verbose=progress_wanted())
     path = Path(model)
     if path.suffix.lower() == ".gguf" or path.is_file():
+        from fastdecode.tools.gguf_import import cached_import  # torch: only a GGUF file needs it
+
         with _progress() as on_stage:
             stage = None if on_stage is None else (lambda d, t: on_stage("import", d, t))
             return cached_import(path, "float32", stage)

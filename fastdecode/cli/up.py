@@ -12,7 +12,13 @@ import click
 from pydantic_settings import BaseSettings
 
 from fastdecode.cli.common import write_state
-from fastdecode.runtime.settings import DenseSettings, SchedulerSettings, ShardSettings, parse_decode_steps
+from fastdecode.runtime.settings import (
+    DenseSettings,
+    SchedulerSettings,
+    ShardSettings,
+    is_emulated,
+    parse_decode_steps,
+)
 
 
 def _setting(cls: type[BaseSettings], name: str, **extra: Any) -> Any:
@@ -184,15 +190,14 @@ def _check_kv_capacity(kv_capacity: int, kv_dtype: str, config: Any) -> None:
     """--kv-capacity refused at its flag (exit 2), as --shards is, when a shard could hold too little
     of the geometry served (the scheduler keeps one block back, so two blocks at least) or more than
     this host has: otherwise the scheduler or the shards stop the fleet during start."""
-    from fastdecode.kv.memory import KV_DTYPES, SCALED_DTYPES, host_available_bytes
+    from fastdecode.runtime.geometry import host_available_bytes, kv_row_bytes
 
     try:
         block = ShardSettings().block_size  # FASTDECODE_BLOCK_SIZE reaches the shards too
     except ValueError as e:  # pydantic's ValidationError: a bad FASTDECODE_* variable
         raise click.UsageError(f"shard settings: {' '.join(str(e).split())}") from None
-    g, dtype = config.kv_geometry, KV_DTYPES[kv_dtype]
-    row = g.head_dim * dtype.itemsize + (4 if dtype in SCALED_DTYPES else 0)  # + int8's, float8's scale
-    per_token = 2 * g.num_layers * g.num_kv_heads * row
+    g = config.kv_geometry
+    per_token = 2 * g.num_layers * g.num_kv_heads * kv_row_bytes(kv_dtype, g.head_dim)
     need, have = 2 * block * per_token, host_available_bytes()
     if kv_capacity < need:
         raise click.BadParameter(
@@ -244,7 +249,6 @@ def _make_fleet(
     kv_dir: Path | None = None,
 ) -> Any:
     from fastdecode.cli.gguf import resolve_model
-    from fastdecode.dense.emulated import is_emulated, load_emulated
     from fastdecode.runtime.errors import InvalidInput
     from fastdecode.tools.fleet import Fleet
 
@@ -254,6 +258,8 @@ def _make_fleet(
     dense_args: list[str] = []
     if is_emulated(device):  # an unknown profile or a geometry that does not fit: one line, now
         import torch
+
+        from fastdecode.dense.emulated import load_emulated
 
         emulated = load_emulated(path, device, torch.bfloat16, geometry, tensor_parallel=tensor_parallel)
         _check_kv_capacity(kv_capacity, kv_dtype, emulated.config)
@@ -267,8 +273,7 @@ def _make_fleet(
     elif geometry:
         raise InvalidInput("--geometry needs an emulated device (--device emulated:NAME)")
     else:
-        from fastdecode.model.config import ModelConfig
-        from fastdecode.model.tensor_parallel import check_tensor_parallel
+        from fastdecode.model.config import ModelConfig, check_tensor_parallel
 
         config = ModelConfig.from_pretrained(path)
         _check_kv_capacity(kv_capacity, kv_dtype, config)

@@ -41,13 +41,12 @@ import torch
 
 from fastdecode.contract import PlannedSeq
 from fastdecode.dense.plane import Device
-from fastdecode.model.config import ModelConfig
+from fastdecode.model.config import ModelConfig, check_tensor_parallel
 from fastdecode.model.lora import LoraBatch
-from fastdecode.model.tensor_parallel import check_tensor_parallel
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import GEOMETRIES, Geometry
+from fastdecode.runtime.settings import EMULATED_PREFIX, is_emulated
 
-PREFIX = "emulated:"
 GIB = 1 << 30
 
 
@@ -121,13 +120,9 @@ PROFILES: dict[str, GPUProfile] = {
 COLLECTIVE_FLOOR_US = 10.0
 
 
-def is_emulated(device: str) -> bool:
-    return device.startswith(PREFIX)
-
-
 def load_profile(device: str) -> GPUProfile:
     """The profile `emulated:NAME` or `emulated:FILE.json` (GPUProfile's fields) names."""
-    spec = device[len(PREFIX) :] if is_emulated(device) else device
+    spec = device[len(EMULATED_PREFIX) :] if is_emulated(device) else device
     if spec in PROFILES:
         return PROFILES[spec]
     path = Path(spec)
@@ -429,7 +424,7 @@ class EmulatedModel(Device):
         self.profile = profile
         self.dtype = dtype
         self.device = torch.device("meta")  # hidden states: shapes, no storage
-        self.label = f"{PREFIX}{profile.name}"
+        self.label = f"{EMULATED_PREFIX}{profile.name}"
         # q, k, v are the same synthetic rows every layer and their copy off the device is charged on
         # the clock: the step runner stages them once per arena (fastdecode/dense/runner.py)
         self.synthetic = True

@@ -17,10 +17,9 @@ from fastdecode.contract import SamplingParams
 from fastdecode.dense.engine_spec import Drafter, SpecStats, verify_step
 from fastdecode.dense.sampling import sample
 from fastdecode.kv import AttendBatch, KVStore
-from fastdecode.kv.memory import host_available_bytes
 from fastdecode.model.dense import DenseModel
 from fastdecode.runtime.errors import InvalidInput
-from fastdecode.runtime.geometry import KVGeometry
+from fastdecode.runtime.geometry import KVGeometry, host_available_bytes
 from fastdecode.spec import Proposer
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from fastdecode.runtime.errors import InvalidInput, ResourceExhausted
-from fastdecode.runtime.geometry import KVGeometry, check_kv_bounds
+from fastdecode.runtime.geometry import KVGeometry, check_kv_bounds, host_available_bytes
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -94,18 +93,6 @@ def plan_pool(
             f"({available} bytes): lower the shard's kv_capacity"
         )
     return plan
-
-
-def host_available_bytes() -> int:
-    """MemAvailable (what the host can give without swapping), else the free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

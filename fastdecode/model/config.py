@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdecode.runtime.errors import ModelLoadError
+from fastdecode.runtime.errors import InvalidInput, ModelLoadError
 from fastdecode.runtime.geometry import KVGeometry
 
 
@@ -375,3 +375,22 @@ def _rope(cfg: dict[str, Any], params: dict[str, Any], scaling: dict[str, Any], 
         attention_factor=float(attention_factor),
         rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
     )
+
+
+def check_tensor_parallel(config: ModelConfig, world: int) -> None:
+    """One line where `world` ranks cannot split this model's heads, MLP or norms (here, torch-free:
+    `fastdecode up` checks it before any service starts)."""
+    if world <= 1:
+        return
+    c = config
+    inter = c.moe.intermediate_size if c.moe is not None else c.intermediate_size
+    for what, n in (
+        ("attention heads", c.num_attention_heads),
+        ("key-value heads", c.num_key_value_heads),
+        ("intermediate size", inter),
+        ("intermediate size", c.intermediate_size),
+    ):
+        if n % world:
+            raise InvalidInput(f"--tensor-parallel {world} must divide the model's {what} ({n})")
+    if c.qk_norm == "full":  # a norm over all the heads' q would need a reduction of its own
+        raise InvalidInput(f"--tensor-parallel does not serve {c.model_type} (its q/k norm spans every head)")

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fastdecode.model.config import ModelConfig
+from fastdecode.model.config import ModelConfig, check_tensor_parallel
 from fastdecode.model.dense import DenseModel, Experts, Layer, resolve_device
 from fastdecode.model.lora import LoraBatch
 from fastdecode.model.weights import load_weights
@@ -45,24 +45,6 @@ class Op(IntEnum):
     PRE = 1
     POST = 2
     LOGITS = 3
-
-
-def check_tensor_parallel(config: ModelConfig, world: int) -> None:
-    """One line where `world` ranks cannot split this model's heads, MLP or norms."""
-    if world <= 1:
-        return
-    c = config
-    inter = c.moe.intermediate_size if c.moe is not None else c.intermediate_size
-    for what, n in (
-        ("attention heads", c.num_attention_heads),
-        ("key-value heads", c.num_key_value_heads),
-        ("intermediate size", inter),
-        ("intermediate size", c.intermediate_size),
-    ):
-        if n % world:
-            raise InvalidInput(f"--tensor-parallel {world} must divide the model's {what} ({n})")
-    if c.qk_norm == "full":  # a norm over all the heads' q would need a reduction of its own
-        raise InvalidInput(f"--tensor-parallel does not serve {c.model_type} (its q/k norm spans every head)")
 
 
 class RankGroup:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -183,3 +184,33 @@ def geometry(
     if min(hidden, heads, kv_heads, head_dim) < 1 or heads % kv_heads:
         raise InvalidInput("dims must be positive and heads a multiple of kv heads")
     return Geometry(f"h{hidden}-q{heads}-kv{kv_heads}-d{head_dim}", hidden, heads, kv_heads, head_dim)
+
+
+# What a stored KV row costs by dtype name: the item size, and whether each (token, KV head) row
+# carries a float32 scale (int8, float8 e4m3). Torch-free, for the processes that only plan
+# (`fastdecode up` checks --kv-capacity with it); fastdecode.kv.memory's dtypes agree (a unit test).
+KV_DTYPE_BYTES: dict[str, tuple[int, bool]] = {
+    "float32": (4, False),
+    "float16": (2, False),
+    "bfloat16": (2, False),
+    "int8": (1, True),
+    "float8_e4m3": (1, True),
+}
+
+
+def kv_row_bytes(dtype: str, head_dim: int) -> int:
+    """Bytes of one (token, KV head) row of K or V in the KV dtype named `dtype`, its scale included."""
+    itemsize, scaled = KV_DTYPE_BYTES[dtype]
+    return head_dim * itemsize + (4 if scaled else 0)
+
+
+def host_available_bytes() -> int:
+    """MemAvailable (what the host can give without swapping), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -33,6 +33,15 @@ _ENV_ONLY = {"cli": "env"}
 _DIR = {"path": "dir"}
 
 
+# `--device emulated:NAME`: an emulated GPU (docs/emulated-gpu.md). Here, torch-free: `fastdecode up`
+# picks its checks by it before any service starts.
+EMULATED_PREFIX = "emulated:"
+
+
+def is_emulated(device: str) -> bool:
+    return device.startswith(EMULATED_PREFIX)
+
+
 @dataclass(frozen=True)
 class TLSFiles:
     """How a service proves itself to its peers and checks them: certificate files (with a CA, servers

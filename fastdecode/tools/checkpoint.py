@@ -24,12 +24,12 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from fastdecode.runtime.errors import InvalidInput, ModelLoadError
+
+if TYPE_CHECKING:  # torch only where weights are built: `fastdecode up` checks a checkpoint without it
+    import torch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3_moe")
 PRESETS = ("tiny", "small")
@@ -226,6 +226,8 @@ def _tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def _build_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -360,6 +362,8 @@ def make_model(arch: str, preset: str, out: Path | str, seed: int = 0, chat_temp
     cfg = build_config(arch, preset)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
     tensors = _build_weights(cfg, seed)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors

@@ -13,19 +13,18 @@ import torch
 
 from fastdecode.contract import PlannedSeq
 from fastdecode.dense import PipelineChooser, StepRunner
-from fastdecode.dense.emulated import EmulatedModel, is_emulated, load_emulated
+from fastdecode.dense.emulated import EmulatedModel, load_emulated
 from fastdecode.dense.grammar import GrammarBank
 from fastdecode.dense.multistep import run_steps, summed
 from fastdecode.dense.outcome import Outcome, Timings
-from fastdecode.model.config import ModelConfig
+from fastdecode.model.config import ModelConfig, check_tensor_parallel
 from fastdecode.model.dense import DenseModel
-from fastdecode.model.tensor_parallel import check_tensor_parallel
 from fastdecode.model.weights import weights_fingerprint
 from fastdecode.runtime import codec
 from fastdecode.runtime.errors import InvalidInput, Unavailable
 from fastdecode.runtime.progress import LOADING_WEIGHTS, ProgressFile
 from fastdecode.runtime.rpc import Server, handles_errors
-from fastdecode.runtime.settings import DenseSettings, split_addresses
+from fastdecode.runtime.settings import DenseSettings, is_emulated, split_addresses
 from fastdecode.v1 import dense_pb2 as pb
 from fastdecode.v1 import dense_pb2_grpc as pb_grpc
 from fastdecode.wire import dense as wire

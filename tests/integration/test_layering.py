@@ -117,8 +117,19 @@ print(json.dumps({"imported": names, "heavy": heavy}))
             ["fastdecode.wire.kv_control", "fastdecode.wire.dense", "fastdecode.contract"],
             "services.scheduler.server",
         ),
+        # `fastdecode up` checks its flags against the model and supervises the services: torch was
+        # 1.1-1.3 s of its CPU at every start (1.5-1.8 s against 0.46 s), only for flag and checkpoint checks
+        (
+            [],
+            [
+                *("fastdecode.cli.up", "fastdecode.cli.gguf", "fastdecode.cli.progress"),
+                *("fastdecode.model.config", "fastdecode.tools.checkpoint", "fastdecode.tools.fleet"),
+                "fastdecode.tools.supervisor",
+            ],
+            "fastdecode.cli.up",
+        ),
     ],
-    ids=["gateway", "scheduler"],
+    ids=["gateway", "scheduler", "up"],
 )
 def test_a_service_that_does_no_math_loads_no_torch(
     packages: list[str], modules: list[str], entry: str

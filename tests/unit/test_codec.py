@@ -153,3 +153,15 @@ def test_the_schedulers_kv_itemsizes_are_the_codecs() -> None:
         assert state.kv_itemsize == dtype.itemsize
     with pytest.raises(InvalidInput, match="KV dtype 4"):
         shard_state_from_proto(kv_attention_pb2.ShardStats(kv_dtype=tensor_pb2.INT64))
+
+
+def test_ups_kv_row_bytes_are_the_pools() -> None:
+    """`fastdecode up` sizes a KV row without torch (runtime.geometry): every KV dtype a pool holds
+    costs there what the pool stores, its float32 row scale included, and no other is listed."""
+    from fastdecode.kv.memory import KV_DTYPES, kv_bytes_per_element
+    from fastdecode.runtime.geometry import KV_DTYPE_BYTES, kv_row_bytes
+
+    assert set(KV_DTYPE_BYTES) == set(KV_DTYPES)
+    for name, dtype in KV_DTYPES.items():
+        for head_dim in (64, 128):
+            assert kv_row_bytes(name, head_dim) == kv_bytes_per_element(dtype, head_dim) * head_dim

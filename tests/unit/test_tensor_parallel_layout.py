@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fastdecode.dense.emulated import PROFILES, Roofline, load_emulated
-from fastdecode.model.config import ModelConfig
+from fastdecode.model.config import ModelConfig, check_tensor_parallel
 from fastdecode.model.dense import DenseModel
-from fastdecode.model.tensor_parallel import RankGroup, TensorParallelModel, check_tensor_parallel
+from fastdecode.model.tensor_parallel import RankGroup, TensorParallelModel
 from fastdecode.runtime.errors import InvalidInput
 from fastdecode.runtime.geometry import GEOMETRIES
 

@@ -6,7 +6,9 @@ Two tolerances per KV dtype:
   The same for every float dtype and float8: the kernel widens in registers (exactly) and computes
   in fp32; on the avx512_bf16 and amx levels bf16 keys meet q split into three bf16 parts (q's 24
   bits), and on amx (bf16, float16, int8, float8 rows widened to bf16 exactly) the weights are
-  rounded to bf16 hi + lo (16 bits) before they meet V, errors within the same tolerance. int8 keys
+  rounded to bf16 hi + lo (16 bits) before they meet V: over 1,000 seeds of the ISA-level test one
+  output sat at 2.27e-5 (bf16, 8 heads on 1 KV head of 128; every other under 1.7e-5), hence
+  AMX_KERNEL_TOL on that level. int8 keys
   on the vector levels meet q rounded to int16 per row (an integer dot product; on amx q's three
   bf16 parts), an error that grows with the scores:
   ~3e-5 at unit variance, ~2e-4 with scores spread by 30; int8 storage itself costs 100x more.
@@ -17,6 +19,7 @@ Two tolerances per KV dtype:
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -31,9 +34,15 @@ from fastdecode.runtime.geometry import KVGeometry
 kernel = native.load()  # the native backend's tests must run it: a missing build fails here
 
 KERNEL_TOL = {"float32": 2e-5, "float16": 2e-5, "bfloat16": 2e-5, "int8": 5e-4, "float8_e4m3": 2e-5}
+AMX_KERNEL_TOL = 3e-5
 STORAGE_TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2.5e-2, "int8": 4e-2, "float8_e4m3": 0.15}
 DTYPES = list(KV_DTYPES)
 VECTOR_ISAS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+
+
+def _seed(*case: object) -> int:
+    """A case's data seed, the same in every run (hash() of a str changes with each process)."""
+    return zlib.crc32(repr(case).encode()) % 1000
 
 
 @pytest.fixture
@@ -103,6 +112,9 @@ def run_and_check(
     """Each call is a list of (seq, start, n); checks every output row against both references
     (storage=False: only against the stored values, when the scores are too sharp for STORAGE_TOL)."""
     kvh, dim = store.num_kv_heads, store.head_dim
+    tol = KERNEL_TOL[dtype]
+    if native.isa() == "amx" and dtype != "int8":
+        tol = max(tol, AMX_KERNEL_TOL)
     for call in calls:
         total = sum(n for *_, n in call)
         q = torch.randn(total, heads, dim, generator=gen)
@@ -118,7 +130,7 @@ def run_and_check(
             got = o[row : row + n].double()
             sk, sv = stored(store, layer, s, p + n)
             exact = reference(q[row : row + n], sk, sv, p)
-            torch.testing.assert_close(got, exact, atol=KERNEL_TOL[dtype], rtol=KERNEL_TOL[dtype])
+            torch.testing.assert_close(got, exact, atol=tol, rtol=tol)
             if storage:
                 orig = reference(q[row : row + n], history[s][0][: p + n], history[s][1][: p + n], p)
                 torch.testing.assert_close(got, orig, atol=STORAGE_TOL[dtype], rtol=STORAGE_TOL[dtype])
@@ -144,7 +156,7 @@ def fill(store: KVStore, lengths: dict[str, int], gen: torch.Generator, layer: i
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (8, 1, 128), (4, 4, 64), (8, 2, 128)])
 def test_mixed_lengths_one_decode_call(dtype: str, heads: int, kv_heads: int, head_dim: int) -> None:
     """One call, lengths from 1 to 8k (block and tile boundaries among them), GQA 8:2, MQA, MHA."""
-    gen = torch.Generator().manual_seed(hash((dtype, heads, kv_heads, head_dim)) % 1000)
+    gen = torch.Generator().manual_seed(_seed(dtype, heads, kv_heads, head_dim))
     lengths = [1, 2, 15, 16, 17, 31, 32, 33, 100, 1023, 8192]
     store = make(dtype, kv_heads, head_dim, sum(lengths) + 40 * len(lengths))
     hist = fill(store, {f"s{i}": n for i, n in enumerate(lengths)}, gen)
@@ -320,7 +332,7 @@ def test_every_isa_level_matches_fp64_and_the_scalar_path(
     prefill chunks beside them, and keys x30 (sharp scores) match fp64 over the stored values
     within the dtype's tolerance, and the scalar path. Head dims the level's loads do not divide
     (48 at 512 bits for bf16, int8 and float8) go to a lower level, which must agree too."""
-    gen = torch.Generator().manual_seed(hash((dtype, heads, head_dim)) % 1000)
+    gen = torch.Generator().manual_seed(_seed(dtype, heads, head_dim))
     lengths = {"a": 1, "b": 17, "c": 33, "d": 300, "e": 1100}
     store = make(dtype, kv_heads, head_dim, sum(lengths.values()) + 400)
     hist = fill(store, lengths, gen)

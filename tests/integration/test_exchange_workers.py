@@ -124,7 +124,8 @@ def test_a_stalled_worker_fails_its_items_and_is_replaced(
 
     async def run() -> None:
         servers, addresses = await _echo_servers(1)
-        plane = ExchangePlane(addresses, 1, timeout=0.5, kind=_kind(kind))
+        # 1.5 s: the replacement worker's first answer opens a fresh stream (over 0.5 s on a loaded host)
+        plane = ExchangePlane(addresses, 1, timeout=1.5, kind=_kind(kind))
         await plane.start()
         victim = plane.workers[0].proc
         assert victim is not None

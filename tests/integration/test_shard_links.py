@@ -89,7 +89,8 @@ def test_links_answer_time_out_and_recover(kind: str) -> None:
             await server.start()
             servers.append(server)
             addresses.append(f"127.0.0.1:{port}")
-        plane = await _plane(kind, addresses, timeout=0.5)
+        # 2 s: a loaded CI host once took over 0.5 s for a new worker's first answer (a fresh stream)
+        plane = await _plane(kind, addresses, timeout=2.0)
         try:
             outs = await asyncio.gather(
                 plane.attend_layer(0, 0, [_item(0, 1.0), _item(1, 2.0)]),

@@ -95,18 +95,32 @@ def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return model.eval(), tok
 
 
-# Files that make host network devices: dockerd's clean-up removes the links that appeared while it
-# ran, so these never run beside each other on parallel workers.
-HOST_NETWORK_FILES = frozenset(
-    {"test_containers.py", "test_bench_split.py", "test_bench_speculative_emulated.py"}
-)
+# Files that run on one worker together (a file's name -> its group). Files that make host network
+# devices: dockerd's clean-up removes the links that appeared while it ran, so these never run beside
+# each other on parallel workers. Files that compare the SmolLM2 fleet with transformers: they share
+# the session's `real_fleet` and `smollm2_hf` (a 17 s GGUF load in transformers), made once per worker.
+FILE_GROUPS = {
+    **dict.fromkeys(
+        ("test_containers.py", "test_bench_split.py", "test_bench_speculative_emulated.py"), "host-network"
+    ),
+    **dict.fromkeys(
+        (
+            "test_openai_features.py",
+            "test_openai_n_prefix.py",
+            "test_openai_tools.py",
+            "test_real_model.py",
+            "test_gguf_import.py",
+        ),
+        "smollm2",
+    ),
+}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """Under pytest-xdist with `--dist loadfile` (make test): each file runs whole on one worker, so
-    its module fixtures (fleets, models) start once, and the host-network files share one worker.
-    (xdist's loadgroup marks cannot do the second with pytest 9: it renames nodes by an attribute
-    pytest no longer reads.)"""
+    its module fixtures (fleets, models) start once, and the files of a group in FILE_GROUPS share
+    one worker. (xdist's loadgroup marks cannot do the second with pytest 9: it renames nodes by an
+    attribute pytest no longer reads.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -114,6 +128,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class FilesScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "host-network" if Path(path).name in HOST_NETWORK_FILES else path
+            return FILE_GROUPS.get(Path(path).name, path)
 
     return FilesScheduling(config, log)

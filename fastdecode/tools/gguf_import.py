@@ -374,13 +374,18 @@ def cached_import(file: str | Path, dtype: str = "float32", progress: ProgressCa
     Keyed by the file's name, size and the hash of its first MiB (metadata and tensor table), so a
     changed file is imported again and an unchanged one never twice."""
     file = Path(file)
+    target = cached_import_dir(file, dtype)
+    return _atomic_dir(target, lambda tmp: import_gguf(file, tmp, dtype, progress))
+
+
+def cached_import_dir(file: Path, dtype: str = "float32") -> Path:
+    """Where `cached_import` keeps GGUF `file`'s checkpoint (made or not)."""
     if not file.is_file():
         raise ModelLoadError(f"no such GGUF file: {file}")
     h = hashlib.sha256(str(file.stat().st_size).encode())
     with open(file, "rb") as f:
         h.update(f.read(1 << 20))
-    target = models_dir() / "gguf" / f"{file.stem}-{dtype}-{h.hexdigest()[:12]}"
-    return _atomic_dir(target, lambda tmp: import_gguf(file, tmp, dtype, progress))
+    return models_dir() / "gguf" / f"{file.stem}-{dtype}-{h.hexdigest()[:12]}"
 
 
 # ---- the default model: SmolLM2-135M-Instruct from the package index ----------------------------

@@ -18,7 +18,7 @@ import torch
 from fastdecode.client import Client
 from fastdecode.runtime.tokenizer import Tokenizer
 from fastdecode.tools.fleet import UpProcess
-from fastdecode.tools.gguf_import import is_complete, models_dir
+from fastdecode.tools.gguf_import import cached_import_dir, is_complete
 from tests.support import start_up
 from tests.support.gguf import gemma3_gguf
 
@@ -41,7 +41,9 @@ def gguf_file() -> Path:
 
 @pytest.fixture(scope="module")
 def imported(gguf_file: Path) -> Path:
-    out = models_dir() / "gemma-3-270m-imported"
+    # `import-gguf` writes where `run --model <the gguf>` looks for its import: the file is
+    # dequantized once (30 s of CPU), not again by test_run_on_the_gguf_continues_sensibly
+    out = cached_import_dir(gguf_file)
     if not is_complete(out):
         proc = cli("import-gguf", str(gguf_file), "--out", str(out))
         assert proc.returncode == 0, proc.stderr[-2000:]

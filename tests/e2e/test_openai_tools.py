@@ -6,6 +6,7 @@ bad_words changing the output as they say."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from collections.abc import Iterator
@@ -16,8 +17,7 @@ import openai
 import pytest
 
 from fastdecode.client import Client
-from fastdecode.tools.fleet import UpProcess, free_port
-from tests.support import start_up
+from fastdecode.tools.fleet import UpProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -52,12 +52,10 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2, tmp_path_factory) -> Iterator[UpProcess]:
-    # fp32 KV: a request that reads a cached prompt draws the same seeded tokens as one that computed it
-    args = ("--http-port", str(free_port()), "--kv-dtype", "float32")
-    f = start_up(smollm2, tmp_path_factory.mktemp("oa-tools"), *args, timeout=300)
-    yield f
-    f.stop()
+def fleet(real_fleet: UpProcess) -> UpProcess:
+    # The session's SmolLM2 fleet (tests/e2e/conftest.py). Its fp32 KV: a request that reads a
+    # cached prompt draws the same seeded tokens as one that computed it.
+    return real_fleet
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +67,13 @@ def oa(fleet: UpProcess) -> Iterator[openai.OpenAI]:
 @pytest.fixture(scope="module")
 def model_id(fleet: UpProcess) -> str:
     return fleet.model.name
+
+
+def _at_once(oa: openai.OpenAI, seeds: int, model_id: str, **kw: Any) -> list[Any]:
+    """The same chat request with seeds 0..seeds-1, sent concurrently; the replies in seed order."""
+    with concurrent.futures.ThreadPoolExecutor(seeds) as pool:
+        calls = [pool.submit(oa.chat.completions.create, model=model_id, seed=s, **kw) for s in range(seeds)]
+        return [c.result() for c in calls]
 
 
 def _valid_call(call: Any) -> tuple[str, dict[str, Any]]:
@@ -118,16 +123,20 @@ def test_agent_loop_through_the_openai_client(oa, model_id) -> None:
 def test_required_with_two_tools_always_yields_a_valid_call(oa, model_id) -> None:
     t0 = time.perf_counter()
     names = []
-    for seed in range(10):
-        r = oa.chat.completions.create(
-            model=model_id,
-            messages=[{"role": "user", "content": "What time is it in Tokyo, and is it raining in Oslo?"}],
+    ask = [{"role": "user", "content": "What time is it in Tokyo, and is it raining in Oslo?"}]
+    # the ten seeds at once, as clients send them: one batch, and each seed's draw is its own
+    for seed, r in enumerate(
+        _at_once(
+            oa,
+            10,
+            model_id=model_id,
+            messages=ask,
             tools=[WEATHER, TIME],
             tool_choice="required",
             temperature=0.7,
-            seed=seed,
             max_tokens=200,
         )
+    ):
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", (seed, c)
         assert c.message.tool_calls
@@ -136,16 +145,18 @@ def test_required_with_two_tools_always_yields_a_valid_call(oa, model_id) -> Non
 
 
 def test_a_named_choice_always_calls_that_function(oa, model_id) -> None:
-    for seed in range(4):
-        r = oa.chat.completions.create(
-            model=model_id,
-            messages=ASK,  # a weather question, and yet get_time is called
-            tools=[WEATHER, TIME],
-            tool_choice={"type": "function", "function": {"name": "get_time"}},
-            temperature=1.0,
-            seed=seed,
-            max_tokens=60,
-        )
+    named = {"type": "function", "function": {"name": "get_time"}}
+    # ASK is a weather question, and yet get_time is called
+    for r in _at_once(
+        oa,
+        4,
+        model_id=model_id,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=named,
+        temperature=1.0,
+        max_tokens=60,
+    ):
         c = r.choices[0]
         assert c.finish_reason == "tool_calls"
         assert [_valid_call(call)[0] for call in c.message.tool_calls] == ["get_time"]

@@ -133,8 +133,6 @@ def run(
     """Generate in-process with LocalEngine (no servers)."""
     from fastdecode.cli.gguf import chat_token_ids, resolve_model
     from fastdecode.contract import SamplingParams
-    from fastdecode.dense.engine import LocalEngine
-    from fastdecode.dense.engine_spec import SpecStats
     from fastdecode.model import ModelConfig
     from fastdecode.runtime.errors import ServiceError
     from fastdecode.runtime.tokenizer import Tokenizer
@@ -145,9 +143,13 @@ def run(
         raise click.UsageError("--chat needs --prompt")
     given_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None  # arguments before the model
     proposer = _proposer(speculative, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, seed)
-    stats = SpecStats()
     path = resolve_model(model)
     tok = Tokenizer.from_pretrained(path)
+    # torch (a second of CPU) only once the arguments and the checkpoint have passed
+    from fastdecode.dense.engine import LocalEngine
+    from fastdecode.dense.engine_spec import SpecStats
+
+    stats = SpecStats()
     if chat:
         ids = chat_token_ids(path, [{"role": "user", "content": prompt or ""}])
     else:

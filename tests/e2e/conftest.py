@@ -2,7 +2,9 @@
 
 `fleet_factory(model, *args)` starts a fleet the first time it is asked for one with these
 arguments and hands the same one to every later test that asks alike; every fleet stops at the end
-of the session. `private=True` gives a test a fleet of its own (one it stops, drains or breaks).
+of the session. `private=True` gives a test a fleet of its own (one it stops, drains or breaks);
+a private fleet stops at the end of its module at the latest, so no fleet idles to the session's end
+for a file that is done with it.
 `http=True` adds the OpenAI-compatible HTTP API on a free port. Two fleets are shared by name:
 `fleet` (the tiny model, 2 shards, auth on, JSON logs) and `real_fleet` (SmolLM2-135M-Instruct with
 the HTTP API, fp32 KV: the tests that compare with transformers).
@@ -26,6 +28,7 @@ from tests.support import TOKEN, FleetFactory, start_up
 def fleet_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetFactory]:
     shared: dict[tuple[object, ...], UpProcess] = {}
     started: list[UpProcess] = []
+    private_fleets: list[UpProcess] = []
 
     def make(
         model: Path,
@@ -41,13 +44,24 @@ def fleet_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetFac
         extra = (*args, "--http-port", str(free_port())) if http else args
         up = start_up(model, tmp_path_factory.mktemp("fleet"), *extra, env=env, timeout=timeout)
         started.append(up)
-        if not private:
+        if private:
+            private_fleets.append(up)
+        else:
             shared[key] = up
         return up
 
+    make.private = private_fleets  # type: ignore[attr-defined]
     yield make
     for up in started:
         up.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _private_fleets_end_with_their_module(fleet_factory: FleetFactory) -> Iterator[None]:
+    yield
+    private = fleet_factory.private  # type: ignore[attr-defined]
+    while private:
+        private.pop().stop()  # a no-op for one its test stopped already
 
 
 @pytest.fixture(scope="session")

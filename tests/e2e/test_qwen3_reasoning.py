@@ -43,7 +43,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def qfleet(qwen3: Path, fleet_factory: FleetFactory) -> UpProcess:
-    return fleet_factory(qwen3, http=True)
+    return fleet_factory(qwen3, http=True, private=True)  # this file's alone
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ def test_a_template_that_opens_the_think_block(thinking_2507: Path, fleet_factor
     prompt = hf_prompt((model, tok), QUESTION)
     tokens, _ = hf_greedy((model, tok), prompt)
     assert tok.decode(tokens, skip_special_tokens=True) == f"{REASONING}</think>\n\n{CONTENT}"
-    fleet = fleet_factory(thinking_2507, http=True)
+    fleet = fleet_factory(thinking_2507, http=True, private=True)
     assert fleet_prompt(fleet, QUESTION) == prompt
     with Client(fleet.target) as client:
         assert list(client.generate(token_ids=prompt, max_tokens=12, timeout=120).token_ids) == tokens

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The native exchange worker (services/gpu_dense/exchange/native): built where gRPC C++ is (or can be) installed.
 NATIVE := $(VENV)/.native-exchange
 CORES := $(shell nproc 2>/dev/null || echo 2)
-# make test runs on 3 pytest-xdist workers (20.6 min of pytest on 2 cores against 32.5 serially,
+# make test runs on 3 pytest-xdist workers (18.9 min of pytest on 2 cores against 32.5 serially,
 # docs/benchmarks/2026-12-06-test-suite.md); TEST_WORKERS=0 runs it serially.
 TEST_WORKERS ?= 3
 FAST_WORKERS ?= $(CORES)

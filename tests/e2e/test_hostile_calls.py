@@ -137,6 +137,14 @@ def test_a_pool_rebuild_after_prefix_hits_leaves_the_fleet_generating(fleet: Fle
     bogus = kv_pb.ReserveRequest(
         geometry=BOGUS, sequences=[kv_pb.SequenceReservation(seq_id="rebuild", max_tokens=16)]
     )
+    # The scheduler releases a request's KV after its last token is on the way to the client, so a
+    # shard may hold it a moment after generate returns; a busy shard refuses another geometry.
+    deadline = time.monotonic() + 30
+    for k in fleet.kv:
+        assert k.metrics
+        while _scrape(k.metrics, "fastdecode_kv_sequences") > 0:
+            assert time.monotonic() < deadline, "a shard still holds the finished requests' KV"
+            time.sleep(0.05)
     for k in fleet.kv:
         with sync_channel(k.address, fleet.peer_credentials) as ch:
             stub = kv_grpc.KVAttentionStub(ch)

@@ -195,3 +195,22 @@ def test_run_when_config_vocab_exceeds_the_tokenizer(model_factory, tmp_path):
     streamed = cli("run", "--model", str(d), "--prompt", "The KV cache", "--max-tokens", "6")
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout.rstrip("\n") == "The KV cache" + out["text"]
+
+
+def test_run_refuses_bad_arguments_and_checkpoints_before_loading_torch(broken):
+    """A bad `run` fails in a fraction of a second: torch (a second of CPU) loads only after the
+    arguments and the checkpoint pass."""
+    probe = (
+        "import sys\nfrom fastdecode.cli import main\n"
+        "try:\n    main(sys.argv[1:], standalone_mode=False)\n"
+        "except Exception as e:\n    print(type(e).__name__)\n"
+        "print('torch' in sys.modules)"
+    )
+    for args in (
+        ["--prompt", "a", "--prompt-ids", "1"],
+        ["--model", str(broken["bad-json"]), "--prompt", "a"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", probe, "run", *args], capture_output=True, text=True, timeout=120
+        )
+        assert out.stdout.split()[-2:] in (["UsageError", "False"], ["ClickException", "False"]), out

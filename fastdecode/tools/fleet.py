@@ -30,10 +30,12 @@ from fastdecode.runtime.fleet_secret import (
     write_secret_file,
 )
 from fastdecode.runtime.progress import PROGRESS_ENV, READY, STARTING, WAITING_FOR_HEALTH, read_progress
-from fastdecode.runtime.settings import TLSFiles
+from fastdecode.runtime.settings import SchedulerSettings, TLSFiles
 
 # on_progress(service, phase, done, total), phases as in fastdecode.runtime.progress; total 0 = unknown.
 ProgressObserver = Callable[[str, str, int, int], None]
+
+MAX_RESTART_BACKOFF_S = 10.0  # `up` restarts a dead service after 0.5 s, doubling to this
 
 
 @dataclass
@@ -305,6 +307,7 @@ class Fleet:
                 self.kv.append(wait_ready(p, timeout, on_progress))
             addresses = [s.address for s in self.kv] + ([self.hosted_address] if self.host_shard else [])
             shard_list = ",".join(addresses)
+            t0 = time.monotonic()
             self.dense = start_service(
                 "gpu_dense",
                 [
@@ -334,6 +337,7 @@ class Fleet:
                     "--shards",
                     shard_list,
                     self._pipeline_flag(),
+                    *self._dense_down_args(env, time.monotonic() - t0),
                     *self.scheduler_args,
                 ],
                 w,
@@ -384,6 +388,17 @@ class Fleet:
             "--host-shard-kv-dtype",
             self.kv_dtype,
         ]
+
+    def _dense_down_args(self, env: dict[str, str], dense_start_s: float) -> list[str]:
+        """The scheduler's --dense-down-timeout, unless the caller set one: the longest restart
+        backoff plus two of gpu_dense's measured starts (a restart loads the weights again, on a host
+        as busy as now), never under the default. Tensor-parallel ranks or a big checkpoint start
+        slower than the default's 20 s allow, and paused requests would fail mid-restart."""
+        named = any(a.startswith("--dense-down-timeout") for a in self.scheduler_args)
+        if named or "FASTDECODE_DENSE_DOWN_TIMEOUT" in {**os.environ, **env}:
+            return []
+        default = SchedulerSettings.model_fields["dense_down_timeout"].default
+        return ["--dense-down-timeout", f"{max(default, MAX_RESTART_BACKOFF_S + 2 * dense_start_s):.1f}"]
 
     def _pipeline_flag(self) -> str:
         return "--no-pipeline" if self.pipeline is False else "--pipeline"

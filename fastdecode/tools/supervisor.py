@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastdecode.runtime.errors import Unavailable
-from fastdecode.tools.fleet import Fleet
+from fastdecode.tools.fleet import MAX_RESTART_BACKOFF_S, Fleet
 
 RESTART_POLICIES = ("on-failure", "no")
 
@@ -23,7 +23,7 @@ class RestartPolicy:
     max_restarts: int = 5
     window: float = 300.0
     backoff: float = 0.5
-    max_backoff: float = 10.0
+    max_backoff: float = MAX_RESTART_BACKOFF_S
 
     def __post_init__(self) -> None:
         if self.mode not in RESTART_POLICIES:

@@ -66,7 +66,18 @@ def test_two_ranks_give_the_tokens_of_one(
 def test_a_killed_rank_restarts_gpu_dense_and_every_request_completes(
     model_factory: Callable, fleet_factory: FleetFactory
 ) -> None:
-    fleet = fleet_factory(model_factory("llama"), "--shards", "2", "--tensor-parallel", "2", private=True)
+    # The scheduler pauses requests while gpu_dense restarts: on a loaded 2-core host a restart with
+    # its rank outlasted the 20 s default once (the requests failed UNAVAILABLE). This checks that
+    # they complete; `up`'s own bound (two measured starts) is unit-tested in test_supervisor.
+    fleet = fleet_factory(
+        model_factory("llama"),
+        "--shards",
+        "2",
+        "--tensor-parallel",
+        "2",
+        env={"FASTDECODE_DENSE_DOWN_TIMEOUT": "180"},
+        private=True,
+    )
     try:
         expected = greedy(fleet, max_tokens=200)
         dense = fleet.state["gpu_dense"]["pid"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastdecode.runtime.errors import Unavailable
+from fastdecode.tools.fleet import MAX_RESTART_BACKOFF_S, Fleet
 from fastdecode.tools.supervisor import RestartPolicy, Supervisor
 
 
@@ -176,3 +177,20 @@ def test_a_whole_fleet_killed_comes_back_dependencies_first() -> None:
     clock.now = 6.0
     sup.poll()
     assert fleet.restarted == ["kv_attention-0", "kv_attention-1", "gpu_dense", "scheduler", "gateway"]
+
+
+def test_the_schedulers_dense_down_bound_outlasts_a_restart_of_the_measured_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor-parallel gpu_dense took over 20 s to come back on a loaded host, and the paused
+    requests failed mid-restart: `up` sizes the bound from gpu_dense's own start instead."""
+    monkeypatch.delenv("FASTDECODE_DENSE_DOWN_TIMEOUT", raising=False)
+    fleet = Fleet(Path("model"))
+    assert fleet._dense_down_args({}, 2.0) == ["--dense-down-timeout", "20.0"]  # the default floor
+    assert fleet._dense_down_args({}, 25.0) == ["--dense-down-timeout", f"{MAX_RESTART_BACKOFF_S + 50:.1f}"]
+    assert RestartPolicy().max_backoff == MAX_RESTART_BACKOFF_S  # the backoff the bound counts on
+    assert fleet._dense_down_args({"FASTDECODE_DENSE_DOWN_TIMEOUT": "3"}, 25.0) == []  # theirs wins
+    monkeypatch.setenv("FASTDECODE_DENSE_DOWN_TIMEOUT", "3")
+    assert fleet._dense_down_args({}, 25.0) == []
+    monkeypatch.delenv("FASTDECODE_DENSE_DOWN_TIMEOUT")
+    assert Fleet(Path("model"), scheduler_args=["--dense-down-timeout", "5"])._dense_down_args({}, 25.0) == []
